@@ -1,0 +1,28 @@
+"""Installs `megatron_csbp`; the version ranges are the ones our CI tests (torch 2.13, megatron-core 0.16.1)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-csbp",
+    version="0.1.0",
+    description="Context-sharded block parallelism (CSBP) for block diffusion language models on Megatron-Core",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["megatron_csbp", "megatron_csbp.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6,<2.15",
+        "megatron-core>=0.16.1,<0.17",
+        "numpy>=1.26,<3",
+        "PyYAML>=6.0,<7",
+        # megatron-core's checkpoint writer processes import psutil without declaring it.
+        "psutil>=5.9",
+        "tensorboard>=2.15,<3",
+        "matplotlib>=3.8,<4",
+    ],
+    extras_require={
+        "test": ["pytest>=8,<10"],
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+    entry_points={"console_scripts": ["csbp-bench=megatron_csbp.bench:main", "csbp-plan=megatron_csbp.plan:main"]},
+)
