@@ -1,0 +1,67 @@
+"""Runs a function on N spawned gloo ranks with a deadline, and returns what each rank returned.
+
+Spawning (and importing megatron) is expensive: a test should group its assertions per topology and
+spawn once. The first failing rank's traceback is re-raised in the test process; no rank outlives the
+deadline.
+"""
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank, world_size, port, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        results.put((rank, "ok", fn(rank, world_size, *args)))
+    except BaseException:  # report everything, including assertion failures, to the parent
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn, world_size, *args, timeout=300):
+    """Runs `fn(rank, world_size, *args)` on `world_size` gloo ranks; returns the list of results by rank."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for proc in procs:
+        proc.start()
+    collected, errors = {}, {}
+    try:
+        for _ in range(world_size):
+            rank, status, payload = results.get(timeout=timeout)
+            if status == "ok":
+                collected[rank] = payload
+            else:
+                errors[rank] = payload
+                break  # the other ranks may now be stuck in a collective; do not wait for them
+    except Exception as exc:  # queue.Empty: the deadline passed
+        missing = sorted(set(range(world_size)) - set(collected))
+        raise TimeoutError(f"ranks {missing} produced no result within {timeout}s") from exc
+    finally:
+        for proc in procs:
+            proc.join(timeout=0 if errors else 5)
+            if proc.is_alive():
+                proc.kill()
+    if errors:
+        rank = min(errors)
+        raise AssertionError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
+    return [collected[r] for r in range(world_size)]
