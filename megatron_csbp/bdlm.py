@@ -1,0 +1,237 @@
+"""The BDLM objective: deterministic noise, this rank's `[x_t ; x_0]` rows, the loss, the forward step.
+
+API (what the model, the training loop and the tests use)::
+
+    objective = BDLMObjective(block_size=B, mask_token_id=V, objective="bd3lm" | "fast-dllm-v2",
+                              loss_weighting=None | "inverse-t" | "unit", noise_range=(1e-3, 1.0),
+                              antithetic=True, antithetic_group=1, seed=1234)
+    noise = objective.noise(sample_index [b], seq_length)      -> Noise(t [b, NB], masked [b, L])  (CPU)
+    rows = objective.rows(tokens [b, L], sample_index [b], layout, loss_mask=None)
+        -> Rows(input_ids [m, rows], position_ids [m, rows], labels [m, n_noisy],
+                loss_weights [m, n_noisy], num_tokens int scalar)   on default_device();
+           m = b for "bd3lm", 2b for "fast-dllm-v2" (pass 2 x micro-batch size to the schedule)
+    loss_func(loss_weights, num_tokens, per_token_ce [m, n_noisy])
+        -> (loss_sum, num_tokens, {"lm loss": tensor([loss_sum, num_tokens])})
+    forward_step = BDLMForwardStep(objective, layout)   # layout: this rank's CSBPLayout / CPLayout
+    forward_step(data_iterator, model) -> (per_token_ce, partial(loss_func, loss_weights, num_tokens))
+
+The batch that `data_iterator` yields is a dict with `tokens [b, L]` (clean `x0`), `sample_index [b]`
+(global sample indices, e.g. the `idx` a GPTDataset was asked for) and optionally `loss_mask [b, L]`
+(1 where token `j` of `x0` is supervised; aligned with `tokens`, NOT with shifted AR labels — the
+GPTDataset's own `loss_mask` is shifted and always drops the last token). Every rank of a model replica
+(TP, block-parallel, first and last pipeline stage) must get the same samples; the noise is then the
+same everywhere because it depends on `(seed, sample index)` alone.
+
+Noise. Sample `s` draws its mask from a generator seeded by `(seed, s)`. Noise times are antithetic:
+samples `[g·G, (g+1)·G)` (`G = antithetic_group`) share one `u` drawn from `(seed, g)`, and the `N = G·NB`
+(sample, block) pairs take `t_i = (u + i/N) mod 1` with `i = (s mod G)·NB + block`, mapped into
+`[t_min, t_max]`. This is the batch-level stratification of the algorithm notes when `G` is the global
+batch size, yet a sample's noise never depends on how the batch is cut into micro-batches or DP shards.
+Each token of block `b` is then replaced by MASK with probability `t_b`.
+
+Normaliser. A rank counts the valid tokens at its own noisy positions; the noisy blocks of a layout
+partition `[0, L)` over the block-parallel ranks, so Megatron's sum over dp×cp is the global count.
+
+Fast-dLLM v2 (`objective="fast-dllm-v2"`): the micro-batch doubles to `[views with mask m ; views with
+mask 1-m]` (rows `k` and `b+k` are sample `k`'s pair). Labels are shifted: noisy row `p` predicts
+`x0[p+1]` and counts when token `p+1` is masked in its view, so every token `1..L-1` is supervised
+exactly once per pair; the last row has no target (weight 0) and token 0 is never a target. Weights
+are unit and the normaliser counts each target once per sample (not once per view).
+"""
+
+import hashlib
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import torch
+
+from megatron_csbp.device import default_device
+
+OBJECTIVES = ("bd3lm", "fast-dllm-v2")
+LOSS_WEIGHTINGS = ("inverse-t", "unit")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _generator(seed: int, stream: str, index: int) -> torch.Generator:
+    """A CPU generator that depends on `(seed, stream, index)` only, never on any global RNG state."""
+    digest = hashlib.blake2b(f"{seed}/{stream}/{index}".encode(), digest_size=8).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+
+class Noise(NamedTuple):
+    t: torch.Tensor  # [b, NB] float64, noise time of every (sample, block), in [t_min, t_max]
+    masked: torch.Tensor  # [b, L] bool, token replaced by MASK in x_t
+
+
+class Rows(NamedTuple):
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_weights: torch.Tensor
+    num_tokens: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BDLMObjective:
+    """What the block-diffusion loss is: block size, MASK id, objective variant, weighting and noise."""
+
+    block_size: int
+    mask_token_id: int
+    objective: str = "bd3lm"
+    loss_weighting: str | None = None  # None: "inverse-t" for bd3lm, "unit" for fast-dllm-v2
+    noise_range: tuple[float, float] = (1e-3, 1.0)
+    antithetic: bool = True
+    antithetic_group: int = 1
+    seed: int = 1234
+
+    def __post_init__(self):
+        _require(isinstance(self.block_size, int) and self.block_size >= 1,
+                 f"--bdlm-block-size={self.block_size!r} must be a positive integer")
+        _require(isinstance(self.mask_token_id, int) and self.mask_token_id >= 0,
+                 f"--bdlm-mask-token-id={self.mask_token_id!r} must be a non-negative vocabulary id "
+                 f"(an extra id the data never uses, e.g. the tokenizer's vocabulary size)")
+        _require(self.objective in OBJECTIVES, f"--bdlm-objective={self.objective!r}: choose one of {OBJECTIVES}")
+        weighting = self.loss_weighting or ("unit" if self.objective == "fast-dllm-v2" else "inverse-t")
+        object.__setattr__(self, "loss_weighting", weighting)
+        _require(weighting in LOSS_WEIGHTINGS,
+                 f"--bdlm-loss-weighting={weighting!r}: choose one of {LOSS_WEIGHTINGS}")
+        _require(not (self.objective == "fast-dllm-v2" and weighting != "unit"),
+                 "--bdlm-loss-weighting=inverse-t does not go with --bdlm-objective=fast-dllm-v2, which uses "
+                 "unit weights: drop --bdlm-loss-weighting or set it to unit")
+        _require(len(self.noise_range) == 2, f"--bdlm-noise-range={self.noise_range!r} takes two numbers: T_MIN T_MAX")
+        t_min, t_max = (float(t) for t in self.noise_range)
+        object.__setattr__(self, "noise_range", (t_min, t_max))
+        _require(0.0 < t_min <= t_max <= 1.0,
+                 f"--bdlm-noise-range={t_min} {t_max} must satisfy 0 < T_MIN <= T_MAX <= 1 "
+                 f"(a masking probability; 1/t weights need t > 0), e.g. --bdlm-noise-range 1e-3 1")
+        _require(isinstance(self.antithetic_group, int) and self.antithetic_group >= 1,
+                 f"--bdlm-antithetic-group={self.antithetic_group!r} must be a positive integer "
+                 f"(samples sharing one stratified draw; the global batch size is a good choice)")
+        _require(isinstance(self.seed, int) and self.seed >= 0, f"--seed={self.seed!r} must be a non-negative integer")
+
+    def noise(self, sample_index, seq_length: int) -> Noise:
+        """Noise times and MASK positions of the samples `sample_index`, built on the CPU."""
+        _require(seq_length % self.block_size == 0,
+                 f"--seq-length={seq_length} is not a multiple of --bdlm-block-size={self.block_size}")
+        num_blocks = seq_length // self.block_size
+        group = self.antithetic_group
+        strata = torch.arange(num_blocks, dtype=torch.float64)
+        times, masked = [], []
+        for sample in torch.as_tensor(sample_index).reshape(-1).tolist():
+            draws = _generator(self.seed, "sample", sample)
+            iid = torch.rand(num_blocks, generator=draws, dtype=torch.float64)
+            mask_draw = torch.rand(seq_length, generator=draws, dtype=torch.float64)
+            if self.antithetic:
+                u = torch.rand((), generator=_generator(self.seed, "group", sample // group), dtype=torch.float64)
+                unit = (u + ((sample % group) * num_blocks + strata) / (group * num_blocks)) % 1.0
+            else:
+                unit = iid
+            t_min, t_max = self.noise_range
+            t = t_min + (t_max - t_min) * unit
+            times.append(t)
+            masked.append(mask_draw < t.repeat_interleave(self.block_size))
+        return Noise(torch.stack(times), torch.stack(masked))
+
+    def rows(self, tokens, sample_index, layout, loss_mask=None) -> Rows:
+        """This rank's model inputs `[x_t at noisy positions ; x0 at clean positions]`, labels, weights
+        and token count, in `layout`'s row order."""
+        tokens = torch.as_tensor(tokens).cpu()
+        sample_index = torch.as_tensor(sample_index).cpu().reshape(-1)
+        seq_length = layout.seq_length
+        _require(tokens.dim() == 2 and tokens.shape[1] == seq_length and not tokens.is_floating_point(),
+                 f"tokens must be integer ids [micro batch, --seq-length={seq_length}], got "
+                 f"{tuple(tokens.shape)} {tokens.dtype}")
+        _require(sample_index.numel() == tokens.shape[0],
+                 f"sample_index has {sample_index.numel()} entries for {tokens.shape[0]} samples")
+        _require(layout.block_size == self.block_size,
+                 f"--bdlm-block-size={self.block_size} differs from the layout's block_size={layout.block_size}")
+        _require(not bool((tokens == self.mask_token_id).any()),
+                 f"the data contains --bdlm-mask-token-id={self.mask_token_id}; MASK must be an extra id the data "
+                 f"never uses (e.g. the tokenizer's vocabulary size, with the model's vocabulary one larger)")
+        supervised = torch.ones_like(tokens, dtype=torch.bool)
+        if loss_mask is not None:
+            loss_mask = torch.as_tensor(loss_mask).cpu()
+            _require(loss_mask.shape == tokens.shape,
+                     f"loss_mask {tuple(loss_mask.shape)} must match tokens {tuple(tokens.shape)}")
+            supervised = loss_mask.bool()
+        noise = self.noise(sample_index, seq_length)
+        weight = torch.ones_like(noise.t) if self.loss_weighting == "unit" else 1.0 / noise.t
+        weight = weight.repeat_interleave(self.block_size, dim=1)
+        if self.objective == "bd3lm":
+            masked, clean, labels, countable = noise.masked, tokens, tokens, supervised
+            scored = masked & supervised
+        else:
+            masked = torch.cat([noise.masked, ~noise.masked])
+            clean = tokens.repeat(2, 1)
+            labels = torch.cat([clean[:, 1:], clean[:, -1:]], dim=1)
+            no_target = torch.zeros_like(supervised[:, :1])
+            countable = torch.cat([supervised[:, 1:], no_target], dim=1)
+            scored = torch.cat([masked[:, 1:], no_target.repeat(2, 1)], dim=1) & countable.repeat(2, 1)
+            weight = weight.repeat(2, 1)
+        noisy_tokens = torch.where(masked, self.mask_token_id, clean)
+        noisy, kept = layout.noisy_positions, layout.clean_positions
+        device = default_device()
+        return Rows(
+            input_ids=torch.cat([noisy_tokens[:, noisy], clean[:, kept]], dim=1).to(device),
+            position_ids=layout.row_positions.expand(clean.shape[0], -1).contiguous().to(device),
+            labels=labels[:, noisy].contiguous().to(device),
+            loss_weights=torch.where(scored, weight, 0.0)[:, noisy].to(torch.float32).to(device),
+            num_tokens=countable[:, noisy].sum().to(torch.int).to(device),
+        )
+
+
+def loss_func(loss_weights, num_tokens, output_tensor):
+    """Megatron's per-token loss: the weighted CE sum of this micro-batch and the tokens it stands for.
+
+    Megatron sums both over micro-batches and dp×cp and divides the gradients by the total count
+    (`calculate_per_token_loss=True`), which makes the loss a per-token NELBO of the global batch.
+    """
+    _require(output_tensor.shape == loss_weights.shape,
+             f"the model returned {tuple(output_tensor.shape)}, expected per-token cross-entropy "
+             f"{tuple(loss_weights.shape)} over this rank's noisy rows (call it with labels)")
+    loss_sum = (output_tensor.float() * loss_weights).sum()
+    report = torch.stack([loss_sum.detach(), num_tokens.to(loss_sum.dtype)])
+    return loss_sum, num_tokens, {"lm loss": report}
+
+
+def _sample_index(batch):
+    _require("sample_index" in batch,
+             "the batch has no 'sample_index': BDLM noise is drawn from (seed, sample index); make the dataset "
+             "return {'tokens': ..., 'sample_index': idx} (megatron_csbp.data does)")
+    return batch["sample_index"]
+
+
+class BDLMForwardStep:
+    """`forward_step(data_iterator, model)` for megatron-core's `get_forward_backward_func`.
+
+    First and last pipeline stages read one micro-batch (the first needs the rows, the last the labels
+    and weights); middle stages read nothing and only pass the row positions.
+    """
+
+    def __init__(self, objective: BDLMObjective, layout):
+        _require(layout.block_size == objective.block_size,
+                 f"--bdlm-block-size={objective.block_size} differs from the layout's block_size={layout.block_size}")
+        self.objective = objective
+        self.layout = layout
+
+    def __call__(self, data_iterator, model):
+        from megatron.core.utils import get_attr_wrapped_model, get_model_config
+
+        _require(get_model_config(model).calculate_per_token_loss,
+                 "BDLM needs --calculate-per-token-loss (TransformerConfig.calculate_per_token_loss=True): the loss "
+                 "is normalised by the token count of the whole global batch, not averaged per rank")
+        first_stage = get_attr_wrapped_model(model, "pre_process")
+        last_stage = get_attr_wrapped_model(model, "post_process")
+        if not (first_stage or last_stage):
+            positions = self.layout.row_positions.unsqueeze(0).to(default_device())
+            return model(None, positions, attention_mask=None), partial(loss_func, None, None)
+        batch = next(data_iterator)
+        rows = self.objective.rows(batch["tokens"], _sample_index(batch), self.layout, batch.get("loss_mask"))
+        output = model(rows.input_ids if first_stage else None, rows.position_ids, attention_mask=None,
+                       labels=rows.labels if last_stage else None)
+        return output, partial(loss_func, rows.loss_weights, rows.num_tokens)
