@@ -1,0 +1,172 @@
+"""Exact FLOPs and attention bytes of one BDLM training step, from Megatron's hyper-parameters.
+
+Megatron's logger assumes causal attention over every row. A BDLM sees `2L` rows `[x_t ; x_0]`
+under the block mask of csbp-algorithm.md §2, and its LM head runs over the `L` noisy rows only;
+counting Megatron's way overstates the work, so the training logger counts here.
+
+Counting rules (a multiply-add is 2 FLOPs; backward is twice the forward):
+* every linear layer runs over all `2L` rows: QKV (GQA), output projection, MLP (SwiGLU: 3 matrices);
+* attention costs `4 · heads · head_dim` per allowed (query, key) pair: `Q·Kᵀ` and `P·V`;
+* the LM head runs over the `L` noisy rows;
+* full recomputation adds one more forward of the transformer layers (not of the head).
+Norms, softmax, RoPE and the embedding lookup are not counted (the usual convention).
+
+Plain Python integers throughout, so every count is exact. No torch, no Megatron.
+"""
+
+ATTENTION_MODES = ("cp", "csbp", "bp")
+TRANSPORTS = ("collective", "streaming")
+
+
+def _check_blocks(seq_length: int, block_size: int) -> int:
+    if seq_length <= 0 or block_size <= 0:
+        raise ValueError(f"seq_length ({seq_length}) and block_size ({block_size}) must be positive")
+    if seq_length % block_size:
+        raise ValueError(f"seq_length ({seq_length}) must be a multiple of block_size ({block_size}): "
+                         "choose --bdlm-block-size dividing --seq-length")
+    return seq_length // block_size
+
+
+def bdlm_attention_pair_parts(seq_length: int, block_size: int) -> dict:
+    """Allowed (query, key) pairs per head per layer, split by the three parts of the BDLM mask.
+
+    With `NB = L / B` blocks of `B` tokens:
+    * noisy → noisy: each noisy block sees itself: `NB · B² = L · B`;
+    * noisy → clean: noisy block `b` sees clean blocks `< b`: `Σ_b b · B² = B² · NB(NB-1)/2`;
+    * clean → clean: clean block `b` sees clean blocks `<= b`: `Σ_b (b+1) · B² = B² · NB(NB+1)/2`.
+    The last two add up to `B² · NB² = L²`; clean queries never see noisy keys.
+    """
+    num_blocks = _check_blocks(seq_length, block_size)
+    block_pairs = block_size * block_size
+    return {
+        "noisy_noisy": num_blocks * block_pairs,
+        "noisy_clean": block_pairs * num_blocks * (num_blocks - 1) // 2,
+        "clean_clean": block_pairs * num_blocks * (num_blocks + 1) // 2,
+    }
+
+
+def bdlm_attention_pairs(seq_length: int, block_size: int) -> int:
+    """All allowed pairs per head per layer: `L·B + L²` (about a quarter of the `2L × 2L` grid)."""
+    return sum(bdlm_attention_pair_parts(seq_length, block_size).values())
+
+
+def attention_flops_per_pair(num_attention_heads: int, kv_channels: int) -> int:
+    """Forward FLOPs of one (query, key) pair over all heads: `Q·Kᵀ` and `P·V`, 2 FLOPs per MAC."""
+    return 4 * num_attention_heads * kv_channels
+
+
+def linear_flops_per_row(hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                         num_query_groups: int, kv_channels: int, swiglu: bool) -> int:
+    """Forward FLOPs of one transformer layer's linear layers for one row (token)."""
+    query_size = num_attention_heads * kv_channels
+    kv_size = num_query_groups * kv_channels
+    qkv = hidden_size * (query_size + 2 * kv_size)
+    projection = query_size * hidden_size
+    mlp = hidden_size * ffn_hidden_size * (3 if swiglu else 2)
+    return 2 * (qkv + projection + mlp)
+
+
+def lm_head_flops_per_row(hidden_size: int, padded_vocab_size: int) -> int:
+    return 2 * hidden_size * padded_vocab_size
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's default: `4h`, or `8h/3` rounded down to a multiple of 64 with SwiGLU."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
+def _shape(hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, swiglu):
+    if ffn_hidden_size is None:
+        ffn_hidden_size = default_ffn_hidden_size(hidden_size, swiglu)
+    num_query_groups = num_attention_heads if num_query_groups is None else num_query_groups
+    if kv_channels is None:
+        if hidden_size % num_attention_heads:
+            raise ValueError(f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
+                             f"({num_attention_heads}): pass kv_channels explicitly")
+        kv_channels = hidden_size // num_attention_heads
+    if num_attention_heads % num_query_groups:
+        raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple of "
+                         f"num_query_groups ({num_query_groups})")
+    return ffn_hidden_size, num_query_groups, kv_channels
+
+
+def bdlm_step_flops(*, num_layers: int, hidden_size: int, num_attention_heads: int,
+                    padded_vocab_size: int, seq_length: int, block_size: int, batch_size: int = 1,
+                    ffn_hidden_size: int = None, num_query_groups: int = None, kv_channels: int = None,
+                    swiglu: bool = False, recompute: bool = False) -> int:
+    """Exact FLOPs of one BDLM training step (forward + backward) over `batch_size` samples.
+
+    All arguments are plain numbers with Megatron's meanings: `seq_length` is the clean length `L`
+    (the model sees `2L` rows), `block_size` the diffusion block `B`, `batch_size` the samples in the
+    step (e.g. the global batch size), `padded_vocab_size` Megatron's padded vocabulary. Defaults as
+    Megatron-LM: `ffn_hidden_size = 4h` (`8h/3` with SwiGLU), `num_query_groups = heads`,
+    `kv_channels = h / heads`.
+    `recompute=False` gives model FLOPs (what MFU and the logger's TFLOP/s count); `recompute=True`
+    adds the transformer layers' second forward of full activation recomputation (hardware FLOPs).
+    """
+    ffn_hidden_size, num_query_groups, kv_channels = _shape(
+        hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, swiglu)
+    layer_forward = (2 * seq_length * linear_flops_per_row(hidden_size, ffn_hidden_size, num_attention_heads,
+                                                           num_query_groups, kv_channels, swiglu)
+                     + bdlm_attention_pairs(seq_length, block_size)
+                     * attention_flops_per_pair(num_attention_heads, kv_channels))
+    head_forward = seq_length * lm_head_flops_per_row(hidden_size, padded_vocab_size)
+    layer_passes = 4 if recompute else 3
+    return batch_size * (layer_passes * num_layers * layer_forward + 3 * head_forward)
+
+
+def megatron_causal_flops(*, num_layers: int, hidden_size: int, num_attention_heads: int,
+                          padded_vocab_size: int, seq_length: int, batch_size: int = 1,
+                          ffn_hidden_size: int = None, num_query_groups: int = None,
+                          kv_channels: int = None, swiglu: bool = False) -> int:
+    """What Megatron-LM's formula logs for the same step: causal attention over all `2L` rows.
+
+    Megatron counts half of the `rows × rows` grid for causal attention (`rows² / 2` pairs per head)
+    and runs the LM head over every row; with `rows = 2L` this is what its TFLOP/s would assume.
+    For comparison only: the BDLM mask allows `L² + L·B` pairs, about half of `(2L)² / 2`.
+    """
+    ffn_hidden_size, num_query_groups, kv_channels = _shape(
+        hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, swiglu)
+    rows = 2 * seq_length
+    layer_forward = (rows * linear_flops_per_row(hidden_size, ffn_hidden_size, num_attention_heads,
+                                                 num_query_groups, kv_channels, swiglu)
+                     + rows * rows // 2 * attention_flops_per_pair(num_attention_heads, kv_channels))
+    head_forward = rows * lm_head_flops_per_row(hidden_size, padded_vocab_size)
+    return batch_size * 3 * (num_layers * layer_forward + head_forward)
+
+
+def kv_bytes_per_token(kv_heads_per_tp: int, head_dim: int, bytes_per_elem: int = 2) -> int:
+    """`beta` of csbp-algorithm.md §1: bytes of K plus V of one token in one layer on one rank."""
+    return 2 * kv_heads_per_tp * head_dim * bytes_per_elem
+
+
+def attention_traffic_bytes(mode: str, seq_length: int, clean_shards: int, kv_heads_per_tp: int,
+                            head_dim: int, bytes_per_elem: int = 2, transport: str = "collective",
+                            recompute: bool = False) -> int:
+    """Bytes one rank sends for one attention layer, forward + backward (csbp-algorithm.md §6).
+
+    The forward moves the gathered tokens' K/V once around the ring: each rank sends the
+    `(C-1)/C` of them it did not own (`2L` tokens for CP, the `L` clean tokens for CSBP, none for
+    pure BP). The collective backward reduce-scatters the same amount of dK/dV; the streaming
+    backward circulates K/V and dK/dV, twice the amount. With full recomputation the forward runs
+    again before the backward, so its bytes count twice:
+      CP collective `4L(C-1)/C·beta` (`6L(C-1)/C·beta` recomputed), CSBP collective `2L(C-1)/C·beta`
+      (`3L(C-1)/C·beta`), streaming `6L`/`3L` (`8L`/`4L`), BP 0.
+    """
+    forward = attention_forward_bytes(mode, seq_length, clean_shards, kv_heads_per_tp, head_dim, bytes_per_elem)
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
+    backward = forward * (2 if transport == "streaming" else 1)
+    return forward * (2 if recompute else 1) + backward
+
+
+def attention_forward_bytes(mode: str, seq_length: int, clean_shards: int, kv_heads_per_tp: int,
+                            head_dim: int, bytes_per_elem: int = 2) -> int:
+    """Bytes one rank sends in one layer's forward: the `(C-1)/C` share of the gathered K/V it owns."""
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"mode {mode!r} is not one of {ATTENTION_MODES}")
+    if clean_shards < 1 or seq_length % clean_shards:
+        raise ValueError(f"clean_shards ({clean_shards}) must be a positive divisor of seq_length ({seq_length})")
+    gathered_tokens = {"cp": 2 * seq_length, "csbp": seq_length, "bp": 0}[mode]
+    return gathered_tokens // clean_shards * (clean_shards - 1) * kv_bytes_per_token(
+        kv_heads_per_tp, head_dim, bytes_per_elem)

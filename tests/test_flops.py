@@ -1,0 +1,123 @@
+"""Exact BDLM FLOPs and attention bytes, checked against brute-force counts and torch's FLOP counter."""
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_csbp import flops
+
+SHAPES = [(6, 1), (8, 2), (12, 3), (16, 4), (16, 16), (32, 8), (40, 5)]
+
+
+def dense_bdlm_mask(seq_length, block_size, noisy_sees_own_block_clean=False):
+    """The §2 mask over `[x_t ; x_0]`, built pair by pair; the flag breaks it (negative control)."""
+    block = np.arange(seq_length) // block_size
+    qb, kb = block[:, None], block[None, :]
+    noisy_clean = (kb <= qb) if noisy_sees_own_block_clean else (kb < qb)
+    top = np.concatenate([kb == qb, noisy_clean], axis=1)
+    bottom = np.concatenate([np.zeros_like(top[:, :seq_length]), kb <= qb], axis=1)
+    return np.concatenate([top, bottom], axis=0)
+
+
+@pytest.mark.parametrize("seq_length,block_size", SHAPES)
+def test_pairs_equal_brute_force(seq_length, block_size):
+    mask = dense_bdlm_mask(seq_length, block_size)
+    L = seq_length
+    parts = flops.bdlm_attention_pair_parts(seq_length, block_size)
+    assert parts == {"noisy_noisy": int(mask[:L, :L].sum()), "noisy_clean": int(mask[:L, L:].sum()),
+                     "clean_clean": int(mask[L:, L:].sum())}
+    assert flops.bdlm_attention_pairs(seq_length, block_size) == int(mask.sum()) == L * L + L * block_size
+    broken = dense_bdlm_mask(seq_length, block_size, noisy_sees_own_block_clean=True)
+    assert flops.bdlm_attention_pairs(seq_length, block_size) != int(broken.sum())
+
+
+def test_bad_block_size_is_named():
+    with pytest.raises(ValueError, match="block_size"):
+        flops.bdlm_attention_pairs(10, 4)
+
+
+def _counted_linear_and_head_flops(L, batch, layers, h, heads, groups, d, ffn, vocab):
+    """torch's FLOP counter over forward+backward of the linear layers (2L rows) and the noisy LM head."""
+    torch.manual_seed(0)
+    weight = lambda *shape: torch.randn(*shape, requires_grad=True)
+    x = torch.randn(batch, 2 * L, h, requires_grad=True)
+    params = [(weight(h, (heads + 2 * groups) * d), weight(heads * d, h), weight(h, ffn), weight(h, ffn),
+               weight(ffn, h)) for _ in range(layers)]
+    head = weight(h, vocab)
+    with FlopCounterMode(display=False) as counter:
+        for qkv, proj, gate, up, down in params:
+            query = (x @ qkv)[..., :heads * d]  # attention itself is counted by pairs, not here
+            x = x + query @ proj
+            x = x + (torch.nn.functional.silu(x @ gate) * (x @ up)) @ down
+        (x[:, :L] @ head).sum().backward()
+    return counter.get_total_flops()
+
+
+def test_step_flops_match_torch_counter_plus_pairs():
+    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                 ffn_hidden_size=48, padded_vocab_size=40, swiglu=True)
+    L, B, batch = 16, 4, 3
+    counted = _counted_linear_and_head_flops(L, batch, 2, 32, 4, 2, 8, 48, 40)
+    attention = batch * 3 * 2 * int(dense_bdlm_mask(L, B).sum()) * 4 * 4 * 8
+    total = flops.bdlm_step_flops(seq_length=L, block_size=B, batch_size=batch, **shape)
+    assert total == counted + attention
+    assert total != counted + batch * 3 * 2 * (2 * L) ** 2 * 4 * 4 * 8  # a dense 2L grid is not it
+    layer_forward = (counted - batch * 3 * 2 * L * 32 * 40) // 3 + attention // 3
+    assert flops.bdlm_step_flops(seq_length=L, block_size=B, batch_size=batch, recompute=True, **shape) \
+        == total + layer_forward
+
+
+def test_megatron_causal_count_differs_by_attention_and_head():
+    shape = dict(num_layers=3, hidden_size=64, num_attention_heads=8, num_query_groups=2, kv_channels=16,
+                 ffn_hidden_size=96, padded_vocab_size=128, swiglu=True, batch_size=2)
+    L, B = 64, 8
+    causal = flops.megatron_causal_flops(seq_length=L, **shape)
+    bdlm = flops.bdlm_step_flops(seq_length=L, block_size=B, **shape)
+    attention = 2 * 3 * 3 * 4 * 8 * 16 * ((2 * L) ** 2 // 2 - (L * L + L * B))
+    head = 2 * 3 * L * 2 * 64 * 128
+    assert causal - bdlm == attention + head
+
+
+def test_defaults_follow_megatron():
+    explicit = flops.bdlm_step_flops(num_layers=1, hidden_size=64, num_attention_heads=4, padded_vocab_size=128,
+                                     seq_length=32, block_size=4, ffn_hidden_size=256, num_query_groups=4,
+                                     kv_channels=16)
+    assert explicit == flops.bdlm_step_flops(num_layers=1, hidden_size=64, num_attention_heads=4,
+                                             padded_vocab_size=128, seq_length=32, block_size=4)
+    assert flops.default_ffn_hidden_size(4096, swiglu=True) == 10880
+
+
+# Multiples of L(C-1)/C·beta per layer per rank, csbp-algorithm.md §6 (second number: full recompute).
+TABLE = {("cp", "collective"): (4, 6), ("csbp", "collective"): (2, 3),
+         ("cp", "streaming"): (6, 8), ("csbp", "streaming"): (3, 4)}
+
+
+@pytest.mark.parametrize("seq_length,clean_shards", [(64, 2), (96, 3), (4096, 8), (262144, 16)])
+def test_traffic_table(seq_length, clean_shards):
+    beta = flops.kv_bytes_per_token(2, 16, 2)
+    unit = seq_length * (clean_shards - 1) // clean_shards * beta
+    for (mode, transport), multiples in TABLE.items():
+        for recompute, multiple in zip((False, True), multiples):
+            sent = flops.attention_traffic_bytes(mode, seq_length, clean_shards, 2, 16, 2, transport, recompute)
+            assert sent == multiple * unit, (mode, transport, recompute)
+        halves = [flops.attention_traffic_bytes(m, seq_length, clean_shards, 2, 16, 2, transport, True)
+                  for m in ("csbp", "cp")]
+        assert 2 * halves[0] == halves[1]
+    assert flops.attention_traffic_bytes("bp", seq_length, 1, 2, 16, 2, recompute=True) == 0
+
+
+def test_paper_traffic_is_exact():
+    """14B, 40 layers, 8 KV heads x 128, bf16, CP8, L = 256K = 262144, full recompute: 210 -> 105 GiB."""
+    per_layer = {m: flops.attention_traffic_bytes(m, 262144, 8, 8, 128, 2, recompute=True) for m in ("cp", "csbp")}
+    assert 40 * per_layer["cp"] == 210 * 2 ** 30
+    assert 40 * per_layer["csbp"] == 105 * 2 ** 30
+
+
+def test_traffic_bad_input():
+    with pytest.raises(ValueError, match="mode"):
+        flops.attention_traffic_bytes("ring", 64, 2, 1, 8)
+    with pytest.raises(ValueError, match="transport"):
+        flops.attention_traffic_bytes("cp", 64, 2, 1, 8, transport="p2p")
+    with pytest.raises(ValueError, match="clean_shards"):
+        flops.attention_traffic_bytes("csbp", 64, 3, 1, 8)
