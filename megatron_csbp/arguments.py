@@ -1,0 +1,410 @@
+"""Command-line arguments: the plugin's flags, the Megatron-LM subset our own loop supports, and validation.
+
+`add_csbp_args` is Megatron-LM's `extra_args_provider`; `build_parser` rebuilds, with Megatron-LM's names,
+defaults and meanings, the flags our CPU loop needs (Megatron-LM's parser is not installable from PyPI).
+`validate_args` refuses a bad combination with one line naming the flag and the fix, before any work.
+
+`--seq-length` is the clean context length `L` ("256K context"). The model sees `2L` rows, `[x_t ; x_0]`;
+each block-parallel rank holds `|owned noisy rows| + L/C` of them (`2L/P` when `P == C`), which is the
+sequence dimension pipeline stages exchange, where Megatron would use `seq_length / cp`.
+"""
+
+import argparse
+import os
+
+PARALLEL_MODES = ("csbp", "cp", "bp")
+TOKENIZERS = ("ByteLevelTokenizer", "HuggingFaceTokenizer")
+_MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
+
+
+class ConfigError(SystemExit, ValueError):
+    """A refused argument or input file: one line, no traceback when uncaught, still a `ValueError`."""
+
+
+class _ContextBlockParallel(argparse.Action):
+    """`--context-block-parallel N` also fills Megatron's CP slot, where the block-parallel dimension lives."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, value)
+        namespace.context_parallel_size = value
+
+
+def _has_flag(parser: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in parser._option_string_actions
+
+
+def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The plugin's flags; usable as Megatron-LM's `extra_args_provider` (flags Megatron has are reused)."""
+    group = parser.add_argument_group(title="context-block parallel / BDLM")
+    group.add_argument("--context-block-parallel", type=int, default=None, action=_ContextBlockParallel,
+                       metavar="P", help="Block-parallel size P: ranks that share the noisy blocks of one sample. "
+                                         "Occupies Megatron's context-parallel slot (sets --context-parallel-size).")
+    group.add_argument("--context-block-parallel-clean-shards", type=int, default=None, metavar="C",
+                       help="Ranks the clean sequence is sharded over (a ring); divides P. Default: P.")
+    group.add_argument("--bdlm-block-size", type=int, default=16, metavar="B", help="Diffusion block size B.")
+    group.add_argument("--bdlm-objective", choices=("bd3lm", "fast-dllm-v2"), default="bd3lm",
+                       help="BD3-LM NELBO, or Fast-dLLM v2 (complementary masks, shifted labels, unit weights).")
+    group.add_argument("--bdlm-loss-weighting", choices=("inverse-t", "unit"), default=None,
+                       help="Per-block loss weight 1/t (the NELBO) or 1. Default: inverse-t for bd3lm, unit for "
+                            "fast-dllm-v2.")
+    group.add_argument("--bdlm-noise-range", type=float, nargs=2, default=[1e-3, 1.0], metavar=("T_MIN", "T_MAX"),
+                       help="Noise times are drawn in [T_MIN, T_MAX], inside (0, 1].")
+    group.add_argument("--bdlm-noise-sampling", choices=("antithetic", "iid"), default="antithetic",
+                       help="Stratified noise times over the (sample, block) pairs of a batch, or i.i.d. uniform.")
+    group.add_argument("--bdlm-parallel-mode", choices=PARALLEL_MODES, default="csbp",
+                       help="csbp: context-sharded block parallelism; cp: conventional context parallelism over "
+                            "[x_t ; x_0] (baseline); bp: pure block parallelism (C = 1, clean prefix replicated).")
+    group.add_argument("--csbp-transport", choices=("collective", "streaming"), default="collective",
+                       help="All-gather the clean K/V (collective) or pass shards around the ring (bounded memory).")
+    group.add_argument("--csbp-block-schedule", choices=("dual_end", "contiguous"), default="dual_end",
+                       help="How noisy blocks are dealt to ranks (contiguous is an ablation).")
+    group.add_argument("--csbp-clean-layout", choices=("zigzag", "contiguous"), default="zigzag",
+                       help="How the clean sequence is sharded over a ring (contiguous is an ablation).")
+    group.add_argument("--max-consecutive-bad-steps", type=int, default=3, metavar="N",
+                       help="Steps with a NaN/Inf loss or grad norm are skipped; stop after N in a row.")
+    group.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
+                       help="YAML of flag names; command-line key=value overrides and flags win over it.")
+    if not _has_flag(parser, "--distributed-timeout-minutes"):
+        group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                           help="Timeout minutes for torch.distributed.")
+    return parser
+
+
+def _add_model_args(parser):
+    group = parser.add_argument_group(title="network size")
+    group.add_argument("--num-layers", type=int, default=None)
+    group.add_argument("--hidden-size", type=int, default=None)
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="Default: 4 x hidden-size, or 2/3 of that rounded down to a multiple of 64 with --swiglu.")
+    group.add_argument("--num-attention-heads", type=int, default=None)
+    group.add_argument("--group-query-attention", action="store_true")
+    group.add_argument("--num-query-groups", type=int, default=1)
+    group.add_argument("--kv-channels", type=int, default=None, help="Default: hidden-size / num-attention-heads.")
+    group.add_argument("--max-position-embeddings", type=int, default=None, help="Default: --seq-length.")
+    group.add_argument("--position-embedding-type", choices=("rope",), default="rope",
+                       help="Only rope: a token's noisy and clean copy share its RoPE position. (Megatron-LM's "
+                            "default, learned_absolute, is not supported.)")
+    group.add_argument("--rotary-base", type=int, default=10000)
+    group.add_argument("--rotary-percent", type=float, default=1.0)
+    group.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    group.add_argument("--norm-epsilon", type=float, default=1e-5)
+    group.add_argument("--swiglu", action="store_true")
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--init-method-std", type=float, default=0.02)
+    group.add_argument("--attention-dropout", type=float, default=0.1)
+    group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                       help="Pad the vocabulary (data ids + MASK) to a multiple of this x TP.")
+
+
+def _add_training_args(parser):
+    group = parser.add_argument_group(title="training")
+    group.add_argument("--seq-length", type=int, default=None, help="Clean context length L (tokens of x0).")
+    group.add_argument("--micro-batch-size", type=int, default=None)
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Default: micro-batch-size x data-parallel size.")
+    group.add_argument("--train-iters", type=int, default=None)
+    group.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    group.add_argument("--lr", type=float, default=None)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+                       default="linear")
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--clip-grad", type=float, default=1.0)
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--fp16", action="store_true")
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument("--calculate-per-token-loss", action="store_true", default=True,
+                       help="Always on here (Megatron-LM's default is off): the BDLM loss is a per-token NELBO over "
+                            "the global batch, which sharded rows only reproduce with per-token normalisation.")
+    group.add_argument("--use-cpu-initialization", action="store_true", default=None)
+    group.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    group.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    group.add_argument("--recompute-num-layers", type=int, default=None)
+    group.add_argument("--exit-duration-in-mins", type=int, default=None)
+    group.add_argument("--exit-signal-handler", action="store_true")
+    group.add_argument("--seed", type=int, default=1234)
+
+
+def _add_parallel_args(parser):
+    group = parser.add_argument_group(title="distributed")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="Megatron's CP slot; holds the block-parallel size (prefer --context-block-parallel).")
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Timeout minutes for torch.distributed: a dead rank stops the others within it.")
+
+
+def _add_data_and_io_args(parser):
+    group = parser.add_argument_group(title="data and checkpoints")
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="Dataset prefix(es) of .bin/.idx files, optionally weighted: 'w1 prefix1 w2 prefix2'.")
+    group.add_argument("--split", type=str, default=None,
+                       help=f"Train,valid,test proportions of documents. Default: '{_MEGATRON_SPLIT_DEFAULT}'.")
+    group.add_argument("--data-cache-path", type=str, default=None,
+                       help="Where dataset indices are cached. Default: a 'cache' folder beside the first dataset.")
+    group.add_argument("--num-workers", type=int, default=2)
+    group.add_argument("--tokenizer-type", choices=TOKENIZERS, default="ByteLevelTokenizer",
+                       help="ByteLevelTokenizer: 256 byte ids + EOD. HuggingFaceTokenizer: a local tokenizer.json.")
+    group.add_argument("--tokenizer-model", type=str, default=None, help="Local tokenizer.json (HuggingFaceTokenizer).")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="Tokenizer ids before EOD, MASK and padding (byte tokenizer: 256, the default).")
+    group.add_argument("--save", type=str, default=None)
+    group.add_argument("--load", type=str, default=None)
+    group.add_argument("--save-interval", type=int, default=None)
+    group.add_argument("--no-load-optim", action="store_true", default=None)
+    group.add_argument("--no-load-rng", action="store_true", default=None)
+    group.add_argument("--finetune", action="store_true")
+    group.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
+    group.add_argument("--eval-interval", type=int, default=1000)
+    group.add_argument("--eval-iters", type=int, default=100)
+    group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--tensorboard-dir", type=str, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's flags (names, defaults, meanings) for the subset we support, plus the plugin's."""
+    parser = argparse.ArgumentParser(description="Block diffusion LM pretraining with context-sharded block "
+                                                 "parallelism (CSBP) on Megatron-Core.", allow_abbrev=False)
+    _add_model_args(parser)
+    _add_training_args(parser)
+    _add_parallel_args(parser)
+    _add_data_and_io_args(parser)
+    return add_csbp_args(parser)
+
+
+def parse_data_path(values: list[str] | None) -> tuple[list[str], list[float] | None]:
+    """`--data-path p` or `--data-path w1 p1 w2 p2` -> (prefixes, weights or None), as Megatron's blend."""
+    if not values:
+        return [], None
+    if len(values) == 1:
+        return list(values), None
+    try:
+        weights = [float(w) for w in values[0::2]]
+    except ValueError:
+        raise ConfigError(f"--data-path: several datasets need weights, 'w1 prefix1 w2 prefix2 ...'; got {values}")
+    if len(values) % 2:
+        raise ConfigError(f"--data-path: {len(values)} values; weighted datasets come in pairs 'weight prefix'")
+    if any(w < 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"--data-path: weights must be >= 0 and not all 0; got {weights}")
+    return list(values[1::2]), weights
+
+
+def check_data_prefixes(prefixes: list[str]) -> None:
+    """Each `--data-path` prefix must have a readable `.bin` and `.idx`; the error says how to make one."""
+    for prefix in prefixes:
+        if prefix.endswith((".bin", ".idx")):
+            raise ConfigError(f"--data-path {prefix}: give the prefix without the extension "
+                              f"(--data-path {prefix[:-4]})")
+        bin_path, idx_path = prefix + ".bin", prefix + ".idx"
+        has_bin, has_idx = os.path.isfile(bin_path), os.path.isfile(idx_path)
+        if not has_bin and not has_idx:
+            raise ConfigError(f"--data-path {prefix}: no {bin_path} / {idx_path}; build the dataset with "
+                              f"scripts/prepare_data.py (no arguments builds the default one)")
+        if not has_idx:
+            raise ConfigError(f"--data-path {prefix}: {bin_path} has no {idx_path} beside it (an interrupted "
+                              f"build?); rebuild it with scripts/prepare_data.py --force")
+        if not has_bin:
+            raise ConfigError(f"--data-path {prefix}: {idx_path} has no {bin_path} beside it; rebuild it with "
+                              f"scripts/prepare_data.py --force")
+        for path in (bin_path, idx_path):
+            if not os.access(path, os.R_OK):
+                raise ConfigError(f"--data-path {prefix}: {path} is not readable; fix its permissions")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+def _on_accelerator() -> bool:
+    from megatron_csbp.device import default_device
+    return default_device().type != "cpu"
+
+
+def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: bool | None = None,
+                  check_paths: bool = True) -> argparse.Namespace:
+    """Refuse bad combinations (one line: flag and fix) and fill derived values, as Megatron-LM's does.
+
+    Fills: `context_block_parallel` (P), `context_block_parallel_clean_shards` (C; 1 in bp mode),
+    `context_parallel_size` (= P), `data_parallel_size`, `global_batch_size`, `ffn_hidden_size`,
+    `kv_channels`, `num_query_groups`, `max_position_embeddings`, `lr_decay_iters`, `split`,
+    `bdlm_loss_weighting`, `data_prefixes`, `data_weights`, `world_size`.
+    """
+    on_accelerator = _on_accelerator() if on_accelerator is None else on_accelerator
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "train_iters", "lr"):
+        _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "bdlm_block_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size", "max_consecutive_bad_steps", "distributed_timeout_minutes",
+                 "log_interval", "eval_interval"):
+        value = getattr(args, flag)
+        _require(value >= 1, f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+    _require(args.train_iters >= 0, f"--train-iters must be >= 0; got {args.train_iters}")
+    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0; got {args.eval_iters}")
+
+    P = args.context_block_parallel or args.context_parallel_size
+    _require(P == args.context_parallel_size,
+             f"--context-block-parallel {P} contradicts --context-parallel-size {args.context_parallel_size}: "
+             f"the block-parallel dimension lives in Megatron's CP slot; give only --context-block-parallel")
+    mode = args.bdlm_parallel_mode
+    C = args.context_block_parallel_clean_shards
+    if mode == "bp":
+        _require(C in (None, 1), f"--bdlm-parallel-mode bp replicates the clean sequence (one clean shard); "
+                                 f"drop --context-block-parallel-clean-shards {C} or use --bdlm-parallel-mode csbp")
+        C = 1
+    elif mode == "cp":
+        _require(C in (None, P), f"--bdlm-parallel-mode cp shards both copies over all {P} ranks; drop "
+                                 f"--context-block-parallel-clean-shards {C}")
+        C = P
+    C = P if C is None else C
+    _require(C >= 1 and P % C == 0, f"--context-block-parallel {P} is not a multiple of "
+                                     f"--context-block-parallel-clean-shards {C}; use a divisor of {P} (default {P})")
+    args.context_block_parallel, args.context_block_parallel_clean_shards = P, C
+
+    TP, PP = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    model_parallel = TP * PP * P
+    _require(world_size % model_parallel == 0,
+             f"--tensor-model-parallel-size {TP} x --pipeline-model-parallel-size {PP} x --context-block-parallel "
+             f"{P} = {model_parallel} does not divide the world size {world_size}; launch a multiple of "
+             f"{model_parallel} ranks or shrink the parallel sizes")
+    args.world_size, args.data_parallel_size = world_size, world_size // model_parallel
+
+    L, B = args.seq_length, args.bdlm_block_size
+    _require(L % B == 0, f"--seq-length {L} is not a multiple of --bdlm-block-size {B}; use --seq-length "
+                         f"{max(L - L % B, B)} or a block size dividing {L}")
+    _require(L // B >= P, f"--seq-length {L} has {L // B} blocks of {B}, too few for --context-block-parallel {P} "
+                          f"(every rank needs a block); use --seq-length >= {P * B} or a smaller block size")
+    if mode == "cp":
+        _require(L % (P * B) == 0, f"--bdlm-parallel-mode cp cuts [x_t ; x_0] into {2 * P} chunks of whole blocks: "
+                                   f"--seq-length {L} must be a multiple of {P * B} (--context-block-parallel x "
+                                   f"--bdlm-block-size)")
+    else:
+        chunks = 2 * C if args.csbp_clean_layout == "zigzag" else C
+        _require(L % chunks == 0, f"--seq-length {L} cannot be cut into {chunks} equal clean chunks "
+                                  f"(--csbp-clean-layout {args.csbp_clean_layout}, "
+                                  f"--context-block-parallel-clean-shards {C}); use a multiple of {chunks}")
+    _require(args.max_position_embeddings is None or args.max_position_embeddings >= L,
+             f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length {L}; "
+             f"raise it or drop it (default: --seq-length)")
+    args.max_position_embeddings = args.max_position_embeddings or L
+
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    _require(groups >= 1 and heads % groups == 0,
+             f"--num-attention-heads {heads} is not a multiple of --num-query-groups {groups}")
+    _require(heads % TP == 0, f"--tensor-model-parallel-size {TP} does not divide --num-attention-heads {heads}; "
+                              f"use a TP size dividing {heads}")
+    _require(groups % TP == 0, f"--tensor-model-parallel-size {TP} does not divide --num-query-groups {groups}; "
+                               f"use a TP size dividing {groups} or more query groups")
+    args.num_query_groups = groups
+    _require(args.num_layers % PP == 0, f"--pipeline-model-parallel-size {PP} does not divide --num-layers "
+                                        f"{args.num_layers}")
+    if args.kv_channels is None:
+        _require(args.hidden_size % heads == 0, f"--hidden-size {args.hidden_size} is not a multiple of "
+                                                f"--num-attention-heads {heads}; set --kv-channels")
+        args.kv_channels = args.hidden_size // heads
+    if args.ffn_hidden_size is None:
+        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
+                                else 4 * args.hidden_size)
+    if TP == 1:
+        args.sequence_parallel = False
+
+    micro, dp = args.micro_batch_size, args.data_parallel_size
+    args.global_batch_size = args.global_batch_size or micro * dp
+    _require(args.global_batch_size % (micro * dp) == 0,
+             f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size {micro} x "
+             f"data-parallel size {dp}; use a multiple of {micro * dp}")
+
+    t_min, t_max = args.bdlm_noise_range
+    _require(0 < t_min <= t_max <= 1, f"--bdlm-noise-range {t_min} {t_max} must satisfy 0 < T_MIN <= T_MAX <= 1 "
+                                      f"(default 0.001 1)")
+    if args.bdlm_loss_weighting is None:
+        args.bdlm_loss_weighting = "unit" if args.bdlm_objective == "fast-dllm-v2" else "inverse-t"
+
+    _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; choose one")
+    for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16),
+                     ("--use-distributed-optimizer", args.use_distributed_optimizer)):
+        _require(on_accelerator or not on, f"{flag} needs a GPU (megatron-core's mixed-precision and distributed "
+                                           f"optimizers cannot run on CPU); drop {flag} for a CPU run")
+    _require(args.recompute_method is None or args.recompute_granularity == "full",
+             f"--recompute-method {args.recompute_method} needs --recompute-granularity full")
+    if args.recompute_granularity == "full":
+        _require(args.recompute_method is not None and args.recompute_num_layers is not None,
+                 "--recompute-granularity full needs --recompute-method (uniform|block) and --recompute-num-layers")
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    _require(args.lr_warmup_iters <= args.lr_decay_iters,
+             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}")
+
+    args.data_prefixes, args.data_weights = parse_data_path(args.data_path)
+    _require(bool(args.data_prefixes), "--data-path is required (scripts/prepare_data.py builds the default "
+                                       "dataset, data/stdlib_bytes_text_document)")
+    args.split = args.split or _MEGATRON_SPLIT_DEFAULT
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        _require(args.tokenizer_model is not None, "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
+                                                   "path/to/tokenizer.json")
+    if check_paths:
+        check_data_prefixes(args.data_prefixes)
+        if args.tokenizer_model is not None:
+            _require(os.path.isfile(args.tokenizer_model),
+                     f"--tokenizer-model {args.tokenizer_model}: no such file (a local tokenizer.json is needed)")
+
+    from megatron_csbp.layout import layout_for
+    try:
+        layout_for(mode, L, B, P, C, 0, **({} if mode == "cp" else
+                                           {"schedule": args.csbp_block_schedule,
+                                            "clean_layout": args.csbp_clean_layout}))
+    except ValueError as error:
+        raise ConfigError(f"--seq-length/--bdlm-block-size/--context-block-parallel: {error}") from None
+    return args
+
+
+def transformer_config_kwargs(args: argparse.Namespace) -> dict:
+    """megatron-core `TransformerConfig` fields from validated args (Megatron-LM's mapping, our subset)."""
+    import torch
+    import torch.nn.functional as F
+
+    params_dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return dict(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        kv_channels=args.kv_channels, tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
+        normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
+        gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
+        add_bias_linear=args.add_bias_linear, init_method_std=args.init_method_std,
+        attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
+        bf16=args.bf16, fp16=args.fp16, params_dtype=params_dtype, pipeline_dtype=params_dtype,
+        recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
+        recompute_num_layers=args.recompute_num_layers,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+        use_cpu_initialization=bool(args.use_cpu_initialization),
+    )
+
+
+def transformer_config_from_args(args: argparse.Namespace):
+    """A megatron-core `TransformerConfig` from validated args."""
+    from megatron.core.transformer import TransformerConfig
+    return TransformerConfig(**transformer_config_kwargs(args))
+
+
+def optimizer_config_from_args(args: argparse.Namespace):
+    """A megatron-core `OptimizerConfig` from validated args."""
+    from megatron.core.optimizer import OptimizerConfig
+    return OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )

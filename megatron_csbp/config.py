@@ -1,0 +1,224 @@
+"""`--config FILE.yaml`: a YAML mapping of flag names turned into command-line arguments.
+
+Turning the YAML into argv (rather than filling a namespace, as Megatron-LM's `--yaml-cfg` does) keeps
+every flag's type, choices, actions and `validate_args` in force.
+
+Keys are flag names without dashes, `seq-length` or `seq_length`; optional `csbp:` / `bdlm:` sections hold
+the plugin's flags, with or without their prefix (`bdlm: {block-size: 16}` is `--bdlm-block-size 16`).
+Switches take `true`/`false`, multi-value flags a list (or one string of space-separated values), and
+`null` leaves a flag at its default.
+
+Precedence, lowest to highest: parser defaults < the YAML < command-line `key=value` overrides < ordinary
+command-line flags. So a flag given on the command line always beats the YAML; `key=value` is also the way
+to switch off a YAML switch (`bf16=false`) or drop a YAML value (`save=null`).
+"""
+
+import argparse
+import difflib
+import os
+
+import yaml
+
+from megatron_csbp.arguments import ConfigError, build_parser
+
+SECTION_PREFIXES = {"csbp": ("csbp-", "context-block-parallel-"), "bdlm": ("bdlm-",)}
+
+
+def _flag_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    return {flag[2:]: action for flag, action in parser._option_string_actions.items()
+            if flag.startswith("--") and flag not in ("--help", "--config")}
+
+
+def _canonical(key) -> str:
+    return str(key).strip().lstrip("-").replace("_", "-")
+
+
+def _unknown(key: str, known, where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    hint = f" (did you mean '{close[0]}'?)" if close else " (see --help for the flag names)"
+    return ConfigError(f"{where}: unknown key '{key}'{hint}")
+
+
+def _resolve_key(key, section: str | None, actions: dict, where: str) -> str:
+    name = _canonical(key)
+    if name in actions:
+        return name
+    for prefix in SECTION_PREFIXES.get(section, ()):
+        if prefix + name in actions:
+            return prefix + name
+    raise _unknown(name if section is None else f"{section}.{name}", actions, where)
+
+
+def _flatten(mapping: dict, actions: dict, where: str) -> dict:
+    """Top-level and section keys -> {flag name: value}; a key given twice is an error."""
+    flat = {}
+
+    def put(name, value):
+        if name in flat:
+            raise ConfigError(f"{where}: '{name}' is given twice (spellings and sections count as the same key)")
+        flat[name] = value
+
+    for key, value in mapping.items():
+        if _canonical(key) in SECTION_PREFIXES and isinstance(value, dict):
+            for sub_key, sub_value in value.items():
+                put(_resolve_key(sub_key, _canonical(key), actions, where), sub_value)
+        else:
+            put(_resolve_key(key, None, actions, where), value)
+    return flat
+
+
+def _type_name(action: argparse.Action) -> str:
+    return getattr(action.type, "__name__", "string") if action.type else "string"
+
+
+def _convert(name: str, value, action: argparse.Action, where: str) -> str:
+    """One scalar as argparse would receive it, refused here (with the file) if its type or choice is wrong."""
+    wanted = _type_name(action)
+    if isinstance(value, (list, dict)) or (isinstance(value, bool) and action.type in (int, float)):
+        raise ConfigError(f"{where}: '{name}' expects {'a number' if action.type in (int, float) else 'a value'} "
+                          f"({wanted}), got {type(value).__name__} {value!r}")
+    text = str(value)
+    if action.type is not None:
+        try:
+            action.type(text)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: '{name}' expects {wanted}, got {value!r}") from None
+    if action.choices is not None and text not in action.choices:
+        raise ConfigError(f"{where}: '{name}' is {value!r}; choose one of {', '.join(map(str, action.choices))}")
+    return text
+
+
+def _to_argv(name: str, value, action: argparse.Action, where: str) -> list[str]:
+    flag = "--" + name
+    if value is None:
+        return []
+    if action.nargs == 0:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: '{name}' is a switch; give true or false, got {value!r}")
+        if not value and action.const is True and action.default is True:
+            raise ConfigError(f"{where}: '{name}' is always on here and cannot be switched off")
+        return [flag] if value else []
+    if action.nargs is None:
+        return [flag, _convert(name, value, action, where)]
+    values = value.split() if isinstance(value, str) else value if isinstance(value, list) else [value]
+    if isinstance(action.nargs, int) and len(values) != action.nargs:
+        raise ConfigError(f"{where}: '{name}' expects a list of {action.nargs} values, got {value!r}")
+    if action.nargs == "+" and not values:
+        raise ConfigError(f"{where}: '{name}' expects at least one value")
+    return [flag, *(_convert(name, item, action, where) for item in values)]
+
+
+def load_config(path: str, parser: argparse.ArgumentParser | None = None) -> dict:
+    """The YAML at `path` as {flag name: value}, every key and value checked against `parser`."""
+    parser = parser or build_parser()
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        with open(path, encoding="utf-8") as handle:
+            mapping = yaml.safe_load(handle)
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--config {path}: cannot be read ({error})") from None
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(error).split())})") from None
+    if mapping is None:
+        return {}
+    if not isinstance(mapping, dict):
+        raise ConfigError(f"{path}: expected a mapping of flag names to values at the top level, "
+                          f"got a {type(mapping).__name__}")
+    actions = _flag_actions(parser)
+    flat = _flatten(mapping, actions, path)
+    for name, value in flat.items():
+        _to_argv(name, value, actions[name], path)
+    return flat
+
+
+def _split_config_flag(argv: list[str]) -> tuple[str | None, list[str]]:
+    paths, rest, tokens = [], [], iter(argv)
+    for token in tokens:
+        if token == "--config":
+            paths.append(next(tokens, None))
+            if paths[-1] is None:
+                raise ConfigError("--config needs a file name: --config FILE.yaml")
+        elif token.startswith("--config="):
+            paths.append(token.split("=", 1)[1])
+        else:
+            rest.append(token)
+    if len(paths) > 1:
+        raise ConfigError(f"--config is given {len(paths)} times ({', '.join(paths)}); give one file")
+    return (paths[0] if paths else None), rest
+
+
+def _overrides(tokens: list[str], actions: dict) -> list[tuple[str, object] | None]:
+    """Per token: (flag name, value) for a `key=value` override, None for an ordinary token or a flag's value."""
+    found, pending_values = [], 0
+    for token in tokens:
+        if pending_values and not token.startswith("-"):
+            found.append(None)
+            pending_values -= 1
+            continue
+        found.append(_override(token, actions))
+        action = actions.get(token[2:]) if token.startswith("--") else None
+        nargs = action.nargs if action is not None else 0
+        pending_values = 1 if nargs in (None, "?") else nargs if isinstance(nargs, int) else 0
+    return found
+
+
+def _override(token: str, actions: dict) -> tuple[str, object] | None:
+    """`key=value` (a known flag name, no leading dash) -> (flag name, YAML-typed value), else None."""
+    if token.startswith("-") or "=" not in token:
+        return None
+    key, text = token.split("=", 1)
+    name = _canonical(key)
+    if name not in actions:
+        if name.replace("-", "").isalnum():
+            raise _unknown(name, actions, f"override '{token}'")
+        return None
+    try:
+        return name, yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        return name, text
+
+
+def expand_argv(argv: list[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
+    """argv with `--config FILE` and `key=value` overrides expanded into ordinary flags (see module doc).
+
+    The result starts with `--config FILE` (so `args.config` records it) when a config was given.
+    Works with any parser that has the flags, e.g. Megatron-LM's with `add_csbp_args`.
+    """
+    parser = parser or build_parser()
+    actions = _flag_actions(parser)
+    path, rest = _split_config_flag(list(argv))
+    mapping = load_config(path, parser) if path else {}
+    cli = []
+    for token, override in zip(rest, _overrides(rest, actions)):
+        if override is None:
+            cli.append(token)
+        else:
+            mapping[override[0]] = override[1]
+    expanded = ["--config", path] if path else []
+    for name, value in mapping.items():
+        expanded += _to_argv(name, value, actions[name], path or "command line")
+    return expanded + cli
+
+
+def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:
+    """Parse argv (default `sys.argv[1:]`) with `--config` and `key=value` overrides; not yet validated.
+
+    `args.config_overridden` lists the YAML keys that a command-line flag or override replaced.
+    """
+    import sys
+
+    parser = parser or build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(expand_argv(argv, parser))
+    path, rest = _split_config_flag(argv)
+    yaml_keys = set(load_config(path, parser)) if path else set()
+    actions = _flag_actions(parser)
+    given = set()
+    for token, override in zip(rest, _overrides(rest, actions)):
+        if override is not None:
+            given.add(override[0])
+        elif token.startswith("--"):
+            given.add(token[2:].split("=", 1)[0])
+    args.config_overridden = sorted(yaml_keys & given)
+    return args

@@ -1,0 +1,235 @@
+"""Datasets: tokenizers, Megatron indexed datasets (.bin/.idx) and GPTDataset splits for BDLM training.
+
+BDLM trains on the clean sequence `x0` of `L` tokens: GPTDataset is built with
+`add_extra_token_to_sequence=False` (labels are `x0` itself, unshifted) and `create_attention_mask=False`
+(the BDLM mask is the attention op's business); a sample's `tokens` are `x0`.
+
+Vocabulary: the tokenizer's ids (bytes 0..255 and EOD = 256 for the byte tokenizer), then the MASK id
+right after them, then Megatron-style padding to a multiple of `--make-vocab-size-divisible-by` x TP.
+"""
+
+import argparse
+import hashlib
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import numpy as np
+
+from megatron_csbp.arguments import ConfigError, check_data_prefixes, parse_data_path
+
+_HF_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids `0..vocab_size-2`, EOD last: real text, no download, no model file."""
+
+    def __init__(self, base_vocab_size: int = 256):
+        if base_vocab_size < 256:
+            raise ConfigError(f"--vocab-size {base_vocab_size}: the byte tokenizer needs at least 256 ids")
+        self.eod = base_vocab_size
+        self.vocab_size = base_vocab_size + 1
+        self.unique_identifiers = OrderedDict(class_name=type(self).__name__, vocab_size=self.vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def detokenize(self, ids) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class HuggingFaceTokenizer:
+    """A local `tokenizer.json` through the `tokenizers` package (optional); EOD is its end-of-text token."""
+
+    def __init__(self, path: str, base_vocab_size: int | None = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs the 'tokenizers' package: "
+                              "pip install tokenizers (or use the default ByteLevelTokenizer)") from None
+        if not os.path.isfile(path):
+            raise ConfigError(f"--tokenizer-model {path}: no such file (a local tokenizer.json is needed)")
+        try:
+            self._tokenizer = Tokenizer.from_file(path)
+        except Exception as error:
+            raise ConfigError(f"--tokenizer-model {path}: not a tokenizer.json ({error})") from None
+        size = self._tokenizer.get_vocab_size(with_added_tokens=True)
+        found = [self._tokenizer.token_to_id(token) for token in _HF_EOD_CANDIDATES]
+        self.eod = next((i for i in found if i is not None), size)
+        self.vocab_size = max(size, self.eod + 1)
+        if base_vocab_size is not None:
+            if base_vocab_size < self.vocab_size - (self.eod == size):
+                raise ConfigError(f"--vocab-size {base_vocab_size} is smaller than {path}'s vocabulary ({size})")
+            self.vocab_size = max(self.vocab_size, base_vocab_size + 1)
+        self.unique_identifiers = OrderedDict(class_name=type(self).__name__, path=os.path.abspath(path),
+                                              vocab_size=self.vocab_size, eod=self.eod)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids) -> str:
+        return self._tokenizer.decode(list(ids))
+
+
+def padded_vocab_size(num_ids: int, divisible_by: int, tensor_parallel_size: int) -> int:
+    """Megatron's padding: the smallest multiple of `divisible_by x TP` holding `num_ids`."""
+    multiple = divisible_by * tensor_parallel_size
+    return -(-num_ids // multiple) * multiple
+
+
+def build_tokenizer(args: argparse.Namespace):
+    """The tokenizer of `--tokenizer-type`; sets `args.mask_token_id` and `args.padded_vocab_size`."""
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        if args.tokenizer_model is None:
+            raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model path/to/tokenizer.json")
+        tokenizer = HuggingFaceTokenizer(args.tokenizer_model, args.vocab_size)
+    else:
+        tokenizer = ByteTokenizer(256 if args.vocab_size is None else args.vocab_size)
+    args.mask_token_id = tokenizer.vocab_size
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size + 1, args.make_vocab_size_divisible_by,
+                                               args.tensor_model_parallel_size)
+    return tokenizer
+
+
+@dataclass(frozen=True)
+class DatasetStats:
+    """What an indexed dataset holds, read back from its files."""
+
+    num_documents: int
+    num_tokens: int
+    max_token_id: int
+
+
+def _open_indexed(prefix: str):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    check_data_prefixes([prefix])
+    try:
+        return IndexedDataset(prefix, mmap=True)
+    except Exception as error:
+        raise ConfigError(f"--data-path {prefix}: {prefix}.idx/.bin are corrupt or do not match ({error}); "
+                          f"rebuild with scripts/prepare_data.py --force") from None
+
+
+def dataset_stats(prefix: str, chunk_tokens: int = 1 << 24) -> DatasetStats:
+    """Documents, tokens and the largest token id of `prefix`.bin/.idx (reads the whole .bin, in chunks)."""
+    dataset = _open_indexed(prefix)
+    num_tokens = int(dataset.sequence_lengths.sum(dtype=np.int64))
+    expected_bytes = num_tokens * np.dtype(dataset.index.dtype).itemsize
+    actual_bytes = os.path.getsize(prefix + ".bin")
+    if actual_bytes != expected_bytes:
+        raise ConfigError(f"--data-path {prefix}: {prefix}.bin has {actual_bytes} bytes, its .idx describes "
+                          f"{expected_bytes}; rebuild with scripts/prepare_data.py --force")
+    max_id = -1
+    if num_tokens:
+        tokens = np.memmap(prefix + ".bin", dtype=dataset.index.dtype, mode="r")
+        for start in range(0, num_tokens, chunk_tokens):
+            max_id = max(max_id, int(tokens[start:start + chunk_tokens].max()))
+        del tokens
+    return DatasetStats(len(dataset.document_indices) - 1, num_tokens, max_id)
+
+
+def check_vocabulary(prefixes: list[str], mask_token_id: int, padded_vocab_size: int) -> int:
+    """Refuse datasets with ids the model cannot take (beyond its vocabulary, or the MASK id); returns the max id."""
+    largest = -1
+    for prefix in prefixes:
+        max_id = dataset_stats(prefix).max_token_id
+        fix = ("rebuild it with the model's tokenizer, or give the --tokenizer-type/--tokenizer-model/--vocab-size "
+               "that built it")
+        if max_id >= padded_vocab_size:
+            raise ConfigError(f"--data-path {prefix}: token id {max_id} exceeds the model's vocabulary "
+                              f"({padded_vocab_size} padded ids); {fix}")
+        if max_id == mask_token_id:
+            raise ConfigError(f"--data-path {prefix}: token id {max_id} collides with the MASK id {mask_token_id}; "
+                              f"{fix}")
+        if max_id > mask_token_id:
+            raise ConfigError(f"--data-path {prefix}: token id {max_id} lies beyond the tokenizer's ids and the MASK "
+                              f"id {mask_token_id} (padding); {fix}")
+        largest = max(largest, max_id)
+    return largest
+
+
+def _remove(*paths: str) -> None:
+    for path in paths:
+        if os.path.exists(path):
+            os.remove(path)
+
+
+def write_indexed_dataset(documents: Iterable[list[int]], output_prefix: str, vocab_size: int) -> DatasetStats:
+    """Write `documents` (token id lists) as `output_prefix`.bin/.idx, verified, then renamed into place.
+
+    Written under a temporary name and read back (documents, tokens, ids < `vocab_size`) before the rename, so
+    a crash never leaves a half dataset under the real name. The old .idx goes first: an interruption between
+    the two renames leaves a .bin without .idx, which `check_data_prefixes` reports.
+    """
+    import torch
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
+
+    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
+    temporary = f"{output_prefix}.tmp{os.getpid()}"
+    num_documents = num_tokens = 0
+    try:
+        builder = IndexedDatasetBuilder(temporary + ".bin", dtype=DType.optimal_dtype(vocab_size))
+        for ids in documents:
+            if len(ids) == 0:
+                continue
+            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+            num_documents += 1
+            num_tokens += len(ids)
+        builder.finalize(temporary + ".idx")
+        stats = dataset_stats(temporary)
+        if (stats.num_documents, stats.num_tokens) != (num_documents, num_tokens) or stats.max_token_id >= vocab_size:
+            raise RuntimeError(f"{output_prefix}: read back {stats}, wrote {num_documents} documents and {num_tokens} "
+                               f"tokens with ids < {vocab_size}; nothing was replaced")
+        _remove(output_prefix + ".idx")
+        os.replace(temporary + ".bin", output_prefix + ".bin")
+        os.replace(temporary + ".idx", output_prefix + ".idx")
+        return stats
+    finally:
+        _remove(temporary + ".bin", temporary + ".idx")
+
+
+def _data_fingerprint(prefixes: list[str]) -> str:
+    """Changes whenever a dataset is rebuilt, so cached sample indices of an older build are never reused."""
+    digest = hashlib.md5(usedforsecurity=False)
+    for prefix in prefixes:
+        for path in (prefix + ".bin", prefix + ".idx"):
+            info = os.stat(path)
+            digest.update(f"{os.path.abspath(path)}:{info.st_size}:{info.st_mtime_ns};".encode())
+    return digest.hexdigest()[:16]
+
+
+def split_sizes(args: argparse.Namespace) -> list[int]:
+    """Samples each split must provide, as Megatron-LM counts them (train, valid every eval interval, test)."""
+    evaluations = args.train_iters // args.eval_interval + 1
+    return [args.train_iters * args.global_batch_size, evaluations * args.eval_iters * args.global_batch_size,
+            args.eval_iters * args.global_batch_size]
+
+
+def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: Callable[[], bool] | None = None):
+    """(train, valid, test) GPTDatasets of `L`-token samples (`None` for an empty split) from `--data-path`.
+
+    Checks paths and vocabulary first. Collective when torch.distributed is initialised (megatron-core builds
+    the index cache on rank 0 behind a barrier of the default group): call it on every rank. By default every
+    rank builds (reads) the data, since every block-parallel rank needs the same samples.
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    tokenizer = tokenizer or build_tokenizer(args)
+    prefixes, weights = parse_data_path(args.data_path)
+    if not prefixes:
+        raise ConfigError("--data-path is required (scripts/prepare_data.py builds the default dataset)")
+    check_data_prefixes(prefixes)
+    check_vocabulary(prefixes, tokenizer.vocab_size, padded_vocab_size(
+        tokenizer.vocab_size + 1, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size))
+    cache_root = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+    config = GPTDatasetConfig(
+        random_seed=args.seed, sequence_length=args.seq_length, blend=(prefixes, weights),
+        split=args.split or "969, 30, 1", path_to_cache=os.path.join(cache_root, _data_fingerprint(prefixes)),
+        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        create_attention_mask=False, add_extra_token_to_sequence=False, mmap_bin_files=True,
+    )
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, split_sizes(args), is_built_on_rank or (lambda: True), config)
+    return tuple(builder.build())

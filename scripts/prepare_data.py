@@ -1,0 +1,143 @@
+#!/usr/bin/env python
+"""Build a Megatron indexed dataset (.bin/.idx) from JSONL or plain-text files.
+
+With no arguments it builds the default dataset, `data/stdlib_bytes_text_document`, that
+`configs/tiny_cpu.yaml` trains on: real text present on every machine — this Python's standard-library
+sources (a sorted, deterministic list, about 4 MB) — byte-tokenized, one document per file.
+
+Inputs ending in `.jsonl`/`.json` hold one JSON object per line (text under `--json-key`); any other file
+is one document. A malformed line is reported as `file:line: why` and skipped (counted) or fatal, per
+`--on-bad-line`. The dataset is read back and checked before it replaces anything (see
+`megatron_csbp.data.write_indexed_dataset`).
+"""
+
+import argparse
+import json
+import os
+import sys
+import sysconfig
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULT_PREFIX = os.path.join("data", "stdlib_bytes_text_document")
+DEFAULT_MAX_BYTES = 4_000_000
+
+
+class BadInput(ValueError):
+    """A malformed input line or file (reported with file and line number)."""
+
+
+def stdlib_sources(max_bytes: int | None = DEFAULT_MAX_BYTES) -> list[str]:
+    """The standard library's .py files, sorted by relative path, up to `max_bytes` in total."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+    found = []
+    for directory, subdirectories, files in os.walk(root):
+        subdirectories[:] = sorted(d for d in subdirectories if d not in skip)
+        found += [os.path.relpath(os.path.join(directory, name), root) for name in files if name.endswith(".py")]
+    chosen, total = [], 0
+    for relative in sorted(found):
+        size = os.path.getsize(os.path.join(root, relative))
+        if max_bytes is not None and total + size > max_bytes:
+            break
+        chosen.append(os.path.join(root, relative))
+        total += size
+    return chosen
+
+
+def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
+    """Yield document texts; `report` gets one line per skipped bad line."""
+
+    def bad(where: str, why: str):
+        if on_bad_line == "error":
+            raise BadInput(f"{where}: {why} (use --on-bad-line skip to skip such lines)")
+        report(f"skipped {where}: {why}")
+
+    for path in paths:
+        if not os.path.isfile(path):
+            raise BadInput(f"{path}: no such input file")
+        if not path.endswith((".jsonl", ".json")):
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    yield handle.read()
+            except UnicodeDecodeError as error:
+                bad(path, f"not UTF-8 text ({error.reason} at byte {error.start})")
+            continue
+        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+            for number, line in enumerate(handle, start=1):
+                where = f"{path}:{number}"
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    bad(where, f"not valid JSON ({error.msg} at column {error.colno})")
+                    continue
+                if not isinstance(record, dict) or json_key not in record:
+                    bad(where, f"no '{json_key}' key (set --json-key)")
+                elif not isinstance(record[json_key], str):
+                    bad(where, f"'{json_key}' is a {type(record[json_key]).__name__}, not a string")
+                else:
+                    try:
+                        record[json_key].encode("utf-8")
+                    except UnicodeEncodeError:
+                        bad(where, "not UTF-8 text")
+                        continue
+                    yield record[json_key]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--input", nargs="+", default=None,
+                        help="JSONL (.jsonl/.json) or text files. Default: the Python standard library's sources.")
+    parser.add_argument("--output-prefix", default=None,
+                        help=f"Writes PREFIX.bin/.idx. Default: {DEFAULT_PREFIX} in the repository.")
+    parser.add_argument("--json-key", default="text", help="Key holding the text in each JSONL object.")
+    parser.add_argument("--on-bad-line", choices=("skip", "error"), default="error",
+                        help="A malformed JSONL line (or undecodable text file) is fatal (default) or skipped.")
+    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                        help="End every document with the EOD id (default on).")
+    parser.add_argument("--tokenizer-type", choices=("ByteLevelTokenizer", "HuggingFaceTokenizer"),
+                        default="ByteLevelTokenizer")
+    parser.add_argument("--tokenizer-model", default=None, help="Local tokenizer.json (HuggingFaceTokenizer).")
+    parser.add_argument("--vocab-size", type=int, default=None, help="Tokenizer ids before EOD (as in training).")
+    parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                        help="Only for the default corpus: standard-library bytes to take.")
+    parser.add_argument("--force", action="store_true", help="Rebuild even if a verified dataset is already there.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_csbp.arguments import ConfigError
+    from megatron_csbp.data import build_tokenizer, dataset_stats, write_indexed_dataset
+
+    args = build_parser().parse_args(argv)
+    args.make_vocab_size_divisible_by, args.tensor_model_parallel_size = 1, 1
+    prefix = args.output_prefix or os.path.join(REPO_ROOT, DEFAULT_PREFIX)
+    inputs = args.input or stdlib_sources(args.max_bytes)
+    try:
+        tokenizer = build_tokenizer(args)
+        if not args.force and os.path.exists(prefix + ".idx"):
+            stats = dataset_stats(prefix)
+            if stats.max_token_id < tokenizer.vocab_size:
+                print(f"{prefix}: already built ({stats.num_documents} documents, {stats.num_tokens} tokens); "
+                      f"--force rebuilds it")
+                return 0
+        eod = [tokenizer.eod] if args.append_eod else []
+        skipped = []
+
+        def report(line):
+            skipped.append(line)
+            print(line, file=sys.stderr)
+        texts = read_documents(inputs, args.json_key, args.on_bad_line, report)
+        stats = write_indexed_dataset((tokenizer.tokenize(text) + eod for text in texts if text), prefix,
+                                      tokenizer.vocab_size)
+    except (ConfigError, BadInput, OSError) as error:
+        print(f"prepare_data: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {prefix}.bin/.idx: {stats.num_documents} documents, {stats.num_tokens} tokens (verified)"
+          + (f", skipped {len(skipped)} bad line(s)" if skipped else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
