@@ -376,6 +376,8 @@ def _reason(pred: Prediction, cp_same_c: Prediction = None) -> str:
         said.append("no attention traffic, every rank recomputes the clean prefix")
     elif topo.c > 1:
         said.append("gathers K/V of all 2L rows, nothing hides it")
+    else:
+        said.append("no sequence sharding")
     if pred.ring_link != "none":
         said.append("ring inside a node" if pred.ring_link == "NVLink" else "ring crosses nodes")
     exposed = pred.exposed_attention_s + pred.exposed_other_comm_s
@@ -466,6 +468,13 @@ def paper_check(gpu: GPU, out=sys.stdout):
                for t in requested_topologies(fourteen, cluster, 1, 1, 8, 8)[:2]}
     print(f"  14B, CP8, 256K attention traffic per GPU per step: {traffic['cp']:.2f} -> {traffic['csbp']:.2f} GiB "
           "(published 210 -> 105)", file=out)
+    trend = []
+    for seq_length in (65536, 131072, 262144, 524288):
+        best = best_by_mode(plan(dataclasses.replace(fourteen, seq_length=seq_length), cluster))
+        if best["cp"] and best["csbp"]:
+            trend.append(f"{seq_length // 1024}K {best['csbp'].tokens_per_s / best['cp'].tokens_per_s:.3f}x")
+    print(f"  14B predicted speedup by context: {', '.join(trend)} (published DiffusionGemma: 1.25x at 64K -> "
+          "1.61x at 512K)", file=out)
     return records
 
 
@@ -550,27 +559,37 @@ def _gpu(args) -> GPU:
     return dataclasses.replace(GPU_PRESETS[args.gpu], **overrides)
 
 
-def main(argv=None, out=sys.stdout) -> list:
-    """Runs the planner; returns the records it printed (and wrote with `--json`)."""
-    args = parse_args(argv)
-    gpu = _gpu(args)
-    if args.paper_check:
-        records = paper_check(gpu, out)
-        if args.json:
-            with open(args.json, "w", encoding="utf-8") as stream:
-                json.dump(records, stream, indent=1)
-        return records
-    model = Model(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-                  seq_length=args.seq_length, block_size=args.bdlm_block_size, ffn_hidden_size=args.ffn_hidden_size,
-                  num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, vocab_size=args.vocab_size,
-                  swiglu=args.swiglu, untie_embeddings=args.untie_embeddings_and_output_weights,
-                  recompute=args.recompute_granularity,
-                  bytes_per_elem=2 if (args.bf16 or args.fp16) else 4, micro_batch_size=args.micro_batch_size,
-                  global_batch_size=args.global_batch_size, transport=args.csbp_transport)
-    tp, pp, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_block_parallel
-    gpus = args.gpus or tp * pp * (p or 1)
-    cluster = Cluster(gpus, args.gpus_per_node, gpu)
+def verdict(best: dict) -> list:
+    """Short sentences comparing the best layout of each mode."""
+    cp, csbp, bp = best["cp"], best["csbp"], best["bp"]
+    said = []
+    if cp and csbp:
+        saved = cp.exposed_attention_s - csbp.exposed_attention_s
+        said.append(f"CSBP {csbp.tokens_per_s / cp.tokens_per_s:.3f}x CP: it sends {csbp.attention_gib:.2f} GiB per "
+                    f"GPU per step vs {cp.attention_gib:.2f} (half at equal C), saving {saved:.3f} s of "
+                    f"exposed communication in a {cp.step_time_s:.3f} s step")
+    elif csbp:
+        said.append("CP does not fit in memory; CSBP does (it keeps L gathered K/V tokens per layer, not 2L)")
+    if bp is None:
+        said.append("BP does not fit in memory: every rank holds and recomputes the whole clean sequence")
+    elif csbp:
+        said.append(f"BP {bp.tokens_per_s / csbp.tokens_per_s:.2f}x CSBP: no attention traffic but "
+                    f"{bp.flops_per_rank / csbp.flops_per_rank:.2f}x the FLOPs per rank (replicated clean rows)")
+    return said
 
+
+def _model(args) -> Model:
+    return Model(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+                 seq_length=args.seq_length, block_size=args.bdlm_block_size, ffn_hidden_size=args.ffn_hidden_size,
+                 num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, vocab_size=args.vocab_size,
+                 swiglu=args.swiglu, untie_embeddings=args.untie_embeddings_and_output_weights,
+                 recompute=args.recompute_granularity, bytes_per_elem=2 if (args.bf16 or args.fp16) else 4,
+                 micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+                 transport=args.csbp_transport)
+
+
+def _print_setting(model: Model, cluster: Cluster, out):
+    gpu = cluster.gpu
     print(f"model: {model.num_layers} layers, hidden {model.hidden_size}, ffn {model.ffn_hidden_size}, "
           f"{model.num_attention_heads} heads / {model.num_query_groups} KV groups x {model.kv_channels}, "
           f"vocab {model.vocab_size}, L = {model.seq_length}, B = {model.block_size}, "
@@ -580,44 +599,63 @@ def main(argv=None, out=sys.stdout) -> list:
           f"x {gpu.achievable_fraction:g}, {gpu.hbm_gb:g} GB HBM ({gpu.usable_memory_fraction:.0%} usable), "
           f"NVLink {gpu.nvlink_gb_s:g} GB/s, inter-node {gpu.internode_gb_s:g} GB/s", file=out)
 
-    records = []
-    if p is not None:
-        c = args.context_block_parallel_clean_shards or p
-        print(f"\nattention traffic per GPU per step, your layout (TP{tp} PP{pp} P{p} C{c}):", file=out)
-        cp_pred = None
-        for topo in requested_topologies(model, cluster, tp, pp, p, c):
-            problem = topology_problem(model, cluster, topo)
-            if problem:
-                print(f"  {topo.mode:<4}  invalid: {problem}", file=out)
-                continue
-            pred = predict(model, cluster, topo)
-            cp_pred = pred if topo.mode == "cp" else cp_pred
-            pred.reason = _reason(pred, cp_pred)
-            print(f"  {topo.mode:<4} {pred.attention_gib:8.2f} GiB   step {pred.step_time_s:8.3f} s   "
-                  f"{pred.tokens_per_s:9.0f} tok/s   {pred.reason}", file=out)
-            records.append({**pred.record(), "requested": True})
 
-    preds = plan(model, cluster)
-    if not preds:
-        print(f"\nno valid layout of {cluster.gpus} GPUs for this model", file=out)
+def _print_requested(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c: int, out) -> list:
+    print(f"\nattention traffic per GPU per step, your layout (TP{tp} PP{pp} P{p} C{c}):", file=out)
+    records, cp = [], None
+    for topo in requested_topologies(model, cluster, tp, pp, p, c):
+        problem = topology_problem(model, cluster, topo)
+        if problem:
+            print(f"  {topo.mode:<4}  invalid: {problem}", file=out)
+            continue
+        pred = predict(model, cluster, topo)
+        cp = pred if topo.mode == "cp" else cp
+        pred.reason = _reason(pred, cp)
+        print(f"  {topo.mode:<4} {pred.attention_gib:8.2f} GiB   step {pred.step_time_s:8.3f} s   "
+              f"{pred.tokens_per_s:9.0f} tok/s   {pred.reason}", file=out)
+        records.append({**pred.record(), "requested": True})
+    return records
+
+
+def _print_plan(preds: list, top: int, out):
+    print(f"\nbest layouts of {len(preds)} valid ({sum(q.fits for q in preds)} fit in memory):", file=out)
+    print(f"  {'layout':<30} {'step s':>8} {'tok/s':>9} {'attn GiB':>9} {'mem GiB':>8}  why", file=out)
+    for q in preds[:top]:
+        print(f"  {q.topology.label():<30} {q.step_time_s:8.3f} {q.tokens_per_s:9.0f} {q.attention_gib:9.2f} "
+              f"{q.memory_bytes / GIB:8.1f}  {q.reason}", file=out)
+    print("best per mode (attention traffic per GPU per step):", file=out)
+    best = best_by_mode(preds)
+    for mode, q in best.items():
+        if q is None:
+            least = min((r.memory_bytes for r in preds if r.topology.mode == mode), default=None)
+            need = f" (needs at least {least / GIB:.1f} GiB)" if least else ""
+            print(f"  {mode:<4} does not fit in memory in any layout{need}", file=out)
+        else:
+            print(f"  {mode:<4} {q.attention_gib:8.2f} GiB   {q.topology.label()}   {q.tokens_per_s:9.0f} tok/s",
+                  file=out)
+    for sentence in verdict(best):
+        print(f"  {sentence}", file=out)
+
+
+def main(argv=None, out=sys.stdout) -> list:
+    """Runs the planner; returns the records it printed (and wrote with `--json`)."""
+    args = parse_args(argv)
+    gpu = _gpu(args)
+    if args.paper_check:
+        records = paper_check(gpu, out)
     else:
-        print(f"\nbest layouts of {len(preds)} valid ({sum(q.fits for q in preds)} fit in memory):", file=out)
-        print(f"  {'layout':<30} {'step s':>8} {'tok/s':>9} {'attn GiB':>9} {'mem GiB':>8}  why", file=out)
-        for q in preds[:args.top]:
-            print(f"  {q.topology.label():<30} {q.step_time_s:8.3f} {q.tokens_per_s:9.0f} {q.attention_gib:9.2f} "
-                  f"{q.memory_bytes / GIB:8.1f}  {q.reason}", file=out)
-        print("best per mode (attention traffic per GPU per step):", file=out)
-        best = best_by_mode(preds)
-        for mode, q in best.items():
-            if q is None:
-                smallest = min((r for r in preds if r.topology.mode == mode), key=lambda r: r.memory_bytes, default=None)
-                need = f" (needs at least {smallest.memory_bytes / GIB:.1f} GiB)" if smallest else ""
-                print(f"  {mode:<4} does not fit in memory in any layout{need}", file=out)
-            else:
-                print(f"  {mode:<4} {q.attention_gib:8.2f} GiB   {q.topology.label()}   {q.tokens_per_s:9.0f} tok/s",
-                      file=out)
-        if best["cp"] and best["csbp"]:
-            print(f"  predicted CSBP/CP speedup {best['csbp'].tokens_per_s / best['cp'].tokens_per_s:.3f}x", file=out)
+        model = _model(args)
+        tp, pp, p = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_block_parallel
+        cluster = Cluster(args.gpus or tp * pp * (p or 1), args.gpus_per_node, gpu)
+        _print_setting(model, cluster, out)
+        records = []
+        if p is not None:
+            records += _print_requested(model, cluster, tp, pp, p, args.context_block_parallel_clean_shards or p, out)
+        preds = plan(model, cluster)
+        if preds:
+            _print_plan(preds, args.top, out)
+        else:
+            print(f"\nno valid layout of {cluster.gpus} GPUs for this model", file=out)
         records += [{**q.record(), "requested": False} for q in preds]
     if args.json:
         with open(args.json, "w", encoding="utf-8") as stream:
