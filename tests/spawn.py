@@ -5,9 +5,13 @@ spawn once. The first failing rank's traceback is re-raised in the test process;
 deadline.
 """
 
+import io
 import os
+import queue
 import socket
 import traceback
+
+import torch
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -22,12 +26,12 @@ def free_port() -> int:
 def _rank_main(rank, world_size, port, fn, args, results):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
-    import torch
-
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        results.put((rank, "ok", fn(rank, world_size, *args)))
+        buffer = io.BytesIO()
+        torch.save(fn(rank, world_size, *args), buffer)  # plain bytes: no shared-memory handles to outlive us
+        results.put((rank, "ok", buffer.getvalue()))
     except BaseException:  # report everything, including assertion failures, to the parent
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -49,11 +53,11 @@ def run_ranks(fn, world_size, *args, timeout=300):
         for _ in range(world_size):
             rank, status, payload = results.get(timeout=timeout)
             if status == "ok":
-                collected[rank] = payload
+                collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors[rank] = payload
                 break  # the other ranks may now be stuck in a collective; do not wait for them
-    except Exception as exc:  # queue.Empty: the deadline passed
+    except queue.Empty as exc:
         missing = sorted(set(range(world_size)) - set(collected))
         raise TimeoutError(f"ranks {missing} produced no result within {timeout}s") from exc
     finally:

@@ -1,0 +1,40 @@
+"""A dense fp64 single-process reference of BDLM attention over all `2L` rows, written independently of the op.
+
+Row `i < L` is the noisy copy of token `i`, row `L + i` its clean copy; the mask is the table of the
+algorithm doc, spelled out pair by pair.
+"""
+
+import torch
+
+
+def bdlm_mask(seq_length: int, block_size: int) -> torch.Tensor:
+    """`[2L, 2L]` bool: may query row attend to key row."""
+    block = torch.arange(seq_length) // block_size
+    qb, kb = block.view(-1, 1), block.view(1, -1)
+    noisy_to_noisy = qb == kb
+    noisy_to_clean = kb < qb
+    clean_to_noisy = torch.zeros_like(noisy_to_noisy)
+    clean_to_clean = kb <= qb
+    return torch.cat([torch.cat([noisy_to_noisy, noisy_to_clean], 1), torch.cat([clean_to_noisy, clean_to_clean], 1)], 0)
+
+
+def dense_attention(query, key, value, seq_length, block_size, scale=None):
+    """`[2L, b, heads, d]` and `[2L, b, kv_heads, d]` -> `[2L, b, heads·d]`, fp64, K/V repeated for GQA."""
+    group = query.shape[2] // key.shape[2]
+    q = query.double().permute(1, 2, 0, 3)
+    k = key.double().repeat_interleave(group, dim=2).permute(1, 2, 0, 3)
+    v = value.double().repeat_interleave(group, dim=2).permute(1, 2, 0, 3)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~bdlm_mask(seq_length, block_size), float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v
+    return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def global_rows(layout) -> torch.Tensor:
+    """Indices into the `2L` reference rows of this rank's rows, in layout order."""
+    return torch.cat([layout.noisy_positions, layout.seq_length + layout.clean_positions])
+
+
+def relative_error(actual, expected) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()

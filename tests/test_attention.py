@@ -1,0 +1,210 @@
+"""The CSBP op and its baselines equal dense fp64 attention, forward and backward, and send exactly the bytes
+of the algorithm doc's table. One spawn per world size runs every topology of that size."""
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from attention_reference import dense_attention, global_rows, relative_error
+from spawn import run_ranks
+
+TOLERANCE = 1e-5
+TILE = 16  # small key tiles, so every case runs several tiles, masked and unmasked
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    mode: str  # csbp | cp | bp
+    seq_length: int
+    block_size: int
+    clean_shards: int
+    transport: str = "collective"
+    heads: int = 4
+    kv_heads: int = 2
+    batch: int = 2
+    head_dim: int = 8
+    options: dict = field(default_factory=dict, hash=False)
+    broken: str = ""  # a deliberately broken reduction: the comparison must then fail
+
+    @property
+    def transported_tokens(self):
+        """Tokens whose K/V one traversal of the ring moves: clean only for CSBP, both copies for CP."""
+        return {"csbp": self.seq_length, "cp": 2 * self.seq_length, "bp": 0}[self.mode]
+
+    def expected_bytes(self):
+        """Bytes one rank sends per layer, forward + backward (csbp-algorithm.md §6)."""
+        c = self.clean_shards
+        beta = 2 * self.kv_heads * self.head_dim * 4 * self.batch  # K+V, fp32, per token of every sample
+        hops = 2 if self.transport == "collective" else 3  # all-gather + reduce-scatter | K/V twice + dK/dV
+        return hops * self.transported_tokens * (c - 1) // c * beta if c > 1 else 0
+
+
+def make_layout(case, world_size, rank):
+    from megatron_csbp.layout import layout_for
+
+    return layout_for(case.mode, case.seq_length, case.block_size, world_size, case.clean_shards, rank,
+                      **case.options)
+
+
+def inputs(case, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * case.seq_length
+    shapes = [(rows, case.batch, case.heads, case.head_dim), (rows, case.batch, case.kv_heads, case.head_dim),
+              (rows, case.batch, case.kv_heads, case.head_dim), (rows, case.batch, case.heads * case.head_dim)]
+    return [torch.randn(shape, generator=gen) for shape in shapes]
+
+
+def _copy_instead_of_reduce_scatter(full, group):
+    """Negative control: hand each rank its own slice of the gradient without summing the other ranks'."""
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    return full.chunk(size)[me].clone(), None
+
+
+def _run_cases(rank, world_size, cases):
+    from megatron_csbp import comm, kernels, ops
+    from megatron_csbp.process_groups import new_block_parallel_groups
+
+    kernels._kernels["cpu"] = kernels.CPUKernels(tile=TILE)
+    group_cache = {}
+    results = {}
+    for case in cases:
+        layout = make_layout(case, world_size, rank)
+        if case.clean_shards not in group_cache and world_size > 1:
+            group_cache[case.clean_shards] = new_block_parallel_groups([list(range(world_size))], case.clean_shards,
+                                                                       dist.group.WORLD)
+        rows = global_rows(layout)
+        query, key, value, weight = (t[rows] for t in inputs(case))
+        query, key, value = (t.clone().requires_grad_() for t in (query, key, value))
+        # Each of the num_rings replicas of a clean row carries an equal share of its upstream gradient,
+        # as the model's loss would split it; their sum is the reference's.
+        weight[layout.num_noisy_rows:] /= layout.num_rings
+        reduce_scatter = comm.reduce_scatter_start
+        if case.broken == "reduce_scatter":
+            comm.reduce_scatter_start = _copy_instead_of_reduce_scatter
+        try:
+            with comm.count_bytes() as counter:
+                out = ops.context_sharded_block_attention(query, key, value, layout, group_cache.get(case.clean_shards),
+                                                          transport=case.transport)
+                (out * weight).sum().backward()
+        finally:
+            comm.reduce_scatter_start = reduce_scatter
+        results[case.name] = (rows, out.detach(), query.grad, key.grad, value.grad, counter.bytes_sent)
+    return results
+
+
+def compare(case, per_rank):
+    """Relative errors of output and Q/K/V gradients against the dense reference, plus bytes sent per rank."""
+    query, key, value, weight = inputs(case)
+    reference_inputs = [t.double().requires_grad_() for t in (query, key, value)]
+    reference = dense_attention(*reference_inputs, case.seq_length, case.block_size)
+    (reference * weight.double()).sum().backward()
+    out = torch.zeros_like(reference)
+    grads = [torch.zeros_like(t, dtype=torch.float64) for t in reference_inputs]
+    for rows, rank_out, *rank_grads, _ in (result[case.name] for result in per_rank):
+        out[rows] = rank_out.double()
+        for total, grad in zip(grads, rank_grads):
+            total.index_add_(0, rows, grad.double())  # clean replicas each hold part of a clean token's grad
+    errors = {"out": relative_error(out, reference)}
+    errors.update({name: relative_error(g, t.grad) for name, g, t in zip("qkv", grads, reference_inputs)})
+    return errors, [result[case.name][-1] for result in per_rank]
+
+
+CASES = {
+    1: [Case("single_rank", "csbp", 32, 8, 1), Case("single_rank_streaming", "csbp", 32, 8, 1, "streaming")],
+    2: [
+        Case("csbp_gqa", "csbp", 64, 8, 2),
+        Case("csbp_gqa_streaming", "csbp", 64, 8, 2, "streaming"),
+        Case("csbp_mha", "csbp", 64, 8, 2, heads=2, kv_heads=2),
+        Case("csbp_mha_streaming", "csbp", 64, 8, 2, "streaming", heads=2, kv_heads=2),
+        Case("csbp_contiguous_clean", "csbp", 64, 8, 2, options={"clean_layout": "contiguous"}),
+        Case("csbp_contiguous_clean_streaming", "csbp", 64, 8, 2, "streaming", options={"clean_layout": "contiguous"}),
+        Case("csbp_contiguous_schedule", "csbp", 64, 8, 2, options={"schedule": "contiguous"}),
+        Case("csbp_odd_blocks", "csbp", 72, 8, 2),
+        Case("csbp_odd_blocks_streaming", "csbp", 72, 8, 2, "streaming"),
+        Case("csbp_blocks_equal_ranks", "csbp", 16, 8, 2),
+        Case("cp", "cp", 64, 8, 2),
+        Case("cp_streaming", "cp", 64, 8, 2, "streaming"),
+        Case("bp", "bp", 64, 8, 1),
+        Case("negative_control", "csbp", 64, 8, 2, broken="reduce_scatter"),
+    ],
+    4: [
+        Case("csbp_p4", "csbp", 64, 4, 4),
+        Case("csbp_p4_streaming", "csbp", 64, 4, 4, "streaming"),
+        Case("csbp_p4_c2", "csbp", 64, 4, 2),
+        Case("csbp_p4_c2_streaming", "csbp", 64, 4, 2, "streaming"),
+        Case("csbp_p4_c2_mha", "csbp", 64, 4, 2, heads=2, kv_heads=2),
+        Case("csbp_p4_greedy_blocks", "csbp", 48, 8, 4),  # NB = 6 < 2P-1
+        Case("csbp_p4_odd_blocks", "csbp", 56, 8, 4),  # NB = 7
+        Case("csbp_p4_blocks_equal_ranks", "csbp", 32, 8, 4),
+        Case("csbp_p4_contiguous_clean_c2", "csbp", 64, 4, 2, "streaming", options={"clean_layout": "contiguous"}),
+        Case("cp_p4", "cp", 64, 4, 4),
+        Case("cp_p4_streaming", "cp", 64, 4, 4, "streaming"),
+        Case("bp_p4", "bp", 64, 4, 1),
+        Case("negative_control_p4_c2", "csbp", 64, 4, 2, broken="reduce_scatter"),
+    ],
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def topology(request):
+    world_size = request.param
+    cases = CASES[world_size]
+    if world_size == 1:
+        return cases, [_run_single(cases)]
+    return cases, run_ranks(_run_cases, world_size, cases, timeout=600)
+
+
+def _run_single(cases):
+    import megatron_csbp.kernels as kernels
+
+    saved = kernels._kernels.pop("cpu", None)
+    try:
+        return _run_cases(0, 1, cases)
+    finally:
+        kernels._kernels.pop("cpu", None)
+        if saved is not None:
+            kernels._kernels["cpu"] = saved
+
+
+def test_outputs_and_gradients_match_dense_reference(topology):
+    cases, per_rank = topology
+    failures = []
+    for case in cases:
+        errors, _ = compare(case, per_rank)
+        worst = max(errors.values())
+        if case.broken:
+            assert worst > 1e-2, f"{case.name}: a broken {case.broken} went unnoticed ({errors})"
+        elif worst > TOLERANCE:
+            failures.append(f"{case.name}: {errors}")
+    assert not failures, "\n".join(failures)
+
+
+def test_bytes_sent_equal_the_formulas(topology):
+    cases, per_rank = topology
+    for case in cases:
+        if case.broken:
+            continue
+        _, sent = compare(case, per_rank)
+        assert sent == [case.expected_bytes()] * len(per_rank), f"{case.name}: {sent} != {case.expected_bytes()}"
+
+
+def test_csbp_sends_half_of_conventional_cp():
+    csbp, cp = Case("a", "csbp", 1024, 16, 4), Case("b", "cp", 1024, 16, 4)
+    assert 2 * csbp.expected_bytes() == cp.expected_bytes() > 0
+
+
+def test_bad_calls_are_refused():
+    from megatron_csbp.layout import CSBPLayout
+    from megatron_csbp.ops import context_sharded_block_attention
+
+    layout = CSBPLayout(32, 8, 1, 1)
+    q, k = torch.zeros(64, 1, 4, 8), torch.zeros(64, 1, 3, 8)
+    with pytest.raises(ValueError, match="transport"):
+        context_sharded_block_attention(q, q, q, layout, transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="K/V heads"):
+        context_sharded_block_attention(q, k, k, layout)
+    with pytest.raises(ValueError, match="64 rows"):
+        context_sharded_block_attention(q[:32], q[:32], q[:32], layout)
