@@ -16,9 +16,11 @@ The model, in one place so it can be argued with:
   exposed; the distributed optimizer's gradient reduce-scatter and parameter all-gather over the
   DP×P group hide behind one micro-batch of compute; the 1F1B bubble is `(PP-1)` micro-batch times;
 * memory: bf16 weights, fp32 main grads, fp32 master weights and Adam moments sharded over DP×P
-  (distributed optimizer), activations with sequence parallelism (full recompute keeps each layer's
-  input plus one layer's working set), the gathered K/V a layer keeps for its backward, and the
-  fp32 softmax of the noisy rows' logits.
+  (distributed optimizer); activations with sequence parallelism: every layer's saved tensors and
+  gathered K/V (selective or no recompute; flash kernels keep no `L²` scores), or each layer's input
+  plus the larger of one layer's working set and the noisy rows' logits with their fp32 copy
+  (full recompute; the loss's backward frees the logits before any layer's backward runs).
+Everything is per GPU per step; one micro-batch per DP replica unless `--global-batch-size` is set.
 """
 
 import argparse
