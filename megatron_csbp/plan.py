@@ -567,9 +567,9 @@ def verdict(best: dict) -> list:
     said = []
     if cp and csbp:
         saved = cp.exposed_attention_s - csbp.exposed_attention_s
-        said.append(f"CSBP {csbp.tokens_per_s / cp.tokens_per_s:.3f}x CP: it sends {csbp.attention_gib:.2f} GiB per "
-                    f"GPU per step vs {cp.attention_gib:.2f} (half at equal C), saving {saved:.3f} s of "
-                    f"exposed communication in a {cp.step_time_s:.3f} s step")
+        said.append(f"CSBP {csbp.tokens_per_s / cp.tokens_per_s:.3f}x CP: at equal C it sends half the attention "
+                    f"bytes; best layouts send {csbp.attention_gib:.2f} vs {cp.attention_gib:.2f} GiB per GPU per "
+                    f"step, saving {saved:.3f} s of exposed communication in a {cp.step_time_s:.3f} s step")
     elif csbp:
         said.append("CP does not fit in memory; CSBP does (it keeps L gathered K/V tokens per layer, not 2L)")
     if bp is None:
@@ -596,7 +596,8 @@ def _print_setting(model: Model, cluster: Cluster, out):
           f"{model.num_attention_heads} heads / {model.num_query_groups} KV groups x {model.kv_channels}, "
           f"vocab {model.vocab_size}, L = {model.seq_length}, B = {model.block_size}, "
           f"recompute {model.recompute or 'none'}, {'bf16' if model.bytes_per_elem == 2 else 'fp32'}, "
-          f"micro-batch {model.micro_batch_size}, {model.transport} transport", file=out)
+          f"micro-batch {model.micro_batch_size}, {model.transport} transport"
+          f"{'' if model.bytes_per_elem == 2 else ' (FLOP rate is still the bf16 peak)'}", file=out)
     print(f"cluster: {cluster.gpus} x {gpu.name} ({cluster.gpus_per_node} per node), {gpu.bf16_tflops:g} TFLOP/s "
           f"x {gpu.achievable_fraction:g}, {gpu.hbm_gb:g} GB HBM ({gpu.usable_memory_fraction:.0%} usable), "
           f"NVLink {gpu.nvlink_gb_s:g} GB/s, inter-node {gpu.internode_gb_s:g} GB/s", file=out)
