@@ -1,0 +1,184 @@
+"""Argument wiring, Megatron-LM defaults, derived values, and every refusal of `validate_args`."""
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from megatron_csbp.arguments import ConfigError, add_csbp_args, build_parser, parse_data_path, validate_args
+
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--data-path", "unused/prefix",
+        "--bdlm-block-size", "8"]
+
+
+def parse(*extra):
+    return build_parser().parse_args(BASE + list(extra))
+
+
+def validate(*extra, world=1, **kwargs):
+    kwargs.setdefault("on_accelerator", False)
+    kwargs.setdefault("check_paths", False)
+    return validate_args(parse(*extra), world, **kwargs)
+
+
+def test_plugin_flags_land_with_their_types():
+    args = parse("--context-block-parallel", "4", "--context-block-parallel-clean-shards", "2",
+                 "--bdlm-objective", "fast-dllm-v2", "--bdlm-loss-weighting", "inverse-t",
+                 "--bdlm-noise-range", "0.05", "0.9", "--bdlm-noise-sampling", "iid", "--bdlm-parallel-mode", "bp",
+                 "--csbp-transport", "streaming", "--csbp-block-schedule", "contiguous",
+                 "--csbp-clean-layout", "contiguous", "--max-consecutive-bad-steps", "7",
+                 "--distributed-timeout-minutes", "2", "--config", "x.yaml")
+    assert args.context_block_parallel == 4 and args.context_parallel_size == 4
+    assert args.context_block_parallel_clean_shards == 2 and args.bdlm_block_size == 8
+    assert (args.bdlm_objective, args.bdlm_loss_weighting, args.bdlm_noise_sampling) == ("fast-dllm-v2", "inverse-t",
+                                                                                          "iid")
+    assert args.bdlm_noise_range == [0.05, 0.9] and all(isinstance(t, float) for t in args.bdlm_noise_range)
+    assert (args.bdlm_parallel_mode, args.csbp_transport) == ("bp", "streaming")
+    assert (args.csbp_block_schedule, args.csbp_clean_layout) == ("contiguous", "contiguous")
+    assert args.max_consecutive_bad_steps == 7 and args.distributed_timeout_minutes == 2
+    assert args.config == "x.yaml"
+
+
+def test_megatron_defaults_and_ours():
+    args = parse()
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size) == (1, 1, 1)
+    assert (args.lr_decay_style, args.min_lr, args.lr_warmup_iters, args.weight_decay) == ("linear", 0.0, 0, 0.01)
+    assert (args.adam_beta1, args.adam_beta2, args.clip_grad, args.seed) == (0.9, 0.999, 1.0, 1234)
+    assert (args.eval_interval, args.eval_iters, args.log_interval) == (1000, 100, 100)
+    assert (args.attention_dropout, args.hidden_dropout, args.init_method_std) == (0.1, 0.1, 0.02)
+    assert (args.num_query_groups, args.make_vocab_size_divisible_by, args.rotary_base) == (1, 128, 10000)
+    assert args.normalization == "LayerNorm" and args.add_bias_linear and not args.bf16
+    assert args.distributed_timeout_minutes == 10
+    assert args.calculate_per_token_loss is True  # ours: always on (Megatron-LM's default is off)
+    assert parse("--calculate-per-token-loss").calculate_per_token_loss is True
+    assert parse("--disable-bias-linear").add_bias_linear is False
+    assert (args.bdlm_objective, args.bdlm_parallel_mode, args.csbp_transport) == ("bd3lm", "csbp", "collective")
+
+
+def test_extra_args_provider_reuses_megatron_flags():
+    megatron_like = argparse.ArgumentParser()
+    megatron_like.add_argument("--context-parallel-size", type=int, default=1)
+    megatron_like.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    add_csbp_args(megatron_like)  # no conflicting-option error
+    args = megatron_like.parse_args(["--context-block-parallel", "4", "--distributed-timeout-minutes", "3"])
+    assert (args.context_parallel_size, args.context_block_parallel, args.distributed_timeout_minutes) == (4, 4, 3)
+    bare = add_csbp_args(argparse.ArgumentParser()).parse_args([])
+    assert bare.distributed_timeout_minutes == 10
+
+
+def test_validate_fills_derived_values():
+    args = validate("--context-block-parallel", "2", "--tensor-model-parallel-size", "2", "--swiglu",
+                    "--micro-batch-size", "2", "--sequence-parallel", world=8)
+    assert (args.context_block_parallel, args.context_block_parallel_clean_shards) == (2, 2)
+    assert (args.data_parallel_size, args.global_batch_size) == (2, 4)
+    assert args.ffn_hidden_size == int(4 * 64 * 2 / 3 / 64) * 64 and args.kv_channels == 16
+    assert args.num_query_groups == 4 and args.max_position_embeddings == 64 and args.lr_decay_iters == 10
+    assert args.bdlm_loss_weighting == "inverse-t" and args.split == "969, 30, 1" and args.sequence_parallel
+    assert validate("--bdlm-objective", "fast-dllm-v2").bdlm_loss_weighting == "unit"
+    assert validate("--context-block-parallel", "4", "--bdlm-parallel-mode", "bp",
+                    world=4).context_block_parallel_clean_shards == 1
+    assert validate("--sequence-parallel").sequence_parallel is False  # as Megatron-LM: no SP without TP
+    assert validate("--context-parallel-size", "2", world=2).context_block_parallel == 2
+    assert validate("--bf16", "--use-distributed-optimizer", on_accelerator=True).bf16
+
+
+@pytest.mark.parametrize("extra, world, needles", [
+    (["--seq-length", "100"], 1, ["--seq-length 100 is not a multiple of --bdlm-block-size 8", "--seq-length 96"]),
+    (["--seq-length", "32", "--context-block-parallel", "8"], 8,
+     ["--seq-length 32 has 4 blocks", "--context-block-parallel 8", ">= 64"]),
+    (["--context-block-parallel", "2"], 3, ["--context-block-parallel 2", "does not divide the world size 3"]),
+    (["--tensor-model-parallel-size", "2", "--context-block-parallel", "2"], 6, ["= 4 does not divide the world size 6"]),
+    (["--context-block-parallel", "4", "--context-block-parallel-clean-shards", "3"], 4,
+     ["--context-block-parallel 4 is not a multiple of --context-block-parallel-clean-shards 3"]),
+    (["--tensor-model-parallel-size", "3"], 3, ["--tensor-model-parallel-size 3 does not divide --num-attention-heads 4"]),
+    (["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "2",
+      "--tensor-model-parallel-size", "4"], 4, ["does not divide --num-query-groups 2"]),
+    (["--num-attention-heads", "8", "--group-query-attention", "--num-query-groups", "3"], 1,
+     ["--num-attention-heads 8 is not a multiple of --num-query-groups 3"]),
+    (["--micro-batch-size", "2", "--global-batch-size", "5"], 1,
+     ["--global-batch-size 5 is not a multiple of --micro-batch-size 2 x data-parallel size 1"]),
+    (["--micro-batch-size", "2", "--global-batch-size", "6"], 2, ["use a multiple of 4"]),
+    (["--bdlm-noise-range", "0", "0.5"], 1, ["--bdlm-noise-range 0.0 0.5", "0 < T_MIN <= T_MAX <= 1"]),
+    (["--bdlm-noise-range", "0.6", "0.2"], 1, ["--bdlm-noise-range 0.6 0.2"]),
+    (["--bdlm-noise-range", "0.1", "1.5"], 1, ["--bdlm-noise-range 0.1 1.5"]),
+    (["--seq-length", "18", "--bdlm-block-size", "3", "--context-block-parallel", "2"], 2,
+     ["cannot be cut into 4 equal clean chunks", "--csbp-clean-layout zigzag", "multiple of 4"]),
+    (["--seq-length", "48", "--bdlm-block-size", "16", "--context-block-parallel", "2", "--bdlm-parallel-mode", "cp"], 2,
+     ["--bdlm-parallel-mode cp", "multiple of 32"]),
+    (["--context-block-parallel", "2", "--context-block-parallel-clean-shards", "2", "--bdlm-parallel-mode", "bp"], 2,
+     ["--bdlm-parallel-mode bp", "clean-shards 2"]),
+    (["--context-block-parallel", "4", "--context-parallel-size", "2"], 4,
+     ["--context-block-parallel 4 contradicts --context-parallel-size 2"]),
+    (["--bf16"], 1, ["--bf16 needs a GPU", "drop --bf16"]),
+    (["--fp16"], 1, ["--fp16 needs a GPU"]),
+    (["--use-distributed-optimizer"], 1, ["--use-distributed-optimizer needs a GPU"]),
+    (["--pipeline-model-parallel-size", "3"], 3, ["--pipeline-model-parallel-size 3 does not divide --num-layers 2"]),
+    (["--max-position-embeddings", "32"], 1, ["--max-position-embeddings 32 is below --seq-length 64"]),
+    (["--recompute-granularity", "full"], 1, ["--recompute-granularity full needs --recompute-method"]),
+    (["--micro-batch-size", "0"], 1, ["--micro-batch-size must be >= 1"]),
+    (["--tokenizer-type", "HuggingFaceTokenizer"], 1, ["needs --tokenizer-model"]),
+])
+def test_refusals_name_the_flag_and_the_fix(extra, world, needles):
+    with pytest.raises(ConfigError) as caught:
+        validate(*extra, world=world)
+    message = str(caught.value)
+    assert "\n" not in message
+    for needle in needles:
+        assert needle in message
+
+
+def test_bf16_and_fp16_are_exclusive_even_on_a_gpu():
+    with pytest.raises(ConfigError, match="--bf16 and --fp16 are exclusive"):
+        validate("--bf16", "--fp16", on_accelerator=True)
+
+
+def test_required_flags():
+    args = build_parser().parse_args(["--num-layers", "2"])
+    with pytest.raises(ConfigError, match="--hidden-size is required"):
+        validate_args(args, 1, on_accelerator=False, check_paths=False)
+    with pytest.raises(ConfigError, match="--data-path is required"):
+        validate_args(build_parser().parse_args(BASE[:-4] + ["--bdlm-block-size", "8"]), 1, check_paths=False)
+
+
+@pytest.mark.parametrize("flag, value", [("--bdlm-objective", "bd4lm"), ("--bdlm-loss-weighting", "sqrt"),
+                                         ("--bdlm-parallel-mode", "ring"), ("--csbp-transport", "p2p")])
+def test_unknown_choices_are_refused_by_argparse(flag, value, capsys):
+    with pytest.raises(SystemExit):
+        parse(flag, value)
+    error = capsys.readouterr().err
+    assert flag in error and f"invalid choice: '{value}'" in error
+
+
+def test_data_path_weights_and_files(tmp_path):
+    assert parse_data_path(["a"]) == (["a"], None)
+    assert parse_data_path(["0.3", "a", "0.7", "b"]) == (["a", "b"], [0.3, 0.7])
+    with pytest.raises(ConfigError, match="weighted datasets come in pairs"):
+        parse_data_path(["0.3", "a", "0.7"])
+    with pytest.raises(ConfigError, match="w1 prefix1 w2 prefix2"):
+        parse_data_path(["a", "b"])
+    prefix = str(tmp_path / "corpus")
+    with pytest.raises(ConfigError, match=f"--data-path {prefix}: no {prefix}.bin"):
+        validate("--data-path", prefix, check_paths=True)
+    (tmp_path / "corpus.bin").write_bytes(b"\0\0")
+    with pytest.raises(ConfigError, match=r"corpus.bin has no .*corpus.idx beside it"):
+        validate("--data-path", prefix, check_paths=True)
+    with pytest.raises(ConfigError, match="without the extension"):
+        validate("--data-path", prefix + ".bin", check_paths=True)
+    (tmp_path / "corpus.idx").write_bytes(b"")
+    assert validate("--data-path", prefix, check_paths=True).data_prefixes == [prefix]
+    with pytest.raises(ConfigError, match="--tokenizer-model .*: no such file"):
+        validate("--data-path", prefix, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                 str(tmp_path / "tokenizer.json"), check_paths=True)
+
+
+def test_config_error_is_one_line_without_traceback():
+    code = ("from megatron_csbp.arguments import build_parser, validate_args\n"
+            f"validate_args(build_parser().parse_args({BASE + ['--seq-length', '100']!r}), 1, check_paths=False)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert "Traceback" not in done.stderr
+    assert done.stderr.strip().splitlines() == [
+        "--seq-length 100 is not a multiple of --bdlm-block-size 8; use --seq-length 96 or a block size dividing 100"]
+    assert isinstance(ConfigError("x"), ValueError)

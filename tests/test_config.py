@@ -1,0 +1,149 @@
+"""`--config FILE.yaml`: keys and sections, overrides and their precedence, bad files, and the shipped recipes."""
+
+import argparse
+import os
+
+import pytest
+
+from megatron_csbp.arguments import ConfigError, add_csbp_args, validate_args
+from megatron_csbp.config import expand_argv, load_config, parse_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+GOOD = """
+num-layers: 2
+hidden_size: 64
+num-attention-heads: 4
+seq-length: 64
+micro-batch-size: 1
+train-iters: 10
+lr: 1e-3
+bf16: true
+data-path: [0.25, data/a, 0.75, data/b]
+save: runs/x
+bdlm:
+  block-size: 8
+  noise-range: [0.01, 1.0]
+  bdlm-objective: fast-dllm-v2
+csbp:
+  context-block-parallel: 2
+  transport: streaming
+  clean-shards: 1
+"""
+
+
+def write(tmp_path, text, name="run.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_yaml_keys_sections_and_types(tmp_path):
+    args = parse_args(["--config", write(tmp_path, GOOD)])
+    assert (args.num_layers, args.hidden_size, args.seq_length, args.lr) == (2, 64, 64, 1e-3)
+    assert args.bf16 is True and args.data_path == ["0.25", "data/a", "0.75", "data/b"]
+    assert (args.bdlm_block_size, args.bdlm_noise_range, args.bdlm_objective) == (8, [0.01, 1.0], "fast-dllm-v2")
+    assert (args.context_block_parallel, args.context_parallel_size, args.csbp_transport) == (2, 2, "streaming")
+    assert args.context_block_parallel_clean_shards == 1 and args.config.endswith("run.yaml")
+    assert args.config_overridden == []
+
+
+def test_precedence_yaml_then_overrides_then_flags(tmp_path):
+    path = write(tmp_path, GOOD)
+    args = parse_args(["--config", path, "seq-length=128", "bf16=false", "save=null", "bdlm-noise-range=0.1 0.5",
+                       "--lr", "5e-4", "lr=7e-4", "--context-block-parallel", "4"])
+    assert args.seq_length == 128 and args.bf16 is False and args.save is None
+    assert args.bdlm_noise_range == [0.1, 0.5]
+    assert args.lr == 5e-4  # an ordinary flag beats a key=value override of the same key
+    assert (args.context_block_parallel, args.context_parallel_size) == (4, 4)
+    assert args.config_overridden == ["bdlm-noise-range", "bf16", "context-block-parallel", "lr", "save",
+                                      "seq-length"]
+    # A YAML value contradicting a flag given on the command line: the command line wins, whatever the order.
+    assert parse_args(["--seq-length", "256", "--config", path]).seq_length == 256
+    assert parse_args(["--config=" + path, "--seq-length=32"]).seq_length == 32
+    # A CLI override can turn on what the YAML leaves off; without a config, key=value still works.
+    assert parse_args(["num-layers=3", "--swiglu"]).num_layers == 3
+
+
+def test_overrides_are_not_confused_with_flag_values(tmp_path):
+    argv = expand_argv(["--save", "runs/a=b", "--data-path", "0.5", "x", "0.5", "y", "seq-length=32"])
+    assert argv == ["--seq-length", "32", "--save", "runs/a=b", "--data-path", "0.5", "x", "0.5", "y"]
+
+
+@pytest.mark.parametrize("text, needles", [
+    ("seq-lenght: 64\n", ["unknown key 'seq-lenght'", "did you mean 'seq-length'"]),
+    ("bdlm:\n  blok-size: 8\n", ["unknown key 'bdlm.blok-size'", "did you mean 'bdlm-block-size'"]),
+    ("zzzzzz: 1\n", ["unknown key 'zzzzzz'", "--help"]),
+    ("- num-layers: 2\n", ["expected a mapping of flag names", "got a list"]),
+    ("just a string\n", ["expected a mapping", "got a str"]),
+    ("num-layers: [2, 4]\n", ["'num-layers' expects a number (int), got list"]),
+    ("num-layers: two\n", ["'num-layers' expects int, got 'two'"]),
+    ("num-layers: true\n", ["'num-layers' expects a number (int), got bool"]),
+    ("lr: {a: 1}\n", ["'lr' expects a number (float), got dict"]),
+    ("bdlm-noise-range: [0.1, 0.2, 0.3]\n", ["'bdlm-noise-range' expects a list of 2 values"]),
+    ("bf16: yes please\n", ["'bf16' is a switch; give true or false"]),
+    ("calculate-per-token-loss: false\n", ["always on"]),
+    ("bdlm-objective: bd4lm\n", ["'bdlm-objective' is 'bd4lm'; choose one of bd3lm, fast-dllm-v2"]),
+    ("seq-length: 64\nseq_length: 128\n", ["'seq-length' is given twice"]),
+    ("num-layers: [2\n", ["not valid YAML"]),
+])
+def test_bad_yaml_is_refused_with_the_file_name(tmp_path, text, needles):
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError) as caught:
+        parse_args(["--config", path])
+    message = str(caught.value)
+    assert message.startswith(path) and "\n" not in message
+    for needle in needles:
+        assert needle in message
+
+
+def test_bad_config_flag_and_override(tmp_path):
+    with pytest.raises(ConfigError, match="--config .*missing.yaml: no such file"):
+        parse_args(["--config", str(tmp_path / "missing.yaml")])
+    path = write(tmp_path, "num-layers: 2\n")
+    with pytest.raises(ConfigError, match="given 2 times"):
+        parse_args(["--config", path, "--config", path])
+    with pytest.raises(ConfigError, match="unknown key 'seq-lenth' .*did you mean 'seq-length'"):
+        parse_args(["--config", path, "seq-lenth=64"])
+    with pytest.raises(ConfigError, match="'num-layers' expects int, got 'x'"):
+        parse_args(["num-layers=x"])
+    assert parse_args(["--config", write(tmp_path, "", "empty.yaml")]).num_layers is None
+
+
+def test_expand_argv_with_a_megatron_lm_style_parser(tmp_path):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seq-length", type=int)
+    parser.add_argument("--context-parallel-size", type=int, default=1)
+    parser.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    add_csbp_args(parser)
+    path = write(tmp_path, "seq-length: 64\ncsbp:\n  context-block-parallel: 2\n")
+    args = parser.parse_args(expand_argv(["--config", path, "seq-length=128"], parser))
+    assert (args.seq_length, args.context_parallel_size, args.config) == (128, 2, path)
+    with pytest.raises(ConfigError, match="unknown key 'num-layers'"):
+        expand_argv(["--config", write(tmp_path, "num-layers: 2\n", "other.yaml")], parser)
+
+
+@pytest.mark.parametrize("name, world, gpu", [("tiny_cpu", 2, False), ("nemotron_diffusion_3b_64k", 8, True),
+                                              ("nemotron_diffusion_8b_256k", 16, True),
+                                              ("nemotron_diffusion_14b_256k", 16, True)])
+def test_shipped_configs_parse_and_validate(name, world, gpu):
+    path = os.path.join(REPO, "configs", f"{name}.yaml")
+    assert load_config(path)
+    args = validate_args(parse_args(["--config", path]), world, on_accelerator=gpu, check_paths=False)
+    assert args.context_block_parallel >= 2 and args.bdlm_parallel_mode == "csbp"
+    assert args.data_path == ["data/stdlib_bytes_text_document"]
+    if gpu:
+        assert args.bf16 and args.recompute_granularity == "full" and args.use_distributed_optimizer
+        with pytest.raises(ConfigError, match="--bf16 needs a GPU"):
+            validate_args(parse_args(["--config", path]), world, on_accelerator=False, check_paths=False)
+    else:
+        assert args.num_layers * 12 * args.hidden_size ** 2 < 10_000_000  # a few million parameters
+    with pytest.raises(ConfigError, match="does not divide the world size"):
+        validate_args(parse_args(["--config", path]), world + 1, on_accelerator=gpu, check_paths=False)
+
+
+def test_recipes_scale():
+    small = parse_args(["--config", os.path.join(REPO, "configs", "nemotron_diffusion_3b_64k.yaml")])
+    large = parse_args(["--config", os.path.join(REPO, "configs", "nemotron_diffusion_8b_256k.yaml")])
+    assert (small.seq_length, small.context_block_parallel) == (65536, 4)
+    assert (large.seq_length, large.tensor_model_parallel_size, large.context_block_parallel) == (262144, 2, 8)
