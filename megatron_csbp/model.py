@@ -1,0 +1,172 @@
+"""The BDLM GPT model: a megatron-core `GPTModel` over this rank's `[noisy ; clean]` CSBP rows.
+
+What differs from a plain `GPTModel`, and why:
+* RoPE takes each row's global position from the layout (`row_positions`), so a token's noisy and
+  clean copy share one position, on every pipeline stage; Megatron's RoPE would number the local rows
+  `0..rows*cp` and zigzag-slice them by CP rank, which is wrong for CSBP rows.
+* The LM head runs over noisy rows only (clean rows carry no loss: half the head FLOPs saved), with
+  the MASK logit set to -inf on the TP rank that owns that vocabulary column.
+* Under sequence parallelism the row count is padded to a multiple of TP; padded rows have position
+  0, see no attention and never reach the head.
+
+Contract with `megatron_csbp.bdlm`: `model(input_ids [b, rows], position_ids [b, rows],
+attention_mask=None, labels=x0 of noisy rows [b, n_noisy])` returns per-token cross-entropy
+`[b, n_noisy]` on the last pipeline stage, or the logits `[b, n_noisy, V/tp]` when `labels` is None.
+"""
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+from megatron_csbp import spec as csbp_spec
+
+
+def padded_row_count(layout, config) -> int:
+    """Rows each rank runs through the model: the layout's, padded to a multiple of TP under SP."""
+    multiple = config.tensor_model_parallel_size if config.sequence_parallel else 1
+    return -(-layout.num_rows // multiple) * multiple
+
+
+def pipeline_seq_length(layout, config) -> int:
+    """The `seq_length` to give `get_forward_backward_func()(...)`: Megatron divides it by the CP size
+    (and TP under SP) to size the pipeline's activation messages."""
+    return padded_row_count(layout, config) * layout.block_parallel_size
+
+
+def validate_config(config, layout, vocab_size=None, mask_token_id=None) -> None:
+    """Refuses, before any work, the settings CSBP cannot honour; each message names the flag and fix."""
+    def require(condition, message):
+        if not condition:
+            raise ValueError(message)
+
+    require(config.calculate_per_token_loss,
+            "BDLM needs --calculate-per-token-loss (calculate_per_token_loss=True): the loss is normalised by "
+            "the token count of the global batch; a mean of per-rank means gives wrong gradients")
+    require(config.context_parallel_size == layout.block_parallel_size,
+            f"--context-parallel-size={config.context_parallel_size} must equal the block-parallel size "
+            f"{layout.block_parallel_size}: CSBP occupies Megatron's context-parallel slot")
+    require(not config.hierarchical_context_parallel_sizes,
+            "--hierarchical-context-parallel-sizes is a ring-CP feature; CSBP has its own rings "
+            "(--clean-shards): remove it")
+    require(config.cp_comm_type in (None, "p2p") or (isinstance(config.cp_comm_type, list)
+                                                      and set(config.cp_comm_type) <= {"p2p"}),
+            f"--cp-comm-type={config.cp_comm_type} selects a ring-CP transport that CSBP does not use; "
+            "remove it (CSBP attention has its own transports)")
+    require(not getattr(config, "hybrid_context_parallel", False),
+            "--hybrid-context-parallel is a ring-CP feature not supported with CSBP: remove it")
+    require(not config.multi_latent_attention,
+            "--multi-latent-attention is not supported with CSBP: use standard (GQA) attention")
+    require(config.mtp_num_layers is None,
+            "--mtp-num-layers (multi-token prediction) is not supported with BDLM: remove it")
+    require(not config.attention_dropout,
+            f"--attention-dropout={config.attention_dropout}: the CSBP attention kernel has no attention-"
+            "probability dropout; set --attention-dropout 0")
+    if vocab_size is not None and mask_token_id is not None:
+        require(0 <= mask_token_id < vocab_size,
+                f"--bdlm-mask-token-id={mask_token_id} is outside the model vocabulary of {vocab_size}: MASK "
+                f"needs its own id, so make --vocab-size (or the padded vocabulary) at least {mask_token_id + 1}")
+
+
+class RowPositionRotaryEmbedding(torch.nn.Module):
+    """Megatron's RoPE table, indexed by the global position of each local row."""
+
+    def __init__(self, rotary, row_positions: torch.Tensor, padded_rows: int):
+        super().__init__()
+        self.rotary = rotary
+        positions = torch.zeros(padded_rows, dtype=torch.long)
+        positions[: row_positions.numel()] = row_positions
+        self.register_buffer("row_positions", positions, persistent=False)
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self.row_positions.numel()
+
+    def forward(self, *args, **kwargs) -> torch.Tensor:
+        table = self.rotary.get_emb(int(self.row_positions.max()) + 1)  # [positions, 1, 1, dim]
+        return table[self.row_positions.to(table.device)]
+
+
+class BDLMGPTModel(GPTModel):
+    """`GPTModel` over CSBP rows; see the module docstring. `layout`: this rank's row layout."""
+
+    def __init__(self, *args, layout, mask_token_id=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        validate_config(self.config, layout, self.vocab_size, mask_token_id)
+        if self.position_embedding_type not in ("rope", "learned_absolute", "none"):
+            raise ValueError(f"--position-embedding-type={self.position_embedding_type} is not supported by "
+                             "BDLM: use rope")
+        self.layout = layout
+        self.mask_token_id = mask_token_id
+        self.padded_rows = padded_row_count(layout, self.config)
+        if self.position_embedding_type == "rope":
+            self.rotary_pos_emb = RowPositionRotaryEmbedding(self.rotary_pos_emb, layout.row_positions,
+                                                             self.padded_rows)
+
+    def _pad_rows(self, ids):
+        if ids is None or ids.shape[1] == self.padded_rows:
+            return ids
+        if ids.shape[1] != self.layout.num_rows:
+            raise ValueError(f"got {ids.shape[1]} rows, but this rank's layout has {self.layout.num_rows}")
+        return torch.nn.functional.pad(ids, (0, self.padded_rows - ids.shape[1]))
+
+    def forward(self, input_ids, position_ids, attention_mask=None, decoder_input=None, labels=None,
+                packed_seq_params=None, **kwargs):
+        if packed_seq_params is not None:
+            raise ValueError("packed_seq_params (THD packed sequences) cannot be used with BDLM/CSBP rows: "
+                             "give one sample per row set")
+        return super().forward(self._pad_rows(input_ids), self._pad_rows(position_ids), attention_mask,
+                               decoder_input=decoder_input, labels=labels, **kwargs)
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        """LM head over the noisy rows only (replaces `GPTModel._postprocess`)."""
+        if not self.post_process:
+            return hidden_states
+        output_layer = self.output_layer
+        if output_layer.sequence_parallel:
+            # All-gather the rows; the backward only takes this rank's slice, because the head's own
+            # input-gradient all-reduce (sequence_parallel switched off below) already sums over TP.
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp)
+        noisy_hidden = hidden_states[: self.layout.num_noisy_rows]
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        sequence_parallel, output_layer.sequence_parallel = output_layer.sequence_parallel, False
+        try:
+            logits, _ = output_layer(noisy_hidden, weight=weight)
+        finally:
+            output_layer.sequence_parallel = sequence_parallel
+        logits = self._exclude_mask_logit(logits)
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
+
+    def _exclude_mask_logit(self, logits):
+        if self.mask_token_id is None:
+            return logits
+        columns = logits.shape[-1]
+        local = self.mask_token_id - self.pg_collection.tp.rank() * columns
+        if not 0 <= local < columns:
+            return logits
+        hidden = torch.zeros(columns, dtype=torch.bool, device=logits.device)
+        hidden[local] = True
+        return logits.masked_fill(hidden, float("-inf"))
+
+
+def model_provider(pre_process=True, post_process=True, *, config, layout, vocab_size, mask_token_id=None,
+                   group=None, transport="collective", use_transformer_engine=False, vp_stage=None,
+                   **gpt_kwargs) -> BDLMGPTModel:
+    """Builds this rank's `BDLMGPTModel` (the `model_provider` Megatron's `get_model` expects, once
+    `config`, `layout` and the rest are bound with `functools.partial`).
+
+    `group`: the block-parallel group(s) the attention uses (`parallel_state.get_block_parallel_groups()`).
+    """
+    context = csbp_spec.AttentionContext(layout=layout, group=group, transport=transport)
+    layer_spec = csbp_spec.get_csbp_layer_spec(use_transformer_engine=use_transformer_engine, context=context)
+    if not use_transformer_engine:  # the final norm too must accept sequence parallelism
+        layer_spec = TransformerBlockSubmodules(
+            layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+            layer_norm=csbp_spec.SequenceParallelTorchNorm)
+    gpt_kwargs.setdefault("max_sequence_length", layout.seq_length)
+    gpt_kwargs.setdefault("position_embedding_type", "rope")
+    return BDLMGPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=vocab_size,
+                        pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                        layout=layout, mask_token_id=mask_token_id, **gpt_kwargs)

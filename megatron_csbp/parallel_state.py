@@ -1,0 +1,99 @@
+"""The block-parallel dimension of CSBP, living in Megatron's context-parallel (CP) slot.
+
+Block parallelism shards the sequence and replicates the weights, exactly like CP, so giving it the
+CP slot keeps Megatron's DP x CP gradient reduction, token counting, pipeline shapes and checkpoint
+replicas correct with no change to Megatron. This module adds only what CSBP needs beyond a CP
+group: the rings of `C` consecutive block ranks (one clean-sequence copy each) and the
+clean-replica groups (same ring position, different rings).
+"""
+
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+
+from megatron_csbp import process_groups
+
+_groups = {}
+
+
+def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+                              context_block_parallel_size=1, clean_shards=None, **megatron_kwargs):
+    """Megatron's `initialize_model_parallel` with CP size `P`, then the CSBP sub-groups.
+
+    `clean_shards` (`C`, default `P`) must divide `P`. Every world rank must call this.
+    """
+    block_parallel_size = context_block_parallel_size
+    clean_shards = block_parallel_size if clean_shards is None else clean_shards
+    if "context_parallel_size" in megatron_kwargs:
+        raise ValueError("pass context_block_parallel_size=P, not context_parallel_size: the "
+                         "block-parallel dimension occupies Megatron's CP slot")
+    if clean_shards < 1 or block_parallel_size % clean_shards:
+        raise ValueError(f"clean_shards={clean_shards} must divide context_block_parallel_size="
+                         f"{block_parallel_size} (use C == P, or a divisor of P)")
+    mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
+                                  pipeline_model_parallel_size=pipeline_model_parallel_size,
+                                  context_parallel_size=block_parallel_size, **megatron_kwargs)
+    initialize_block_parallel_groups(clean_shards)
+
+
+def initialize_block_parallel_groups(clean_shards):
+    """Builds the ring and clean-replica groups out of Megatron's existing CP groups.
+
+    For callers (e.g. Megatron-LM's `pretrain`) that already initialised Megatron with
+    `context_parallel_size=P`. Collective over the world: all ranks create the same groups in the
+    same order.
+    """
+    block_parallel_size = mpu.get_context_parallel_world_size()
+    if clean_shards < 1 or block_parallel_size % clean_shards:
+        raise ValueError(f"clean_shards={clean_shards} must divide the block-parallel (CP) size "
+                         f"{block_parallel_size}")
+    every_rank_lists = [None] * dist.get_world_size()
+    dist.all_gather_object(every_rank_lists, list(mpu.get_context_parallel_global_ranks()))
+    block_parallel_ranks_lists = sorted({tuple(ranks) for ranks in every_rank_lists})
+    groups = process_groups.new_block_parallel_groups([list(r) for r in block_parallel_ranks_lists],
+                                                      clean_shards, mpu.get_context_parallel_group())
+    _groups.update(groups=groups, clean_shards=clean_shards)
+
+
+def _get(name):
+    if name not in _groups:
+        raise RuntimeError("block-parallel groups are not initialised: call "
+                           "megatron_csbp.parallel_state.initialize_model_parallel(...) first")
+    return _groups[name]
+
+
+def is_initialized() -> bool:
+    return "groups" in _groups
+
+
+def get_block_parallel_groups() -> process_groups.BlockParallelGroups:
+    """What the CSBP op takes as `group`: the block-parallel, ring and clean-replica groups."""
+    return _get("groups")
+
+
+def get_block_parallel_group():
+    return mpu.get_context_parallel_group()
+
+
+def get_block_parallel_rank() -> int:
+    return mpu.get_context_parallel_rank()
+
+
+def get_block_parallel_world_size() -> int:
+    return mpu.get_context_parallel_world_size()
+
+
+def get_clean_shards() -> int:
+    return _get("clean_shards")
+
+
+def get_ring_group():
+    return _get("groups").ring
+
+
+def get_clean_replica_group():
+    return _get("groups").clean_replica
+
+
+def destroy_model_parallel() -> None:
+    _groups.clear()
+    mpu.destroy_model_parallel()

@@ -1,0 +1,146 @@
+"""The CSBP layer spec: Megatron's GPT layer spec with one leaf, the core attention, swapped.
+
+`CSBPCoreAttention` honours Megatron's core-attention contract (constructor keywords from
+`build_module`, `forward(query, key, value, attention_mask, ...)` with un-expanded GQA heads, output
+`[s, b, heads/tp * d]`) and calls the CSBP op with this rank's row layout. The layout and groups come
+from an `AttentionContext`, bound into the spec by `get_csbp_layer_spec(context=...)`, or, for the
+module-level specs (`--spec megatron_csbp.spec csbp_layer_spec`), set once per run with
+`set_attention_context`.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from megatron.core.models.gpt import gpt_layer_specs
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from megatron_csbp.ops import context_sharded_block_attention
+
+
+@dataclass(frozen=True)
+class AttentionContext:
+    """What the core attention needs beyond Megatron's config: this rank's rows and where K/V travel.
+
+    `group`: the block-parallel `ProcessGroup`, a `process_groups.BlockParallelGroups`, or None on one rank.
+    """
+
+    layout: Any
+    group: Any = None
+    transport: str = "collective"
+
+
+_run_context = {}
+
+
+def set_attention_context(context: AttentionContext | None) -> None:
+    """The context used by core attentions built without one (the module-level specs)."""
+    _run_context["context"] = context
+
+
+class CSBPCoreAttention(MegatronModule):
+    """Block-diffusion attention over this rank's `[noisy ; clean]` rows through the CSBP op.
+
+    Attention dropout is refused: the op is a fused, flash-style kernel that never materialises the
+    attention probabilities. `apply_query_key_layer_scaling` changes nothing: in Megatron it divides
+    the scale by the layer number and multiplies the scores back in fp32, an fp16 overflow guard
+    with no effect on the result.
+    """
+
+    def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self",
+                 attention_dropout=None, softmax_scale=None, cp_comm_type=None, pg_collection=None,
+                 context: AttentionContext | None = None, **unused):
+        super().__init__(config=config)
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError(f"attention_dropout={dropout}: the CSBP attention is a fused kernel without "
+                             "dropout on attention probabilities; set --attention-dropout 0 "
+                             "(hidden dropout is unaffected)")
+        if config.softmax_type != "vanilla":
+            raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the CSBP attention; "
+                             "use --softmax-type vanilla")
+        if config.window_size is not None:
+            raise ValueError("window_size (sliding-window attention) is not supported with the BDLM mask; "
+                             "unset --window-size")
+        self.layer_number = layer_number
+        self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
+        self.context = context
+
+    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is not None:
+            raise ValueError("packed_seq_params (THD packed sequences) cannot be used with CSBP: rows are "
+                             "laid out by the CSBP layout; feed one sample per row set (bshd)")
+        if attention_bias is not None:
+            raise ValueError("attention_bias is not supported by the CSBP attention")
+        context = self.context or _run_context.get("context")
+        if context is None:
+            raise RuntimeError("CSBPCoreAttention has no layout: build the spec with "
+                               "get_csbp_layer_spec(context=AttentionContext(...)) or call "
+                               "megatron_csbp.spec.set_attention_context(...) before the forward pass")
+        rows = context.layout.num_rows
+        padded_rows = query.shape[0]
+        out = context_sharded_block_attention(query[:rows], key[:rows], value[:rows], context.layout,
+                                              group=context.group, softmax_scale=self.softmax_scale,
+                                              transport=context.transport)
+        if padded_rows > rows:  # rows added to make the row count a multiple of TP (sequence parallel)
+            out = torch.cat([out, out.new_zeros(padded_rows - rows, *out.shape[1:])])
+        return out
+
+
+class SequenceParallelTorchNorm:
+    """Megatron's torch LayerNorm/RMSNorm, allowed under sequence parallelism.
+
+    Megatron's `WrappedTorchNorm` refuses sequence parallelism; all it lacks is the `sequence_parallel`
+    mark on the weights, which makes `finalize_model_grads` sum their gradients over TP. A class (not a
+    function) because `build_module` returns plain functions uncalled.
+    """
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **unused):
+        norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
+        if config.normalization not in norms:
+            raise ValueError(f"normalization={config.normalization!r}: choose LayerNorm or RMSNorm")
+        norm = norms[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _swap_torch_norms(spec):
+    if isinstance(spec, ModuleSpec):
+        spec.submodules = _swap_torch_norms(spec.submodules)
+        return spec
+    for name in vars(spec) if hasattr(spec, "__dict__") else ():
+        child = getattr(spec, name)
+        if child is WrappedTorchNorm:
+            setattr(spec, name, SequenceParallelTorchNorm)
+        elif isinstance(child, ModuleSpec) or hasattr(child, "__dataclass_fields__"):
+            _swap_torch_norms(child)
+    return spec
+
+
+def get_csbp_layer_spec(use_transformer_engine: bool = False, context: AttentionContext | None = None,
+                        **megatron_spec_kwargs) -> ModuleSpec:
+    """Megatron's local (or Transformer Engine) GPT layer spec with `CSBPCoreAttention` as core attention."""
+    if megatron_spec_kwargs.get("multi_latent_attention"):
+        raise ValueError("multi_latent_attention is not supported with CSBP; unset --multi-latent-attention")
+    if use_transformer_engine:
+        spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**megatron_spec_kwargs)
+    else:
+        spec = _swap_torch_norms(gpt_layer_specs.get_gpt_layer_local_spec(**megatron_spec_kwargs))
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+        module=CSBPCoreAttention, params={"context": context})
+    return spec
+
+
+csbp_layer_spec = get_csbp_layer_spec()
+
+
+def __getattr__(name):
+    """`csbp_te_layer_spec` is built on first use: the TE spec cannot be made where TE is absent."""
+    if name == "csbp_te_layer_spec":
+        return get_csbp_layer_spec(use_transformer_engine=True)
+    raise AttributeError(name)
