@@ -145,10 +145,10 @@ class CPUKernels:
 class FlexKernels:
     """Flex attention (GPU): one call per part, hidden tiles skipped by its block mask."""
 
-    def __init__(self):
+    def __init__(self, compile: bool = True):
         from torch.nn.attention import flex_attention as flex
 
-        self._flex = torch.compile(flex.flex_attention, dynamic=False)
+        self._flex = torch.compile(flex.flex_attention, dynamic=False) if compile else flex.flex_attention
         self._create_block_mask = flex.create_block_mask
         self._aux = flex.AuxRequest(lse=True)
 
