@@ -129,6 +129,7 @@ def _add_training_args(parser):
     group.add_argument("--recompute-num-layers", type=int, default=None)
     group.add_argument("--exit-duration-in-mins", type=int, default=None)
     group.add_argument("--exit-signal-handler", action="store_true")
+    group.add_argument("--exit-interval", type=int, default=None, help="Save and exit when the iteration is a multiple of this.")
     group.add_argument("--seed", type=int, default=1234)
 
 
@@ -164,6 +165,8 @@ def _add_data_and_io_args(parser):
     group.add_argument("--no-load-rng", action="store_true", default=None)
     group.add_argument("--finetune", action="store_true")
     group.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    group.add_argument("--load-fallback-to-previous", action="store_true",
+                       help="If the latest checkpoint under --load is incomplete or corrupt, load the newest complete older one.")
     group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
     group.add_argument("--eval-interval", type=int, default=1000)
     group.add_argument("--eval-iters", type=int, default=100)
