@@ -13,7 +13,9 @@ nothing and returns False):
   - `Tensor.type()` of a CPU tensor reports the `torch.cuda.*Tensor` name, because `clip_grads.py`
     asserts `param.grad.type() == 'torch.cuda.FloatTensor'` when `clip_grad > 0`.
   CPU autograd runs backward (and Megatron's DDP hooks) on the calling thread, so one mode suffices.
-* `torch.cuda.current_device()` returns device index 0 (which the mode then maps to the CPU) and
+* `torch.cuda.current_device()` returns the CPU device itself (not an index for the mode to map):
+  autograd runs custom backward functions (e.g. the sequence-parallel gathers) outside any
+  `TorchFunctionMode`, and they allocate with `device=torch.cuda.current_device()`. And
   `torch.cuda.synchronize()` is a no-op: p2p communication and `dist_checkpointing`'s preload call
   them unconditionally. `torch.cuda.manual_seed` seeds the CPU generator, so
   `model_parallel_cuda_manual_seed` seeds the default state as it does on a GPU.
@@ -103,7 +105,7 @@ def enable() -> bool:
         return True
     from megatron.core.tensor_parallel import random as megatron_random
 
-    _patch(torch.cuda, "current_device", lambda: 0)
+    _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
     _patch(torch.cuda, "synchronize", lambda device=None: None)
     _patch(torch.cuda, "manual_seed", torch.manual_seed)
     _patch(megatron_random, "_get_cuda_rng_state",
