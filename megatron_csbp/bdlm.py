@@ -206,6 +206,25 @@ def _sample_index(batch):
     return batch["sample_index"]
 
 
+def _unwrapped(model):
+    """The model inside Megatron's wrappers (DDP, Float16Module), which keep it as `.module`."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def _check_model_matches(objective, layout, model):
+    """A model built for another layout or MASK id would train on the wrong rows or score the MASK logit."""
+    inner = _unwrapped(model)
+    model_layout = getattr(inner, "layout", layout)
+    _require(model_layout == layout, f"the model was built for {model_layout}, the forward step for {layout}: "
+                                     f"build both from the same layout of this rank")
+    model_mask = getattr(inner, "mask_token_id", objective.mask_token_id)
+    _require(model_mask == objective.mask_token_id,
+             f"the model excludes the logit of mask_token_id={model_mask}, the objective masks with "
+             f"--bdlm-mask-token-id={objective.mask_token_id}: give the model the objective's id")
+
+
 class BDLMForwardStep:
     """`forward_step(data_iterator, model)` for megatron-core's `get_forward_backward_func`.
 
@@ -225,6 +244,7 @@ class BDLMForwardStep:
         _require(get_model_config(model).calculate_per_token_loss,
                  "BDLM needs --calculate-per-token-loss (TransformerConfig.calculate_per_token_loss=True): the loss "
                  "is normalised by the token count of the whole global batch, not averaged per rank")
+        _check_model_matches(self.objective, self.layout, model)
         first_stage = get_attr_wrapped_model(model, "pre_process")
         last_stage = get_attr_wrapped_model(model, "post_process")
         if not (first_stage or last_stage):

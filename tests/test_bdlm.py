@@ -279,6 +279,14 @@ def test_forward_step_refusals_name_the_flag():
         step(iter([{"tokens": x0}]), TableModel(8))
     with pytest.raises(ValueError, match="--bdlm-block-size"):
         BDLMForwardStep(objective, CSBPLayout(8, 2, 2, 2))
+    wrong_mask = TableModel(8)
+    wrong_mask.mask_token_id = None  # a model that would keep the MASK logit
+    with pytest.raises(ValueError, match="--bdlm-mask-token-id=5"):
+        step(iter([{"tokens": x0, "sample_index": torch.tensor([0, 1])}]), wrong_mask)
+    wrong_layout = TableModel(8)
+    wrong_layout.layout = CSBPLayout(8, 4, 2, 2, rank=1)
+    with pytest.raises(ValueError, match="same layout"):
+        step(iter([{"tokens": x0, "sample_index": torch.tensor([0, 1])}]), SimpleNamespace(module=wrong_layout))  # unwrapped like DDP
     with pytest.raises(ValueError, match="--bdlm-mask-token-id=5"):
         objective.rows(torch.full((2, 8), MASK), torch.tensor([0, 1]), CSBPLayout(8, 4, 2, 2))
     with pytest.raises(ValueError, match="--seq-length=8"):
