@@ -110,8 +110,8 @@ class BDLMObjective:
                  f"--bdlm-noise-range={t_min} {t_max} must satisfy 0 < T_MIN <= T_MAX <= 1 "
                  f"(a masking probability; 1/t weights need t > 0), e.g. --bdlm-noise-range 1e-3 1")
         _require(isinstance(self.antithetic_group, int) and self.antithetic_group >= 1,
-                 f"--bdlm-antithetic-group={self.antithetic_group!r} must be a positive integer "
-                 f"(samples sharing one stratified draw; the global batch size is a good choice)")
+                 f"antithetic_group={self.antithetic_group!r} must be a positive integer: the samples sharing one "
+                 f"stratified draw (the training loop sets it to --global-batch-size)")
         _require(isinstance(self.seed, int) and self.seed >= 0, f"--seed={self.seed!r} must be a non-negative integer")
 
     def noise(self, sample_index, seq_length: int) -> Noise:

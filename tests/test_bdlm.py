@@ -307,7 +307,7 @@ def test_forward_step_refusals_name_the_flag():
     (dict(noise_range=(0.5, 0.2)), "--bdlm-noise-range"),
     (dict(noise_range=(0.5, 1.5)), "--bdlm-noise-range"),
     (dict(noise_range=(0.5,)), "--bdlm-noise-range"),
-    (dict(antithetic_group=0), "--bdlm-antithetic-group"),
+    (dict(antithetic_group=0), "--global-batch-size"),
     (dict(seed=-3), "--seed"),
 ])
 def test_objective_refusals_name_the_flag(kwargs, flag):
