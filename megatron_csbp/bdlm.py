@@ -9,7 +9,8 @@ API (what the model, the training loop and the tests use)::
     rows = objective.rows(tokens [b, L], sample_index [b], layout, loss_mask=None)
         -> Rows(input_ids [m, rows], position_ids [m, rows], labels [m, n_noisy],
                 loss_weights [m, n_noisy], num_tokens int scalar)   on default_device();
-           m = b for "bd3lm", 2b for "fast-dllm-v2" (pass 2 x micro-batch size to the schedule)
+           m = objective.views_per_sample * b: b for "bd3lm", 2b for "fast-dllm-v2" (give the schedule
+           micro_batch_size = views_per_sample x the data's micro-batch size: it sizes pipeline messages)
     loss_func(loss_weights, num_tokens, per_token_ce [m, n_noisy])
         -> (loss_sum, num_tokens, {"lm loss": tensor([loss_sum, num_tokens])})
     forward_step = BDLMForwardStep(objective, layout)   # layout: this rank's CSBPLayout / CPLayout
@@ -35,7 +36,9 @@ partition `[0, L)` over the block-parallel ranks, so Megatron's sum over dp×cp 
 Fast-dLLM v2 (`objective="fast-dllm-v2"`): the micro-batch doubles to `[views with mask m ; views with
 mask 1-m]` (rows `k` and `b+k` are sample `k`'s pair). Labels are shifted: noisy row `p` predicts
 `x0[p+1]` and counts when token `p+1` is masked in its view, so every token `1..L-1` is supervised
-exactly once per pair; the last row has no target (weight 0) and token 0 is never a target. Weights
+exactly once per pair; the last row has no target (weight 0) and token 0 is never a target. The last
+row of block `b` predicts the first token of block `b+1` from what it sees (its noisy block, earlier clean
+blocks), so nothing leaks. Weights
 are unit and the normaliser counts each target once per sample (not once per view).
 """
 
@@ -113,6 +116,11 @@ class BDLMObjective:
                  f"antithetic_group={self.antithetic_group!r} must be a positive integer: the samples sharing one "
                  f"stratified draw (the training loop sets it to --global-batch-size)")
         _require(isinstance(self.seed, int) and self.seed >= 0, f"--seed={self.seed!r} must be a non-negative integer")
+
+    @property
+    def views_per_sample(self) -> int:
+        """Model batch rows per clean sample: Fast-dLLM v2 scores each sample under a mask and its complement."""
+        return 2 if self.objective == "fast-dllm-v2" else 1
 
     def noise(self, sample_index, seq_length: int) -> Noise:
         """Noise times and MASK positions of the samples `sample_index`, built on the CPU."""

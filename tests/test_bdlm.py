@@ -205,7 +205,7 @@ def test_masking_probability_is_the_block_time():
 def test_fast_dllm_v2_complementary_views_and_shifted_labels():
     x0, sample_index = sample_batch(batch=2, seq_length=16), torch.tensor([3, 4])
     objective = BDLMObjective(block_size=4, mask_token_id=MASK, objective="fast-dllm-v2", seed=1)
-    assert objective.loss_weighting == "unit"
+    assert objective.loss_weighting == "unit" and objective.views_per_sample == 2
     noise = objective.noise(sample_index, 16)
     model = TableModel(16)
     layouts = all_ranks(CSBPLayout(16, 4, 2, 2))
