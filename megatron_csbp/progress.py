@@ -1,0 +1,103 @@
+"""Megatron-style progress lines, memory lines, validation lines and TensorBoard scalars.
+
+Printed by one rank (the last, which holds the loss, as in Megatron-LM). Throughput counts the work a
+BDLM really does (`flops.bdlm_step_flops`: `L² + L·B` attention pairs per head and layer, LM head over
+noisy rows) and tokens as clean context tokens (`L` per sample), as users count "256K context".
+(Named `progress`, not `logging`, so it never shadows the standard library's module.)
+"""
+
+import math
+import resource
+import sys
+import time
+
+import torch
+
+from megatron_csbp.device import default_device
+from megatron_csbp.flops import bdlm_step_flops
+
+_MB = 1024 * 1024
+
+
+def step_flops(args) -> int:
+    """FLOPs of one training step of the global batch."""
+    return bdlm_step_flops(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                           num_attention_heads=args.num_attention_heads, padded_vocab_size=args.padded_vocab_size,
+                           seq_length=args.seq_length, block_size=args.bdlm_block_size,
+                           batch_size=args.global_batch_size * (2 if args.bdlm_objective == "fast-dllm-v2" else 1),
+                           ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
+                           kv_channels=args.kv_channels, swiglu=args.swiglu)
+
+
+def memory_stats() -> dict:
+    """Megabytes in use and at peak: the accelerator's allocator, or the process's resident set on the CPU."""
+    device = default_device()
+    if device.type != "cpu":
+        module = torch.get_device_module(device)
+        return {"allocated": module.memory_allocated(device) / _MB,
+                "max allocated": module.max_memory_allocated(device) / _MB,
+                "reserved": module.memory_reserved(device) / _MB}
+    import psutil
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kilobytes on Linux
+    return {"rss": psutil.Process().memory_info().rss / _MB, "peak rss": peak_kb / 1024}
+
+
+def _stamp() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S")
+
+
+class Progress:
+    """Formats and emits the run's lines (only where `enabled`) and TensorBoard scalars (`--tensorboard-dir`)."""
+
+    def __init__(self, args, enabled: bool, stream=None):
+        self.args = args
+        self.enabled = enabled
+        self.stream = stream or sys.stdout
+        self.flops_per_step = step_flops(args)
+        self.writer = None
+        if enabled and args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=100)
+
+    def print(self, line: str) -> None:
+        if self.enabled:
+            print(line, file=self.stream, flush=True)
+
+    def training(self, iteration, consumed_samples, seconds_per_iteration, learning_rate, loss, grad_norm,
+                 skipped, nan_iterations) -> None:
+        args = self.args
+        tokens_per_second = args.global_batch_size * args.seq_length / seconds_per_iteration
+        tflops_per_rank = self.flops_per_step / seconds_per_iteration / args.world_size / 1e12
+        norm = "nan" if grad_norm is None else f"{grad_norm:.3f}"
+        self.print(f" [{_stamp()}] iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: "
+                   f"{consumed_samples:12d} | elapsed time per iteration (ms): {seconds_per_iteration * 1e3:.1f} | "
+                   f"tokens/s: {tokens_per_second:.1f} | TFLOP/s per rank: {tflops_per_rank:.4f} | "
+                   f"learning rate: {learning_rate:.6E} | global batch size: {args.global_batch_size:5d} | "
+                   f"lm loss: {loss:.6E} | grad norm: {norm} | number of skipped iterations: {skipped:3d} | "
+                   f"number of nan iterations: {nan_iterations:3d} |")
+        memory = memory_stats()
+        self.print(" memory (MB) | " + " | ".join(f"{name}: {value:.1f}" for name, value in memory.items()) + " |")
+        if self.writer is not None:
+            scalars = {"lm loss": loss, "learning-rate": learning_rate, "tokens-per-second": tokens_per_second,
+                       "tflops-per-rank": tflops_per_rank, "skipped-iterations": skipped}
+            if grad_norm is not None and math.isfinite(grad_norm):
+                scalars["grad-norm"] = grad_norm
+            scalars.update({f"memory/{name} (MB)": value for name, value in memory.items()})
+            for name, value in scalars.items():
+                self.writer.add_scalar(name, value, iteration)
+            self.writer.flush()
+
+    def validation(self, iteration, nelbo) -> None:
+        """Validation NELBO per token and its perplexity bound `exp(NELBO)` (an upper bound on perplexity)."""
+        ppl = math.exp(min(nelbo, 700.0))
+        line = (f" validation loss at iteration {iteration} | lm loss value: {nelbo:.6E} | "
+                f"lm loss PPL (upper bound): {ppl:.6E} |")
+        self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
+        if self.writer is not None:
+            self.writer.add_scalar("lm loss validation", nelbo, iteration)
+            self.writer.add_scalar("lm loss validation ppl bound", ppl, iteration)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,349 @@
+"""Our pretraining loop, built from megatron-core parts, for where Megatron-LM's `pretrain()` cannot run.
+
+DDP, `get_megatron_optimizer`, `OptimizerParamScheduler`, `get_forward_backward_func` and
+`dist_checkpointing`, around the very providers `pretrain()` is given (`megatron_csbp.providers`).
+
+What it adds to a plain loop, and why:
+* Exact resumption: a checkpoint holds model, optimizer, scheduler, RNG and the consumed samples; the
+  data iterator restarts at that sample and BDLM noise depends on (seed, sample index) only, so k + k
+  iterations equal 2k. The logged `lm loss` is the logged iteration's own (not an interval average,
+  which a resume in mid-interval would change).
+* Preemption: with `--exit-signal-handler`, SIGUSR1 or SIGTERM asks for a save at the next iteration
+  boundary and a clean exit (0); `--exit-duration-in-mins` and `--exit-interval` do the same. Ranks
+  agree through one all-reduce of their stop flags per iteration, so all stop at the same iteration.
+* Numerical faults: a step whose loss or grad norm is not finite is skipped (the optimizer's step is
+  split so it never applies it) and counted; `--max-consecutive-bad-steps` in a row stop the run with
+  `TrainingError`, the last good checkpoint untouched.
+* Validation: the per-token NELBO (and `exp` of it, a perplexity bound) over the first `--eval-iters`
+  global batches of the validation split, the same samples every time so the values are comparable.
+
+Test hooks (environment variables, read once; unset in normal runs):
+`MEGATRON_CSBP_TEST_NAN_ITERATIONS=3,7` poisons the loss of those iterations with NaN;
+`MEGATRON_CSBP_TEST_FAIL=RANK:ITERATION[:kill]` makes that rank raise (or SIGKILL itself) in that
+iteration's forward step; `checkpointing` reads `MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH`.
+"""
+
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_csbp import checkpointing, providers
+from megatron_csbp.checkpointing import LoopState
+from megatron_csbp.progress import Progress
+
+
+class TrainingError(RuntimeError):
+    """The run cannot continue (e.g. too many non-finite steps in a row)."""
+
+
+@dataclass(frozen=True)
+class _TestHooks:
+    nan_iterations: frozenset
+    fail_rank: int | None
+    fail_iteration: int | None
+    fail_by_kill: bool
+
+    @classmethod
+    def from_environment(cls):
+        nan = os.environ.get("MEGATRON_CSBP_TEST_NAN_ITERATIONS", "")
+        fail = os.environ.get("MEGATRON_CSBP_TEST_FAIL", "").split(":")
+        return cls(frozenset(int(i) for i in nan.split(",") if i.strip()),
+                   int(fail[0]) if fail[0] else None, int(fail[1]) if len(fail) > 1 else None,
+                   len(fail) > 2 and fail[2] == "kill")
+
+
+class _StopSignals:
+    """Remembers SIGUSR1/SIGTERM (with `--exit-signal-handler`) until the next iteration boundary."""
+
+    def __init__(self, enabled: bool):
+        self.received = None
+        self._previous = {}
+        if enabled:
+            for number in (signal.SIGUSR1, signal.SIGTERM):
+                self._previous[number] = signal.signal(number, self._handle)
+
+    def _handle(self, number, frame):
+        self.received = signal.Signals(number).name
+
+    def restore(self):
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+
+
+def _set_seed(seed: int) -> None:
+    """Megatron-LM's seeding: one seed per pipeline stage, the tensor-parallel streams derived from it."""
+    import random
+
+    import numpy as np
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * mpu.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def micro_batches(dataset, first_sample: int, args, dp_rank: int, dp_size: int):
+    """Endless micro-batches from global sample `first_sample` on, in Megatron's order: each global batch
+    of `G` samples is cut into micro-batch rounds of `micro x DP`, DP rank `r` taking slice `r` of each."""
+    micro = args.micro_batch_size
+    sample = first_sample
+    while True:
+        for start in range(sample, sample + args.global_batch_size, micro * dp_size):
+            indices = [(start + dp_rank * micro + i) % len(dataset) for i in range(micro)]
+            items = [dataset[i] for i in indices]
+            yield {"tokens": torch.stack([item["tokens"] for item in items]),
+                   "sample_index": torch.stack([item["sample_index"] for item in items])}
+        sample += args.global_batch_size
+
+
+class Trainer:
+    """One run: model, optimizer, scheduler and data on this rank; `run()` trains and returns the state."""
+
+    def __init__(self, args):
+        from functools import partial
+
+        from megatron.core import parallel_state as mpu
+        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                               finalize_model_grads)
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        from megatron_csbp.arguments import optimizer_config_from_args, transformer_config_from_args
+        from megatron_csbp.model import pipeline_seq_length
+
+        self.args = args
+        self.hooks = _TestHooks.from_environment()
+        providers.fill_vocabulary(args)
+        self.progress = Progress(args, enabled=dist.get_rank() == dist.get_world_size() - 1)
+        _set_seed(args.seed)
+        self.config = transformer_config_from_args(args)
+        self.model = providers.model_provider(mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage(),
+                                              args=args, config=self.config)
+        self.ddp = DistributedDataParallel(
+            self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                       use_distributed_optimizer=args.use_distributed_optimizer),
+            self.model)
+        self.optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [self.ddp])
+        samples = args.global_batch_size
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+            lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
+            lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+            wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.ddp.no_sync
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.forward_step = partial(providers.forward_step, args=args)
+        self.layout = providers.layout_from_args(args)
+        self.seq_length = pipeline_seq_length(self.layout, self.config)
+        self.micro_batch_rows = args.micro_batch_size * (2 if args.bdlm_objective == "fast-dllm-v2" else 1)
+        self.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
+        self.dp_rank = mpu.get_data_parallel_rank()
+        self.last_stage = mpu.is_pipeline_last_stage()
+        self.state = LoopState()
+        self.last_saved = None
+
+    # ----------------------------------------------------------------------------------------- checkpoints
+    def load(self) -> None:
+        args = self.args
+        if not args.load:
+            return
+        requeue = bool(args.save) and os.path.realpath(args.load) == os.path.realpath(args.save)
+        empty = not os.path.isdir(args.load) or (checkpointing.read_tracker(args.load) is None
+                                                 and not checkpointing.complete_iterations(args.load))
+        if requeue and empty:
+            self.progress.print(f" no checkpoint in {args.load} yet (--load is --save, the requeue pattern): "
+                                f"starting from scratch")
+            return
+        if not os.path.isdir(args.load):
+            raise checkpointing.CheckpointError(f"--load {args.load}: no such directory; give the --save "
+                                                f"directory of an earlier run, or drop --load")
+        iteration = checkpointing.find_checkpoint(args.load, fallback=args.load_fallback_to_previous,
+                                                  log=self.progress.print)
+        directory = checkpointing.checkpoint_dir(args.load, iteration)
+        load_optimizer = not (args.no_load_optim or args.finetune)
+        state = checkpointing.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, args,
+                                              load_optimizer=load_optimizer,
+                                              load_rng=not (args.no_load_rng or args.finetune),
+                                              log=self.progress.print)
+        if not args.finetune:
+            self.state = state
+            if os.path.realpath(args.load) == os.path.realpath(args.save or ""):
+                self.last_saved = state.iteration
+        self.progress.print(f" loaded checkpoint from {args.load} at iteration {iteration}")
+
+    def save(self) -> None:
+        if not self.args.save or self.last_saved == self.state.iteration:
+            return
+        os.makedirs(self.args.save, exist_ok=True)
+        checkpointing.save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler,
+                                      self.args)
+        self.last_saved = self.state.iteration
+        self.progress.print(f" saved checkpoint at iteration {self.state.iteration:7d} to {self.args.save}")
+
+    # ------------------------------------------------------------------------------------------- steps
+    def _forward_step(self, iteration):
+        hooks = self.hooks
+        poison = iteration in hooks.nan_iterations
+        fails = hooks.fail_iteration == iteration and hooks.fail_rank == dist.get_rank()
+
+        def forward_step(data_iterator, model):
+            if fails:
+                if hooks.fail_by_kill:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"injected failure at iteration {iteration} (MEGATRON_CSBP_TEST_FAIL)")
+            output, loss_func = self.forward_step(data_iterator, model)
+            if not poison:
+                return output, loss_func
+
+            def poisoned_loss(output_tensor):
+                loss, num_tokens, report = loss_func(output_tensor)
+                return loss * float("nan"), num_tokens, {"lm loss": report["lm loss"] * float("nan")}
+            return output, poisoned_loss
+        return forward_step
+
+    def _forward_backward(self, forward_step, data_iterator, num_micro_batches, forward_only):
+        """Runs the schedule; on the last stage returns [weighted CE sum, tokens] over the global batch."""
+        from megatron.core import parallel_state as mpu
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=data_iterator, model=[self.ddp],
+            num_microbatches=num_micro_batches, seq_length=self.seq_length,
+            micro_batch_size=self.micro_batch_rows, forward_only=forward_only)
+        if not self.last_stage:
+            return None
+        total = torch.stack([report["lm loss"] for report in reports]).sum(0).double()
+        dist.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        return total
+
+    def _guarded_step(self, loss_is_finite: bool):
+        """The optimizer's own step, split so a non-finite loss or grad norm never updates anything.
+        Returns (updated, grad norm, bad): `bad` for a non-finite loss or norm."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+        if self.optimizer.prepare_grads():  # loss-scale overflow (fp16): skipped, as Megatron does
+            return False, None, False
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if not (loss_is_finite and math.isfinite(grad_norm)):
+            return False, grad_norm, True
+        for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            parameters = optimizer.get_parameters()
+            if parameters and optimizer.config.clip_grad > 0.0:
+                clip_grad_by_total_norm_fp32(parameters, max_norm=optimizer.config.clip_grad, total_norm=grad_norm,
+                                             use_decoupled_grad=optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        return bool(self.optimizer.step_with_ready_grads()), grad_norm, False
+
+    def evaluate(self, valid) -> float | None:
+        """Validation NELBO per token over the first `--eval-iters` global batches (last stage; else None)."""
+        self.ddp.eval()
+        data = micro_batches(valid, 0, self.args, self.dp_rank, self.args.data_parallel_size)
+        total = None
+        with torch.no_grad():
+            for _ in range(self.args.eval_iters):
+                batch = self._forward_backward(self.forward_step, data, self.num_micro_batches, forward_only=True)
+                total = batch if total is None else total + batch
+        self.ddp.train()
+        return None if total is None else (total[0] / total[1]).item()
+
+    # -------------------------------------------------------------------------------------------- loop
+    def _stop_reason(self, signals, started, loss_is_finite) -> tuple[bool, str | None]:
+        """One all-reduce per iteration: (any rank saw a non-finite loss, why every rank must stop now)."""
+        args = self.args
+        over_time = (args.exit_duration_in_mins is not None
+                     and time.time() - started > args.exit_duration_in_mins * 60)
+        flags = torch.tensor([not loss_is_finite, signals.received is not None, over_time], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad_loss, signalled, over_time = (bool(f) for f in flags.tolist())
+        reason = ("a stop signal (SIGUSR1/SIGTERM)" if signalled else
+                  f"--exit-duration-in-mins {args.exit_duration_in_mins}" if over_time else None)
+        return bad_loss, reason
+
+    def run(self) -> LoopState:
+        args, state = self.args, self.state
+        started = time.time()
+        train, valid, _ = providers.train_valid_test_datasets_provider(args=args)
+        data = micro_batches(train, state.consumed_train_samples, args, self.dp_rank, args.data_parallel_size)
+        signals = _StopSignals(args.exit_signal_handler)
+        consecutive_bad, interval_start, interval_iterations = 0, time.time(), 0
+        if state.iteration >= args.train_iters:
+            self.progress.print(f" nothing to train: the checkpoint is at iteration {state.iteration}, "
+                                f"--train-iters is {args.train_iters}")
+        try:
+            while state.iteration < args.train_iters:
+                iteration = state.iteration + 1
+                self.ddp.zero_grad_buffer()
+                self.optimizer.zero_grad()
+                total = self._forward_backward(self._forward_step(iteration), data, self.num_micro_batches,
+                                               forward_only=False)
+                loss = None if total is None else (total[0] / total[1]).item()
+                bad_loss, stop_reason = self._stop_reason(signals, started, loss is None or math.isfinite(loss))
+                updated, grad_norm, bad = self._guarded_step(not bad_loss)
+                state.iteration = iteration
+                state.consumed_train_samples += args.global_batch_size
+                if updated:
+                    self.scheduler.step(increment=args.global_batch_size)
+                    consecutive_bad = 0
+                else:
+                    state.skipped_iterations += 1
+                if bad:
+                    state.nan_iterations += 1
+                    consecutive_bad += 1
+                    self.progress.print(f" iteration {iteration}: non-finite {'loss' if bad_loss else 'grad norm'} "
+                                        f"(loss {loss}, grad norm {grad_norm}); step skipped "
+                                        f"({consecutive_bad} in a row, limit {args.max_consecutive_bad_steps})")
+                    if consecutive_bad >= args.max_consecutive_bad_steps:
+                        last = f"iteration {self.last_saved} in {args.save}" if self.last_saved else "none saved"
+                        raise TrainingError(f"stopping at iteration {iteration}: {consecutive_bad} consecutive steps "
+                                            f"with a non-finite loss or grad norm (--max-consecutive-bad-steps "
+                                            f"{args.max_consecutive_bad_steps}); last good checkpoint: {last}")
+                interval_iterations += 1
+                if iteration % args.log_interval == 0 and loss is not None:
+                    now = time.time()
+                    self.progress.training(iteration, state.consumed_train_samples,
+                                           (now - interval_start) / interval_iterations,
+                                           self.optimizer.param_groups[0]["lr"], loss, grad_norm,
+                                           state.skipped_iterations, state.nan_iterations)
+                    interval_start, interval_iterations = now, 0
+                if valid is not None and args.eval_iters and iteration % args.eval_interval == 0:
+                    nelbo = self.evaluate(valid)
+                    if nelbo is not None:
+                        self.progress.validation(iteration, nelbo)
+                    interval_start = time.time()
+                if args.save_interval and iteration % args.save_interval == 0:
+                    self.save()
+                    interval_start = time.time()
+                exit_interval = args.exit_interval and iteration % args.exit_interval == 0
+                if stop_reason or exit_interval:
+                    self.save()
+                    self.progress.print(f" exiting at iteration {iteration} on "
+                                        f"{stop_reason or f'--exit-interval {args.exit_interval}'}")
+                    return state
+            self.save()
+            return state
+        finally:
+            signals.restore()
+            self.progress.close()
+
+
+def train(args) -> LoopState:
+    """Trains with validated `args` on the initialised default process group; returns the final loop state."""
+    from megatron_csbp import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        context_block_parallel_size=args.context_parallel_size, clean_shards=providers.clean_shards(args))
+    try:
+        trainer = Trainer(args)
+        trainer.load()
+        return trainer.run()
+    finally:
+        parallel_state.destroy_model_parallel()
