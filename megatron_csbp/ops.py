@@ -111,11 +111,11 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
             plan = kernels.plan(rows.query_limits, rows.gathered_clean_positions)
             clean_k, clean_v = _unpack(gathered, rows.gathered_clean_rows)
             out, lse = kernels.prefix_forward(q, clean_k, clean_v, plan, scale)
-            ctx.plans, ctx.gathered = plan, gathered
+            ctx.plans = plan
         else:
             noisy_part = kernels.block_diagonal_forward(q[:, :, :, :noisy], k[:, :, :noisy], v[:, :, :noisy],
                                                         layout.block_size, scale)
-            ctx.plans = []
+            ctx.plans, gathered = [], None
             shard, partials = sent, []
             for step, member in enumerate(_ring_order(layout)):
                 received, works = comm.ring_shift_start(shard, ring) if step < layout.clean_shards - 1 else (None, [])
@@ -130,13 +130,13 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
         noisy_out, noisy_lse = merge_partials([noisy_part, (out[:, :, :, :noisy], lse[:, :, :, :noisy])])
         out = torch.cat([noisy_out, out[:, :, :, noisy:]], dim=3)
         lse = torch.cat([noisy_lse, lse[:, :, :, noisy:]], dim=3)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, gathered)
         ctx.layout, ctx.ring, ctx.scale, ctx.transport, ctx.rows = layout, ring, scale, transport, rows
         return _rows_first(out).flatten(2)
 
     @staticmethod
     def backward(ctx, grad_output):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, gathered = ctx.saved_tensors
         layout, ring, scale, rows = ctx.layout, ctx.ring, ctx.scale, ctx.rows
         kernels = default_kernels(q.device)
         noisy, start = layout.num_noisy_rows, rows.transported_from
@@ -149,9 +149,9 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
 
         sent = _pack(k.permute(2, 0, 1, 3)[start:], v.permute(2, 0, 1, 3)[start:])
         if ctx.transport == "collective":
-            clean_k, clean_v = _unpack(ctx.gathered, rows.gathered_clean_rows)
+            clean_k, clean_v = _unpack(gathered, rows.gathered_clean_rows)
             dq, dk_clean, dv_clean = kernels.prefix_backward(dout, q, clean_k, clean_v, out, lse, ctx.plans, scale)
-            d_gathered = _repack(dk_clean, dv_clean, rows.gathered_clean_rows, ctx.gathered.shape[0])
+            d_gathered = _repack(dk_clean, dv_clean, rows.gathered_clean_rows, gathered.shape[0])
             d_sent, work = comm.reduce_scatter_start(d_gathered, ring) if ring is not None else (d_gathered, None)
             dq_noisy, dk_noisy, dv_noisy = noisy_backward()
             comm.wait_all(work or [])
