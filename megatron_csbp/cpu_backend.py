@@ -12,7 +12,7 @@ nothing and returns False):
     exchange) become no-ops on the CPU;
   - `Tensor.type()` of a CPU tensor reports the `torch.cuda.*Tensor` name, because `clip_grads.py`
     asserts `param.grad.type() == 'torch.cuda.FloatTensor'` when `clip_grad > 0`.
-  CPU autograd runs backward (and Megatron's DDP hooks) on the calling thread, so one mode suffices.
+  Backward functions run outside any mode; the spots they reach need only the next item.
 * `torch.cuda.current_device()` returns the CPU device itself (not an index for the mode to map):
   autograd runs custom backward functions (e.g. the sequence-parallel gathers) outside any
   `TorchFunctionMode`, and they allocate with `device=torch.cuda.current_device()`. And

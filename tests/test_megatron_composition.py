@@ -31,12 +31,19 @@ class Topology:
     block_parallel: int = 1
     clean_shards: int = 1
     sequence_parallel: bool = False
+    transport: str = "collective"
+    seq: int = SEQ
+    block: int = BLOCK
     megatron_rope: bool = False  # negative control
 
 
 REFERENCE = Topology("reference", mode="reference")
+# 30 tokens in blocks of 3 under BP2: 45 rows per rank, padded to 46 for sequence parallelism over TP2.
+ODD_ROWS = dict(seq=30, block=3)
+REFERENCE_ODD_ROWS = Topology("reference, odd rows", mode="reference", **ODD_ROWS)
 WORLD_2 = [
     Topology("csbp P=C=2", block_parallel=2, clean_shards=2),
+    Topology("csbp P=C=2 streaming", block_parallel=2, clean_shards=2, transport="streaming"),
     Topology("cp baseline 2", mode="cp", block_parallel=2, clean_shards=2),
     Topology("bp baseline 2", mode="bp", block_parallel=2, clean_shards=1),
     Topology("control: Megatron RoPE", block_parallel=2, clean_shards=2, megatron_rope=True),
@@ -47,6 +54,8 @@ WORLD_4 = [
     Topology("tp2 x csbp2 + sp", tp=2, block_parallel=2, clean_shards=2, sequence_parallel=True),
     Topology("pp2 x csbp2 (1f1b)", pp=2, block_parallel=2, clean_shards=2),
     Topology("dp2 x csbp2", block_parallel=2, clean_shards=2),
+    Topology("tp2 x bp2 + sp, padded rows", mode="bp", tp=2, block_parallel=2, clean_shards=1,
+             sequence_parallel=True, **ODD_ROWS),
 ]
 
 
@@ -60,7 +69,7 @@ def dense_bdlm_attention_class():
             self.layout = layout
 
         def forward(self, query, key, value, attention_mask, **kwargs):
-            block = self.layout.row_positions // BLOCK
+            block = self.layout.row_positions // self.layout.block_size
             clean = self.layout.row_is_clean
             qb, kb, qc, kc = block[:, None], block[None, :], clean[:, None], clean[None, :]
             allowed = (~qc & ~kc & (kb == qb)) | (~qc & kc & (kb < qb)) | (qc & kc & (kb <= qb))
@@ -97,17 +106,17 @@ def _build_model(topology, config):
     stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
     common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=False)
     if topology.mode == "reference":
-        layout = CSBPLayout(SEQ, BLOCK, 1, 1, 0, schedule="contiguous", clean_layout="contiguous")
+        layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, schedule="contiguous", clean_layout="contiguous")
         spec = get_csbp_layer_spec()
         spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
             module=dense_bdlm_attention_class(), params={"layout": layout})
-        model = BDLMGPTModel(config=config, transformer_layer_spec=spec, max_sequence_length=SEQ,
+        model = BDLMGPTModel(config=config, transformer_layer_spec=spec, max_sequence_length=topology.seq,
                              position_embedding_type="rope", layout=layout, **stages, **common)
     else:
-        layout = layout_for(topology.mode, SEQ, BLOCK, topology.block_parallel, topology.clean_shards,
-                            rank=mpu.get_context_parallel_rank())
+        layout = layout_for(topology.mode, topology.seq, topology.block, topology.block_parallel,
+                            topology.clean_shards, rank=mpu.get_context_parallel_rank())
         model = model_provider(config=config, layout=layout, group=parallel_state.get_block_parallel_groups(),
-                               **stages, **common)
+                               transport=topology.transport, **stages, **common)
     if topology.megatron_rope:
         model.rotary_pos_emb = model.rotary_pos_emb.rotary
     return model, layout
@@ -143,9 +152,9 @@ def _load(model, weights):
         param.data.copy_(full)
 
 
-def _batches(dp_rank, dp_size):
+def _batches(seq, dp_rank, dp_size):
     generator = torch.Generator().manual_seed(2024)
-    tokens = torch.randint(0, MASK, (MICRO_BATCH * NUM_MICRO, SEQ), generator=generator)
+    tokens = torch.randint(0, MASK, (MICRO_BATCH * NUM_MICRO, seq), generator=generator)
     sample_index = torch.arange(MICRO_BATCH * NUM_MICRO) + 100
     per_rank = NUM_MICRO // dp_size
     return [{"tokens": tokens[m * MICRO_BATCH:(m + 1) * MICRO_BATCH],
@@ -190,8 +199,8 @@ def _train_step(topology, weights):
                             params_dtype=torch.float32), [ddp])
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
-        batches = _batches(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-        objective = BDLMObjective(block_size=BLOCK, mask_token_id=MASK, seed=99)
+        batches = _batches(topology.seq, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+        objective = BDLMObjective(block_size=topology.block, mask_token_id=MASK, seed=99)
         reports = get_forward_backward_func()(
             forward_step_func=BDLMForwardStep(objective, layout), data_iterator=iter(batches), model=[ddp],
             num_microbatches=len(batches), seq_length=pipeline_seq_length(layout, config),
@@ -216,7 +225,12 @@ def _run(rank, world_size, topologies, weights):
     cpu_backend.enable()
     if weights is not None:
         weights = {name: torch.from_numpy(array) for name, array in weights.items()}
-    return [_as_numpy(_train_step(topology, weights)) for topology in topologies]
+    results = []
+    for topology in topologies:
+        result = _train_step(topology, weights)
+        weights = weights if weights is not None else result["initial"]  # later references start from it
+        results.append(_as_numpy(result))
+    return results
 
 
 def _as_numpy(result):
@@ -232,8 +246,9 @@ def _relative(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def _worst_error(per_rank, reference):
+def _worst_error(per_rank, references, topology):
     """Largest relative error of loss, grads and updated params over all ranks; checks every param is seen."""
+    reference = references[topology.seq, topology.block]
     losses = [r["loss"] for r in per_rank if r["loss"] is not None]
     assert losses, "no rank reported a loss"
     worst = max(abs(loss - reference["loss"]) / abs(reference["loss"]) for loss in losses)
@@ -248,14 +263,16 @@ def _worst_error(per_rank, reference):
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return run_ranks(_run, 1, [REFERENCE], None, timeout=300)[0][0]
+def references():
+    """Reference results by (seq, block); both references start from the same weights."""
+    results = run_ranks(_run, 1, [REFERENCE, REFERENCE_ODD_ROWS], None, timeout=300)[0]
+    return {(REFERENCE.seq, REFERENCE.block): results[0], (REFERENCE_ODD_ROWS.seq, REFERENCE_ODD_ROWS.block): results[1]}
 
 
-def test_world_2_compositions_and_negative_control(reference):
-    results = run_ranks(_run, 2, WORLD_2, reference["initial"], timeout=600)
+def test_world_2_compositions_and_negative_control(references):
+    results = run_ranks(_run, 2, WORLD_2, references[SEQ, BLOCK]["initial"], timeout=600)
     for index, topology in enumerate(WORLD_2):
-        error = _worst_error([results[rank][index] for rank in range(2)], reference)
+        error = _worst_error([results[rank][index] for rank in range(2)], references, topology)
         print(f"{topology.name}: worst relative error {error:.2e}")
         if topology.megatron_rope:
             assert error > 1e-3, f"{topology.name} should not match the reference (error {error:.2e})"
@@ -263,9 +280,9 @@ def test_world_2_compositions_and_negative_control(reference):
             assert error <= TOLERANCE, f"{topology.name}: relative error {error:.2e}"
 
 
-def test_world_4_compositions(reference):
-    results = run_ranks(_run, 4, WORLD_4, reference["initial"], timeout=900)
+def test_world_4_compositions(references):
+    results = run_ranks(_run, 4, WORLD_4, references[SEQ, BLOCK]["initial"], timeout=900)
     for index, topology in enumerate(WORLD_4):
-        error = _worst_error([results[rank][index] for rank in range(4)], reference)
+        error = _worst_error([results[rank][index] for rank in range(4)], references, topology)
         print(f"{topology.name}: worst relative error {error:.2e}")
         assert error <= TOLERANCE, f"{topology.name}: relative error {error:.2e}"
