@@ -1,0 +1,297 @@
+"""Slurm submission (scripts/slurm/submit.py), tested against a real Slurm cluster.
+
+CI starts a single-node cluster with `scripts/slurm/local_cluster.sh start` and exports SLURM_CONF; when
+none answers, the `slurm` fixture starts one itself (and stops it afterwards). Tests that need Slurm skip only
+where its binaries are absent. The requeue mechanics are proven with `tests/slurm_standin_trainer.py` (same
+command line, environment and checkpoint contract as the training script); the end-to-end tests run
+`scripts/pretrain_bdlm.py` with `configs/tiny_cpu.yaml` once they exist.
+"""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SUBMIT = REPO / "scripts" / "slurm" / "submit.py"
+LOCAL_CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
+STANDIN = "tests/slurm_standin_trainer.py"
+SLURM_BINARIES = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "slurmctld", "slurmd", "munged")
+MISSING = [name for name in SLURM_BINARIES if shutil.which(name) is None]
+needs_slurm = pytest.mark.skipif(bool(MISSING), reason=f"Slurm binaries absent ({', '.join(MISSING)}): "
+                                                       f"apt-get install -y slurm-wlm munge")
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?lm loss:\s*([-+0-9.eE]+)")
+
+STANDIN_CONFIG = {  # valid for the training script's validate_args; CSBP over the 2 ranks
+    "num-layers": 2, "hidden-size": 64, "num-attention-heads": 4, "seq_length": 64, "micro-batch-size": 1,
+    "global-batch-size": 4, "train-iters": 30, "lr": 1.0e-3, "log-interval": 1,
+    "data-path": "data/unused_text_document", "context-block-parallel": 2, "bdlm": {"block-size": 16},
+}
+
+
+def run_submit(*args, env=None, timeout=120):
+    return subprocess.run([sys.executable, str(SUBMIT), *map(str, args)], capture_output=True, text=True,
+                          env=env, timeout=timeout, cwd=REPO)
+
+
+@pytest.fixture
+def standin_config(tmp_path):
+    path = tmp_path / "standin.yaml"
+    path.write_text(yaml.safe_dump(STANDIN_CONFIG))
+    return path
+
+
+# --- before sbatch: no cluster needed ------------------------------------------------------------------------
+
+def test_misfits_are_refused_with_the_numbers_and_nothing_is_submitted(tmp_path, standin_config):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    calls = tmp_path / "sbatch_calls"
+    (fake_bin / "sbatch").write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 4242\n")
+    (fake_bin / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    out = tmp_path / "runs"
+    base = ["--config", standin_config, "--nodes", 1, "--gpus-per-node", 0, "--output-dir", out,
+            "--train-script", STANDIN]
+    misfits = {  # (ranks per node, overrides) -> the numbers the one-line refusal must give
+        (3, ()): ["world size 3", "--context-block-parallel 2", "= 2 does not divide the world size 3"],
+        (2, ("seq-length=72",)): ["--seq-length 72", "--bdlm-block-size 16"],
+        (2, ("seq-length=16",)): ["--seq-length 16", "1 blocks", "--context-block-parallel 2"],
+        (4, ("global-batch-size=3",)): ["--global-batch-size 3", "data-parallel size 2"],
+        (2, ("context-block-parallel-clean-shards=3",)): ["--context-block-parallel 2",
+                                                          "--context-block-parallel-clean-shards 3"],
+    }
+    for (tasks, overrides), numbers in misfits.items():
+        result = run_submit(*base, "--ntasks-per-node", tasks, "--", *overrides, env=env)
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("submit.py: refused: "), result.stderr
+        for number in numbers:
+            assert number in lines[0], (number, lines[0])
+        assert result.stdout == ""
+    assert not calls.exists() and not out.exists()
+
+    # Positive control: the same fake sbatch does see a topology that fits.
+    result = run_submit(*base, "--ntasks-per-node", 2, "--", "train-iters=5", env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "4242"
+    scripts = list((out / "standin").glob("submit_*.sbatch"))
+    assert len(scripts) == 1 and calls.read_text().split() == ["--parsable", str(scripts[0])]
+    assert list((out / "standin").glob("config_*.yaml"))[0].read_text() == standin_config.read_text()
+
+
+def _directives(script: str) -> list[str]:
+    return [line.split(None, 1)[1] for line in script.splitlines() if line.startswith("#SBATCH ")]
+
+
+def test_dry_run_cpu_script(tmp_path, standin_config):
+    result = run_submit("--config", standin_config, "--nodes", 1, "--gpus-per-node", 0, "--ntasks-per-node", 2,
+                        "--output-dir", tmp_path / "runs", "--job-name", "cpu", "--signal-seconds", 90,
+                        "--train-script", STANDIN,
+                        "--dry-run", "--", "train-iters=7", "log-interval=1")
+    assert result.returncode == 0, result.stderr
+    script, run_dir = result.stdout, tmp_path / "runs" / "cpu"
+    assert not (tmp_path / "runs").exists()
+    directives = _directives(script)
+    for wanted in ("--job-name=cpu", "--nodes=1", "--ntasks-per-node=2", f"--output={run_dir}/slurm-%j.out",
+                   "--open-mode=append", "--requeue", "--signal=B:USR1@90", f"--chdir={REPO}"):
+        assert wanted in directives, (wanted, directives)
+    assert not any(d.startswith(("--gpus", "--exclusive")) for d in directives), directives
+    for wanted in ("export CUDA_DEVICE_MAX_CONNECTIONS=1",
+                   'export MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+                   "export MASTER_PORT=$((",
+                   "export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID; exec",
+                   "trap 'preempted=1;", 'scontrol requeue "$SLURM_JOB_ID"'):
+        assert wanted in script, wanted
+    srun = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "--container" not in srun and srun.endswith(" &")
+    command = srun.split(" rank ", 1)[1].split()
+    assert command[:2] == [sys.executable, STANDIN]
+    assert command[2] == "--config" and re.fullmatch(rf"{run_dir}/config_[0-9-]+\.yaml", command[3])
+    assert command[4:9] == ["--save", f"{run_dir}/checkpoints", "--load", f"{run_dir}/checkpoints",
+                            "--exit-signal-handler"]
+    assert command[9:] == ["train-iters=7", "log-interval=1", "&"]
+    assert subprocess.run(["bash", "-n"], input=script, text=True).returncode == 0
+
+
+def test_dry_run_gpu_script_with_container(tmp_path, standin_config):
+    result = run_submit("--config", standin_config, "--nodes", 2, "--gpus-per-node", 4, "--partition", "gpu",
+                        "--account", "proj", "--qos", "high", "--time", "04:00:00", "--output-dir", tmp_path,
+                        "--container-image", "nvcr.io/nvidia/pytorch:25.01-py3",
+                        "--container-mounts", "/lustre:/lustre", "--dry-run", "--", "tensor-model-parallel-size=2")
+    assert result.returncode == 0, result.stderr
+    directives = _directives(result.stdout)
+    for wanted in ("--nodes=2", "--ntasks-per-node=4", "--gpus-per-node=4", "--exclusive", "--partition=gpu",
+                   "--account=proj", "--qos=high", "--time=04:00:00", "--signal=B:USR1@120", "--requeue"):
+        assert wanted in directives, (wanted, directives)
+    srun = next(line for line in result.stdout.splitlines() if line.startswith("srun "))
+    assert "--container-image=nvcr.io/nvidia/pytorch:25.01-py3 --container-mounts=/lustre:/lustre bash -c" in srun
+    assert " rank python scripts/pretrain_bdlm.py --config " in srun
+    # 2 x 4 GPUs = 8 ranks, not a multiple of TP 2 x CSBP 2 x PP 3 = 12.
+    result = run_submit("--config", standin_config, "--nodes", 2, "--gpus-per-node", 4, "--dry-run", "--",
+                        "tensor-model-parallel-size=2", "pipeline-model-parallel-size=3", "num-layers=3")
+    assert result.returncode == 2 and "world size 8 (2 node(s) x 4 GPU(s))" in result.stderr, result.stderr
+    assert "= 12 does not divide the world size 8" in result.stderr and result.stdout == ""
+
+
+# --- a real cluster -----------------------------------------------------------------------------------------
+
+def _slurm_answers(env) -> bool:
+    try:
+        result = subprocess.run(["sinfo", "--noheader", "--format=%T"], env=env, capture_output=True, text=True,
+                                timeout=15)
+    except subprocess.TimeoutExpired:
+        return False
+    return result.returncode == 0 and any(s.startswith(("idle", "mix", "alloc")) for s in result.stdout.split())
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """Environment for the Slurm client commands: the running cluster, or a local one started here."""
+    if MISSING:
+        pytest.skip(f"Slurm binaries absent ({', '.join(MISSING)}): apt-get install -y slurm-wlm munge")
+    local_dir = os.environ.get("SLURM_LOCAL_DIR", "/tmp/megatron-csbp-slurm")
+    env = {**os.environ, "SLURM_CONF": os.environ.get("SLURM_CONF", f"{local_dir}/slurm.conf")}
+    started = False
+    if not _slurm_answers(env):
+        result = subprocess.run([str(LOCAL_CLUSTER), "start"], env=env, capture_output=True, text=True,
+                                timeout=180)
+        assert result.returncode == 0, f"could not start a local Slurm cluster:\n{result.stdout}{result.stderr}"
+        started = True
+    yield env
+    if started:
+        subprocess.run([str(LOCAL_CLUSTER), "stop"], env=env, capture_output=True, timeout=60)
+
+
+def job_fields(job: str, env) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True,
+                         timeout=30).stdout
+    return dict(token.split("=", 1) for token in out.split() if "=" in token)
+
+
+def wait_for_job(job: str, env, states=("COMPLETED",), timeout=180) -> dict:
+    """Polls until the job is in one of `states`; fails at once if it ended otherwise."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        fields = job_fields(job, env)
+        state = fields.get("JobState")
+        if state in states:
+            return fields
+        if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE"):
+            pytest.fail(f"job {job} ended {state}: {fields}")
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], env=env, timeout=30)
+    pytest.fail(f"job {job} not {'/'.join(states)} within {timeout}s: {job_fields(job, env)}")
+
+
+def wait_for_log(path: Path, pattern: str, timeout=120) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if re.search(pattern, text):
+            return text
+        time.sleep(0.2)
+    pytest.fail(f"{path}: no '{pattern}' within {timeout}s:\n{text}")
+
+
+def submit_job(env, config, out_dir, *overrides, script=STANDIN, job_name="standin", **flags) -> tuple[str, Path]:
+    extra = [item for name, value in flags.items() for item in (f"--{name.replace('_', '-')}", value)]
+    result = run_submit("--config", config, "--nodes", 1, "--gpus-per-node", 0, "--ntasks-per-node", 2,
+                        "--output-dir", out_dir, "--job-name", job_name, "--train-script", script, *extra,
+                        "--", *overrides, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    job = result.stdout.strip()
+    assert job.isdigit(), result.stdout
+    return job, out_dir / job_name / f"slurm-{job}.out"
+
+
+def iteration_losses(log: str) -> dict[int, str]:
+    """{iteration: lm loss text}; an iteration logged twice (repeated after a resume) is an error."""
+    losses = {}
+    for match in ITERATION.finditer(log):
+        iteration = int(match.group(1))
+        assert iteration not in losses, f"iteration {iteration} logged twice:\n{log}"
+        losses[iteration] = match.group(3)
+    return losses
+
+
+def assert_final_checkpoint(checkpoints: Path, iteration: int):
+    assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == str(iteration)
+    assert (checkpoints / f"iter_{iteration:07d}").is_dir()
+
+
+STANDIN_ITERS = 30
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_standin(slurm, tmp_path_factory):
+    """A stand-in job run to completion without interruption: (job fields, log text, run directory)."""
+    root = tmp_path_factory.mktemp("slurm_plain")
+    config = root / "standin.yaml"
+    config.write_text(yaml.safe_dump(STANDIN_CONFIG))
+    env = {**slurm, "STANDIN_ITER_SECONDS": "0.2"}
+    job, log = submit_job(env, config, root / "runs", f"train-iters={STANDIN_ITERS}")
+    fields = wait_for_job(job, env)
+    return fields, log.read_text(), root / "runs" / "standin"
+
+
+@needs_slurm
+def test_submitted_job_completes(slurm, uninterrupted_standin):
+    fields, log, run_dir = uninterrupted_standin
+    assert fields["ExitCode"] == "0:0" and fields["Restarts"] == "0", fields
+    assert sorted(iteration_losses(log)) == list(range(1, STANDIN_ITERS + 1)), log
+    assert_final_checkpoint(run_dir / "checkpoints", STANDIN_ITERS)
+    assert len(list(run_dir.glob("submit_*.sbatch"))) == 1 and len(list(run_dir.glob("config_*.yaml"))) == 1
+    # The exports reached every rank: one environment line per rank.
+    ranks = {}
+    for line in re.findall(r"environment (\{.*\})", log):
+        env = yaml.safe_load(line)
+        ranks[env["RANK"]] = env
+    assert sorted(ranks) == ["0", "1"], log
+    port = 20000 + int(fields["JobId"]) % 2500 * 16
+    for rank, env in ranks.items():
+        assert env["LOCAL_RANK"] == rank and env["WORLD_SIZE"] == "2", env
+        assert env["MASTER_ADDR"] == fields["BatchHost"] and env["MASTER_PORT"] == str(port), env
+        assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1", env
+
+
+def _preempted_standin_run(slurm, uninterrupted_standin, tmp_path, preempt, expect_in_log):
+    config = tmp_path / "standin.yaml"
+    config.write_text(yaml.safe_dump(STANDIN_CONFIG))
+    env = {**slurm, "STANDIN_ITER_SECONDS": "0.2"}
+    job, log_path = submit_job(env, config, tmp_path / "runs", f"train-iters={STANDIN_ITERS}")
+    wait_for_log(log_path, r"iteration\s+5/")
+    subprocess.run(preempt + [job], env=env, check=True, timeout=30)
+    fields = wait_for_job(job, env)
+    log = log_path.read_text()
+    assert fields["ExitCode"] == "0:0" and fields["Restarts"] == "1", fields
+    assert expect_in_log in log, log
+    saved = int(re.search(r"saved checkpoint at iteration\s+(\d+)", log).group(1))
+    assert 5 <= saved < STANDIN_ITERS, log
+    first_run, second_run = log.split("submit.py: job ")[1:3]
+    assert f"loaded checkpoint from {tmp_path}/runs/standin/checkpoints at iteration {saved}" in second_run
+    assert max(iteration_losses(first_run)) == saved and min(iteration_losses(second_run)) == saved + 1
+    # Not a single iteration lost or repeated, and every loss (so the final one) as without the preemption.
+    assert iteration_losses(log) == iteration_losses(uninterrupted_standin[1])
+    assert_final_checkpoint(tmp_path / "runs" / "standin" / "checkpoints", STANDIN_ITERS)
+
+
+@needs_slurm
+def test_usr1_saves_requeues_and_resumes(slurm, uninterrupted_standin, tmp_path):
+    """What Slurm does --signal-seconds before the time limit: USR1 to the batch shell only."""
+    _preempted_standin_run(slurm, uninterrupted_standin, tmp_path, ["scancel", "--batch", "--signal=USR1"],
+                           "submit.py: preempted (ranks exited 0); requeueing job")
+
+
+@needs_slurm
+def test_scontrol_requeue_saves_and_resumes(slurm, uninterrupted_standin, tmp_path):
+    """`scontrol requeue` (like a PreemptMode=REQUEUE preemption) sends SIGTERM to the batch shell and every
+    rank; the shell keeps waiting while the ranks save within KillWait."""
+    _preempted_standin_run(slurm, uninterrupted_standin, tmp_path, ["scontrol", "requeue"],
+                           "submit.py: SIGTERM, waiting for the ranks to finish")
