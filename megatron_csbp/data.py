@@ -163,7 +163,6 @@ def write_indexed_dataset(documents: Iterable[list[int]], output_prefix: str, vo
     a crash never leaves a half dataset under the real name. The old .idx goes first: an interruption between
     the two renames leaves a .bin without .idx, which `check_data_prefixes` reports.
     """
-    import torch
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
@@ -174,7 +173,7 @@ def write_indexed_dataset(documents: Iterable[list[int]], output_prefix: str, vo
         for ids in documents:
             if len(ids) == 0:
                 continue
-            builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+            builder.add_document(np.asarray(ids, dtype=np.int64), [len(ids)])
             num_documents += 1
             num_tokens += len(ids)
         builder.finalize(temporary + ".idx")
@@ -207,13 +206,38 @@ def split_sizes(args: argparse.Namespace) -> list[int]:
             args.eval_iters * args.global_batch_size]
 
 
+def check_split(prefixes: list[str], split: str) -> None:
+    """Every split with a share needs documents in every dataset (megatron-core loops forever on none)."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (convert_split_vector_to_split_matrix,
+                                                                         parse_and_normalize_split)
+
+    try:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            vector = parse_and_normalize_split(split)
+        if not all(np.isfinite(vector)):
+            raise ValueError(split)
+        matrix = convert_split_vector_to_split_matrix(vector)
+    except (AssertionError, ValueError, ZeroDivisionError):
+        raise ConfigError(f"--split '{split}': give up to three non-negative train,valid,test proportions, "
+                          f"not all zero (e.g. 98,2,0)") from None
+    for prefix in prefixes:
+        count = _open_indexed(prefix).sequence_lengths.shape[0]
+        for name, bounds in zip(("train", "valid", "test"), matrix):
+            if bounds is not None and round(bounds[1] * count) == round(bounds[0] * count):
+                raise ConfigError(f"--split '{split}' leaves the {name} split 0 of the {count} documents of "
+                                  f"--data-path {prefix}; give it a larger share (e.g. --split 98,2,0) or a "
+                                  f"zero one, or use more data")
+
+
 def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: Callable[[], bool] | None = None):
     """(train, valid, test) GPTDatasets of `L`-token samples (`None` for an empty split) from `--data-path`.
 
     Checks paths and vocabulary first. Collective when torch.distributed is initialised (megatron-core builds
     the index cache on rank 0 behind a barrier of the default group): call it on every rank. By default every
-    rank builds (reads) the data, since every block-parallel rank needs the same samples.
+    rank builds (reads) the data, since every block-parallel rank needs the same samples. Indices are cached
+    under `--data-cache-path` (default: `cache/` beside the first dataset), keyed by the data files' identity.
     """
+    import torch
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
@@ -224,12 +248,17 @@ def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: C
     check_data_prefixes(prefixes)
     check_vocabulary(prefixes, tokenizer.vocab_size, padded_vocab_size(
         tokenizer.vocab_size + 1, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size))
+    split, sizes = args.split or "969, 30, 1", split_sizes(args)
+    check_split(prefixes, split)
     cache_root = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
+    cache = os.path.join(cache_root, _data_fingerprint(prefixes))
+    if len(prefixes) > 1 and not torch.distributed.is_initialized():
+        cache = None  # megatron-core's BlendedDataset asks torch.distributed for the rank on a cache miss
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=(prefixes, weights),
-        split=args.split or "969, 30, 1", path_to_cache=os.path.join(cache_root, _data_fingerprint(prefixes)),
+        split=split, path_to_cache=cache,
         tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False, add_extra_token_to_sequence=False, mmap_bin_files=True,
     )
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, split_sizes(args), is_built_on_rank or (lambda: True), config)
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
     return tuple(builder.build())
