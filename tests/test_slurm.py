@@ -200,15 +200,19 @@ def wait_for_log(path: Path, pattern: str, timeout=120) -> str:
     pytest.fail(f"{path}: no '{pattern}' within {timeout}s:\n{text}")
 
 
-def submit_job(env, config, out_dir, *overrides, script=STANDIN, job_name="standin", **flags) -> tuple[str, Path]:
-    extra = [item for name, value in flags.items() for item in (f"--{name.replace('_', '-')}", value)]
-    result = run_submit("--config", config, "--nodes", 1, "--gpus-per-node", 0, "--ntasks-per-node", 2,
-                        "--output-dir", out_dir, "--job-name", job_name, "--train-script", script, *extra,
-                        "--", *overrides, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr
-    job = result.stdout.strip()
-    assert job.isdigit(), result.stdout
-    return job, out_dir / job_name / f"slurm-{job}.out"
+def submit_jobs(env, config, out_dir, runs: dict[str, list[str]], script=STANDIN) -> dict[str, tuple[str, Path]]:
+    """Submits one 2-rank CPU job per run name ({name: overrides}), all at once; {name: (job id, log)}."""
+    procs = {name: subprocess.Popen(
+        [sys.executable, str(SUBMIT), "--config", str(config), "--nodes", "1", "--gpus-per-node", "0",
+         "--ntasks-per-node", "2", "--output-dir", str(out_dir), "--job-name", name, "--train-script", script,
+         "--", *overrides], env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for name, overrides in runs.items()}
+    jobs = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and stdout.strip().isdigit(), stderr
+        jobs[name] = stdout.strip(), out_dir / name / f"slurm-{stdout.strip()}.out"
+    return jobs
 
 
 def iteration_losses(log: str) -> dict[int, str]:
@@ -227,23 +231,35 @@ def assert_final_checkpoint(checkpoints: Path, iteration: int):
 
 
 STANDIN_ITERS = 30
+PREEMPTIONS = {  # how each stand-in run is interrupted once it logs iteration 5
+    "plain": None,
+    # What Slurm does --signal-seconds before the time limit: USR1 to the batch shell only.
+    "usr1": ["scancel", "--batch", "--signal=USR1"],
+    # Like a PreemptMode=REQUEUE preemption: SIGTERM to the batch shell and every rank, SIGKILL after KillWait.
+    "requeue": ["scontrol", "requeue"],
+}
 
 
 @pytest.fixture(scope="module")
-def uninterrupted_standin(slurm, tmp_path_factory):
-    """A stand-in job run to completion without interruption: (job fields, log text, run directory)."""
-    root = tmp_path_factory.mktemp("slurm_plain")
+def standin_runs(slurm, tmp_path_factory):
+    """The three stand-in runs of PREEMPTIONS, side by side: {name: (job fields, log text, run directory)}."""
+    root = tmp_path_factory.mktemp("slurm_standin")
     config = root / "standin.yaml"
     config.write_text(yaml.safe_dump(STANDIN_CONFIG))
     env = {**slurm, "STANDIN_ITER_SECONDS": "0.2"}
-    job, log = submit_job(env, config, root / "runs", f"train-iters={STANDIN_ITERS}")
-    fields = wait_for_job(job, env)
-    return fields, log.read_text(), root / "runs" / "standin"
+    jobs = submit_jobs(env, config, root / "runs", {name: [f"train-iters={STANDIN_ITERS}"] for name in PREEMPTIONS})
+    for name, preempt in PREEMPTIONS.items():
+        if preempt:
+            job, log = jobs[name]
+            wait_for_log(log, r"iteration\s+5/")
+            subprocess.run(preempt + [job], env=env, check=True, timeout=30)
+    return {name: (wait_for_job(job, env), log.read_text(), root / "runs" / name)
+            for name, (job, log) in jobs.items()}
 
 
 @needs_slurm
-def test_submitted_job_completes(slurm, uninterrupted_standin):
-    fields, log, run_dir = uninterrupted_standin
+def test_submitted_job_completes(standin_runs):
+    fields, log, run_dir = standin_runs["plain"]
     assert fields["ExitCode"] == "0:0" and fields["Restarts"] == "0", fields
     assert sorted(iteration_losses(log)) == list(range(1, STANDIN_ITERS + 1)), log
     assert_final_checkpoint(run_dir / "checkpoints", STANDIN_ITERS)
@@ -261,37 +277,28 @@ def test_submitted_job_completes(slurm, uninterrupted_standin):
         assert env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1", env
 
 
-def _preempted_standin_run(slurm, uninterrupted_standin, tmp_path, preempt, expect_in_log):
-    config = tmp_path / "standin.yaml"
-    config.write_text(yaml.safe_dump(STANDIN_CONFIG))
-    env = {**slurm, "STANDIN_ITER_SECONDS": "0.2"}
-    job, log_path = submit_job(env, config, tmp_path / "runs", f"train-iters={STANDIN_ITERS}")
-    wait_for_log(log_path, r"iteration\s+5/")
-    subprocess.run(preempt + [job], env=env, check=True, timeout=30)
-    fields = wait_for_job(job, env)
-    log = log_path.read_text()
+def assert_saved_requeued_resumed(run, plain_log, expect_in_log):
+    fields, log, run_dir = run
     assert fields["ExitCode"] == "0:0" and fields["Restarts"] == "1", fields
     assert expect_in_log in log, log
     saved = int(re.search(r"saved checkpoint at iteration\s+(\d+)", log).group(1))
     assert 5 <= saved < STANDIN_ITERS, log
     first_run, second_run = log.split("submit.py: job ")[1:3]
-    assert f"loaded checkpoint from {tmp_path}/runs/standin/checkpoints at iteration {saved}" in second_run
+    assert f"loaded checkpoint from {run_dir}/checkpoints at iteration {saved}" in second_run, log
     assert max(iteration_losses(first_run)) == saved and min(iteration_losses(second_run)) == saved + 1
     # Not a single iteration lost or repeated, and every loss (so the final one) as without the preemption.
-    assert iteration_losses(log) == iteration_losses(uninterrupted_standin[1])
-    assert_final_checkpoint(tmp_path / "runs" / "standin" / "checkpoints", STANDIN_ITERS)
+    assert iteration_losses(log) == iteration_losses(plain_log)
+    assert_final_checkpoint(run_dir / "checkpoints", STANDIN_ITERS)
 
 
 @needs_slurm
-def test_usr1_saves_requeues_and_resumes(slurm, uninterrupted_standin, tmp_path):
-    """What Slurm does --signal-seconds before the time limit: USR1 to the batch shell only."""
-    _preempted_standin_run(slurm, uninterrupted_standin, tmp_path, ["scancel", "--batch", "--signal=USR1"],
-                           "submit.py: preempted (ranks exited 0); requeueing job")
+def test_usr1_saves_requeues_and_resumes(standin_runs):
+    assert_saved_requeued_resumed(standin_runs["usr1"], standin_runs["plain"][1],
+                                  "submit.py: preempted (ranks exited 0); requeueing job")
 
 
 @needs_slurm
-def test_scontrol_requeue_saves_and_resumes(slurm, uninterrupted_standin, tmp_path):
-    """`scontrol requeue` (like a PreemptMode=REQUEUE preemption) sends SIGTERM to the batch shell and every
-    rank; the shell keeps waiting while the ranks save within KillWait."""
-    _preempted_standin_run(slurm, uninterrupted_standin, tmp_path, ["scontrol", "requeue"],
-                           "submit.py: SIGTERM, waiting for the ranks to finish")
+def test_scontrol_requeue_saves_and_resumes(standin_runs):
+    """The batch shell keeps waiting on SIGTERM while the ranks save within KillWait."""
+    assert_saved_requeued_resumed(standin_runs["requeue"], standin_runs["plain"][1],
+                                  "submit.py: SIGTERM, waiting for the ranks to finish")
