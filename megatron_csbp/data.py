@@ -10,9 +10,10 @@ right after them, then Megatron-style padding to a multiple of `--make-vocab-siz
 
 import argparse
 import hashlib
+import json
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable, Iterable
 
 import numpy as np
@@ -112,8 +113,39 @@ def _open_indexed(prefix: str):
                           f"rebuild with scripts/prepare_data.py --force") from None
 
 
+def _files_identity(prefix: str) -> list:
+    return [[os.stat(prefix + suffix).st_size, os.stat(prefix + suffix).st_mtime_ns] for suffix in (".bin", ".idx")]
+
+
+def _read_record(prefix: str) -> DatasetStats | None:
+    """The stats `write_indexed_dataset` recorded, if the files are still exactly the ones it wrote."""
+    try:
+        with open(prefix + ".stats.json", encoding="utf-8") as handle:
+            record = json.load(handle)
+        if record.pop("files") == _files_identity(prefix):
+            return DatasetStats(**record)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        pass
+    return None
+
+
+def _write_record(prefix: str, stats: DatasetStats) -> None:
+    temporary = f"{prefix}.stats.json.tmp{os.getpid()}"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump({**asdict(stats), "files": _files_identity(prefix)}, handle)
+    os.replace(temporary, prefix + ".stats.json")
+
+
 def dataset_stats(prefix: str, chunk_tokens: int = 1 << 24) -> DatasetStats:
-    """Documents, tokens and the largest token id of `prefix`.bin/.idx (reads the whole .bin, in chunks)."""
+    """Documents, tokens and the largest token id of `prefix`.bin/.idx.
+
+    Taken from the `.stats.json` record `write_indexed_dataset` leaves when the files are unchanged since
+    (same sizes and modification times), else read from the files (the whole .bin, in chunks).
+    """
+    check_data_prefixes([prefix])
+    recorded = _read_record(prefix)
+    if recorded is not None:
+        return recorded
     dataset = _open_indexed(prefix)
     num_tokens = int(dataset.sequence_lengths.sum(dtype=np.int64))
     expected_bytes = num_tokens * np.dtype(dataset.index.dtype).itemsize
@@ -161,7 +193,8 @@ def write_indexed_dataset(documents: Iterable[list[int]], output_prefix: str, vo
 
     Written under a temporary name and read back (documents, tokens, ids < `vocab_size`) before the rename, so
     a crash never leaves a half dataset under the real name. The old .idx goes first: an interruption between
-    the two renames leaves a .bin without .idx, which `check_data_prefixes` reports.
+    the two renames leaves a .bin without .idx, which `check_data_prefixes` reports. A `.stats.json` record
+    beside it spares training start-up a full read of the .bin (see `dataset_stats`).
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
@@ -181,9 +214,10 @@ def write_indexed_dataset(documents: Iterable[list[int]], output_prefix: str, vo
         if (stats.num_documents, stats.num_tokens) != (num_documents, num_tokens) or stats.max_token_id >= vocab_size:
             raise RuntimeError(f"{output_prefix}: read back {stats}, wrote {num_documents} documents and {num_tokens} "
                                f"tokens with ids < {vocab_size}; nothing was replaced")
-        _remove(output_prefix + ".idx")
+        _remove(output_prefix + ".idx", output_prefix + ".stats.json")
         os.replace(temporary + ".bin", output_prefix + ".bin")
         os.replace(temporary + ".idx", output_prefix + ".idx")
+        _write_record(output_prefix, stats)
         return stats
     finally:
         _remove(temporary + ".bin", temporary + ".idx")

@@ -150,7 +150,7 @@ def test_interrupted_write_keeps_the_previous_dataset(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         data.write_indexed_dataset(crashing(), prefix, 257)
     assert data.dataset_stats(prefix) == data.DatasetStats(2, 4, 4)
-    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx"]
+    assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.stats.json"]
     with pytest.raises(RuntimeError, match="nothing was replaced"):
         data.write_indexed_dataset([[1, 300]], prefix, 257)
     assert data.dataset_stats(prefix) == data.DatasetStats(2, 4, 4)
@@ -170,6 +170,22 @@ def test_vocabulary_check(tmp_path, max_id, needle):
     assert str(caught.value).startswith(f"--data-path {prefix}: ") and needle in str(caught.value)
     with pytest.raises(ConfigError, match="--data-path"):
         data.build_datasets(training_args(prefix, "seq-length=16"))
+
+
+def test_recorded_stats_are_used_only_for_unchanged_files(tmp_path):
+    prefix = str(tmp_path / "d")
+    written = data.write_indexed_dataset([[1, 2, 3], [4, 5]], prefix, 257)
+    assert written == data.DatasetStats(2, 5, 5) == data.dataset_stats(prefix)
+    os.remove(prefix + ".stats.json")
+    assert data.dataset_stats(prefix) == written  # read from the files
+    data.write_indexed_dataset([[1, 2, 3], [4, 5]], prefix, 257)
+    with open(prefix + ".bin", "r+b") as handle:  # same size, new content (uint16 tokens): id 300 appears
+        handle.seek(2)
+        handle.write(np.array([300], dtype=np.uint16).tobytes())
+    os.utime(prefix + ".bin", ns=(0, 0))
+    assert data.dataset_stats(prefix).max_token_id == 300
+    with pytest.raises(ConfigError, match="token id 300"):
+        data.check_vocabulary([prefix], 257, 384)
 
 
 def test_missing_and_corrupt_datasets_are_refused(tmp_path):
