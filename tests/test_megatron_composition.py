@@ -1,7 +1,7 @@
 """One Megatron training step under every composition equals a single-process reference.
 
 Each composition (CSBP, P=4 C=2, TP2, TP2+SP, PP2 1F1B, DP2, the CP and BP baselines) runs one step of a
-small GQA/RoPE GPTModel through megatron-core's DDP, `finalize_model_grads`, `get_forward_backward_func`
+small GQA/RoPE GPTModel (tied embeddings) through megatron-core's DDP, `finalize_model_grads`, `get_forward_backward_func`
 and `get_megatron_optimizer` with the BDLM forward step, starting from the reference's weights (loaded
 by global layer number). Loss, every parameter's gradient (gathered over TP) and every parameter after
 the optimizer step must match the reference to 1e-5 relative. The reference is a one-rank model whose
@@ -104,7 +104,7 @@ def _build_model(topology, config):
     from megatron_csbp.spec import get_csbp_layer_spec
 
     stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
-    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=False)
+    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True)
     if topology.mode == "reference":
         layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, schedule="contiguous", clean_layout="contiguous")
         spec = get_csbp_layer_spec()
@@ -123,7 +123,10 @@ def _build_model(topology, config):
 
 
 def _global_name(model, name):
-    """Parameter name with the pipeline stage's local layer index replaced by the global one."""
+    """Parameter name with the pipeline stage's local layer index replaced by the global one; the last
+    stage's copy of the tied embedding is the embedding."""
+    if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
