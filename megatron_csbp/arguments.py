@@ -346,8 +346,10 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
         _require(args.recompute_method is not None and args.recompute_num_layers is not None,
                  "--recompute-granularity full needs --recompute-method (uniform|block) and --recompute-num-layers")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
-    _require(args.lr_warmup_iters <= args.lr_decay_iters,
-             f"--lr-warmup-iters {args.lr_warmup_iters} exceeds --lr-decay-iters {args.lr_decay_iters}")
+    _require(args.lr_decay_iters >= 1, "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule")
+    _require(args.lr_warmup_iters < args.lr_decay_iters,
+             f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
+             f"(default: --train-iters); shorten the warmup")
 
     args.data_prefixes, args.data_weights = parse_data_path(args.data_path)
     _require(bool(args.data_prefixes), "--data-path is required (scripts/prepare_data.py builds the default "

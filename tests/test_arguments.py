@@ -118,6 +118,7 @@ def test_validate_fills_derived_values():
     (["--max-position-embeddings", "32"], 1, ["--max-position-embeddings 32 is below --seq-length 64"]),
     (["--recompute-granularity", "full"], 1, ["--recompute-granularity full needs --recompute-method"]),
     (["--micro-batch-size", "0"], 1, ["--micro-batch-size must be >= 1"]),
+    (["--lr-warmup-iters", "10"], 1, ["--lr-warmup-iters 10 must be below --lr-decay-iters 10"]),
     (["--tokenizer-type", "HuggingFaceTokenizer"], 1, ["needs --tokenizer-model"]),
 ])
 def test_refusals_name_the_flag_and_the_fix(extra, world, needles):
