@@ -117,7 +117,8 @@ def _swap_torch_norms(spec):
         child = getattr(spec, name)
         if child is WrappedTorchNorm:
             setattr(spec, name, SequenceParallelTorchNorm)
-        elif isinstance(child, ModuleSpec) or hasattr(child, "__dataclass_fields__"):
+        elif isinstance(child, ModuleSpec) or (hasattr(child, "__dataclass_fields__")
+                                               and not isinstance(child, type)):
             _swap_torch_norms(child)
     return spec
 
