@@ -49,7 +49,8 @@ def run_ranks(fn, world_size, *args, timeout=300):
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results), daemon=True)
+    # Not daemonic: dist_checkpointing's writers are child processes of the ranks.
+    procs = [ctx.Process(target=_rank_main, args=(r, world_size, port, fn, args, results), daemon=False)
              for r in range(world_size)]
     for proc in procs:
         proc.start()
