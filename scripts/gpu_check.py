@@ -375,6 +375,9 @@ def single_rank(device):
 
 
 def train(args, device, records):
+    te_version, te_missing = _transformer_engine()
+    if args.train_spec == "te" and te_version is None:
+        raise RuntimeError(f"--train-spec te: {te_missing}; use --train-spec local or auto")
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
@@ -383,9 +386,6 @@ def train(args, device, records):
     from megatron_csbp.layout import CSBPLayout
     from megatron_csbp.model import model_provider
 
-    te_version, te_missing = _transformer_engine()
-    if args.train_spec == "te" and te_version is None:
-        raise RuntimeError(f"--train-spec te: {te_missing}; use --train-spec local or auto")
     use_te = args.train_spec == "te" or (args.train_spec == "auto" and te_version is not None)
     spec_note = (f"Transformer Engine {te_version}" if use_te else
                  "local (megatron-core)" + (f"; {te_missing}" if args.train_spec == "auto" else ""))
