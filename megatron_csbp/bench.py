@@ -190,6 +190,7 @@ def kernel_efficiency(seq_length, block_size, heads=8, head_dim=64, repeats=2):
     k = torch.randn(rows, 1, heads // 2, head_dim, requires_grad=True)
     v = torch.randn(rows, 1, heads // 2, head_dim, requires_grad=True)
     pairs = (seq_length ** 2 + seq_length * block_size) * heads
+    context_sharded_block_attention(q, k, v, layout).sum().backward()  # warm-up: plans, caches, allocator
     forward_time = backward_time = 0.0
     for _ in range(repeats):
         start = time.perf_counter()
