@@ -215,6 +215,11 @@ def submit_jobs(env, config, out_dir, runs: dict[str, list[str]], script=STANDIN
     return jobs
 
 
+def cancel(jobs: dict, env) -> None:
+    """Leaves no job of a failed test behind (a finished job ignores it)."""
+    subprocess.run(["scancel", *(job for job, _ in jobs.values())], env=env, capture_output=True, timeout=30)
+
+
 def iteration_losses(log: str) -> dict[int, str]:
     """{iteration: lm loss text}; an iteration logged twice (repeated after a resume) is an error."""
     losses = {}
@@ -241,13 +246,14 @@ PREEMPTIONS = {  # how each stand-in run is interrupted once it logs iteration 5
 
 
 @pytest.fixture(scope="module")
-def standin_runs(slurm, tmp_path_factory):
+def standin_runs(slurm, tmp_path_factory, request):
     """The three stand-in runs of PREEMPTIONS, side by side: {name: (job fields, log text, run directory)}."""
     root = tmp_path_factory.mktemp("slurm_standin")
     config = root / "standin.yaml"
     config.write_text(yaml.safe_dump(STANDIN_CONFIG))
     env = {**slurm, "STANDIN_ITER_SECONDS": "0.2"}
     jobs = submit_jobs(env, config, root / "runs", {name: [f"train-iters={STANDIN_ITERS}"] for name in PREEMPTIONS})
+    request.addfinalizer(lambda: cancel(jobs, env))
     for name, preempt in PREEMPTIONS.items():
         if preempt:
             job, log = jobs[name]
@@ -302,3 +308,55 @@ def test_scontrol_requeue_saves_and_resumes(standin_runs):
     """The batch shell keeps waiting on SIGTERM while the ranks save within KillWait."""
     assert_saved_requeued_resumed(standin_runs["requeue"], standin_runs["plain"][1],
                                   "submit.py: SIGTERM, waiting for the ranks to finish")
+
+
+# --- end to end: the real training script ------------------------------------------------------------------
+
+TINY_CPU = REPO / "configs" / "tiny_cpu.yaml"
+PRETRAIN = REPO / "scripts" / "pretrain_bdlm.py"
+E2E_ITERS = 16
+
+
+@pytest.fixture(scope="module")
+def tiny_cpu_runs(slurm, tmp_path_factory, request):
+    """configs/tiny_cpu.yaml through submit.py, twice side by side: uninterrupted, and sent USR1 (as at the
+    time limit) once it logs iteration 3. Shortened context (L = 128) so it stays a few minutes on 2 cores."""
+    if not (PRETRAIN.is_file() and TINY_CPU.is_file()):
+        pytest.skip("scripts/pretrain_bdlm.py or configs/tiny_cpu.yaml not there yet")
+    data_path = yaml.safe_load(TINY_CPU.read_text())["data-path"]
+    if not (REPO / f"{data_path}.bin").is_file():
+        subprocess.run([sys.executable, "scripts/prepare_data.py"], cwd=REPO, check=True, timeout=600)
+    root = tmp_path_factory.mktemp("slurm_tiny_cpu")
+    runs = {name: [f"train-iters={E2E_ITERS}", "lr-warmup-iters=2", "seq-length=128", "log-interval=1",
+                   "eval-interval=1000", "tensorboard-dir=null", f"data-cache-path={root}/cache_{name}"]
+            for name in ("plain", "preempted")}
+    jobs = submit_jobs(slurm, TINY_CPU, root / "runs", runs, script="scripts/pretrain_bdlm.py")
+    request.addfinalizer(lambda: cancel(jobs, slurm))
+    job, log = jobs["preempted"]
+    wait_for_log(log, r"iteration\s+3/", timeout=600)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm, check=True, timeout=30)
+    return {name: (wait_for_job(job, slurm, timeout=900), log.read_text(), root / "runs" / name)
+            for name, (job, log) in jobs.items()}
+
+
+@needs_slurm
+def test_tiny_cpu_job_completes(tiny_cpu_runs):
+    fields, log, run_dir = tiny_cpu_runs["plain"]
+    assert fields["ExitCode"] == "0:0" and fields["Restarts"] == "0", fields
+    assert sorted(iteration_losses(log)) == list(range(1, E2E_ITERS + 1)), log
+    assert_final_checkpoint(run_dir / "checkpoints", E2E_ITERS)
+
+
+@needs_slurm
+def test_tiny_cpu_job_preempted_saves_requeues_resumes_and_matches(tiny_cpu_runs):
+    fields, log, run_dir = tiny_cpu_runs["preempted"]
+    assert fields["ExitCode"] == "0:0" and fields["Restarts"] == "1", fields
+    assert "submit.py: preempted (ranks exited 0); requeueing job" in log, log
+    saved = int(re.search(r"saved checkpoint at iteration\s+(\d+)", log).group(1))
+    assert 3 <= saved < E2E_ITERS, log
+    first_run, second_run = log.split("submit.py: job ")[1:3]
+    assert f"loaded checkpoint from {run_dir}/checkpoints at iteration {saved}" in second_run, log
+    assert max(iteration_losses(first_run)) == saved and min(iteration_losses(second_run)) == saved + 1
+    assert_final_checkpoint(run_dir / "checkpoints", E2E_ITERS)
+    # Every logged loss, so the final one, as in the uninterrupted run (exact resumption).
+    assert iteration_losses(log) == iteration_losses(tiny_cpu_runs["plain"][1])
