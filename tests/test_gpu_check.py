@@ -1,5 +1,6 @@
-"""scripts/gpu_check.{sh,py} on the CPU: the parts that run without a GPU (CPU kernels, flex forward in
-eager mode, a tiny training step), its refusals, the JSON summary and the shell wrapper's timeout.
+"""scripts/gpu_check.{sh,py} on the CPU: the parts that run without a GPU (CPU kernels; FlexKernels'
+forward in eager flex, and its whole forward/backward code around a dense stand-in for the fused kernel;
+a tiny training step), its refusals, the JSON summary and the shell wrapper's timeout.
 The GPU numbers themselves come only from a GPU run."""
 
 import importlib.util
@@ -86,6 +87,12 @@ class _WrongScale:
         return self.inner.block_diagonal_forward(q, k, v, block_size, scale * 1.01)
 
 
+class _NaNs(_WrongScale):
+    def block_diagonal_forward(self, q, k, v, block_size, scale):
+        out, lse = self.inner.block_diagonal_forward(q, k, v, block_size, scale)
+        return out * float("nan"), lse
+
+
 class _Broken:
     def block_diagonal_forward(self, *args):
         raise RuntimeError("kernel exploded")
@@ -93,13 +100,14 @@ class _Broken:
 
 def test_correctness_section_fails_on_a_wrong_kernel_and_keeps_going(monkeypatch):
     args = gpu_check.parse_args(["--allow-cpu", "--check-dtypes", "fp32"] + TINY_CHECK)
-    monkeypatch.setattr(gpu_check, "kernel_variants",
-                        lambda device: [("right", None, True), ("wrong", _WrongScale(), True), ("broken", _Broken(), False)])
+    monkeypatch.setattr(gpu_check, "kernel_variants", lambda device: [
+        ("right", None, True), ("wrong", _WrongScale(), True), ("nan", _NaNs(), True), ("broken", _Broken(), False)])
     records = []
     gpu_check.correctness(args, CPU, records)
-    right, wrong, broken = records
+    right, wrong, nan, broken = records
     assert right["passed"] and max(right["errors"].values()) < 1e-6
     assert not wrong["passed"] and wrong["errors"]["out"] > 1e-4
+    assert not nan["passed"] and math.isnan(nan["errors"]["out"])
     assert not broken["passed"] and "kernel exploded" in broken["error"]
 
 
@@ -110,7 +118,7 @@ def test_bf16_correctness_on_the_cpu_kernels_and_eager_flex():
     records = []
     gpu_check.correctness(args, CPU, records)
     failures = [gpu_check._correctness_line(r) for r in records if not r["passed"]]
-    assert len(records) == 2 and not failures, failures
+    assert len(records) == 3 and not failures, failures
 
 
 @needs_no_accelerator
@@ -140,10 +148,11 @@ def test_every_section_runs_on_the_cpu_through_the_shell_script(tmp_path):
     assert list(sections) == ["correctness", "throughput", "train"]
     assert all(s["status"] == "passed" and s["error"] is None and s["elapsed_s"] > 0 for s in sections.values())
 
-    cpu_case, flex_case = sections["correctness"]["records"]
+    cpu_case, flex_case, stand_in_case = sections["correctness"]["records"]
     assert cpu_case["kernels"] == "CPUKernels" and set(cpu_case["errors"]) == {"out", "dq", "dk", "dv"}
     assert flex_case["kernels"].startswith("FlexKernels (eager") and set(flex_case["errors"]) == {"out"}
-    for case in (cpu_case, flex_case):
+    assert stand_in_case["kernels"].startswith("FlexKernels (dense stand-in") and len(stand_in_case["errors"]) == 4
+    for case in (cpu_case, flex_case, stand_in_case):
         assert max(case["errors"].values()) <= 1e-5 and case["negative_control_error"] > 0.5
         assert case["output_dtype"] == "float32"
 
@@ -177,5 +186,5 @@ def test_a_failing_section_is_reported_while_the_others_run(tmp_path):
     assert summary["complete"] and not summary["passed"]
     train, correctness = summary["sections"]["train"], summary["sections"]["correctness"]
     assert train["status"] == "failed" and "--train-spec te" in train["error"] and "Traceback" in train["error"]
-    assert correctness["status"] == "passed" and len(correctness["records"]) == 2
+    assert correctness["status"] == "passed" and len(correctness["records"]) == 3
     assert "[FAILED] train" in result.stdout and "overall: FAILED" in result.stdout
