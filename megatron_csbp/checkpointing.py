@@ -33,7 +33,7 @@ _ITERATION_DIR = re.compile(r"iter_(\d{7})")
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                     "kv_channels", "padded_vocab_size", "swiglu", "normalization", "add_bias_linear",
                     "untie_embeddings_and_output_weights")
-_TEST_CRASH_BEFORE_PUBLISH = "MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH"  # iteration: die after writing, pre-rename
+_TEST_CRASH_BEFORE_PUBLISH = "MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH"  # iteration: fail after writing, pre-rename
 
 
 class CheckpointError(ConfigError):
@@ -184,12 +184,15 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
     if rank == 0:
         _write_manifest(temporary)
         if os.environ.get(_TEST_CRASH_BEFORE_PUBLISH) == str(state.iteration):
-            os._exit(17)  # test hook: a crash after the files are written, before the checkpoint is published
-        if os.path.exists(final):  # a stale directory of the same iteration (never the tracker's: see train())
-            shutil.rmtree(final)
+            raise RuntimeError(f"injected crash before publishing {final} ({_TEST_CRASH_BEFORE_PUBLISH})")
+        replaced = final + ".old"
+        if os.path.exists(final):  # an older save of this iteration (e.g. --finetune into the same --save)
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.rename(final, replaced)
         os.rename(temporary, final)
         _fsync_dir(root)
         _write_tracker(root, state.iteration)
+        shutil.rmtree(replaced, ignore_errors=True)
     dist.barrier()
     return final
 
@@ -274,9 +277,11 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
             f"{_parallel_sizes()})")
     sharded = _sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optimizer,
                                   rng=_rng_state() if load_rng else None)
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     try:
         loaded = dist_checkpointing.load(sharded, directory)
-    except Exception as error:
+    except (Exception, CheckpointException) as error:
         message = " ".join(str(error).split())[:500]
         raise CheckpointError(f"checkpoint {directory} cannot be loaded ({type(error).__name__}: {message})") from None
     model.load_state_dict(loaded["model"])

@@ -71,7 +71,7 @@ class Progress:
         norm = "nan" if grad_norm is None else f"{grad_norm:.3f}"
         self.print(f" [{_stamp()}] iteration {iteration:8d}/{args.train_iters:8d} | consumed samples: "
                    f"{consumed_samples:12d} | elapsed time per iteration (ms): {seconds_per_iteration * 1e3:.1f} | "
-                   f"tokens/s: {tokens_per_second:.1f} | TFLOP/s per rank: {tflops_per_rank:.4f} | "
+                   f"tokens/s: {tokens_per_second:.1f} | TFLOP/s per rank: {tflops_per_rank:.4g} | "
                    f"learning rate: {learning_rate:.6E} | global batch size: {args.global_batch_size:5d} | "
                    f"lm loss: {loss:.6E} | grad norm: {norm} | number of skipped iterations: {skipped:3d} | "
                    f"number of nan iterations: {nan_iterations:3d} |")

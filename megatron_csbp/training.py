@@ -267,12 +267,11 @@ class Trainer:
                   f"--exit-duration-in-mins {args.exit_duration_in_mins}" if over_time else None)
         return bad_loss, reason
 
-    def run(self) -> LoopState:
+    def run(self, signals: "_StopSignals") -> LoopState:
         args, state = self.args, self.state
         started = time.time()
         train, valid, _ = providers.train_valid_test_datasets_provider(args=args)
         data = micro_batches(train, state.consumed_train_samples, args, self.dp_rank, args.data_parallel_size)
-        signals = _StopSignals(args.exit_signal_handler)
         consecutive_bad, interval_start, interval_iterations = 0, time.time(), 0
         if state.iteration >= args.train_iters:
             self.progress.print(f" nothing to train: the checkpoint is at iteration {state.iteration}, "
@@ -330,7 +329,6 @@ class Trainer:
             self.save()
             return state
         finally:
-            signals.restore()
             self.progress.close()
 
 
@@ -341,9 +339,11 @@ def train(args) -> LoopState:
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         context_block_parallel_size=args.context_parallel_size, clean_shards=providers.clean_shards(args))
+    signals = _StopSignals(args.exit_signal_handler)  # from the start: a signal while loading is not lost
     try:
         trainer = Trainer(args)
         trainer.load()
-        return trainer.run()
+        return trainer.run(signals)
     finally:
+        signals.restore()
         parallel_state.destroy_model_parallel()

@@ -95,6 +95,18 @@ def _announce_failure(rank: int, error: BaseException) -> str:
     return mine
 
 
+def _end_helper_processes() -> None:
+    """Ends this rank's own helper processes (e.g. dist_checkpointing's writer queue manager): leaving
+    with `os._exit` would orphan them, holding the launcher's output pipes open."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     pretrain = megatron_lm_pretrain()
@@ -129,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(_announce_failure(rank, error), file=sys.stderr, flush=True)
         sys.stdout.flush()
+        _end_helper_processes()
         os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()

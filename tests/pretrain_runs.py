@@ -1,0 +1,137 @@
+"""Runs scripts/pretrain_bdlm.py as users do (python for one rank, torchrun for several) on a tiny model.
+
+Shared by the training, checkpointing and reliability tests. Each run costs ~10-15 s of start-up, so
+tests share runs through module-scoped fixtures and check many things per run.
+"""
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "scripts", "pretrain_bdlm.py")
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?lm loss:\s*([-+0-9.eE]+)")
+VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+)")
+
+# A ~60K-parameter BDLM on 64-token byte sequences, 8 blocks of 8: a training step takes ~0.1 s.
+TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, group_query_attention=True,
+            num_query_groups=2, normalization="RMSNorm", swiglu=True, disable_bias_linear=True,
+            untie_embeddings_and_output_weights=True, attention_dropout=0.0, hidden_dropout=0.0, seq_length=64,
+            bdlm_block_size=8, split="90,10,0", micro_batch_size=2, global_batch_size=4, lr=3e-3, min_lr=3e-4,
+            lr_decay_style="cosine", lr_warmup_iters=2, weight_decay=0.1, clip_grad=1.0, seed=1234,
+            use_cpu_initialization=True, log_interval=1, distributed_timeout_minutes=1)
+
+
+def _load_prepare_data():
+    spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "scripts", "prepare_data.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> str:
+    """A small default-like dataset: byte-tokenized standard-library sources, ~100K tokens."""
+    prefix = str(tmp_path_factory.mktemp("corpus") / "stdlib")
+    assert _load_prepare_data().main(["--output-prefix", prefix, "--max-bytes", "300000"]) == 0
+    return prefix
+
+
+def flags(settings: dict) -> list[str]:
+    """`key=value` overrides (the CLI form `--config` files and users share); True switches on, None skips."""
+    out = []
+    for key, value in settings.items():
+        if value is None or value is False:
+            continue
+        out.append(f"{key.replace('_', '-')}={'true' if value is True else value}")
+    return out
+
+
+@dataclass
+class Run:
+    returncode: int
+    output: str
+    seconds: float
+
+    @property
+    def losses(self) -> dict[int, float]:
+        found = {}
+        for match in ITERATION.finditer(self.output):
+            iteration = int(match.group(1))
+            assert iteration not in found, f"iteration {iteration} logged twice:\n{self.output}"
+            found[iteration] = float(match.group(3))
+        return found
+
+    @property
+    def validation(self) -> dict[int, float]:
+        return {int(m.group(1)): float(m.group(2)) for m in VALIDATION.finditer(self.output)}
+
+
+def command(nproc: int, settings: dict, *extra: str) -> list[str]:
+    launcher = [sys.executable] if nproc == 1 else [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
+    return [*launcher, SCRIPT, *flags({**TINY, **settings}), *extra]
+
+
+def environment(extra: dict | None = None) -> dict:
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MEGATRON_CSBP_TEST")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra or {}))
+    return env
+
+
+def run(nproc: int, settings: dict, *extra: str, env: dict | None = None, timeout: float = 300,
+        expect: int | None = 0) -> Run:
+    """Runs the script to completion; `expect` is the exit status required (None: any)."""
+    started = time.time()
+    done = subprocess.run(command(nproc, settings, *extra), cwd=REPO, env=environment(env), timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = Run(done.returncode, done.stdout, time.time() - started)
+    if expect is not None:
+        assert done.returncode == expect, f"exit status {done.returncode}, expected {expect}:\n{done.stdout[-6000:]}"
+    return result
+
+
+def copy_checkpoint(source_root: str, iteration: int, target_root: str) -> str:
+    """A `--load` directory holding only `iteration` of `source_root` (as if it were the latest)."""
+    name = f"iter_{iteration:07d}"
+    os.makedirs(target_root, exist_ok=True)
+    shutil.copytree(os.path.join(source_root, name), os.path.join(target_root, name))
+    with open(os.path.join(target_root, "latest_checkpointed_iteration.txt"), "w") as handle:
+        handle.write(str(iteration))
+    return target_root
+
+
+def significant(value: float, digits: int = 5) -> str:
+    return f"{value:.{digits - 1}e}"
+
+
+K = 6  # the reference runs train 2K iterations, evaluate and checkpoint every K
+
+
+def base(corpus: str, **settings) -> dict:
+    return {"data_path": corpus, "train_iters": 2 * K, "eval_interval": K, "eval_iters": 2, **settings}
+
+
+@pytest.fixture(scope="session")
+def reference_runs(corpus, tmp_path_factory) -> dict:
+    """The tiny config, uninterrupted, on 1 rank and with CSBP over 2 ranks; both save at K and 2K."""
+    root = tmp_path_factory.mktemp("reference")
+    return {"root": root,
+            "1 rank": run(1, base(corpus, save=root / "one", save_interval=K)),
+            "csbp": run(2, base(corpus, context_block_parallel=2, save=root / "csbp", save_interval=K,
+                                tensorboard_dir=root / "tb"))}
+
+
+def validated_args(corpus: str, world: int = 1, **settings):
+    """Validated arguments of the tiny config, as the script would build them (for in-process runs)."""
+    from megatron_csbp.arguments import validate_args
+    from megatron_csbp.config import parse_args
+
+    return validate_args(parse_args(flags({**TINY, "data_path": corpus, "train_iters": 4, **settings})), world)

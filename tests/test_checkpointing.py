@@ -1,0 +1,123 @@
+"""Checkpoints are never half-published, damage is caught on load (with a way back), and a --load that
+cannot be honoured is refused clearly."""
+
+import os
+import shutil
+
+import pytest
+
+from pretrain_runs import base, run, validated_args
+from spawn import run_ranks
+
+pytest_plugins = ["pretrain_runs"]
+
+
+@pytest.fixture(scope="module")
+def interrupted(corpus, tmp_path_factory):
+    """A 1-rank run that saves at 3, then dies after writing iteration 6 but before publishing it; and
+    its requeued run (--load == --save)."""
+    save = tmp_path_factory.mktemp("interrupted") / "checkpoints"
+    settings = base(corpus, train_iters=6, save=save, load=save, save_interval=3, eval_iters=0)
+    crashed = run(1, settings, env={"MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH": "6"}, expect=1, timeout=150)
+    assert f"rank 0 failed: RuntimeError: injected crash before publishing {save}/iter_0000006" in crashed.output
+    listing = sorted(os.listdir(save))
+    tracker = (save / "latest_checkpointed_iteration.txt").read_text()
+    resumed = run(1, settings)
+    return dict(save=save, settings=settings, crashed=crashed, listing=listing, tracker=tracker, resumed=resumed)
+
+
+def test_a_save_interrupted_before_publishing_leaves_the_previous_checkpoint(interrupted):
+    save = interrupted["save"]
+    assert interrupted["listing"] == ["iter_0000003", "iter_0000006.tmp", "latest_checkpointed_iteration.txt"]
+    assert interrupted["tracker"] == "3"
+    resumed = interrupted["resumed"]
+    assert f"loaded checkpoint from {save} at iteration 3" in resumed.output
+    crashed_losses = interrupted["crashed"].losses
+    assert sorted(crashed_losses) == [1, 2, 3, 4, 5, 6] and sorted(resumed.losses) == [4, 5, 6]
+    assert resumed.losses == {i: crashed_losses[i] for i in (4, 5, 6)}
+    assert sorted(os.listdir(save)) == ["iter_0000003", "iter_0000006", "latest_checkpointed_iteration.txt"]
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "6"
+
+
+def test_a_load_that_cannot_be_honoured_is_one_line_and_exit_2(corpus, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = run(1, base(corpus, load=empty, eval_iters=0), expect=2)
+    assert "Traceback" not in result.output
+    assert result.output.strip().splitlines()[-1] == (
+        f"pretrain_bdlm.py: error: --load {empty}: no checkpoint there (no latest_checkpointed_iteration.txt); "
+        f"give the --save directory of an earlier run, or drop --load to start from scratch")
+
+
+def _train_cases(rank, world_size, cases):
+    """Runs `training.train` for each (name, args); returns {name: ("ok" | "error", output or message)}."""
+    import contextlib
+    import io
+
+    from megatron_csbp import cpu_backend, training
+    from megatron_csbp.arguments import ConfigError
+
+    cpu_backend.enable()
+    results = {}
+    for name, args in cases:
+        output = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(output):
+                training.train(args)
+            results[name] = ("ok", output.getvalue())
+        except ConfigError as error:
+            results[name] = ("error", str(error))
+    return results
+
+
+def test_damaged_or_mismatched_checkpoints(interrupted, corpus, tmp_path):
+    source = interrupted["save"]
+    truncated = tmp_path / "truncated"
+    shutil.copytree(source, truncated)
+    victim = truncated / "iter_0000006" / "__0_0.distcp"
+    size = victim.stat().st_size
+    os.truncate(victim, size // 2)
+    unreadable = tmp_path / "unreadable"
+    shutil.copytree(source, unreadable)
+    metadata = unreadable / "iter_0000006" / ".metadata"
+    metadata.write_bytes(b"\0" * metadata.stat().st_size)  # same size: the manifest cannot tell, loading can
+    lost = tmp_path / "lost"
+    shutil.copytree(source, lost)
+    shutil.rmtree(lost / "iter_0000006")
+    empty = tmp_path / "requeue"
+    empty.mkdir()
+    settings = dict(train_iters=6, eval_iters=0)
+    cases = [
+        ("truncated", validated_args(corpus, load=str(truncated), **settings)),
+        ("fallback", validated_args(corpus, load=str(truncated), load_fallback_to_previous=True, **settings)),
+        ("unreadable", validated_args(corpus, load=str(unreadable), **settings)),
+        ("lost", validated_args(corpus, load=str(lost), **settings)),
+        ("shape", validated_args(corpus, load=str(source), hidden_size=32, **settings)),
+        ("requeue", validated_args(corpus, load=str(empty), save=str(empty), train_iters=1, lr_warmup_iters=0,
+                                    eval_iters=0)),
+    ]
+    results = run_ranks(_train_cases, 1, cases, timeout=300)[0]
+
+    status, message = results["truncated"]
+    assert status == "error" and message == (
+        f"checkpoint {truncated}/iter_0000006 is corrupt: __0_0.distcp has {size // 2} bytes, {size} were written "
+        f"(truncated?); restore it, or pass --load-fallback-to-previous to load the newest complete older "
+        f"checkpoint")
+    status, output = results["fallback"]
+    assert status == "ok" and "falling back to an older checkpoint" in output
+    assert f"loaded checkpoint from {truncated} at iteration 3" in output
+    resumed = interrupted["resumed"].losses
+    for iteration in (4, 5, 6):  # the fallback run trains on exactly as the original did
+        assert f"iteration {iteration:8d}/       6" in output and f"lm loss: {resumed[iteration]:.6E}" in output
+    status, message = results["unreadable"]
+    assert status == "error" and message.startswith(f"checkpoint {unreadable}/iter_0000006 "), message
+    assert "cannot be loaded" in message or "is corrupt" in message, message
+    status, message = results["lost"]
+    assert status == "error" and message.startswith(f"checkpoint {lost}/iter_0000006 does not exist"), message
+    status, message = results["shape"]
+    assert status == "error" and message == (
+        f"checkpoint {source}/iter_0000006 was saved with --hidden-size 64, this run has --hidden-size 32: use the "
+        f"same --hidden-size, or another --load")
+    status, output = results["requeue"]
+    assert status == "ok" and f"no checkpoint in {empty} yet (--load is --save, the requeue pattern)" in output
+    assert (empty / "latest_checkpointed_iteration.txt").read_text() == "1"

@@ -1,0 +1,156 @@
+"""The pretraining entry point end to end: the loss falls, every parallel layout logs the same losses,
+checkpoints reload into another block-parallel size, the log lines and TensorBoard scalars are right,
+and the Megatron-LM path hands over our providers and flags."""
+
+import importlib.util
+import math
+import os
+import re
+import sys
+import types
+
+import pytest
+
+from pretrain_runs import K, REPO, base, copy_checkpoint, run, significant, validated_args
+
+pytest_plugins = ["pretrain_runs"]  # fixtures shared with the other training tests: corpus, reference_runs
+LINE = re.compile(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| "
+                  r"elapsed time per iteration \(ms\): ([\d.]+) \| tokens/s: ([\d.]+) \| TFLOP/s per rank: ([\d.e+-]+) \| "
+                  r"learning rate: (\d\.\d{6}E[-+]\d\d) \| global batch size: +(\d+) \| lm loss: (\d\.\d{6}E[-+]\d\d) \| "
+                  r"grad norm: ([\d.]+) \| number of skipped iterations: +(\d+) \| number of nan iterations: +(\d+) \|")
+
+
+@pytest.fixture(scope="module")
+def layout_runs(corpus, reference_runs):
+    """The same config on 1 rank and on 2 block-parallel ranks in each mode (csbp, cp, bp)."""
+    runs = dict(reference_runs)
+    for mode in ("cp", "bp"):
+        runs[mode] = run(2, base(corpus, context_block_parallel=2, bdlm_parallel_mode=mode))
+    return runs
+
+
+def test_loss_falls_clearly(layout_runs):
+    csbp = layout_runs["csbp"]
+    losses, validation = csbp.losses, csbp.validation
+    assert sorted(losses) == list(range(1, 2 * K + 1)) and sorted(validation) == [K, 2 * K], csbp.output
+    start = sum(losses[i] for i in (1, 2, 3)) / 3
+    print(f"first losses {start:.3f}, validation NELBO {validation[K]:.3f} -> {validation[2 * K]:.3f}")
+    assert validation[2 * K] < validation[K] < start
+    assert validation[2 * K] < start - 1.0, (start, validation)
+
+
+def test_every_layout_logs_the_same_losses(layout_runs):
+    reference = layout_runs["1 rank"]
+    expected = {i: significant(v) for i, v in reference.losses.items()}
+    assert sorted(expected) == list(range(1, 2 * K + 1))
+    for name in ("csbp", "cp", "bp"):
+        got = {i: significant(v) for i, v in layout_runs[name].losses.items()}
+        assert got == expected, f"{name}: {got} != {expected}"
+        got_validation = {i: significant(v) for i, v in layout_runs[name].validation.items()}
+        assert got_validation == {i: significant(v) for i, v in reference.validation.items()}, name
+
+
+def test_log_lines_memory_and_tensorboard(layout_runs):
+    from megatron_csbp.flops import bdlm_step_flops
+
+    csbp = layout_runs["csbp"]
+    lines = [m for m in (LINE.fullmatch(line) for line in csbp.output.splitlines()) if m]
+    assert [int(m.group(1)) for m in lines] == list(range(1, 2 * K + 1)), csbp.output
+    step_flops = bdlm_step_flops(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=384,
+                                 seq_length=64, block_size=8, batch_size=4, ffn_hidden_size=128, num_query_groups=2,
+                                 swiglu=True)
+    for match in lines:
+        iteration, seconds = int(match.group(1)), float(match.group(4)) / 1e3
+        assert int(match.group(3)) == 4 * iteration and int(match.group(8)) == 4
+        assert float(match.group(5)) == pytest.approx(4 * 64 / seconds, rel=2e-3)
+        assert float(match.group(6)) == pytest.approx(step_flops / seconds / 2 / 1e12, rel=2e-3)
+        assert match.group(11) == match.group(12) == "0"
+    assert csbp.output.count(" memory (MB) | rss: ") == 2 * K
+    assert re.search(r"lm loss PPL \(upper bound\): (\S+) \|", csbp.output)
+    for iteration, nelbo in csbp.validation.items():
+        ppl = float(re.search(rf"at iteration {iteration} \|.*PPL \(upper bound\): (\S+) \|", csbp.output).group(1))
+        assert ppl == pytest.approx(math.exp(nelbo), rel=1e-5)
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(layout_runs["root"] / "tb"))
+    events.Reload()
+    scalars = set(events.Tags()["scalars"])
+    assert {"lm loss", "learning-rate", "grad-norm", "tokens-per-second", "lm loss validation",
+            "lm loss validation ppl bound", "memory/rss (MB)"} <= scalars, scalars
+    logged = {e.step: e.value for e in events.Scalars("lm loss")}
+    assert {i: significant(v) for i, v in logged.items()} == {i: significant(v) for i, v in csbp.losses.items()}
+
+
+def test_checkpoints_reload_into_another_parallel_layout(layout_runs, tmp_path, corpus):
+    """CSBP over 2 ranks -> 1 rank, 1 rank -> CSBP over 2 ranks and -> TP 2: the resumed losses are the
+    uninterrupted run's (torch_dist reshards the model and optimizer)."""
+    root = layout_runs["root"]
+    targets = ((1, "csbp", "csbp", {}), (2, "one", "1 rank", {"context_block_parallel": 2}),
+               (2, "one", "1 rank", {"tensor_model_parallel_size": 2}))
+    for index, (nproc, source, reference, parallel) in enumerate(targets):
+        load = copy_checkpoint(str(root / source), K, str(tmp_path / f"load{index}"))
+        resumed = run(nproc, base(corpus, load=load, **parallel))
+        assert f"loaded checkpoint from {load} at iteration {K}" in resumed.output
+        expected = {i: significant(v) for i, v in layout_runs[reference].losses.items() if i > K}
+        assert {i: significant(v) for i, v in resumed.losses.items()} == expected, (source, parallel, resumed.output)
+        assert significant(resumed.validation[2 * K]) == significant(layout_runs[reference].validation[2 * K])
+
+
+# ------------------------------------------------------------------------------------ in-process checks
+def _script():
+    spec = importlib.util.spec_from_file_location("pretrain_bdlm", os.path.join(REPO, "scripts", "pretrain_bdlm.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_megatron_lm_path_gets_our_providers_and_flags(monkeypatch, tmp_path, corpus):
+    from megatron.core.enums import ModelType
+
+    from megatron_csbp import providers
+    from megatron_csbp.arguments import add_csbp_args
+
+    calls = []
+    fake = types.ModuleType("megatron.training")
+    fake.pretrain = lambda *a, **k: calls.append((a, k, list(sys.argv)))
+    fake.get_args = lambda: megatron_args
+    monkeypatch.setitem(sys.modules, "megatron.training", fake)
+    monkeypatch.setattr(sys, "argv", ["pretrain_bdlm.py"])
+    config = tmp_path / "run.yaml"
+    config.write_text("num-layers: 2\nseq-length: 64\nbdlm:\n  block-size: 8\ncsbp:\n  context-block-parallel: 2\n")
+
+    assert _script().main(["--config", str(config), "num-layers=3", "--lr", "0.01"]) == 0
+    (positional, keywords, argv), = calls
+    assert positional == (providers.train_valid_test_datasets_provider, providers.model_provider,
+                          ModelType.encoder_or_decoder, providers.forward_step)
+    assert keywords == {"extra_args_provider": add_csbp_args}
+    text = " ".join(argv[1:])
+    for expected in ("--config " + str(config), "--num-layers 3", "--seq-length 64", "--bdlm-block-size 8",
+                     "--context-block-parallel 2", "--lr 0.01", "--calculate-per-token-loss"):
+        assert expected in text, text
+    assert "--num-layers 2" not in text
+
+    # The providers read Megatron-LM's global args when given none (as pretrain() calls them).
+    megatron_args = validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode="csbp")
+    train, valid, test = providers.train_valid_test_datasets_provider([16, 8, 0])
+    assert test is None and len(train) >= 16 and len(valid) >= 1
+    sample = train[5]
+    assert sample["tokens"].shape == (64,) and int(sample["sample_index"]) == 5
+    assert int(sample["tokens"].max()) < megatron_args.mask_token_id == 257
+    objective = providers.objective_from_args(megatron_args)
+    assert (objective.block_size, objective.mask_token_id, objective.antithetic_group) == (8, 257, 4)
+    assert megatron_args.padded_vocab_size == 384
+
+
+@pytest.mark.parametrize("mode,clean_shards", [("csbp", 2), ("cp", 2), ("bp", 1)])
+def test_layout_from_args(corpus, mode, clean_shards):
+    from megatron_csbp import providers
+    from megatron_csbp.layout import layout_for
+
+    args = validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode=mode)
+    assert providers.clean_shards(args) == clean_shards
+    for rank in (0, 1):
+        layout = providers.layout_from_args(args, block_parallel_rank=rank)
+        reference = layout_for(mode, 64, 8, 2, clean_shards, rank)
+        assert layout.row_positions.tolist() == reference.row_positions.tolist()
