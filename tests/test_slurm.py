@@ -66,6 +66,7 @@ def test_misfits_are_refused_with_the_numbers_and_nothing_is_submitted(tmp_path,
         (4, ("global-batch-size=3",)): ["--global-batch-size 3", "data-parallel size 2"],
         (2, ("context-block-parallel-clean-shards=3",)): ["--context-block-parallel 2",
                                                           "--context-block-parallel-clean-shards 3"],
+        (2, ("save=/elsewhere",)): ["'save=/elsewhere'", "--output-dir and --job-name"],
     }
     for (tasks, overrides), numbers in misfits.items():
         result = run_submit(*base, "--ntasks-per-node", tasks, "--", *overrides, env=env)

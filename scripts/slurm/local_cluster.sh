@@ -25,7 +25,8 @@
 #     MpiDefault=none, sched/builtin (first in, first out; no backfill delay) with sched_interval=2 (a job
 #     whose begin time passes, e.g. a requeued one, waits for the next periodic pass: 60 s by default).
 # Ports: $SLURM_LOCAL_CTLD_PORT (default 6817) and $SLURM_LOCAL_SLURMD_PORT (default 6818).
-# start and stop are idempotent; start waits (bounded) until `sinfo` shows the node idle.
+# start and stop are idempotent; start waits (bounded) until `sinfo` shows the node idle and begins from a
+# clean slate (slurmctld -c: no jobs from an earlier cluster); stop cancels any job left before it stops.
 set -euo pipefail
 
 DIR=${SLURM_LOCAL_DIR:-/tmp/megatron-csbp-slurm}
@@ -136,7 +137,7 @@ start() {
     if ! pid_alive "$DIR/slurmctld.pid" || ! pid_alive "$DIR/slurmd.pid"; then
         stop_slurm
         write_config
-        slurmctld -f "$SLURM_CONF" || die "slurmctld did not start; see $DIR/log/slurmctld.log"
+        slurmctld -c -f "$SLURM_CONF" || die "slurmctld did not start; see $DIR/log/slurmctld.log"
         slurmd -f "$SLURM_CONF" || die "slurmd did not start; see $DIR/log/slurmd.log"
     fi
     wait_idle
@@ -155,7 +156,11 @@ stop_daemon() {  # pid file, name: SIGTERM, then SIGKILL after 10 s
     rm -f "$pidfile"
 }
 
-stop_slurm() {
+stop_slurm() {  # cancels what is still queued or running first, so no job step outlives the cluster
+    if pid_alive "$DIR/slurmctld.pid"; then
+        scancel --partition=debug >/dev/null 2>&1 || true
+        for _ in $(seq 30); do [[ -z $(squeue --noheader 2>/dev/null) ]] && break; sleep 1; done
+    fi
     stop_daemon "$DIR/slurmd.pid"
     stop_daemon "$DIR/slurmctld.pid"
 }

@@ -11,7 +11,7 @@ with the numbers and exits 2; nothing is written or submitted.
 Every submission keeps what it ran in `<output-dir>/<job-name>/`: `submit_<time>.sbatch` (the batch script),
 `config_<time>.yaml` (the config as given; the overrides are in the script), `slurm-<jobid>.out` (the log,
 appended to across requeues) and `checkpoints/` (`--save` and `--load`: an empty directory is a fresh start,
-otherwise the run resumes, which is what makes requeueing safe).
+otherwise the run resumes, which is what makes requeueing safe; `save`/`load` in the YAML are replaced).
 
 Preemption: the batch shell is sent SIGUSR1 `--signal-seconds` before the time limit (`--signal=B:USR1@S`;
 `scancel --batch --signal=USR1 JOB` does the same by hand). It forwards the signal to the ranks through
@@ -92,6 +92,14 @@ def training_argv(config: str, checkpoints: str, overrides: list[str]) -> list[s
     return ["--config", config, "--save", checkpoints, "--load", checkpoints, "--exit-signal-handler", *overrides]
 
 
+def refuse_own_checkpoint_flags(overrides: list[str]) -> None:
+    for token in overrides:
+        name = token.split("=", 1)[0].lstrip("-").replace("_", "-")
+        if name in ("save", "load"):
+            raise Refused(f"'{token}': submit.py sets --save and --load to the run's own checkpoints/ (the requeue "
+                          f"pattern); choose the run with --output-dir and --job-name instead")
+
+
 def check_topology(cli: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """The training script's own parsing and validation, run here with the allocation's world size."""
     sys.path.insert(0, str(REPO_ROOT))
@@ -150,7 +158,7 @@ def batch_script(cli: argparse.Namespace, run_dir: Path, config_copy: Path, task
         "",
         "# USR1: tell the ranks to save and exit, then requeue. TERM: Slurm signals the ranks itself; keep waiting.",
         "preempted=0 srun_pid=",
-        'trap \'preempted=1; [[ -n $srun_pid ]] && kill -USR1 "$srun_pid"\' USR1',
+        'trap \'preempted=1; [[ -n $srun_pid ]] && kill -USR1 "$srun_pid" 2>/dev/null\' USR1',
         "trap 'echo \"submit.py: SIGTERM, waiting for the ranks to finish\"' TERM",
         shlex.join(srun) + " &",
         "srun_pid=$!",
@@ -159,7 +167,8 @@ def batch_script(cli: argparse.Namespace, run_dir: Path, config_copy: Path, task
         'wait "$srun_pid"; status=$?',
         "if (( preempted )); then",
         '    echo "submit.py: preempted (ranks exited $status); requeueing job $SLURM_JOB_ID"',
-        '    scontrol requeue "$SLURM_JOB_ID"',
+        '    scontrol requeue "$SLURM_JOB_ID" || echo "submit.py: requeue refused; resubmit with the same'
+        ' --job-name and --output-dir to resume"',
         "fi",
         'echo "submit.py: ranks exited $status, $(date -u +%FT%TZ)"',
         "exit $status",
@@ -181,6 +190,7 @@ def submit(cli: argparse.Namespace) -> int:
     if cli.signal_seconds < 1:
         raise Refused(f"--signal-seconds {cli.signal_seconds}: must be >= 1")
     tasks = ranks_per_node(cli)
+    refuse_own_checkpoint_flags(cli.overrides)
     check_topology(cli, cli.nodes * tasks)
     cli.job_name = cli.job_name or Path(cli.config).stem
     run_dir = Path(cli.output_dir).resolve() / cli.job_name
