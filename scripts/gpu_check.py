@@ -221,6 +221,7 @@ def correctness_case(args, device, label, kernels, backward, dtype_name, seq_len
     precision = ieee_fp32() if dtype is torch.float32 and device.type != "cpu" else contextlib.nullcontext()
     start = time.perf_counter()
     with use, precision:
+        fp32_precision = torch.backends.cuda.matmul.fp32_precision  # "ieee": no TF32
         out = ops.context_sharded_block_attention(*inputs, layout, softmax_scale=scale)
         if backward:
             out.backward(grad[rows])
@@ -243,7 +244,7 @@ def correctness_case(args, device, label, kernels, backward, dtype_name, seq_len
     return dict(kernels=label, dtype=dtype_name, seq_length=seq_length, block_size=block, batch=batch, heads=heads,
                 kv_heads=kv_heads, head_dim=head_dim, backward=backward, errors=errors, tolerance=tolerance,
                 negative_control_error=negative, output_dtype=str(out.dtype).replace("torch.", ""),
-                seconds=elapsed, passed=passed)
+                fp32_precision=fp32_precision, seconds=elapsed, passed=passed)
 
 
 def correctness(args, device, records):
@@ -485,7 +486,7 @@ SUMMARY_LINES = {"correctness": _correctness_line, "throughput": _throughput_lin
 
 
 def environment(device):
-    info = dict(device=str(device), torch=torch.__version__, python=sys.version.split()[0])
+    info = dict(device=str(device), torch=torch.__version__, cuda=torch.version.cuda, python=sys.version.split()[0])
     if device.type != "cpu":
         info["device_name"] = torch.get_device_module(device).get_device_name(device)
     return info
