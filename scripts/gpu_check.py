@@ -14,8 +14,9 @@
 Each section is reported on its own: a failure keeps its traceback and the other sections still run;
 the exit status is 1 when any failed. The JSON summary is rewritten after every section, so a run
 cut short still leaves what it measured. Without an accelerator the script refuses (status 2) unless
-`--allow-cpu`, which runs the same code on the CPU kernels at the (small) sizes given; flex attention
-then runs its forward only, eagerly, because it has no CPU backward.
+`--allow-cpu`, which runs the same code on the CPU kernels at the (small) sizes given. Flex attention
+has no CPU backward, so there the correctness section runs `FlexKernels` twice more: its forward with
+eager flex attention, and its whole forward and backward around a dense stand-in for the fused kernel.
 """
 
 import argparse
