@@ -266,8 +266,8 @@ def _correctness_line(r):
     if "error" in r:
         return f"{r['kernels']} {r['dtype']} L={r['seq_length']}: ERROR {r['error'].strip().splitlines()[-1]}"
     errors = " ".join(f"{name} {value:.1e}" for name, value in r["errors"].items())
-    dtype_note = "" if r["output_dtype"] == r["dtype"].replace("fp32", "float32").replace("bf16", "bfloat16") \
-        else f", OUTPUT DTYPE {r['output_dtype']}"
+    expected_dtype = str(DTYPES[r["dtype"]]).replace("torch.", "")
+    dtype_note = "" if r["output_dtype"] == expected_dtype else f", OUTPUT {r['output_dtype']} (not {expected_dtype})"
     return (f"{r['kernels']} {r['dtype']} L={r['seq_length']}: {errors} (tol {r['tolerance']:.0e}); "
             f"causal control {r['negative_control_error']:.2f}{dtype_note}")
 
