@@ -26,14 +26,23 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 DEFAULT_TILE = 512
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """LSEs and sums over parts are kept in at least fp32, whatever the inputs' precision."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def merge_partials(parts):
-    """Online-softmax merge of partial `(o, lse)` results over disjoint key sets; rows nobody sees stay 0/-inf."""
+    """Online-softmax merge of partial `(o, lse)` results over disjoint key sets; rows nobody sees stay 0/-inf.
+
+    The sum runs in at least fp32; the output keeps the parts' dtype, the LSE stays in fp32 (or fp64).
+    """
     if len(parts) == 1:
         return parts[0]
-    lse = torch.logsumexp(torch.stack([part_lse for _, part_lse in parts]), dim=0)
+    out_dtype, acc = parts[0][0].dtype, accumulation_dtype(parts[0][0].dtype)
+    lse = torch.logsumexp(torch.stack([part_lse.to(acc) for _, part_lse in parts]), dim=0)
     finite = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    out = sum(part_out * torch.exp(part_lse - finite).unsqueeze(-1) for part_out, part_lse in parts)
-    return out, lse
+    out = sum(part_out.to(acc) * torch.exp(part_lse.to(acc) - finite).unsqueeze(-1) for part_out, part_lse in parts)
+    return out.to(out_dtype), lse
 
 
 def _fold(q):
@@ -112,7 +121,7 @@ class CPUKernels:
     def prefix_forward(self, q, k, v, plan, scale):
         b, h, g, n, d = q.shape
         out = q.new_zeros(q.shape)
-        lse = q.new_full(q.shape[:-1], float("-inf"))
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
         for rows, lo, hi, visible in plan.groups:
             q_rows = _fold(q.index_select(3, rows))
             parts = [_flash_forward(q_rows, k[:, :, :lo], v[:, :, :lo], scale=scale)] if lo else []
@@ -125,7 +134,8 @@ class CPUKernels:
 
     def prefix_backward(self, dout, q, k, v, out, lse, plan, scale):
         b, h, g, n, d = q.shape
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        acc = accumulation_dtype(q.dtype)
+        dq, dk, dv = (torch.zeros_like(x, dtype=acc) for x in (q, k, v))
         for rows, lo, hi, visible in plan.groups:
             picked = [_fold(x.index_select(3, rows)) for x in (dout, q, out)]
             rows_lse = lse.index_select(3, rows).reshape(b, h, -1)
@@ -138,44 +148,61 @@ class CPUKernels:
                 rows_dq = rows_dq + part_dq
                 dk[:, :, start:stop] += part_dk
                 dv[:, :, start:stop] += part_dv
-            dq.index_add_(3, rows, rows_dq.view(b, h, g, rows.numel(), d))
-        return dq, dk, dv
+            dq.index_add_(3, rows, rows_dq.view(b, h, g, rows.numel(), d).to(acc))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 class FlexKernels:
-    """Flex attention (GPU): one call per part, hidden tiles skipped by its block mask."""
+    """Flex attention (GPU): one call per part, hidden tiles skipped by its block mask.
+
+    Query heads stay grouped under their K/V head (`enable_gqa`), so masks are `n × n_k`, built
+    compiled (never a dense bool matrix) and cached: per shape for the block-diagonal part, per plan
+    (one per layout, reused by every layer and the backward) for the prefix part.
+    """
+
+    RECOMPILE_LIMIT = 64  # forward and recompute graphs per part, shape and dtype
 
     def __init__(self, compile: bool = True):
         from torch.nn.attention import flex_attention as flex
 
+        if compile:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, self.RECOMPILE_LIMIT)
         self._flex = torch.compile(flex.flex_attention, dynamic=False) if compile else flex.flex_attention
         self._create_block_mask = flex.create_block_mask
+        self._compile_masks = compile
         self._aux = flex.AuxRequest(lse=True)
+        self._block_masks = {}
 
-    def _attend(self, q, k, v, scale, block_mask=None):
-        out, aux = self._flex(_fold(q), k, v, block_mask=block_mask, scale=scale, return_aux=self._aux)
+    def _attend(self, q, k, v, scale, block_mask):
+        b, h, g, n, d = q.shape
+        out, aux = self._flex(q.reshape(b, h * g, n, d), k, v, block_mask=block_mask, scale=scale,
+                              enable_gqa=True, return_aux=self._aux)
         return out.view(q.shape), aux.lse.view(q.shape[:-1])
 
+    def _mask(self, mask_mod, n, n_keys, device):
+        return self._create_block_mask(mask_mod, None, None, n, n_keys, device=device, _compile=self._compile_masks)
+
     def _block_diagonal_mask(self, q, k, block_size):
-        group = q.shape[2]
-        n = q.shape[3]
+        key = (q.shape[3], k.shape[2], block_size, q.device)
+        if key not in self._block_masks:
+            def same_block(b, h, q_idx, kv_idx):
+                return q_idx // block_size == kv_idx // block_size
 
-        def same_block(b, h, q_idx, kv_idx):
-            return (q_idx % n) // block_size == kv_idx // block_size
-
-        return self._create_block_mask(same_block, None, None, group * n, k.shape[2], device=q.device)
+            self._block_masks[key] = self._mask(same_block, q.shape[3], k.shape[2], q.device)
+        return self._block_masks[key]
 
     def plan(self, query_limits, key_positions):
-        return query_limits, key_positions
+        return FlexPrefixPlan(query_limits, key_positions)
 
     def _prefix_mask(self, q, k, plan):
-        query_limits, key_positions = plan
-        n = q.shape[3]
+        if plan.block_mask is None:
+            query_limits, key_positions = plan.query_limits, plan.key_positions
 
-        def below_limit(b, h, q_idx, kv_idx):
-            return key_positions[kv_idx] < query_limits[q_idx % n]
+            def below_limit(b, h, q_idx, kv_idx):
+                return key_positions[kv_idx] < query_limits[q_idx]
 
-        return self._create_block_mask(below_limit, None, None, q.shape[2] * n, k.shape[2], device=q.device)
+            plan.block_mask = self._mask(below_limit, q.shape[3], k.shape[2], q.device)
+        return plan.block_mask
 
     def block_diagonal_forward(self, q, k, v, block_size, scale):
         return self._attend(q, k, v, scale, self._block_diagonal_mask(q, k, block_size))
@@ -190,10 +217,12 @@ class FlexKernels:
         with torch.enable_grad():
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
             part_out, part_lse = self._attend(q, k, v, scale, block_mask)
-            weight = torch.exp(part_lse - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
-            weight = torch.where(torch.isinf(part_lse), torch.zeros_like(weight), weight)
-            grad_out = weight.unsqueeze(-1) * dout
-            grad_lse = weight * ((dout * (part_out.detach() - out)).sum(-1))
+            acc = accumulation_dtype(q.dtype)
+            visible_lse = part_lse.detach().to(acc)
+            weight = torch.exp(visible_lse - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse).to(acc))
+            weight = torch.where(torch.isinf(visible_lse), torch.zeros_like(weight), weight)
+            grad_out = (weight.unsqueeze(-1) * dout.to(acc)).to(part_out.dtype)
+            grad_lse = (weight * (dout.to(acc) * (part_out.detach().to(acc) - out.to(acc))).sum(-1)).to(part_lse.dtype)
             return torch.autograd.grad((part_out, part_lse), (q, k, v), (grad_out, grad_lse))
 
     def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale):
@@ -201,6 +230,13 @@ class FlexKernels:
 
     def prefix_backward(self, dout, q, k, v, out, lse, plan, scale):
         return self._recompute_backward(dout, q, k, v, out, lse, scale, self._prefix_mask(q, k, plan))
+
+
+class FlexPrefixPlan:
+    """Flex's prefix plan: the limits and positions, and the block mask once built for them."""
+
+    def __init__(self, query_limits, key_positions):
+        self.query_limits, self.key_positions, self.block_mask = query_limits, key_positions, None
 
 
 _kernels = {}

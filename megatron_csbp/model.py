@@ -77,12 +77,13 @@ class RowPositionRotaryEmbedding(torch.nn.Module):
         positions = torch.zeros(padded_rows, dtype=torch.long)
         positions[: row_positions.numel()] = row_positions
         self.register_buffer("row_positions", positions, persistent=False)
+        self.table_length = int(positions.max()) + 1  # known here, so forward never syncs with the device
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         return self.row_positions.numel()
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        table = self.rotary.get_emb(int(self.row_positions.max()) + 1)  # [positions, 1, 1, dim]
+        table = self.rotary.get_emb(self.table_length)  # [positions, 1, 1, dim]
         return table[self.row_positions.to(table.device)]
 
 

@@ -63,6 +63,15 @@ def _ring_rows(layout, device) -> _RingRows:
                      tuple(shard_positions), gathered_rows[order].to(device), gathered_positions[order].to(device))
 
 
+@lru_cache(maxsize=256)
+def _plan(kernels, layout, device, member=None):
+    """The kernels' plan for this rank's rows against all clean keys (`member=None`) or one ring member's
+    shard; shared by every layer and by the backward."""
+    rows = _ring_rows(layout, device)
+    positions = rows.gathered_clean_positions if member is None else rows.shard_clean_positions[member]
+    return kernels.plan(rows.query_limits, positions)
+
+
 def _heads_first(x, kv_heads):
     """`[s, b, heads, d]` -> `[b, kv_heads, group, s, d]`."""
     s, b, heads, d = x.shape
@@ -108,7 +117,7 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
             noisy_part = kernels.block_diagonal_forward(q[:, :, :, :noisy], k[:, :, :noisy], v[:, :, :noisy],
                                                         layout.block_size, scale)
             comm.wait_all(work or [])
-            plan = kernels.plan(rows.query_limits, rows.gathered_clean_positions)
+            plan = _plan(kernels, layout, query.device)
             clean_k, clean_v = _unpack(gathered, rows.gathered_clean_rows)
             out, lse = kernels.prefix_forward(q, clean_k, clean_v, plan, scale)
             ctx.plans = plan
@@ -119,7 +128,7 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
             shard, partials = sent, []
             for step, member in enumerate(_ring_order(layout)):
                 received, works = comm.ring_shift_start(shard, ring) if step < layout.clean_shards - 1 else (None, [])
-                plan = kernels.plan(rows.query_limits, rows.shard_clean_positions[member])
+                plan = _plan(kernels, layout, query.device, member)
                 ctx.plans.append(plan)
                 shard_k, shard_v = _unpack(shard, rows.shard_clean_rows[member])
                 partials.append(kernels.prefix_forward(q, shard_k, shard_v, plan, scale))

@@ -178,9 +178,12 @@ class DenseFlexStandIn:
     the LSE-merge gradient) forward and backward; only the fused kernel itself is replaced.
     """
 
-    def __call__(self, query, key, value, block_mask, scale, return_aux):
+    def __call__(self, query, key, value, block_mask, scale, return_aux, enable_gqa=False):
         from torch.nn.attention.flex_attention import create_mask
 
+        if enable_gqa:  # query head h reads K/V head h // (query heads per K/V head), as flex does
+            group = query.shape[1] // key.shape[1]
+            key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
         visible = create_mask(block_mask.mask_mod, 1, 1, query.shape[2], key.shape[2], query.device)
         scores = (query.float() @ key.float().transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)

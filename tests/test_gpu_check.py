@@ -111,8 +111,6 @@ def test_correctness_section_fails_on_a_wrong_kernel_and_keeps_going(monkeypatch
     assert not broken["passed"] and "kernel exploded" in broken["error"]
 
 
-@pytest.mark.xfail(strict=True, reason="kernels.py: CPUKernels.prefix_forward fills a bf16 LSE buffer with fp32 "
-                                       "LSEs, and merge_partials returns fp32 for bf16 parts (flex path)")
 def test_bf16_correctness_on_the_cpu_kernels_and_eager_flex():
     args = gpu_check.parse_args(["--allow-cpu", "--check-dtypes", "bf16"] + TINY_CHECK)
     records = []
