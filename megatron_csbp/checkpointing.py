@@ -254,6 +254,12 @@ def check_compatible(saved_args: dict, args: argparse.Namespace, directory: str)
     """Refuses a checkpoint of another model shape, naming the first setting that differs."""
     for name in MODEL_SHAPE_ARGS:
         if name in saved_args and saved_args[name] != getattr(args, name, None):
+            if name == "padded_vocab_size":
+                raise CheckpointError(
+                    f"checkpoint {directory} has a padded vocabulary of {saved_args[name]} ids, this run "
+                    f"{args.padded_vocab_size} (the tokenizer's ids + MASK, padded to a multiple of "
+                    f"--make-vocab-size-divisible-by x --tensor-model-parallel-size): set "
+                    f"--make-vocab-size-divisible-by so both pad alike, or use the checkpoint's tokenizer")
             flag = "--" + name.replace("_", "-")
             raise CheckpointError(f"checkpoint {directory} was saved with {flag} {saved_args[name]}, this run has "
                                   f"{flag} {getattr(args, name, None)}: use the same {flag}, or another --load")
