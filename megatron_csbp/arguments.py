@@ -395,6 +395,11 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         recompute_num_layers=args.recompute_num_layers,
         calculate_per_token_loss=args.calculate_per_token_loss,
         use_cpu_initialization=bool(args.use_cpu_initialization),
+        # Pipeline stages exchange this rank's CSBP rows (|owned noisy| + L/C, uneven when the blocks do not
+        # split evenly), not Megatron's `seq_length / cp`: let the schedule send each message's shape.
+        variable_seq_lengths=args.pipeline_model_parallel_size > 1,
+        # megatron-core refuses variable_seq_lengths beside its default MoE dispatcher, even without MoE.
+        **({"moe_token_dispatcher_type": "alltoall"} if args.pipeline_model_parallel_size > 1 else {}),
     )
 
 

@@ -91,7 +91,9 @@ def _config(topology):
         tensor_model_parallel_size=topology.tp, pipeline_model_parallel_size=topology.pp,
         context_parallel_size=topology.block_parallel, sequence_parallel=topology.sequence_parallel,
         normalization="RMSNorm", use_cpu_initialization=True, calculate_per_token_loss=True,
-        hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32)
+        hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
+        # as arguments.transformer_config_kwargs sets them
+        variable_seq_lengths=topology.pp > 1, moe_token_dispatcher_type="alltoall" if topology.pp > 1 else "allgather")
 
 
 def _build_model(topology, config):
@@ -206,7 +208,10 @@ def _train_step(topology, weights):
         objective = BDLMObjective(block_size=topology.block, mask_token_id=MASK, seed=99)
         reports = get_forward_backward_func()(
             forward_step_func=BDLMForwardStep(objective, layout), data_iterator=iter(batches), model=[ddp],
-            num_microbatches=len(batches), seq_length=pipeline_seq_length(layout, config),
+            # Under pipeline parallelism the clean length L stands here, as Megatron-LM's pretrain() passes
+            # it: the shapes travel with the messages (variable_seq_lengths), so it must not matter.
+            num_microbatches=len(batches),
+            seq_length=SEQ if topology.pp > 1 else pipeline_seq_length(layout, config),
             micro_batch_size=MICRO_BATCH, forward_only=False)
         loss = None
         if mpu.is_pipeline_last_stage():
