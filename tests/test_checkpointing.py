@@ -1,5 +1,5 @@
-"""Checkpoints are never half-published, damage is caught on load (with a way back), and a --load that
-cannot be honoured is refused clearly."""
+"""Checkpoints are never half-published, damage is caught on load (with a way back), a --load that
+cannot be honoured is refused clearly, and Megatron-LM's exit conditions save before leaving."""
 
 import os
 import shutil
@@ -70,7 +70,7 @@ def _train_cases(rank, world_size, cases):
     return results
 
 
-def test_damaged_or_mismatched_checkpoints(interrupted, corpus, tmp_path):
+def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corpus, tmp_path):
     source = interrupted["save"]
     truncated = tmp_path / "truncated"
     shutil.copytree(source, truncated)
@@ -87,7 +87,11 @@ def test_damaged_or_mismatched_checkpoints(interrupted, corpus, tmp_path):
     empty = tmp_path / "requeue"
     empty.mkdir()
     settings = dict(train_iters=6, eval_iters=0)
+    exits = {name: tmp_path / name for name in ("exit_interval", "exit_duration")}
     cases = [
+        ("exit_interval", validated_args(corpus, save=str(exits["exit_interval"]), exit_interval=2, **settings)),
+        ("exit_duration", validated_args(corpus, save=str(exits["exit_duration"]), exit_duration_in_mins=0,
+                                         **settings)),
         ("truncated", validated_args(corpus, load=str(truncated), **settings)),
         ("fallback", validated_args(corpus, load=str(truncated), load_fallback_to_previous=True, **settings)),
         ("unreadable", validated_args(corpus, load=str(unreadable), **settings)),
@@ -118,6 +122,10 @@ def test_damaged_or_mismatched_checkpoints(interrupted, corpus, tmp_path):
     assert status == "error" and message == (
         f"checkpoint {source}/iter_0000006 was saved with --hidden-size 64, this run has --hidden-size 32: use the "
         f"same --hidden-size, or another --load")
+    for name, stop, why in (("exit_interval", 2, "--exit-interval 2"), ("exit_duration", 1, "--exit-duration-in-mins 0")):
+        status, output = results[name]  # Megatron-LM's exit conditions: save, then leave (exit status 0)
+        assert status == "ok" and f"exiting at iteration {stop} on {why}" in output, output
+        assert (exits[name] / "latest_checkpointed_iteration.txt").read_text() == str(stop)
     status, output = results["requeue"]
     assert status == "ok" and f"no checkpoint in {empty} yet (--load is --save, the requeue pattern)" in output
     assert (empty / "latest_checkpointed_iteration.txt").read_text() == "1"
