@@ -88,10 +88,12 @@ class Progress:
             self.writer.flush()
 
     def validation(self, iteration, nelbo) -> None:
-        """Validation NELBO per token and its perplexity bound `exp(NELBO)` (an upper bound on perplexity)."""
+        """Validation loss per token and `exp` of it: with the BD3-LM NELBO (1/t weights) an upper bound on
+        perplexity; with unit weights or Fast-dLLM v2 only a loss, not a bound."""
         ppl = math.exp(min(nelbo, 700.0))
+        is_bound = self.args.bdlm_objective == "bd3lm" and self.args.bdlm_loss_weighting == "inverse-t"
         line = (f" validation loss at iteration {iteration} | lm loss value: {nelbo:.6E} | "
-                f"lm loss PPL (upper bound): {ppl:.6E} |")
+                f"lm loss PPL{' (upper bound)' if is_bound else ''}: {ppl:.6E} |")
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         if self.writer is not None:
             self.writer.add_scalar("lm loss validation", nelbo, iteration)
