@@ -217,7 +217,7 @@ def check_complete(directory: str) -> None:
                                   f"{size} were written (truncated?)")
 
 
-def complete_iterations(root: str) -> list[int]:
+def iteration_dirs(root: str) -> list[int]:
     """Iterations of the `iter_XXXXXXX` directories under `root`, newest first (complete or not)."""
     found = [int(m.group(1)) for name in os.listdir(root) if (m := _ITERATION_DIR.fullmatch(name))]
     return sorted(found, reverse=True)
@@ -238,7 +238,7 @@ def find_checkpoint(root: str, *, fallback: bool, log=print) -> int:
             raise CheckpointError(f"{error}; restore it, or pass --load-fallback-to-previous to load the newest "
                                   f"complete older checkpoint") from None
         log(f" WARNING: {error}; falling back to an older checkpoint")
-    for iteration in complete_iterations(root):
+    for iteration in iteration_dirs(root):
         if iteration < latest:
             try:
                 check_complete(checkpoint_dir(root, iteration))

@@ -158,7 +158,7 @@ class Trainer:
             return
         requeue = bool(args.save) and os.path.realpath(args.load) == os.path.realpath(args.save)
         empty = not os.path.isdir(args.load) or (checkpointing.read_tracker(args.load) is None
-                                                 and not checkpointing.complete_iterations(args.load))
+                                                 and not checkpointing.iteration_dirs(args.load))
         if requeue and empty:
             self.progress.print(f" no checkpoint in {args.load} yet (--load is --save, the requeue pattern): "
                                 f"starting from scratch")
