@@ -222,6 +222,21 @@ def print_table(records, out=sys.stdout):
               f"{r['tokens_per_s']:>9.0f}", file=out)
 
 
+def print_scaling(records, out=sys.stdout):
+    """How each mode's cost grows between its two longest lengths, where attention dominates:
+    activations per rank ~ L (L/C of clean rows), step time ~ L²."""
+    for mode in MODES:
+        points = sorted((r["seq_length"], r) for r in records if r["mode"] == mode)
+        if len(points) < 2:
+            continue
+        (short, first), (long, last) = points[-2], points[-1]
+        growth = long / short
+        print(f"{mode}: L {short} -> {long} (x{growth:g}): saved activations per rank "
+              f"x{last['saved_activation_bytes'] / first['saved_activation_bytes']:.2f} (linear x{growth:g}), "
+              f"peak memory x{last['peak_memory_bytes'] / max(first['peak_memory_bytes'], 1):.2f}, "
+              f"step time x{last['step_time_s'] / first['step_time_s']:.1f} (quadratic x{growth ** 2:g})", file=out)
+
+
 def plot(records, path):
     import matplotlib
 
@@ -263,6 +278,7 @@ def main(argv=None):
                   f"step time {csbp['step_time_s'] / cp['step_time_s']:.3f}, "
                   f"saved activations {csbp['saved_activation_bytes'] / cp['saved_activation_bytes']:.3f}, "
                   f"peak memory {csbp['peak_memory_bytes'] / max(cp['peak_memory_bytes'], 1):.3f}")
+    print_scaling(records)
     if args.kernel_check:
         efficiency = kernel_efficiency(max(args.seq_lengths), args.block_size)
         records.append(dict(mode="kernel", nproc=1, **efficiency))

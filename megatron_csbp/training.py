@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from megatron_csbp import checkpointing, providers
 from megatron_csbp.checkpointing import LoopState
+from megatron_csbp.device import default_device
 from megatron_csbp.progress import Progress
 
 
@@ -126,7 +127,7 @@ class Trainer:
         _set_seed(args.seed)
         self.config = transformer_config_from_args(args)
         self.model = providers.model_provider(mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage(),
-                                              args=args, config=self.config)
+                                              args=args, config=self.config).to(default_device())
         self.ddp = DistributedDataParallel(
             self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                        use_distributed_optimizer=args.use_distributed_optimizer),

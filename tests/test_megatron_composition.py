@@ -176,7 +176,7 @@ def _train_step(topology, weights):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_csbp import parallel_state
-    from megatron_csbp.bdlm import BDLMForwardStep, BDLMObjective
+    from megatron_csbp.bdlm import BDLMForwardStep
     from megatron_csbp.model import pipeline_seq_length
 
     parallel_state.initialize_model_parallel(topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,
@@ -205,7 +205,8 @@ def _train_step(topology, weights):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         batches = _batches(topology.seq, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-        objective = BDLMObjective(block_size=topology.block, mask_token_id=MASK, seed=99)
+        objective = _noise_recording_objective()(block_size=topology.block, mask_token_id=MASK, seed=99)
+        _NOISE_SEEN.clear()
         reports = get_forward_backward_func()(
             forward_step_func=BDLMForwardStep(objective, layout), data_iterator=iter(batches), model=[ddp],
             # Under pipeline parallelism the clean length L stands here, as Megatron-LM's pretrain() passes
@@ -222,9 +223,41 @@ def _train_step(topology, weights):
         success, grad_norm, _ = optimizer.step()
         assert success
         after = {_global_name(model, n): _full(p, p) for n, p in model.named_parameters()}
-        return dict(loss=loss, grads=grads, after=after, initial=initial, grad_norm=grad_norm)
+        return dict(loss=loss, grads=grads, after=after, initial=initial, grad_norm=grad_norm,
+                    noise=dict(_NOISE_SEEN))
     finally:
         parallel_state.destroy_model_parallel()
+
+
+_NOISE_SEEN = {}  # sample index -> (noise times, masked positions) this rank drew in the step
+
+
+def _noise_recording_objective():
+    from megatron_csbp.bdlm import BDLMObjective
+
+    class NoiseRecordingObjective(BDLMObjective):
+        def noise(self, sample_index, seq_length):
+            drawn = super().noise(sample_index, seq_length)
+            for row, index in enumerate(sample_index.tolist()):
+                _NOISE_SEEN[index] = (drawn.t[row].clone(), drawn.masked[row].clone())
+            return drawn
+
+    return NoiseRecordingObjective
+
+
+def _assert_same_noise_everywhere(per_rank, topology):
+    """Every rank that drew noise for a sample (TP ranks, block ranks, first and last pipeline stage)
+    drew the same noise."""
+    first_seen = {}
+    for rank, result in enumerate(per_rank):
+        for index, (t, masked) in result["noise"].items():
+            if index in first_seen:
+                seen_t, seen_masked = first_seen[index]
+                assert (t == seen_t).all() and (masked == seen_masked).all(), \
+                    f"{topology.name}: rank {rank} drew other noise for sample {index}"
+            else:
+                first_seen[index] = (t, masked)
+    assert first_seen, f"{topology.name}: no rank drew noise"
 
 
 def _run(rank, world_size, topologies, weights):
@@ -277,10 +310,13 @@ def references():
     return {(REFERENCE.seq, REFERENCE.block): results[0], (REFERENCE_ODD_ROWS.seq, REFERENCE_ODD_ROWS.block): results[1]}
 
 
-def test_world_2_compositions_and_negative_control(references):
-    results = run_ranks(_run, 2, WORLD_2, references[SEQ, BLOCK]["initial"], timeout=600)
-    for index, topology in enumerate(WORLD_2):
-        error = _worst_error([results[rank][index] for rank in range(2)], references, topology)
+def _check_world(world_size, topologies, references, timeout):
+    """One spawn runs every topology of this world size; each must match the reference (controls must not)."""
+    results = run_ranks(_run, world_size, topologies, references[SEQ, BLOCK]["initial"], timeout=timeout)
+    for index, topology in enumerate(topologies):
+        per_rank = [results[rank][index] for rank in range(world_size)]
+        _assert_same_noise_everywhere(per_rank, topology)
+        error = _worst_error(per_rank, references, topology)
         print(f"{topology.name}: worst relative error {error:.2e}")
         if topology.megatron_rope:
             assert error > 1e-3, f"{topology.name} should not match the reference (error {error:.2e})"
@@ -288,9 +324,9 @@ def test_world_2_compositions_and_negative_control(references):
             assert error <= TOLERANCE, f"{topology.name}: relative error {error:.2e}"
 
 
+def test_world_2_compositions_and_negative_control(references):
+    _check_world(2, WORLD_2, references, timeout=600)
+
+
 def test_world_4_compositions(references):
-    results = run_ranks(_run, 4, WORLD_4, references[SEQ, BLOCK]["initial"], timeout=900)
-    for index, topology in enumerate(WORLD_4):
-        error = _worst_error([results[rank][index] for rank in range(4)], references, topology)
-        print(f"{topology.name}: worst relative error {error:.2e}")
-        assert error <= TOLERANCE, f"{topology.name}: relative error {error:.2e}"
+    _check_world(4, WORLD_4, references, timeout=900)

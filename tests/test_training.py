@@ -155,3 +155,25 @@ def test_layout_from_args(corpus, mode, clean_shards):
         layout = providers.layout_from_args(args, block_parallel_rank=rank)
         reference = layout_for(mode, 64, 8, 2, clean_shards, rank)
         assert layout.row_positions.tolist() == reference.row_positions.tolist()
+
+
+def test_the_demo_config_learns(corpus, tmp_path):
+    """`make demo`'s own config (configs/tiny_cpu.yaml, CSBP over 2 ranks), on fewer iterations and shorter
+    sequences: the loss falls clearly and the run ends with a checkpoint."""
+    import subprocess
+
+    from pretrain_runs import REPO, SCRIPT, TORCHRUN, Run, environment
+
+    overrides = [f"data-path={corpus}", f"save={tmp_path}", f"load={tmp_path}", f"tensorboard-dir={tmp_path / 'tb'}",
+                 "seq-length=128", "train-iters=24", "lr-warmup-iters=3", "log-interval=1", "eval-interval=12"]
+    done = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, "--config",
+                           os.path.join(REPO, "configs", "tiny_cpu.yaml"), *overrides], cwd=REPO, env=environment(),
+                          timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == 0, done.stdout[-6000:]
+    run = Run(done.returncode, done.stdout, 0.0)
+    losses = run.losses
+    assert sorted(losses) == list(range(1, 25)), done.stdout[-3000:]
+    start, end = sum(losses[i] for i in (1, 2, 3)) / 3, sum(losses[i] for i in (22, 23, 24)) / 3
+    print(f"demo config: lm loss {start:.3f} -> {end:.3f}, validation {run.validation}")
+    assert end < start - 1.0, (start, end)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text().strip() == "24"
