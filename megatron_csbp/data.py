@@ -11,6 +11,7 @@ right after them, then Megatron-style padding to a multiple of `--make-vocab-siz
 import argparse
 import hashlib
 import json
+import math
 import os
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -259,8 +260,8 @@ def check_split(prefixes: list[str], split: str) -> None:
         for name, bounds in zip(("train", "valid", "test"), matrix):
             if bounds is not None and round(bounds[1] * count) == round(bounds[0] * count):
                 raise ConfigError(f"--split '{split}' leaves the {name} split 0 of the {count} documents of "
-                                  f"--data-path {prefix}; give it a larger share (e.g. --split 98,2,0) or a "
-                                  f"zero one, or use more data")
+                                  f"--data-path {prefix}; give it at least {math.ceil(100 / count)}% of the "
+                                  f"documents, a zero share, or use more data")
 
 
 def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: Callable[[], bool] | None = None):

@@ -2,6 +2,7 @@
 GPTDataset splits of L-token samples, in one process and on 2 gloo ranks."""
 
 import importlib.util
+import math
 import os
 import sys
 import types
@@ -245,8 +246,8 @@ def test_splits_without_documents_are_refused(corpus):
     with pytest.raises(ConfigError) as caught:  # megatron-core would loop forever on an empty split
         data.build_datasets(training_args(prefix, "seq-length=64"))
     assert str(caught.value) == (f"--split '969, 30, 1' leaves the valid split 0 of the {len(texts)} documents of "
-                                 f"--data-path {prefix}; give it a larger share (e.g. --split 98,2,0) or a zero one, "
-                                 f"or use more data")
+                                 f"--data-path {prefix}; give it at least {math.ceil(100 / len(texts))}% of the "
+                                 f"documents, a zero share, or use more data")
     with pytest.raises(ConfigError, match="--split '0,0,0': give up to three"):
         data.build_datasets(training_args(prefix, "seq-length=64", "split=0,0,0"))
     assert data.build_datasets(training_args(prefix, "seq-length=64", "split=100,0,0", "eval-iters=0"))[1:] == (None,

@@ -165,7 +165,7 @@ def test_the_demo_config_learns(corpus, tmp_path):
     from pretrain_runs import REPO, SCRIPT, TORCHRUN, Run, environment
 
     overrides = [f"data-path={corpus}", f"save={tmp_path}", f"load={tmp_path}", f"tensorboard-dir={tmp_path / 'tb'}",
-                 "seq-length=128", "train-iters=24", "lr-warmup-iters=3", "log-interval=1", "eval-interval=12"]
+                 "seq-length=128", "split=80,20,0", "train-iters=24", "lr-warmup-iters=3", "log-interval=1", "eval-interval=12"]
     done = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, "--config",
                            os.path.join(REPO, "configs", "tiny_cpu.yaml"), *overrides], cwd=REPO, env=environment(),
                           timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
