@@ -523,20 +523,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _yaml_defaults(path: str, parser: argparse.ArgumentParser) -> dict:
-    """The YAML's values for the flags this planner knows; other keys are irrelevant here."""
-    with open(path, encoding="utf-8") as stream:
-        loaded = yaml.safe_load(stream) or {}
-    if not isinstance(loaded, dict):
-        raise ValueError(f"--config {path}: expected a mapping of Megatron flag names")
-    flat = {}
-    for key, value in loaded.items():
-        if isinstance(value, dict):
-            flat.update(value)
-        else:
-            flat[key] = value
-    known = {action.dest for action in parser._actions}
-    return {key.replace("-", "_"): value for key, value in flat.items()
-            if key.replace("-", "_") in known and key.replace("-", "_") not in ("config", "json")}
+    """The YAML's values for the flags this planner knows, read as training reads it (sections included)."""
+    from megatron_csbp.config import load_config
+
+    known = {action.dest for action in parser._actions} - {"config", "json"}
+    values = {flag.replace("-", "_"): value for flag, value in load_config(path).items()}
+    return {dest: value for dest, value in values.items() if dest in known}
 
 
 def parse_args(argv=None) -> argparse.Namespace:

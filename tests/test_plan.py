@@ -127,3 +127,15 @@ def test_paper_check_reports_beside_published():
         assert r["predicted_speedup"] >= 1.0 and r["predicted_speedup"] <= r["traffic_bound_speedup"] + 1e-9
         assert r["published_speedup"] == r["published_csbp_tokens_per_s"] / r["published_cp_tokens_per_s"]
         assert f"{r['published_speedup']:.2f}x" in text
+
+
+@pytest.mark.parametrize("name", ["tiny_cpu", "nemotron_diffusion_3b_64k", "nemotron_diffusion_8b_256k",
+                                  "nemotron_diffusion_14b_256k"])
+def test_shipped_configs_plan_with_their_sections(name):
+    """The plugin's flags sit in `bdlm:` / `csbp:` sections of the shipped configs; the planner reads them
+    as training does (the block size, for one, only lives there)."""
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "configs" / f"{name}.yaml"
+    args = plan.parse_args(["--config", str(path), "--gpus", "16", "--gpus-per-node", "8"])
+    assert args.bdlm_block_size == 16 and args.context_block_parallel >= 2
