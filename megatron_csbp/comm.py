@@ -18,7 +18,6 @@ class TrafficCounter:
     """Bytes this rank sent through the ops' collectives while the counter was active."""
 
     bytes_sent: int = 0
-    collectives: int = 0
 
 
 _active: list[TrafficCounter] = []
@@ -38,7 +37,6 @@ def count_bytes():
 def _record(nbytes: int) -> None:
     for counter in _active:
         counter.bytes_sent += nbytes
-        counter.collectives += 1
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -75,7 +75,8 @@ def _keys_from_blocks(x, shape):
 
 
 class PrefixPlan:
-    """Which query rows attend to which key tiles, computed once per layer call and reused in backward."""
+    """Which query rows attend to which key tiles; built once per layout and shared by every layer and the
+    backward, with the masks of the partly visible tiles."""
 
     def __init__(self, query_limits, key_positions, tile):
         visible = torch.searchsorted(key_positions, query_limits)  # keys with position < limit
@@ -86,6 +87,16 @@ class PrefixPlan:
             lo, hi = j * tile, min((j + 1) * tile, key_positions.numel())
             visible_in_tile = key_positions[lo:hi].unsqueeze(0) < query_limits[rows].unsqueeze(1)
             self.groups.append((rows, lo, hi, visible_in_tile))
+        self._masks = {}
+
+    def additive_mask(self, group_index, dtype, query_group):
+        """Group `group_index`'s mask for its last key tile, as the flash kernel takes it; built once per plan."""
+        key = (group_index, dtype, query_group)
+        if key not in self._masks:
+            visible = self.groups[group_index][3]
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            self._masks[key] = mask.masked_fill(~visible, float("-inf")).repeat(query_group, 1)
+        return self._masks[key]
 
     @property
     def pairs(self) -> int:
@@ -98,10 +109,6 @@ class CPUKernels:
 
     def __init__(self, tile: int = DEFAULT_TILE):
         self.tile = tile
-
-    @staticmethod
-    def _additive(visible, dtype, group):
-        return torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf")).repeat(group, 1)
 
     def block_diagonal_forward(self, q, k, v, block_size, scale):
         out, lse = _flash_forward(_queries_by_block(q, block_size), _keys_by_block(k, block_size),
@@ -122,11 +129,11 @@ class CPUKernels:
         b, h, g, n, d = q.shape
         out = q.new_zeros(q.shape)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
-        for rows, lo, hi, visible in plan.groups:
+        for index, (rows, lo, hi, _) in enumerate(plan.groups):
             q_rows = _fold(q.index_select(3, rows))
             parts = [_flash_forward(q_rows, k[:, :, :lo], v[:, :, :lo], scale=scale)] if lo else []
             parts.append(_flash_forward(q_rows, k[:, :, lo:hi], v[:, :, lo:hi], scale=scale,
-                                        attn_mask=self._additive(visible, q.dtype, g)))
+                                        attn_mask=plan.additive_mask(index, q.dtype, g)))
             rows_out, rows_lse = merge_partials(parts)
             out[:, :, :, rows] = rows_out.view(b, h, g, rows.numel(), d)
             lse[:, :, :, rows] = rows_lse.view(b, h, g, rows.numel())
@@ -136,11 +143,11 @@ class CPUKernels:
         b, h, g, n, d = q.shape
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros_like(x, dtype=acc) for x in (q, k, v))
-        for rows, lo, hi, visible in plan.groups:
+        for index, (rows, lo, hi, _) in enumerate(plan.groups):
             picked = [_fold(x.index_select(3, rows)) for x in (dout, q, out)]
             rows_lse = lse.index_select(3, rows).reshape(b, h, -1)
             rows_dq = 0
-            spans = ([(0, lo, None)] if lo else []) + [(lo, hi, self._additive(visible, q.dtype, g))]
+            spans = ([(0, lo, None)] if lo else []) + [(lo, hi, plan.additive_mask(index, q.dtype, g))]
             for start, stop, mask in spans:
                 part_dq, part_dk, part_dv = _flash_backward(
                     picked[0], picked[1], k[:, :, start:stop], v[:, :, start:stop], picked[2], rows_lse,

@@ -90,12 +90,13 @@ class RowPositionRotaryEmbedding(torch.nn.Module):
 class BDLMGPTModel(GPTModel):
     """`GPTModel` over CSBP rows; see the module docstring. `layout`: this rank's row layout."""
 
-    def __init__(self, *args, layout, mask_token_id=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        validate_config(self.config, layout, self.vocab_size, mask_token_id)
-        if self.position_embedding_type not in ("rope", "learned_absolute", "none"):
-            raise ValueError(f"--position-embedding-type={self.position_embedding_type} is not supported by "
+    def __init__(self, config, transformer_layer_spec, vocab_size, *args, layout, mask_token_id=None, **kwargs):
+        validate_config(config, layout, vocab_size, mask_token_id)  # before any weight is allocated
+        position_embedding_type = kwargs.get("position_embedding_type", "learned_absolute")
+        if position_embedding_type not in ("rope", "learned_absolute", "none"):
+            raise ValueError(f"--position-embedding-type={position_embedding_type} is not supported by "
                              "BDLM: use rope")
+        super().__init__(config, transformer_layer_spec, vocab_size, *args, **kwargs)
         self.layout = layout
         self.mask_token_id = mask_token_id
         self.padded_rows = padded_row_count(layout, self.config)

@@ -112,18 +112,19 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
         noisy = layout.num_noisy_rows
         sent = _pack(key[rows.transported_from:], value[rows.transported_from:])
 
-        if transport == "collective":
-            gathered, work = comm.all_gather_start(sent, ring) if ring is not None else (sent, None)
-            noisy_part = kernels.block_diagonal_forward(q[:, :, :, :noisy], k[:, :, :noisy], v[:, :, :noisy],
-                                                        layout.block_size, scale)
+        collective = transport == "collective"
+        gathered, work = sent, None
+        if collective and ring is not None:  # lands while the local noisy attention runs
+            gathered, work = comm.all_gather_start(sent, ring)
+        noisy_part = kernels.block_diagonal_forward(q[:, :, :, :noisy], k[:, :, :noisy], v[:, :, :noisy],
+                                                    layout.block_size, scale)
+        if collective:
             comm.wait_all(work or [])
             plan = _plan(kernels, layout, query.device)
             clean_k, clean_v = _unpack(gathered, rows.gathered_clean_rows)
             out, lse = kernels.prefix_forward(q, clean_k, clean_v, plan, scale)
             ctx.plans = plan
         else:
-            noisy_part = kernels.block_diagonal_forward(q[:, :, :, :noisy], k[:, :, :noisy], v[:, :, :noisy],
-                                                        layout.block_size, scale)
             ctx.plans, gathered = [], None
             shard, partials = sent, []
             for step, member in enumerate(_ring_order(layout)):
@@ -156,7 +157,6 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
                                                    v[:, :, :noisy], out[:, :, :, :noisy], lse[:, :, :, :noisy],
                                                    layout.block_size, scale)
 
-        sent = _pack(k.permute(2, 0, 1, 3)[start:], v.permute(2, 0, 1, 3)[start:])
         if ctx.transport == "collective":
             clean_k, clean_v = _unpack(gathered, rows.gathered_clean_rows)
             dq, dk_clean, dv_clean = kernels.prefix_backward(dout, q, clean_k, clean_v, out, lse, ctx.plans, scale)
@@ -166,7 +166,8 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
             comm.wait_all(work or [])
         else:
             dq, d_sent = torch.zeros_like(q), None
-            shard, traveling = sent, None
+            shard = _pack(k.permute(2, 0, 1, 3)[start:], v.permute(2, 0, 1, 3)[start:])
+            traveling = None
             members = _ring_order(layout)
             for step, member in enumerate(members):
                 last = step == len(members) - 1

@@ -102,7 +102,16 @@ def train_valid_test_datasets_provider(train_val_test_num_samples=None, *, args=
 train_valid_test_datasets_provider.is_distributed = True  # Megatron-LM: every rank calls it
 
 
+_forward_steps = {}  # id(args) -> (args, step): a run's layout and objective are fixed, so build them once
+
+
+def bdlm_forward_step(args: argparse.Namespace) -> BDLMForwardStep:
+    """This run's BDLM forward step (objective and this rank's layout), built on first use."""
+    if id(args) not in _forward_steps:
+        _forward_steps[id(args)] = (args, BDLMForwardStep(objective_from_args(args), layout_from_args(args)))
+    return _forward_steps[id(args)][1]
+
+
 def forward_step(data_iterator, model, *, args=None):
     """Megatron's `forward_step(data_iterator, model) -> (output, loss_func)` for the BDLM objective."""
-    args = args or _megatron_lm_args()
-    return BDLMForwardStep(objective_from_args(args), layout_from_args(args))(data_iterator, model)
+    return bdlm_forward_step(args or _megatron_lm_args())(data_iterator, model)

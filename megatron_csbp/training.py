@@ -109,8 +109,6 @@ class Trainer:
     """One run: model, optimizer, scheduler and data on this rank; `run()` trains and returns the state."""
 
     def __init__(self, args):
-        from functools import partial
-
         from megatron.core import parallel_state as mpu
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
@@ -142,10 +140,10 @@ class Trainer:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.ddp.no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
-        self.forward_step = partial(providers.forward_step, args=args)
-        self.layout = providers.layout_from_args(args)
+        self.forward_step = providers.bdlm_forward_step(args)
+        self.layout = self.forward_step.layout
         self.seq_length = pipeline_seq_length(self.layout, self.config)
-        self.micro_batch_rows = args.micro_batch_size * (2 if args.bdlm_objective == "fast-dllm-v2" else 1)
+        self.micro_batch_rows = args.micro_batch_size * self.forward_step.objective.views_per_sample
         self.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
         self.dp_rank = mpu.get_data_parallel_rank()
         self.last_stage = mpu.is_pipeline_last_stage()

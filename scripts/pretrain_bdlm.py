@@ -18,7 +18,6 @@ any work), 1 a failure: that rank prints `rank R failed: ...` and leaves at once
 
 import datetime
 import os
-import socket
 import sys
 import traceback
 
@@ -54,23 +53,18 @@ def run_megatron_lm(pretrain, argv: list[str]) -> int:
     return 0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def init_distributed(timeout_minutes: int) -> tuple[int, int]:
     """The default process group from the launcher's environment (torchrun or srun); (rank, world size)."""
     import torch
     import torch.distributed as dist
 
     from megatron_csbp.device import default_backend
+    from megatron_csbp.launch import free_port
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
     if torch.accelerator.is_available():
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")) % torch.accelerator.device_count())
     dist.init_process_group(default_backend(), rank=rank, world_size=world,
