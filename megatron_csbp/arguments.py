@@ -14,7 +14,7 @@ import os
 
 PARALLEL_MODES = ("csbp", "cp", "bp")
 TOKENIZERS = ("ByteLevelTokenizer", "HuggingFaceTokenizer")
-_MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
+MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
 
 
 class ConfigError(SystemExit, ValueError):
@@ -149,7 +149,7 @@ def _add_data_and_io_args(parser):
     group.add_argument("--data-path", nargs="*", default=None,
                        help="Dataset prefix(es) of .bin/.idx files, optionally weighted: 'w1 prefix1 w2 prefix2'.")
     group.add_argument("--split", type=str, default=None,
-                       help=f"Train,valid,test proportions of documents. Default: '{_MEGATRON_SPLIT_DEFAULT}'.")
+                       help=f"Train,valid,test proportions of documents. Default: '{MEGATRON_SPLIT_DEFAULT}'.")
     group.add_argument("--data-cache-path", type=str, default=None,
                        help="Where dataset indices are cached. Default: a 'cache' folder beside the first dataset.")
     group.add_argument("--num-workers", type=int, default=2)
@@ -354,7 +354,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
     args.data_prefixes, args.data_weights = parse_data_path(args.data_path)
     _require(bool(args.data_prefixes), "--data-path is required (scripts/prepare_data.py builds the default "
                                        "dataset, data/stdlib_bytes_text_document)")
-    args.split = args.split or _MEGATRON_SPLIT_DEFAULT
+    args.split = args.split or MEGATRON_SPLIT_DEFAULT
     if args.tokenizer_type == "HuggingFaceTokenizer":
         _require(args.tokenizer_model is not None, "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
                                                    "path/to/tokenizer.json")

@@ -63,7 +63,7 @@ def parse_args(argv=None):
 def layout_of(mode, seq_length, block_size, nproc, rank):
     from megatron_csbp.layout import layout_for
 
-    return layout_for(mode, seq_length, block_size, nproc, nproc if mode != "bp" else 1, rank)
+    return layout_for(mode, seq_length, block_size, nproc, rank=rank)  # C: P for csbp and cp, 1 for bp
 
 
 def rank_attention_pairs(layout) -> int:
@@ -108,7 +108,7 @@ def _rank_run(rank, world_size, args, mode, seq_length):
 
     cpu_backend.enable()
     device = default_device()
-    clean_shards = 1 if mode == "bp" else world_size
+    clean_shards = layout_of(mode, seq_length, args.block_size, world_size, 0).clean_shards
     parallel_state.initialize_model_parallel(context_block_parallel_size=world_size, clean_shards=clean_shards)
     torch.manual_seed(1234)
     model_parallel_cuda_manual_seed(1234)

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from megatron_csbp.arguments import ConfigError, check_data_prefixes, parse_data_path
+from megatron_csbp.arguments import MEGATRON_SPLIT_DEFAULT, ConfigError, check_data_prefixes, parse_data_path
 
 _HF_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 
@@ -283,7 +283,7 @@ def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: C
     check_data_prefixes(prefixes)
     check_vocabulary(prefixes, tokenizer.vocab_size, padded_vocab_size(
         tokenizer.vocab_size + 1, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size))
-    split, sizes = args.split or "969, 30, 1", split_sizes(args)
+    split, sizes = args.split or MEGATRON_SPLIT_DEFAULT, split_sizes(args)
     check_split(prefixes, split)
     cache_root = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
     cache = os.path.join(cache_root, _data_fingerprint(prefixes))
