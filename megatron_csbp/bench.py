@@ -95,18 +95,24 @@ def _peak_memory(device, baseline_rss):
 
 
 def _rank_run(rank, world_size, args, mode, seq_length):
-    """One (mode, length) on this rank; returns its record."""
+    """One (mode, length) on this rank, inside the CPU backend (a no-op on accelerators); returns its record."""
+    from megatron_csbp import cpu_backend
+
+    with cpu_backend.active():
+        return _rank_record(rank, world_size, args, mode, seq_length)
+
+
+def _rank_record(rank, world_size, args, mode, seq_length):
     import psutil
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp import comm, cpu_backend, parallel_state
+    from megatron_csbp import comm, parallel_state
     from megatron_csbp.bdlm import BDLMForwardStep, BDLMObjective
     from megatron_csbp.device import default_device
     from megatron_csbp.model import model_provider
 
-    cpu_backend.enable()
     device = default_device()
     clean_shards = layout_of(mode, seq_length, args.block_size, world_size, 0).clean_shards
     parallel_state.initialize_model_parallel(context_block_parallel_size=world_size, clean_shards=clean_shards)

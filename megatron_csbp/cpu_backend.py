@@ -1,15 +1,19 @@
-"""The one place where megatron-core's CUDA assumptions are neutralised, so it runs on CPU (gloo).
+"""The one place where megatron-core's and Megatron-LM's CUDA assumptions are neutralised, so they run on CPU (gloo).
 
-megatron-core 0.16 assumes a GPU in spots that have nothing to do with the maths. `enable()` switches
-the following on, and only when `torch.cuda.is_available()` is false (on a GPU machine it does
-nothing and returns False):
+megatron-core 0.16 and Megatron-LM's `pretrain()` (tag `core_v0.16.1`) assume a GPU in spots that have
+nothing to do with the maths. `with active():` switches the following on for the duration of the block,
+and only where there is no accelerator of any kind (`torch.accelerator.is_available()` is false: CUDA,
+XPU, MPS ... all count); elsewhere it changes nothing and yields False. Leaving the block restores
+exactly what it changed.
 
+megatron-core:
 * A `TorchFunctionMode` (`_CudaAsCpu`) on the calling thread that maps every CUDA device to the CPU:
   - `device="cuda"` / `device=torch.cuda.current_device()` in factory calls (`schedules.py` token
     count, optimizer `_scale`/`found_inf`, `clip_grads.py`, `utils.py` l2 norm, grad buffers,
-    tensor-parallel gather buffers, p2p shape tensors, checkpoint failure broadcasts);
+    tensor-parallel gather buffers, p2p shape tensors, checkpoint failure broadcasts, Megatron-LM's
+    JIT warm-up and loss reductions);
   - `.cuda()`, `.to("cuda")`, `.pin_memory()` and `pin_memory=True` (RoPE slicing, checkpoint
-    exchange) become no-ops on the CPU;
+    exchange, Megatron-LM's `get_model`) become no-ops on the CPU;
   - `Tensor.type()` of a CPU tensor reports the `torch.cuda.*Tensor` name, because `clip_grads.py`
     asserts `param.grad.type() == 'torch.cuda.FloatTensor'` when `clip_grad > 0`.
   Backward functions run outside any mode; the spots they reach need only the next item.
@@ -18,25 +22,43 @@ nothing and returns False):
   `TorchFunctionMode`, and they allocate with `device=torch.cuda.current_device()`. And
   `torch.cuda.synchronize()` is a no-op: p2p communication and `dist_checkpointing`'s preload call
   them unconditionally. `torch.cuda.manual_seed` seeds the CPU generator, so
-  `model_parallel_cuda_manual_seed` seeds the default state as it does on a GPU.
+  `model_parallel_cuda_manual_seed` seeds the default state as it does on a GPU, and
+  `torch.cuda.get/set_rng_state` (the rerun state machine's checkpointed state) are the CPU generator's.
 * The RNG helpers of `tensor_parallel/random.py` (`_get_cuda_rng_state`, `_set_cuda_rng_state` and
   `CudaRNGStatesTracker.add`) use the CPU generator, so the tracker's `fork()` (dropout in
   tensor-parallel regions, weight init) and activation recomputation work. As the CPU generator is
   then both "the CPU state" and "the tracked state", the tracker's "CPU RNG state changed within GPU
   RNG context" warning is expected and filtered out.
 
-Everything is process-wide except the mode, which lives on the thread that called `enable()`.
+Megatron-LM (only when `megatron.training` has been imported before the block is entered):
+* `initialize_megatron` asserts CUDA unless given `allow_no_cuda=True`, which `pretrain()` never passes.
+* `validate_args` asks `get_device_arch_version()` (a CUDA call) when TP or CP > 1, to enforce
+  `CUDA_DEVICE_MAX_CONNECTIONS=1`, a GPU-stream rule: the CPU answers as a GPU without that rule.
+* `_initialize_distributed` skips the model-parallel groups when `torch.cuda.device_count() == 0`: the
+  CPU counts as one device, and `torch.cuda.set_device` is a no-op.
+* `fused_kernels.load` compiles CUDA kernels (needs `CUDA_HOME`): nothing to load on the CPU.
+* `get_model` builds DDP on a side stream (`torch.cuda.Stream/current_stream/stream`): torch's CPU
+  streams stand in (they are no-ops).
+* The JIT warm-up (`set_jit_fusion_options`) draws `torch.rand(device="cuda")`; on the CPU that consumes
+  the default generator and would change the initial weights, so the generator is restored around it.
+* `megatron.training` imports `triton` (~1 GB, GPU-only) through megatron-core's batch-invariant kernels;
+  `triton_free_batch_invariant_kernels()` lets it import without triton (`--batch-invariant-mode` then
+  refuses with a message).
+
+The mode lives on the thread that entered the block; the patches are process-wide while it lasts.
 """
 
+import contextlib
+import functools
 import logging
+import sys
+import types
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-_state = {"mode": None, "undo": []}
-
-
 _HOST_DEVICE_TYPES = ("cpu", "meta")
+_BATCH_INVARIANT_KERNELS = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
 
 
 def _cpu_if_cuda(device):
@@ -85,52 +107,96 @@ def _cpu_tracker_add(self, name, seed):
     torch.set_rng_state(saved)
 
 
-def _patch(owner, name, value):
-    _state["undo"].append((owner, name, getattr(owner, name)))
-    setattr(owner, name, value)
+class _Patches:
+    """Attribute replacements undone, last first, when the run's `ExitStack` closes."""
+
+    def __init__(self, stack: contextlib.ExitStack):
+        self.stack = stack
+
+    def __call__(self, owner, name, value):
+        original = getattr(owner, name)
+        setattr(owner, name, value)
+        self.stack.callback(setattr, owner, name, original)
 
 
-def is_enabled() -> bool:
-    return _state["mode"] is not None
-
-
-def enable() -> bool:
-    """Neutralises megatron-core's CUDA assumptions when there is no GPU; True if (now) active.
-
-    Idempotent. Never active on a machine with CUDA: there it returns False and changes nothing.
-    """
-    if torch.cuda.is_available():
-        return False
-    if is_enabled():
-        return True
+def _neutralise_megatron_core(patch: _Patches) -> None:
     from megatron.core.tensor_parallel import random as megatron_random
 
-    _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
-    _patch(torch.cuda, "synchronize", lambda device=None: None)
-    _patch(torch.cuda, "manual_seed", torch.manual_seed)
-    _patch(megatron_random, "_get_cuda_rng_state",
-           lambda device=None, clone=False, graph_safe=False: torch.get_rng_state())
-    _patch(megatron_random, "_set_cuda_rng_state",
-           lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
-    _patch(megatron_random.CudaRNGStatesTracker, "add", _cpu_tracker_add)
-    rng_filter = _ExpectedRngWarning()
-    logging.getLogger(megatron_random.__name__).addFilter(rng_filter)
-    _state["rng_filter"] = rng_filter
-    mode = _CudaAsCpu()
-    mode.__enter__()
-    _state["mode"] = mode
+    patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
+    patch(torch.cuda, "synchronize", lambda device=None: None)
+    patch(torch.cuda, "manual_seed", torch.manual_seed)
+    patch(torch.cuda, "get_rng_state", lambda device=None: torch.get_rng_state())
+    patch(torch.cuda, "set_rng_state", lambda new_state, device=None: torch.set_rng_state(new_state))
+    patch(megatron_random, "_get_cuda_rng_state",
+          lambda device=None, clone=False, graph_safe=False: torch.get_rng_state())
+    patch(megatron_random, "_set_cuda_rng_state",
+          lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state))
+    patch(megatron_random.CudaRNGStatesTracker, "add", _cpu_tracker_add)
+    logger, rng_filter = logging.getLogger(megatron_random.__name__), _ExpectedRngWarning()
+    logger.addFilter(rng_filter)
+    patch.stack.callback(logger.removeFilter, rng_filter)
+
+
+def _keeping_cpu_generator(function):
+    @functools.wraps(function)
+    def wrapped(*args, **kwargs):
+        with torch.random.fork_rng(devices=[]):
+            return function(*args, **kwargs)
+    return wrapped
+
+
+def _neutralise_megatron_lm(patch: _Patches) -> None:
+    from megatron.legacy import fused_kernels
+    from megatron.training import arguments, training
+
+    patch(training, "initialize_megatron", functools.partial(training.initialize_megatron, allow_no_cuda=True))
+    patch(arguments, "get_device_arch_version", lambda: 10)
+    patch(torch.cuda, "device_count", lambda: 1)
+    patch(torch.cuda, "set_device", lambda device: None)
+    patch(fused_kernels, "load", lambda args: None)
+    patch(torch.cuda, "Stream", torch.cpu.Stream)
+    patch(torch.cuda, "current_stream", torch.cpu.current_stream)
+    patch(torch.cuda, "stream", torch.cpu.stream)
+    patch(training, "set_jit_fusion_options", _keeping_cpu_generator(training.set_jit_fusion_options))
+
+
+def triton_free_batch_invariant_kernels() -> bool:
+    """Lets `megatron.training` import where triton is absent (True if a stand-in was installed).
+
+    Megatron-LM imports megatron-core's batch-invariant kernels (triton programs) at start-up only to
+    offer `--batch-invariant-mode`. Without triton, a stand-in module takes their place; asking for the
+    mode then fails with a message instead of the whole of Megatron-LM failing to import.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None or _BATCH_INVARIANT_KERNELS in sys.modules:
+        return False
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError("--batch-invariant-mode needs triton (a GPU package): pip install triton on a GPU "
+                           "machine, or drop --batch-invariant-mode")
+
+    stand_in = types.ModuleType(_BATCH_INVARIANT_KERNELS, doc=triton_free_batch_invariant_kernels.__doc__)
+    stand_in.enable_batch_invariant_mode = stand_in.disable_batch_invariant_mode = unavailable
+    stand_in.set_batch_invariant_mode = unavailable
+    stand_in.is_batch_invariant_mode_enabled = lambda: False
+    sys.modules[_BATCH_INVARIANT_KERNELS] = stand_in
     return True
 
 
-def disable() -> None:
-    """Undoes `enable()` (for tests); call it from the thread that enabled it."""
-    if not is_enabled():
-        return
-    _state["mode"].__exit__(None, None, None)
-    _state["mode"] = None
-    from megatron.core.tensor_parallel import random as megatron_random
+@contextlib.contextmanager
+def active():
+    """Neutralises the CUDA assumptions (see the module doc) while the block runs; yields whether it did.
 
-    logging.getLogger(megatron_random.__name__).removeFilter(_state.pop("rng_filter"))
-    while _state["undo"]:
-        owner, name, original = _state["undo"].pop()
-        setattr(owner, name, original)
+    Never active on a machine with an accelerator: there it changes nothing and yields False.
+    """
+    if torch.accelerator.is_available():
+        yield False
+        return
+    with contextlib.ExitStack() as stack:
+        patch = _Patches(stack)
+        _neutralise_megatron_core(patch)
+        if "megatron.training" in sys.modules:
+            _neutralise_megatron_lm(patch)
+        stack.enter_context(_CudaAsCpu())
+        yield True

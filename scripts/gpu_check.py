@@ -385,21 +385,19 @@ def single_rank(device):
     from megatron_csbp.device import default_backend
     from megatron_csbp.launch import free_port
 
-    neutralised = cpu_backend.enable()  # only on a machine without CUDA
-    created = not dist.is_initialized()
-    if created:
-        dist.init_process_group(default_backend(), init_method=f"tcp://127.0.0.1:{free_port()}",
-                                world_size=1, rank=0)
-    try:
-        parallel_state.initialize_model_parallel()
-        yield parallel_state.get_block_parallel_groups()
-    finally:
-        if parallel_state.is_initialized():
-            parallel_state.destroy_model_parallel()
+    with cpu_backend.active():  # only on a machine without an accelerator
+        created = not dist.is_initialized()
         if created:
-            dist.destroy_process_group()
-        if neutralised:
-            cpu_backend.disable()
+            dist.init_process_group(default_backend(), init_method=f"tcp://127.0.0.1:{free_port()}",
+                                    world_size=1, rank=0)
+        try:
+            parallel_state.initialize_model_parallel()
+            yield parallel_state.get_block_parallel_groups()
+        finally:
+            if parallel_state.is_initialized():
+                parallel_state.destroy_model_parallel()
+            if created:
+                dist.destroy_process_group()
 
 
 def train(args, device, records):

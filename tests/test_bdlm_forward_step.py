@@ -8,7 +8,7 @@ Negative control: every rank building rank 0's rows (a layout that ignores the b
 
 import torch
 
-from spawn import run_ranks
+from spawn import on_cpu_backend, run_ranks
 from test_bdlm import MASK, TableModel, reference_nelbo, relative_error, sample_batch
 
 SEQ, BLOCK, MICRO_BATCH, NUM_MICRO = 16, 2, 2, 3
@@ -19,6 +19,7 @@ def _global_batch():
     return tokens, torch.arange(tokens.shape[0]) + 40
 
 
+@on_cpu_backend
 def _megatron_step(rank, world_size, layout_rank):
     from megatron.core import parallel_state
     from megatron.core.enums import ModelType
@@ -26,11 +27,9 @@ def _megatron_step(rank, world_size, layout_rank):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp import cpu_backend
     from megatron_csbp.bdlm import BDLMForwardStep, BDLMObjective
     from megatron_csbp.layout import CSBPLayout
 
-    cpu_backend.enable()
     parallel_state.initialize_model_parallel(context_parallel_size=world_size)
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
                                calculate_per_token_loss=True, context_parallel_size=world_size)

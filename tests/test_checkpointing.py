@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from pretrain_runs import base, run, validated_args
-from spawn import run_ranks
+from spawn import on_cpu_backend, run_ranks
 
 pytest_plugins = ["pretrain_runs"]
 
@@ -49,15 +49,15 @@ def test_a_load_that_cannot_be_honoured_is_one_line_and_exit_2(corpus, tmp_path)
         f"give the --save directory of an earlier run, or drop --load to start from scratch")
 
 
+@on_cpu_backend
 def _train_cases(rank, world_size, cases):
     """Runs `training.train` for each (name, args); returns {name: ("ok" | "error", output or message)}."""
     import contextlib
     import io
 
-    from megatron_csbp import cpu_backend, training
+    from megatron_csbp import training
     from megatron_csbp.arguments import ConfigError
 
-    cpu_backend.enable()
     results = {}
     for name, args in cases:
         output = io.StringIO()

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from spawn import run_ranks
+from spawn import on_cpu_backend, run_ranks
 
 SEQ, BLOCK, VOCAB, MASK = 32, 4, 64, 63
 MICRO_BATCH, NUM_MICRO = 2, 6  # global batch: 12 samples
@@ -260,10 +260,9 @@ def _assert_same_noise_everywhere(per_rank, topology):
     assert first_seen, f"{topology.name}: no rank drew noise"
 
 
+@on_cpu_backend
 def _run(rank, world_size, topologies, weights):
-    from megatron_csbp import cpu_backend
 
-    cpu_backend.enable()
     if weights is not None:
         weights = {name: torch.from_numpy(array) for name, array in weights.items()}
     results = []

@@ -2,17 +2,17 @@
 
 import pytest
 
-from spawn import run_ranks
+from spawn import on_cpu_backend, run_ranks
 
 
+@on_cpu_backend
 def _groups_on_four_ranks(rank, world_size):
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import cpu_backend, parallel_state
+    from megatron_csbp import parallel_state
 
-    cpu_backend.enable()
     ranks_of = dist.get_process_group_ranks
     seen = {}
 

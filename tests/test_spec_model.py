@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from spawn import run_ranks
+from spawn import on_cpu_backend, run_ranks
 
 SEQ, BLOCK, VOCAB, MASK = 16, 4, 32, 31
 
@@ -84,17 +84,16 @@ def test_layout_refuses_a_sequence_it_cannot_take():
         CSBPLayout(18, BLOCK, 1, 1)
 
 
+@on_cpu_backend
 def _single_rank_checks(rank, world_size):
     from megatron.core import parallel_state as mpu
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_csbp import cpu_backend
     from megatron_csbp.layout import CSBPLayout
     from megatron_csbp.model import model_provider
     from megatron_csbp.spec import AttentionContext, CSBPCoreAttention
 
-    cpu_backend.enable()
     mpu.initialize_model_parallel()
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
