@@ -1,15 +1,16 @@
-# The two commands of the README: `make demo` (a real CSBP training run on 2 CPU ranks) and `make test`.
+# The two commands of the README: `make demo` (a real CSBP training run on 2 CPU ranks) and `make test`
+# (the whole suite); `make test-quick` is the few-minute part for development (no `slow` tests).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: venv demo test data clean
+.PHONY: venv demo test test-quick data clean
 
 $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,megatron-lm]"
 	touch $@
 
 venv: $(VENV)/.installed
@@ -22,6 +23,9 @@ demo: data
 
 test: venv
 	$(PY) -m pytest -q tests
+
+test-quick: venv
+	$(PY) -m pytest -q -m "not slow" tests
 
 clean:
 	rm -rf $(VENV) data runs

@@ -5,11 +5,12 @@
 #
 #   scripts/gpu_check.sh [gpu_check.py flags]     e.g.  OUT=runs/gpu scripts/gpu_check.sh
 #
-# GPU_CHECK_TIMEOUT_S (default 540) bounds the whole run; PYTHON picks the interpreter (default python).
+# GPU_CHECK_TIMEOUT_S (default 540) bounds the whole run; PYTHON picks the interpreter (default: python3 on PATH;
+# give the one that has torch and megatron_csbp installed, e.g. PYTHON=.venv/bin/python).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT="${OUT:-.}"
 mkdir -p "$OUT"
 exec timeout --kill-after=20 "${GPU_CHECK_TIMEOUT_S:-540}" \
-    "${PYTHON:-python}" scripts/gpu_check.py --json "$OUT/gpu_check.json" "$@"
+    "${PYTHON:-python3}" scripts/gpu_check.py --json "$OUT/gpu_check.json" "$@"

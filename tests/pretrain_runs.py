@@ -18,7 +18,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "pretrain_bdlm.py")
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?lm loss:\s*([-+0-9.eE]+)")
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?lm loss:\s*([-+0-9.eE]+|[-+]?(?:nan|NAN|inf|INF))")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+)")
 
 # A ~60K-parameter BDLM on 64-token byte sequences, 8 blocks of 8: a training step takes ~0.1 s.

@@ -191,9 +191,24 @@ def test_bytes_sent_equal_the_formulas(topology):
         assert sent == [case.expected_bytes()] * len(per_rank), f"{case.name}: {sent} != {case.expected_bytes()}"
 
 
-def test_csbp_sends_half_of_conventional_cp():
-    csbp, cp = Case("a", "csbp", 1024, 16, 4), Case("b", "cp", 1024, 16, 4)
-    assert 2 * csbp.expected_bytes() == cp.expected_bytes() > 0
+# Bytes per rank, measured by the op's counters, against figures worked out by hand from the algorithm notes'
+# table: beta = K+V of one token = 2 x 2 kv heads x 8 dims x 4 bytes x 2 samples = 256 bytes; L = 64.
+# P = C = 2: CSBP 2L(C-1)/C beta = 64 beta, CP 4L(C-1)/C beta = 128 beta (streaming: 96 and 192 beta);
+# P = C = 4: CSBP 96 beta, CP 192 beta (streaming: 144 and 288 beta).
+HAND_COUNTED = {2: {"csbp_gqa": 16384, "cp": 32768, "csbp_gqa_streaming": 24576, "cp_streaming": 49152},
+                4: {"csbp_p4": 24576, "cp_p4": 49152, "csbp_p4_streaming": 36864, "cp_p4_streaming": 73728}}
+
+
+def test_csbp_sends_half_of_conventional_cp(topology):
+    cases, per_rank = topology
+    if len(per_rank) not in HAND_COUNTED:
+        pytest.skip("no CP baseline on one rank")
+    measured = {name: {result[name][-1] for result in per_rank} for name in HAND_COUNTED[len(per_rank)]}
+    assert measured == {name: {count} for name, count in HAND_COUNTED[len(per_rank)].items()}, measured
+    suffix = "" if len(per_rank) == 2 else "_p4"
+    for transport in ("", "_streaming"):
+        (csbp,), (cp,) = measured[f"csbp{'_gqa' if not suffix else suffix}{transport}"], measured[f"cp{suffix}{transport}"]
+        assert 2 * csbp == cp, (transport, csbp, cp)
 
 
 def test_bad_calls_are_refused():

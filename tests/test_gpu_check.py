@@ -3,10 +3,12 @@ forward in eager flex, and its whole forward/backward code around a dense stand-
 a tiny training step), its refusals, the JSON summary and the shell wrapper's timeout.
 The GPU numbers themselves come only from a GPU run."""
 
+import functools
 import importlib.util
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -39,9 +41,33 @@ gpu_check = _load_script()
 needs_no_accelerator = pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
 
 
+@functools.lru_cache(maxsize=1)
+def path_without_torch() -> str:
+    """PATH without any folder whose `python`/`python3` imports torch: a script that reaches for "the"
+    Python on PATH instead of the one it is given then fails here, as on a fresh CI machine."""
+    kept = []
+    for folder in os.environ.get("PATH", "").split(os.pathsep):
+        pythons = [os.path.join(folder, name) for name in ("python", "python3")
+                   if os.access(os.path.join(folder, name), os.X_OK)]
+        if not any(subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
+                   for python in pythons):
+            kept.append(folder)
+    return os.pathsep.join(kept)
+
+
 def _run(command, out_dir, **env):
-    environment = dict(os.environ, OUT=str(out_dir), OMP_NUM_THREADS="1", **env)
+    """The script under the suite's interpreter (PYTHON), with no torch-carrying Python left on PATH."""
+    environment = dict(os.environ, OUT=str(out_dir), OMP_NUM_THREADS="1", PYTHON=sys.executable,
+                       PATH=path_without_torch(), **env)
     return subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=400)
+
+
+def test_path_without_torch_really_has_none():
+    """The negative control's premise: on the stripped PATH no `python` or `python3` imports torch."""
+    for name in ("python", "python3"):
+        found = shutil.which(name, path=path_without_torch())
+        if found:
+            assert subprocess.run([found, "-c", "import torch"], capture_output=True).returncode != 0, found
 
 
 def test_defaults_are_the_single_gpu_check_and_bad_flags_are_refused(monkeypatch, tmp_path, capsys):

@@ -1,11 +1,11 @@
 """Failures never hang and never cost more than one iteration: preemption signals, NaN steps, dead ranks."""
 
+import math
 import os
 import re
 import signal
 import subprocess
 import sys
-import time
 
 import psutil
 import pytest
@@ -25,9 +25,12 @@ def _worker(launcher_pid: int, rank: int) -> psutil.Process:
     raise AssertionError(f"no rank {rank} under process {launcher_pid}")
 
 
-def test_sigusr1_saves_at_the_next_iteration_and_the_requeued_run_matches(corpus, reference_runs, tmp_path):
-    """Slurm's preemption signal reaches one rank only; both stop at the same iteration boundary, save and
-    exit 0; the requeued job (--load == --save) resumes there and logs the uninterrupted run's losses."""
+@pytest.mark.parametrize("stop_signal", [signal.SIGUSR1, signal.SIGTERM])
+def test_a_stop_signal_saves_at_the_next_iteration_and_the_requeued_run_matches(corpus, reference_runs, tmp_path,
+                                                                                stop_signal):
+    """Slurm's preemption signal (USR1 ahead of time, TERM at the deadline) reaches one rank only; both stop at
+    the same iteration boundary, save and exit 0; the requeued job (--load == --save) resumes there and logs the
+    uninterrupted run's losses."""
     checkpoints = tmp_path / "checkpoints"
     settings = base(corpus, context_block_parallel=2, save=checkpoints, load=checkpoints, exit_signal_handler=True)
     launched = subprocess.Popen(command(2, settings), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
@@ -37,7 +40,7 @@ def test_sigusr1_saves_at_the_next_iteration_and_the_requeued_run_matches(corpus
         for line in launched.stdout:
             lines.append(line)
             if re.search(r"iteration\s+2/", line):
-                _worker(launched.pid, 1).send_signal(signal.SIGUSR1)
+                _worker(launched.pid, 1).send_signal(stop_signal)
                 break
         lines.append(launched.communicate(timeout=180)[0])
     finally:
@@ -69,7 +72,8 @@ def test_nan_steps_are_skipped_counted_and_a_run_of_them_stops_training(corpus, 
         r"iteration\s+(\d+)/.*number of skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+)", output)}
     assert counts[2] == (0, 0) and counts[3] == (1, 1) and counts[8] == (1, 1) and counts[10] == (3, 3)
     losses = result.losses
-    assert all(losses[i] == losses[i] for i in (4, 5, 6, 7, 8)), losses  # the skipped step left no NaN behind
+    assert math.isnan(losses[3]), losses  # the poisoned step is logged as what it was
+    assert all(math.isfinite(losses[i]) for i in (4, 5, 6, 7, 8)), losses  # and left no NaN behind
     assert "stopping at iteration 11: 3 consecutive steps with a non-finite loss or grad norm" in output
     assert f"last good checkpoint: iteration 8 in {save}" in output
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "8"
@@ -93,23 +97,31 @@ def _srun_like(settings: dict, env: dict, world: int = 2):
 
 def test_a_rank_that_raises_stops_every_rank_naming_it(corpus):
     """No launcher to tear the job down: the surviving rank must leave by itself, and say who failed."""
-    started = time.time()
     ranks = _srun_like(base(corpus, context_block_parallel=2, eval_iters=0),
                        {"MEGATRON_CSBP_TEST_FAIL": "1:3"})
-    outputs = [rank.communicate(timeout=150)[0] for rank in ranks]
-    elapsed = time.time() - started
+    outputs = [rank.communicate(timeout=150)[0] for rank in ranks]  # a hang fails here, naming the test
     assert [rank.returncode for rank in ranks] == [1, 1], outputs
     assert "rank 1 failed: RuntimeError: injected failure at iteration 3" in outputs[1]
     assert "rank 0 stopping: rank 1 failed: RuntimeError: injected failure at iteration 3" in outputs[0], outputs[0]
-    assert elapsed < 120, elapsed
 
 
 def test_a_killed_rank_stops_the_job_within_the_timeout(corpus):
     """A rank killed mid-step (SIGKILL: no goodbye): torchrun names it and no rank is left behind."""
-    started = time.time()
     result = run(2, base(corpus, context_block_parallel=2, eval_iters=0), env={"MEGATRON_CSBP_TEST_FAIL": "1:3:kill"},
-                 expect=None, timeout=150)
+                 expect=None, timeout=150)  # a hang fails here
     assert result.returncode != 0
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", result.output) and "Signal 9 (SIGKILL)" in result.output, \
         result.output[-3000:]
-    assert time.time() - started < 120
+
+
+def test_a_non_finite_grad_norm_skips_the_step_with_a_finite_loss(corpus):
+    """An infinite gradient with a finite loss (e.g. an overflow in backward) is caught by the grad norm."""
+    result = run(2, base(corpus, context_block_parallel=2, eval_iters=0, train_iters=6),
+                 env={"MEGATRON_CSBP_TEST_INF_GRAD_ITERATIONS": "4"})
+    output, losses = result.output, result.losses
+    assert re.search(r"iteration 4: non-finite grad norm \(loss [0-9.]+, grad norm (inf|nan)\); step skipped "
+                     r"\(1 in a row, limit 3\)", output), output[-3000:]
+    assert all(math.isfinite(loss) for loss in losses.values()) and sorted(losses) == list(range(1, 7))
+    counts = {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
+        r"iteration\s+(\d+)/.*number of skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+)", output)}
+    assert counts[3] == (0, 0) and counts[4] == (1, 1) and counts[6] == (1, 1)

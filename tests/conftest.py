@@ -1,0 +1,66 @@
+"""The suite's markers, in one place, so it can be run in parts.
+
+* `slow`: a test that trains, spawns a launcher or runs a whole script (seconds to minutes each);
+  `make test-quick` runs everything else (layouts, kernels, the op on 2 ranks, the objective, configs,
+  refusals) in a few minutes.
+* `spawn`: starts processes (gloo ranks, torchrun, scripts).
+* `slurm`: needs the local Slurm cluster `.ci/run` starts (skipped without it).
+* `megatron_lm`: needs Megatron-LM (`MEGATRON_LM_PATH`, tag core_v0.16.1; skipped without it).
+
+Each module's markers are listed here rather than in the module, so this file is the whole map. A hung
+test fails after the per-test timeout of pytest.ini, naming itself, instead of eating CI's time.
+"""
+
+import os
+
+import pytest
+
+MARKERS = {
+    "slow": "trains, spawns a launcher or runs a whole script",
+    "spawn": "starts processes (gloo ranks, torchrun, scripts)",
+    "slurm": "needs the local Slurm cluster (.ci/run starts one)",
+    "megatron_lm": "needs Megatron-LM: MEGATRON_LM_PATH pointing at a core_v0.16.1 checkout",
+}
+
+MODULE_MARKERS = {
+    "test_arguments": (),
+    "test_bdlm": (),
+    "test_config": (),
+    "test_cpu_backend": (),
+    "test_flops": (),
+    "test_kernels": (),
+    "test_layout": (),
+    "test_plan": (),
+    "test_attention": ("spawn",),
+    "test_bdlm_forward_step": ("spawn",),
+    "test_data": ("spawn",),
+    "test_spec_model": ("spawn",),
+    "test_parallel_state": ("spawn", "slow"),
+    "test_megatron_composition": ("spawn", "slow"),
+    "test_bench": ("spawn", "slow"),
+    "test_gpu_check": ("spawn", "slow"),
+    "test_training": ("spawn", "slow"),
+    "test_checkpointing": ("spawn", "slow"),
+    "test_reliability": ("spawn", "slow"),
+    "test_slurm": ("spawn", "slow", "slurm"),
+    "test_megatron_lm": ("spawn", "slow", "megatron_lm"),
+    "test_suite_rules": (),
+}
+
+
+def pytest_configure(config):
+    for name, meaning in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        for name in MODULE_MARKERS.get(module, ()):
+            item.add_marker(getattr(pytest.mark, name))
+
+
+def megatron_lm_path() -> str | None:
+    """The Megatron-LM checkout the `megatron_lm` tests use, or None (they skip, saying why)."""
+    path = os.environ.get("MEGATRON_LM_PATH")
+    return path if path and os.path.isdir(os.path.join(path, "megatron", "training")) else None
