@@ -2,10 +2,11 @@
 
 import argparse
 import os
+import re
 
 import pytest
 
-from megatron_csbp.arguments import ConfigError, add_csbp_args, validate_args
+from megatron_csbp.arguments import ConfigError, add_csbp_args, lr_schedule_steps, validate_args
 from megatron_csbp.config import expand_argv, load_config, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,6 +141,29 @@ def test_shipped_configs_parse_and_validate(name, world, gpu):
         assert args.num_layers * 12 * args.hidden_size ** 2 < 10_000_000  # a few million parameters
     with pytest.raises(ConfigError, match="does not divide the world size"):
         validate_args(parse_args(["--config", path]), world + 1, on_accelerator=gpu, check_paths=False)
+    # A short run of any shipped config keeps a valid schedule: its warmup is a fraction of the decay length.
+    short = validate_args(parse_args(["--config", path, "train-iters=3"]), world, on_accelerator=gpu,
+                          check_paths=False)
+    warmup, decay = lr_schedule_steps(short)
+    assert decay == 3 * short.global_batch_size and 0 < warmup < decay
+
+
+def test_warmup_is_iterations_or_a_fraction_as_in_megatron_lm():
+    def steps(*argv):
+        args = validate_args(parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                                         "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "4",
+                                         "--lr", "1e-3", "--train-iters", "10", "--data-path", "x", *argv]), 1,
+                             check_paths=False)
+        return lr_schedule_steps(args)
+
+    assert steps("--lr-warmup-iters", "3") == (12, 40)
+    assert steps("--lr-warmup-fraction", "0.25") == (10.0, 40)  # not rounded to iterations, as Megatron-LM
+    assert steps("--lr-warmup-fraction", "0.1", "--lr-decay-iters", "20") == (8.0, 80)
+    for argv, message in [(("--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "2"), "are exclusive"),
+                          (("--lr-warmup-fraction", "1.0"), "must be in [0, 1)"),
+                          (("--lr-warmup-iters", "10"), "shorten the warmup or give it as --lr-warmup-fraction")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            steps(*argv)
 
 
 def test_recipes_scale():

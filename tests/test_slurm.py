@@ -328,7 +328,7 @@ def tiny_cpu_runs(slurm, tmp_path_factory, request):
     if not (REPO / f"{data_path}.bin").is_file():
         subprocess.run([sys.executable, "scripts/prepare_data.py"], cwd=REPO, check=True, timeout=600)
     root = tmp_path_factory.mktemp("slurm_tiny_cpu")
-    runs = {name: [f"train-iters={E2E_ITERS}", "lr-warmup-iters=2", "seq-length=128", "log-interval=1",
+    runs = {name: [f"train-iters={E2E_ITERS}", "seq-length=128", "log-interval=1",
                    "eval-interval=1000", "tensorboard-dir=null", f"data-cache-path={root}/cache_{name}"]
             for name in ("plain", "preempted")}
     jobs = submit_jobs(slurm, TINY_CPU, root / "runs", runs, script="scripts/pretrain_bdlm.py")
