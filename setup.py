@@ -21,8 +21,11 @@ setup(
         "matplotlib>=3.8,<4",
     ],
     extras_require={
-        "test": ["pytest>=8,<10"],
+        "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3"],
         "gpu": ["transformer-engine[pytorch]"],
+        # What Megatron-LM's `megatron.training` imports beyond megatron-core (Megatron-LM itself is not on
+        # PyPI: see the README). triton is not listed: on GPUs it comes with torch, on CPUs it is not needed.
+        "megatron-lm": ["six>=1.16", "regex>=2023", "pydantic>=2,<3"],
     },
     entry_points={"console_scripts": ["csbp-bench=megatron_csbp.bench:main", "csbp-plan=megatron_csbp.plan:main"]},
 )

@@ -13,7 +13,10 @@ import argparse
 import os
 
 PARALLEL_MODES = ("csbp", "cp", "bp")
-TOKENIZERS = ("ByteLevelTokenizer", "HuggingFaceTokenizer")
+TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
+BYTE_TOKENIZER = "ByteLevelTokenizer"
+TOKENIZERS = (BYTE_TOKENIZER, "HuggingFaceTokenizer", "NullTokenizer")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
 
 
@@ -64,10 +67,48 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Steps with a NaN/Inf loss or grad norm are skipped; stop after N in a row.")
     group.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
                        help="YAML of flag names; command-line key=value overrides and flags win over it.")
+    group.add_argument("--training-loop", choices=TRAINING_LOOPS, default="auto",
+                       help="megatron-lm: Megatron-LM's pretrain(); megatron-core: the plugin's own loop built from "
+                            "megatron-core parts; auto: Megatron-LM's where megatron.training imports, else ours.")
     if not _has_flag(parser, "--distributed-timeout-minutes"):
         group.add_argument("--distributed-timeout-minutes", type=int, default=10,
                            help="Timeout minutes for torch.distributed.")
+    if _has_flag(parser, "--tokenizer-type") and BYTE_TOKENIZER not in parser._option_string_actions[
+            "--tokenizer-type"].choices:
+        parser._option_string_actions["--tokenizer-type"].choices.append(BYTE_TOKENIZER)  # see byte_tokenizer_as_null
+    parser.set_defaults(**bdlm_defaults())
     return parser
+
+
+def bdlm_defaults() -> dict:
+    """Defaults a BDLM run needs where Megatron-LM's differ, set on whichever parser takes the plugin's flags.
+
+    Attention dropout is 0 (the CSBP kernel has none; Megatron-LM's 0.1 would be refused), positions are
+    RoPE (a token's noisy and clean copy share one), the loss is per-token (the BDLM normaliser), and the
+    transformer implementation is Transformer Engine where it is installed, else megatron-core's local one
+    (and then without the RoPE fusion and the fused weight-gradient accumulation: Transformer Engine and
+    apex CUDA kernels).
+    """
+    import importlib.util
+
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    has_apex_wgrad = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    return dict(attention_dropout=0.0, position_embedding_type="rope", calculate_per_token_loss=True,
+                transformer_impl="transformer_engine" if has_te else "local",
+                **({} if has_te else {"apply_rope_fusion": False}),
+                **({} if has_te or has_apex_wgrad else {"gradient_accumulation_fusion": False}))
+
+
+def byte_tokenizer_as_null(argv: list[str]) -> list[str]:
+    """Megatron-LM has no byte tokenizer, but its NullTokenizer over 256 ids is ours exactly (ids 0..255 are
+    the bytes, EOD is 256): under `pretrain()` the plugin's `--tokenizer-type ByteLevelTokenizer` becomes that."""
+    argv = list(argv)
+    for index in range(len(argv) - 1):
+        if argv[index] == "--tokenizer-type" and argv[index + 1] == BYTE_TOKENIZER:
+            argv[index + 1] = "NullTokenizer"
+            if "--vocab-size" not in argv:
+                argv += ["--vocab-size", "256"]
+    return argv
 
 
 def _add_model_args(parser):
@@ -92,8 +133,14 @@ def _add_model_args(parser):
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     group.add_argument("--init-method-std", type=float, default=0.02)
-    group.add_argument("--attention-dropout", type=float, default=0.1)
+    group.add_argument("--attention-dropout", type=float, default=0.0,
+                       help="Must be 0: the CSBP attention kernel has no attention-probability dropout.")
     group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
+                       help="transformer_engine: Transformer Engine layers; local: megatron-core's own. "
+                            "Default: transformer_engine where it is installed, else local.")
+    group.add_argument("--spec", nargs=2, default=None, metavar=("MODULE", "NAME"),
+                       help="A layer ModuleSpec to start from (its core attention becomes CSBP's).")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                        help="Pad the vocabulary (data ids + MASK) to a multiple of this x TP.")
 
@@ -111,6 +158,8 @@ def _add_training_args(parser):
     group.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
                        default="linear")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="Warmup as a share of the decay length (exclusive with --lr-warmup-iters/-samples).")
     group.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--adam-beta1", type=float, default=0.9)
@@ -234,43 +283,65 @@ def _on_accelerator() -> bool:
     return default_device().type != "cpu"
 
 
-def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: bool | None = None,
-                  check_paths: bool = True) -> argparse.Namespace:
-    """Refuse bad combinations (one line: flag and fix) and fill derived values, as Megatron-LM's does.
+RING_CP_REFUSALS = (
+    # (attribute of the args or TransformerConfig, is it refused?, the one-line refusal)
+    ("calculate_per_token_loss", lambda v: not v,
+     "BDLM needs --calculate-per-token-loss (calculate_per_token_loss=True): the loss is normalised by the token "
+     "count of the global batch; a mean of per-rank means gives wrong gradients"),
+    ("hierarchical_context_parallel_sizes", bool,
+     "--hierarchical-context-parallel-sizes is a ring-CP feature; CSBP has its own rings "
+     "(--context-block-parallel-clean-shards): remove it"),
+    ("cp_comm_type", lambda v: not (v in (None, "p2p") or (isinstance(v, list) and set(v) <= {"p2p"})),
+     "--cp-comm-type selects a ring-CP transport that CSBP does not use; remove it (CSBP attention has its own "
+     "transports: --csbp-transport)"),
+    ("hybrid_context_parallel", bool, "--hybrid-context-parallel is a ring-CP feature not supported with CSBP: "
+                                      "remove it"),
+    ("multi_latent_attention", bool, "--multi-latent-attention is not supported with CSBP: use standard (GQA) "
+                                     "attention"),
+    ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers (multi-token prediction) is not supported with "
+                                                "BDLM: remove it"),
+    ("attention_dropout", bool, "--attention-dropout must be 0: the CSBP attention kernel has no attention-"
+                                "probability dropout (hidden dropout is unaffected)"),
+)
 
-    Fills: `context_block_parallel` (P), `context_block_parallel_clean_shards` (C; 1 in bp mode),
-    `context_parallel_size` (= P), `data_parallel_size`, `global_batch_size`, `ffn_hidden_size`,
-    `kv_channels`, `num_query_groups`, `max_position_embeddings`, `lr_decay_iters`, `split`,
-    `bdlm_loss_weighting`, `data_prefixes`, `data_weights`, `world_size`.
+
+def refused_features(settings) -> list[str]:
+    """The refusals of `RING_CP_REFUSALS` that apply to `settings` (parsed args or a TransformerConfig)."""
+    return [message for name, refused, message in RING_CP_REFUSALS
+            if hasattr(settings, name) and refused(getattr(settings, name))]
+
+
+def clean_shards(args: argparse.Namespace) -> int:
+    """`C`: the clean shards of the run's mode (1 for pure BP, `P` for the CP baseline, else the flag or `P`)."""
+    P = args.context_block_parallel or args.context_parallel_size
+    if args.bdlm_parallel_mode == "bp":
+        return 1
+    if args.bdlm_parallel_mode == "cp":
+        return P
+    return args.context_block_parallel_clean_shards or P
+
+
+def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """The plugin's rules, on our loop's arguments and on Megatron-LM's alike (one line: flag and fix).
+
+    Block size and layout geometry, block-parallel vs CP sizes, the refused ring-CP features, the noise
+    range, RoPE and the transformer implementation. Fills `context_block_parallel` (P),
+    `context_block_parallel_clean_shards` (C) and `bdlm_loss_weighting` where they are left to defaults.
     """
-    on_accelerator = _on_accelerator() if on_accelerator is None else on_accelerator
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "train_iters", "lr"):
-        _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "bdlm_block_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                 "context_parallel_size", "max_consecutive_bad_steps", "distributed_timeout_minutes",
-                 "log_interval", "eval_interval"):
+    for flag in ("bdlm_block_size", "context_parallel_size", "max_consecutive_bad_steps"):
         value = getattr(args, flag)
         _require(value >= 1, f"--{flag.replace('_', '-')} must be >= 1; got {value}")
-    _require(args.train_iters >= 0, f"--train-iters must be >= 0; got {args.train_iters}")
-    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0; got {args.eval_iters}")
-
     P = args.context_block_parallel or args.context_parallel_size
     _require(P == args.context_parallel_size,
              f"--context-block-parallel {P} contradicts --context-parallel-size {args.context_parallel_size}: "
              f"the block-parallel dimension lives in Megatron's CP slot; give only --context-block-parallel")
-    mode = args.bdlm_parallel_mode
-    C = args.context_block_parallel_clean_shards
-    if mode == "bp":
-        _require(C in (None, 1), f"--bdlm-parallel-mode bp replicates the clean sequence (one clean shard); "
-                                 f"drop --context-block-parallel-clean-shards {C} or use --bdlm-parallel-mode csbp")
-        C = 1
-    elif mode == "cp":
-        _require(C in (None, P), f"--bdlm-parallel-mode cp shards both copies over all {P} ranks; drop "
-                                 f"--context-block-parallel-clean-shards {C}")
-        C = P
-    C = P if C is None else C
+    mode, C = args.bdlm_parallel_mode, args.context_block_parallel_clean_shards
+    _require(mode != "bp" or C in (None, 1), f"--bdlm-parallel-mode bp replicates the clean sequence (one clean "
+                                             f"shard); drop --context-block-parallel-clean-shards {C} or use "
+                                             f"--bdlm-parallel-mode csbp")
+    _require(mode != "cp" or C in (None, P), f"--bdlm-parallel-mode cp shards both copies over all {P} ranks; drop "
+                                             f"--context-block-parallel-clean-shards {C}")
+    C = clean_shards(args)
     _require(C >= 1 and P % C == 0, f"--context-block-parallel {P} is not a multiple of "
                                      f"--context-block-parallel-clean-shards {C}; use a divisor of {P} (default {P})")
     args.context_block_parallel, args.context_block_parallel_clean_shards = P, C
@@ -281,9 +352,9 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
              f"--tensor-model-parallel-size {TP} x --pipeline-model-parallel-size {PP} x --context-block-parallel "
              f"{P} = {model_parallel} does not divide the world size {world_size}; launch a multiple of "
              f"{model_parallel} ranks or shrink the parallel sizes")
-    args.world_size, args.data_parallel_size = world_size, world_size // model_parallel
 
     L, B = args.seq_length, args.bdlm_block_size
+    _require(L is not None, "--seq-length is required")
     _require(L % B == 0, f"--seq-length {L} is not a multiple of --bdlm-block-size {B}; use --seq-length "
                          f"{max(L - L % B, B)} or a block size dividing {L}")
     _require(L // B >= P, f"--seq-length {L} has {L // B} blocks of {B}, too few for --context-block-parallel {P} "
@@ -297,6 +368,56 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
         _require(L % chunks == 0, f"--seq-length {L} cannot be cut into {chunks} equal clean chunks "
                                   f"(--csbp-clean-layout {args.csbp_clean_layout}, "
                                   f"--context-block-parallel-clean-shards {C}); use a multiple of {chunks}")
+    from megatron_csbp.layout import layout_for
+    try:
+        layout_for(mode, L, B, P, C, 0, **({} if mode == "cp" else
+                                           {"schedule": args.csbp_block_schedule,
+                                            "clean_layout": args.csbp_clean_layout}))
+    except ValueError as error:
+        raise ConfigError(f"--seq-length/--bdlm-block-size/--context-block-parallel: {error}") from None
+
+    for message in refused_features(args):
+        raise ConfigError(message)
+    _require(args.position_embedding_type == "rope",
+             f"--position-embedding-type {args.position_embedding_type}: BDLM needs rope (a token's noisy and clean "
+             f"copy share one position); use --position-embedding-type rope")
+    if args.transformer_impl == "transformer_engine":
+        import importlib.util
+        _require(importlib.util.find_spec("transformer_engine") is not None,
+                 "--transformer-impl transformer_engine needs Transformer Engine (pip install -e '.[gpu]' on a GPU "
+                 "machine); use --transformer-impl local")
+    t_min, t_max = args.bdlm_noise_range
+    _require(0 < t_min <= t_max <= 1, f"--bdlm-noise-range {t_min} {t_max} must satisfy 0 < T_MIN <= T_MAX <= 1 "
+                                      f"(default 0.001 1)")
+    if args.bdlm_loss_weighting is None:
+        args.bdlm_loss_weighting = "unit" if args.bdlm_objective == "fast-dllm-v2" else "inverse-t"
+    return args
+
+
+def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: bool | None = None,
+                  check_paths: bool = True) -> argparse.Namespace:
+    """Our loop's validation: Megatron-LM's checks for the flags we support, then the plugin's rules.
+
+    Fills, as Megatron-LM's does: `data_parallel_size`, `global_batch_size`, `ffn_hidden_size`, `kv_channels`,
+    `num_query_groups`, `max_position_embeddings`, `lr_decay_iters`,
+    `split`, `data_prefixes`, `data_weights`, `world_size`; and what `validate_plugin_args` fills.
+    """
+    on_accelerator = _on_accelerator() if on_accelerator is None else on_accelerator
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "train_iters", "lr"):
+        _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "distributed_timeout_minutes",
+                 "log_interval", "eval_interval"):
+        value = getattr(args, flag)
+        _require(value >= 1, f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+    _require(args.train_iters >= 0, f"--train-iters must be >= 0; got {args.train_iters}")
+    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0; got {args.eval_iters}")
+    validate_plugin_args(args, world_size)
+    TP, PP, P = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
+    args.world_size, args.data_parallel_size = world_size, world_size // (TP * PP * P)
+
+    L = args.seq_length
     _require(args.max_position_embeddings is None or args.max_position_embeddings >= L,
              f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length {L}; "
              f"raise it or drop it (default: --seq-length)")
@@ -329,12 +450,6 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
              f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size {micro} x "
              f"data-parallel size {dp}; use a multiple of {micro * dp}")
 
-    t_min, t_max = args.bdlm_noise_range
-    _require(0 < t_min <= t_max <= 1, f"--bdlm-noise-range {t_min} {t_max} must satisfy 0 < T_MIN <= T_MAX <= 1 "
-                                      f"(default 0.001 1)")
-    if args.bdlm_loss_weighting is None:
-        args.bdlm_loss_weighting = "unit" if args.bdlm_objective == "fast-dllm-v2" else "inverse-t"
-
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; choose one")
     for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16),
                      ("--use-distributed-optimizer", args.use_distributed_optimizer)):
@@ -345,11 +460,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
     if args.recompute_granularity == "full":
         _require(args.recompute_method is not None and args.recompute_num_layers is not None,
                  "--recompute-granularity full needs --recompute-method (uniform|block) and --recompute-num-layers")
-    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
-    _require(args.lr_decay_iters >= 1, "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule")
-    _require(args.lr_warmup_iters < args.lr_decay_iters,
-             f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
-             f"(default: --train-iters); shorten the warmup")
+    _validate_lr_schedule(args)
 
     args.data_prefixes, args.data_weights = parse_data_path(args.data_path)
     _require(bool(args.data_prefixes), "--data-path is required (scripts/prepare_data.py builds the default "
@@ -358,20 +469,37 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
     if args.tokenizer_type == "HuggingFaceTokenizer":
         _require(args.tokenizer_model is not None, "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
                                                    "path/to/tokenizer.json")
+    if args.tokenizer_type == "NullTokenizer":
+        _require(args.vocab_size is not None, "--tokenizer-type NullTokenizer needs --vocab-size (ids before EOD)")
     if check_paths:
         check_data_prefixes(args.data_prefixes)
         if args.tokenizer_model is not None:
             _require(os.path.isfile(args.tokenizer_model),
                      f"--tokenizer-model {args.tokenizer_model}: no such file (a local tokenizer.json is needed)")
-
-    from megatron_csbp.layout import layout_for
-    try:
-        layout_for(mode, L, B, P, C, 0, **({} if mode == "cp" else
-                                           {"schedule": args.csbp_block_schedule,
-                                            "clean_layout": args.csbp_clean_layout}))
-    except ValueError as error:
-        raise ConfigError(f"--seq-length/--bdlm-block-size/--context-block-parallel: {error}") from None
     return args
+
+
+def _validate_lr_schedule(args: argparse.Namespace) -> None:
+    """Megatron-LM's warmup length: iterations, or a fraction of the decay length (`--lr-warmup-fraction`)."""
+    _require(not (args.lr_warmup_fraction is not None and args.lr_warmup_iters),
+             "--lr-warmup-fraction and --lr-warmup-iters are exclusive (Megatron-LM takes one); keep one")
+    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    _require(args.lr_decay_iters >= 1, "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule")
+    if args.lr_warmup_fraction is not None:
+        _require(0 <= args.lr_warmup_fraction < 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in "
+                                                   f"[0, 1) (a share of --lr-decay-iters)")
+    _require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0; got {args.lr_warmup_iters}")
+    _require(args.lr_warmup_iters < args.lr_decay_iters,
+             f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
+             f"(default: --train-iters); shorten the warmup or give it as --lr-warmup-fraction")
+
+
+def lr_schedule_steps(args: argparse.Namespace) -> tuple[float, int]:
+    """(warmup, decay) lengths in samples, as Megatron-LM's `get_optimizer_param_scheduler` computes them."""
+    decay = args.lr_decay_iters * args.global_batch_size
+    if args.lr_warmup_fraction is not None:
+        return args.lr_warmup_fraction * decay, decay
+    return args.lr_warmup_iters * args.global_batch_size, decay
 
 
 def transformer_config_kwargs(args: argparse.Namespace) -> dict:

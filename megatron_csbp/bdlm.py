@@ -233,18 +233,59 @@ def _check_model_matches(objective, layout, model):
              f"--bdlm-mask-token-id={objective.mask_token_id}: give the model the objective's id")
 
 
+def checked_loss_func(loss_weights, num_tokens, output_tensor, *, check_results=False, check_spiky_loss=False):
+    """`loss_func`, then Megatron's rerun state machine on this rank's loss, as `pretrain_gpt.py` does: NaN/Inf
+    are fatal (`--check-for-nan-in-loss-and-grad`), a loss 10x the largest seen is flagged
+    (`--check-for-spiky-loss`). The machine does nothing in its disabled mode (our own loop's)."""
+    loss, num_tokens, report = loss_func(loss_weights, num_tokens, output_tensor)
+    if check_results or check_spiky_loss:
+        from megatron.core.rerun_state_machine import get_rerun_state_machine
+
+        machine = get_rerun_state_machine()
+        if check_results:
+            for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
+                machine.validate_result(result=loss, rejection_func=reject, tolerance=0.0, fatal=True,
+                                        message=f"found {what} in local forward loss calculation")
+        if check_spiky_loss:
+            machine.validate_result(result=loss, rejection_func=partial(machine.is_unexpectedly_large, threshold=10,
+                                                                        context="loss"),
+                                    message="Spiky loss", tolerance=0.0, fatal=False)
+    return loss, num_tokens, report
+
+
+def batch_on_this_rank(data_iterator):
+    """This micro-batch's `tokens` and `sample_index`: read at TP rank 0, broadcast to the other TP ranks (as
+    `pretrain_gpt.py`'s `get_batch_on_this_tp_rank`: only TP rank 0 builds the datasets)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import broadcast_data
+
+    if mpu.get_tensor_model_parallel_world_size() == 1:
+        return next(data_iterator)
+    batch = None
+    if mpu.get_tensor_model_parallel_rank() == 0:
+        batch = next(data_iterator)
+        _sample_index(batch)
+        _require("loss_mask" not in batch, "a batch 'loss_mask' is not broadcast over tensor-parallel ranks; "
+                                           "drop it or use --tensor-model-parallel-size 1")
+        batch = {key: torch.as_tensor(batch[key]).long() for key in ("tokens", "sample_index")}
+    return broadcast_data(["tokens", "sample_index"], batch, torch.int64)
+
+
 class BDLMForwardStep:
     """`forward_step(data_iterator, model)` for megatron-core's `get_forward_backward_func`.
 
-    First and last pipeline stages read one micro-batch (the first needs the rows, the last the labels
-    and weights); middle stages read nothing and only pass the row positions.
+    First and last pipeline stages take one micro-batch (the first needs the rows, the last the labels
+    and weights; TP rank 0 reads it, the other TP ranks receive it); middle stages read nothing and only
+    pass the row positions.
     """
 
-    def __init__(self, objective: BDLMObjective, layout):
+    def __init__(self, objective: BDLMObjective, layout, *, check_results: bool = False,
+                 check_spiky_loss: bool = False):
         _require(layout.block_size == objective.block_size,
                  f"--bdlm-block-size={objective.block_size} differs from the layout's block_size={layout.block_size}")
         self.objective = objective
         self.layout = layout
+        self.loss_func = partial(checked_loss_func, check_results=check_results, check_spiky_loss=check_spiky_loss)
 
     def __call__(self, data_iterator, model):
         from megatron.core.utils import get_attr_wrapped_model, get_model_config
@@ -257,9 +298,9 @@ class BDLMForwardStep:
         last_stage = get_attr_wrapped_model(model, "post_process")
         if not (first_stage or last_stage):
             positions = self.layout.row_positions.unsqueeze(0).to(default_device())
-            return model(None, positions, attention_mask=None), partial(loss_func, None, None)
-        batch = next(data_iterator)
+            return model(None, positions, attention_mask=None), partial(self.loss_func, None, None)
+        batch = batch_on_this_rank(data_iterator)
         rows = self.objective.rows(batch["tokens"], _sample_index(batch), self.layout, batch.get("loss_mask"))
         output = model(rows.input_ids if first_stage else None, rows.position_ids, attention_mask=None,
                        labels=rows.labels if last_stage else None)
-        return output, partial(loss_func, rows.loss_weights, rows.num_tokens)
+        return output, partial(self.loss_func, rows.loss_weights, rows.num_tokens)

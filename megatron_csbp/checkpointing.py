@@ -46,6 +46,7 @@ class LoopState:
 
     iteration: int = 0
     consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
     skipped_iterations: int = 0
     nan_iterations: int = 0
 

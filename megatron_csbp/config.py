@@ -222,3 +222,29 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
             given.add(token[2:].split("=", 1)[0])
     args.config_overridden = sorted(yaml_keys & given)
     return args
+
+
+def training_loop(argv: list[str]) -> str:
+    """`--training-loop` as given on the command line (flag or `key=value`) or in the `--config` YAML, read
+    before any parser exists: which parser (ours or Megatron-LM's) reads the rest depends on it."""
+    from megatron_csbp.arguments import TRAINING_LOOPS
+
+    path, rest = _split_config_flag(list(argv))
+    value = None
+    for index, token in enumerate(rest):
+        if token == "--training-loop":
+            value = rest[index + 1] if index + 1 < len(rest) else ""
+        elif token.startswith(("--training-loop=", "training-loop=", "training_loop=")):
+            value = token.split("=", 1)[1]
+    if value is None and path and os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as handle:
+                mapping = yaml.safe_load(handle)
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            mapping = None  # load_config reports it with the rest of the file
+        if isinstance(mapping, dict):
+            value = next((v for k, v in mapping.items() if _canonical(k) == "training-loop"), None)
+    value = "auto" if value is None else str(value)
+    if value not in TRAINING_LOOPS:
+        raise ConfigError(f"--training-loop {value!r}: choose one of {', '.join(TRAINING_LOOPS)}")
+    return value

@@ -41,6 +41,22 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+class NullTokenizer(ByteTokenizer):
+    """Megatron-LM's NullTokenizer: the data's ids are the tokens (`0..vocab_size-1`), EOD is `--vocab-size`;
+    text is space-separated ids. With `--vocab-size 256` it numbers exactly like `ByteTokenizer`."""
+
+    def __init__(self, base_vocab_size: int):
+        self.eod = base_vocab_size
+        self.vocab_size = base_vocab_size + 1
+        self.unique_identifiers = OrderedDict(class_name=type(self).__name__, vocab_size=self.vocab_size)
+
+    def tokenize(self, text: str) -> list[int]:
+        return [int(token) for token in text.split()]
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
 class HuggingFaceTokenizer:
     """A local `tokenizer.json` through the `tokenizers` package (optional); EOD is its end-of-text token."""
 
@@ -81,16 +97,17 @@ def padded_vocab_size(num_ids: int, divisible_by: int, tensor_parallel_size: int
 
 
 def build_tokenizer(args: argparse.Namespace):
-    """The tokenizer of `--tokenizer-type`; sets `args.mask_token_id` and `args.padded_vocab_size`."""
+    """The tokenizer of `--tokenizer-type` (the MASK id and padded vocabulary: `providers.fill_vocabulary`)."""
     if args.tokenizer_type == "HuggingFaceTokenizer":
         if args.tokenizer_model is None:
             raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model path/to/tokenizer.json")
         tokenizer = HuggingFaceTokenizer(args.tokenizer_model, args.vocab_size)
+    elif args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            raise ConfigError("--tokenizer-type NullTokenizer needs --vocab-size (the ids before EOD)")
+        tokenizer = NullTokenizer(args.vocab_size)
     else:
         tokenizer = ByteTokenizer(256 if args.vocab_size is None else args.vocab_size)
-    args.mask_token_id = tokenizer.vocab_size
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size + 1, args.make_vocab_size_divisible_by,
-                                               args.tensor_model_parallel_size)
     return tokenizer
 
 
@@ -264,7 +281,8 @@ def check_split(prefixes: list[str], split: str) -> None:
                                   f"documents, a zero share, or use more data")
 
 
-def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: Callable[[], bool] | None = None):
+def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: Callable[[], bool] | None = None,
+                   sizes: list[int] | None = None):
     """(train, valid, test) GPTDatasets of `L`-token samples (`None` for an empty split) from `--data-path`.
 
     Checks paths and vocabulary first. Collective when torch.distributed is initialised (megatron-core builds
@@ -283,7 +301,7 @@ def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: C
     check_data_prefixes(prefixes)
     check_vocabulary(prefixes, tokenizer.vocab_size, padded_vocab_size(
         tokenizer.vocab_size + 1, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size))
-    split, sizes = args.split or MEGATRON_SPLIT_DEFAULT, split_sizes(args)
+    split, sizes = args.split or MEGATRON_SPLIT_DEFAULT, sizes or split_sizes(args)
     check_split(prefixes, split)
     cache_root = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
     cache = os.path.join(cache_root, _data_fingerprint(prefixes))

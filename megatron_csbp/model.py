@@ -20,6 +20,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_csbp import spec as csbp_spec
+from megatron_csbp.arguments import ConfigError, refused_features
 
 
 def padded_row_count(layout, config) -> int:
@@ -38,30 +39,13 @@ def validate_config(config, layout, vocab_size=None, mask_token_id=None) -> None
     """Refuses, before any work, the settings CSBP cannot honour; each message names the flag and fix."""
     def require(condition, message):
         if not condition:
-            raise ValueError(message)
+            raise ConfigError(message)
 
-    require(config.calculate_per_token_loss,
-            "BDLM needs --calculate-per-token-loss (calculate_per_token_loss=True): the loss is normalised by "
-            "the token count of the global batch; a mean of per-rank means gives wrong gradients")
+    for message in refused_features(config):
+        raise ConfigError(message)
     require(config.context_parallel_size == layout.block_parallel_size,
             f"--context-parallel-size={config.context_parallel_size} must equal the block-parallel size "
             f"{layout.block_parallel_size}: CSBP occupies Megatron's context-parallel slot")
-    require(not config.hierarchical_context_parallel_sizes,
-            "--hierarchical-context-parallel-sizes is a ring-CP feature; CSBP has its own rings "
-            "(--clean-shards): remove it")
-    require(config.cp_comm_type in (None, "p2p") or (isinstance(config.cp_comm_type, list)
-                                                      and set(config.cp_comm_type) <= {"p2p"}),
-            f"--cp-comm-type={config.cp_comm_type} selects a ring-CP transport that CSBP does not use; "
-            "remove it (CSBP attention has its own transports)")
-    require(not getattr(config, "hybrid_context_parallel", False),
-            "--hybrid-context-parallel is a ring-CP feature not supported with CSBP: remove it")
-    require(not config.multi_latent_attention,
-            "--multi-latent-attention is not supported with CSBP: use standard (GQA) attention")
-    require(config.mtp_num_layers is None,
-            "--mtp-num-layers (multi-token prediction) is not supported with BDLM: remove it")
-    require(not config.attention_dropout,
-            f"--attention-dropout={config.attention_dropout}: the CSBP attention kernel has no attention-"
-            "probability dropout; set --attention-dropout 0")
     if vocab_size is not None and mask_token_id is not None:
         require(0 <= mask_token_id < vocab_size,
                 f"--bdlm-mask-token-id={mask_token_id} is outside the model vocabulary of {vocab_size}: MASK "
@@ -154,7 +138,7 @@ class BDLMGPTModel(GPTModel):
 
 
 def model_provider(pre_process=True, post_process=True, *, config, layout, vocab_size, mask_token_id=None,
-                   group=None, transport="collective", use_transformer_engine=False, vp_stage=None,
+                   group=None, transport="collective", use_transformer_engine=False, vp_stage=None, base_spec=None,
                    **gpt_kwargs) -> BDLMGPTModel:
     """Builds this rank's `BDLMGPTModel` (the `model_provider` Megatron's `get_model` expects, once
     `config`, `layout` and the rest are bound with `functools.partial`).
@@ -162,7 +146,8 @@ def model_provider(pre_process=True, post_process=True, *, config, layout, vocab
     `group`: the block-parallel group(s) the attention uses (`parallel_state.get_block_parallel_groups()`).
     """
     context = csbp_spec.AttentionContext(layout=layout, group=group, transport=transport)
-    layer_spec = csbp_spec.get_csbp_layer_spec(use_transformer_engine=use_transformer_engine, context=context)
+    layer_spec = csbp_spec.get_csbp_layer_spec(use_transformer_engine=use_transformer_engine, context=context,
+                                               base_spec=base_spec)
     if not use_transformer_engine:  # the final norm too must accept sequence parallelism
         layer_spec = TransformerBlockSubmodules(
             layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),

@@ -8,6 +8,7 @@ module-level specs (`--spec megatron_csbp.spec csbp_layer_spec`), set once per r
 `set_attention_context`.
 """
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -124,16 +125,25 @@ def _swap_torch_norms(spec):
 
 
 def get_csbp_layer_spec(use_transformer_engine: bool = False, context: AttentionContext | None = None,
-                        **megatron_spec_kwargs) -> ModuleSpec:
-    """Megatron's local (or Transformer Engine) GPT layer spec with `CSBPCoreAttention` as core attention."""
+                        base_spec: ModuleSpec | None = None, **megatron_spec_kwargs) -> ModuleSpec:
+    """A GPT layer spec with `CSBPCoreAttention` as core attention: a copy of `base_spec` (e.g. Megatron-LM's
+    `--spec`) where given, else Megatron's local (or Transformer Engine) spec."""
     if megatron_spec_kwargs.get("multi_latent_attention"):
         raise ValueError("multi_latent_attention is not supported with CSBP; unset --multi-latent-attention")
-    if use_transformer_engine:
+    if base_spec is not None:
+        spec = copy.deepcopy(base_spec)
+    elif use_transformer_engine:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**megatron_spec_kwargs)
     else:
-        spec = _swap_torch_norms(gpt_layer_specs.get_gpt_layer_local_spec(**megatron_spec_kwargs))
-    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=CSBPCoreAttention, params={"context": context})
+        spec = gpt_layer_specs.get_gpt_layer_local_spec(**megatron_spec_kwargs)
+    if not use_transformer_engine:
+        spec = _swap_torch_norms(spec)
+    try:
+        attention = spec.submodules.self_attention.submodules
+    except AttributeError:
+        raise ValueError(f"the layer spec {spec.module.__name__} has no self_attention.core_attention to make "
+                         f"CSBP's; give a GPT layer spec (--spec)") from None
+    attention.core_attention = ModuleSpec(module=CSBPCoreAttention, params={"context": context})
     return spec
 
 

@@ -14,15 +14,18 @@ What it adds to a plain loop, and why:
 * Numerical faults: a step whose loss or grad norm is not finite is skipped (the optimizer's step is
   split so it never applies it) and counted; `--max-consecutive-bad-steps` in a row stop the run with
   `TrainingError`, the last good checkpoint untouched.
-* Validation: the per-token NELBO (and `exp` of it, a perplexity bound) over the first `--eval-iters`
-  global batches of the validation split, the same samples every time so the values are comparable.
+* Validation: the per-token NELBO (and `exp` of it, a perplexity bound) over `--eval-iters` global batches
+  of the validation split. As in Megatron-LM's `pretrain()`, every evaluation takes the next batches of the
+  split (the consumed validation samples are checkpointed), so both loops report the same numbers.
 
 Test hooks (environment variables, read once; unset in normal runs):
 `MEGATRON_CSBP_TEST_NAN_ITERATIONS=3,7` poisons the loss of those iterations with NaN;
+`MEGATRON_CSBP_TEST_INF_GRAD_ITERATIONS=4` makes a gradient of those iterations infinite (finite loss);
 `MEGATRON_CSBP_TEST_FAIL=RANK:ITERATION[:kill]` makes that rank raise (or SIGKILL itself) in that
 iteration's forward step; `checkpointing` reads `MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH`.
 """
 
+import functools
 import math
 import os
 import signal
@@ -45,15 +48,18 @@ class TrainingError(RuntimeError):
 @dataclass(frozen=True)
 class _TestHooks:
     nan_iterations: frozenset
+    inf_grad_iterations: frozenset
     fail_rank: int | None
     fail_iteration: int | None
     fail_by_kill: bool
 
     @classmethod
     def from_environment(cls):
-        nan = os.environ.get("MEGATRON_CSBP_TEST_NAN_ITERATIONS", "")
+        def iterations(name):
+            return frozenset(int(i) for i in os.environ.get(name, "").split(",") if i.strip())
+
         fail = os.environ.get("MEGATRON_CSBP_TEST_FAIL", "").split(":")
-        return cls(frozenset(int(i) for i in nan.split(",") if i.strip()),
+        return cls(iterations("MEGATRON_CSBP_TEST_NAN_ITERATIONS"), iterations("MEGATRON_CSBP_TEST_INF_GRAD_ITERATIONS"),
                    int(fail[0]) if fail[0] else None, int(fail[1]) if len(fail) > 1 else None,
                    len(fail) > 2 and fail[2] == "kill")
 
@@ -93,7 +99,14 @@ def _set_seed(seed: int) -> None:
 
 def micro_batches(dataset, first_sample: int, args, dp_rank: int, dp_size: int):
     """Endless micro-batches from global sample `first_sample` on, in Megatron's order: each global batch
-    of `G` samples is cut into micro-batch rounds of `micro x DP`, DP rank `r` taking slice `r` of each."""
+    of `G` samples is cut into micro-batch rounds of `micro x DP`, DP rank `r` taking slice `r` of each.
+    None where the dataset is not built on this rank (the forward step then receives its batches)."""
+    if dataset is None:
+        return None
+    return _micro_batches(dataset, first_sample, args, dp_rank, dp_size)
+
+
+def _micro_batches(dataset, first_sample: int, args, dp_rank: int, dp_size: int):
     micro = args.micro_batch_size
     sample = first_sample
     while True:
@@ -115,7 +128,7 @@ class Trainer:
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_csbp.arguments import optimizer_config_from_args, transformer_config_from_args
+        from megatron_csbp.arguments import lr_schedule_steps, optimizer_config_from_args, transformer_config_from_args
         from megatron_csbp.model import pipeline_seq_length
 
         self.args = args
@@ -132,9 +145,10 @@ class Trainer:
             self.model)
         self.optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [self.ddp])
         samples = args.global_batch_size
+        warmup_steps, decay_steps = lr_schedule_steps(args)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
-            lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
+            lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
             lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
             wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
         self.config.finalize_model_grads_func = finalize_model_grads
@@ -242,14 +256,16 @@ class Trainer:
         return bool(self.optimizer.step_with_ready_grads()), grad_norm, False
 
     def evaluate(self, valid) -> float | None:
-        """Validation NELBO per token over the first `--eval-iters` global batches (last stage; else None)."""
+        """Validation NELBO per token over the next `--eval-iters` global batches (last stage; else None)."""
         self.ddp.eval()
-        data = micro_batches(valid, 0, self.args, self.dp_rank, self.args.data_parallel_size)
+        args = self.args
+        data = micro_batches(valid, self.state.consumed_valid_samples, args, self.dp_rank, args.data_parallel_size)
         total = None
         with torch.no_grad():
-            for _ in range(self.args.eval_iters):
+            for _ in range(args.eval_iters):
                 batch = self._forward_backward(self.forward_step, data, self.num_micro_batches, forward_only=True)
                 total = batch if total is None else total + batch
+        self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.ddp.train()
         return None if total is None else (total[0] / total[1]).item()
 
@@ -271,6 +287,9 @@ class Trainer:
         started = time.time()
         train, valid, _ = providers.train_valid_test_datasets_provider(args=args)
         data = micro_batches(train, state.consumed_train_samples, args, self.dp_rank, args.data_parallel_size)
+        has_valid = torch.tensor([valid is not None], dtype=torch.int32)  # the split is built on some ranks only
+        dist.all_reduce(has_valid, op=dist.ReduceOp.MAX)
+        evaluates = bool(has_valid.item()) and args.eval_iters > 0
         consecutive_bad, interval_start, interval_iterations = 0, time.time(), 0
         if state.iteration >= args.train_iters:
             self.progress.print(f" nothing to train: the checkpoint is at iteration {state.iteration}, "
@@ -284,6 +303,8 @@ class Trainer:
                                                forward_only=False)
                 loss = None if total is None else (total[0] / total[1]).item()
                 bad_loss, stop_reason = self._stop_reason(signals, started, loss is None or math.isfinite(loss))
+                if iteration in self.hooks.inf_grad_iterations:
+                    next(self.model.parameters()).main_grad.view(-1)[0] = float("inf")
                 updated, grad_norm, bad = self._guarded_step(not bad_loss)
                 state.iteration = iteration
                 state.consumed_train_samples += args.global_batch_size
@@ -311,7 +332,7 @@ class Trainer:
                                            self.optimizer.param_groups[0]["lr"], loss, grad_norm,
                                            state.skipped_iterations, state.nan_iterations)
                     interval_start, interval_iterations = now, 0
-                if valid is not None and args.eval_iters and iteration % args.eval_interval == 0:
+                if evaluates and iteration % args.eval_interval == 0:
                     nelbo = self.evaluate(valid)
                     if nelbo is not None:
                         self.progress.validation(iteration, nelbo)
@@ -337,7 +358,9 @@ def train(args) -> LoopState:
 
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        context_block_parallel_size=args.context_parallel_size, clean_shards=providers.clean_shards(args))
+        context_block_parallel_size=args.context_parallel_size, clean_shards=providers.clean_shards(args),
+        get_embedding_ranks=functools.partial(providers.get_embedding_ranks, args=args),
+        distributed_timeout_minutes=args.distributed_timeout_minutes)
     signals = _StopSignals(args.exit_signal_handler)  # from the start: a signal while loading is not lost
     try:
         trainer = Trainer(args)

@@ -6,9 +6,11 @@
 Launch it like any Megatron script: torchrun, or one `srun` task per rank exporting RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT and LOCAL_RANK (`python scripts/pretrain_bdlm.py ...` alone is one rank).
 
-Where Megatron-LM's `megatron.training` is importable (a GPU cluster with Megatron-LM on the path), its
-`pretrain()` runs with the plugin's providers and flags (`add_csbp_args`). Otherwise, and always on CPU,
-`megatron_csbp.training` runs the same providers in a loop built from megatron-core parts.
+`--training-loop megatron-lm` runs Megatron-LM's own `pretrain()` with the plugin's providers and flags
+(`megatron_csbp.megatron_lm`; Megatron-LM is found through `MEGATRON_LM_PATH` or the Python path);
+`--training-loop megatron-core` runs `megatron_csbp.training`, a loop built from megatron-core parts with
+the same providers; `auto` (the default) takes Megatron-LM's where `megatron.training` imports. Both run on
+GPUs and, with gloo, on CPUs.
 
 Exit status: 0 done (or saved and stopped on a signal / exit condition), 2 refused input (one line, before
 any work), 1 a failure: that rank prints `rank R failed: ...` and leaves at once, so the launcher (torchrun,
@@ -24,33 +26,6 @@ import traceback
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _FAILED_RANK_KEY = "megatron_csbp/failed_rank"
-
-
-def megatron_lm_pretrain():
-    """Megatron-LM's `pretrain`, or None where only megatron-core is installed."""
-    try:
-        from megatron.training import pretrain
-    except ImportError:
-        return None
-    return pretrain
-
-
-def run_megatron_lm(pretrain, argv: list[str]) -> int:
-    """Hands the plugin's providers and flags to Megatron-LM's `pretrain()` (YAML and overrides expanded)."""
-    from megatron.core.enums import ModelType
-
-    from megatron_csbp import providers
-    from megatron_csbp.arguments import add_csbp_args
-    from megatron_csbp.config import expand_argv
-
-    expanded = expand_argv(argv)
-    for flag in ("--calculate-per-token-loss",):  # BDLM's loss is a per-token NELBO of the global batch
-        if flag not in expanded:
-            expanded.append(flag)
-    sys.argv = [sys.argv[0], *expanded]
-    pretrain(providers.train_valid_test_datasets_provider, providers.model_provider, ModelType.encoder_or_decoder,
-             providers.forward_step, extra_args_provider=add_csbp_args)
-    return 0
 
 
 def init_distributed(timeout_minutes: int) -> tuple[int, int]:
@@ -101,18 +76,52 @@ def _end_helper_processes() -> None:
             pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    pretrain = megatron_lm_pretrain()
-    if pretrain is not None:
-        return run_megatron_lm(pretrain, argv)
+def _use_megatron_lm(loop: str) -> bool:
+    """Megatron-LM's `pretrain()` or our loop, as `--training-loop` asks (auto: Megatron-LM where importable)."""
+    from megatron_csbp import megatron_lm
+    from megatron_csbp.arguments import ConfigError
 
-    from megatron_csbp.arguments import ConfigError, validate_args
+    if loop == "megatron-core":
+        return False
+    found = megatron_lm.import_pretrain() is not None
+    if loop == "megatron-lm" and not found:
+        raise ConfigError("--training-loop megatron-lm: megatron.training cannot be imported; point MEGATRON_LM_PATH "
+                          "at a Megatron-LM checkout (tag core_v0.16.1) or use --training-loop megatron-core")
+    return found
+
+
+def _our_loop(argv: list[str], world: int):
+    """Our megatron-core loop: validated arguments now, the run (a thunk) once the refusals are past."""
+    from megatron_csbp.arguments import validate_args
     from megatron_csbp.config import parse_args
 
+    args = validate_args(parse_args(argv), world)
+
+    def run():
+        from megatron_csbp import cpu_backend, training
+
+        init_distributed(args.distributed_timeout_minutes)
+        with cpu_backend.active():
+            training.train(args)
+    return run
+
+
+def _megatron_lm_loop(argv: list[str], world: int):
+    from megatron_csbp import megatron_lm
+
+    expanded, args = megatron_lm.parse_args(argv, world)
+    return lambda: megatron_lm.pretrain(expanded, args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_csbp.arguments import ConfigError
+    from megatron_csbp.config import training_loop
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        args = validate_args(parse_args(argv), world)
+        loop = _megatron_lm_loop if _use_megatron_lm(training_loop(argv)) else _our_loop
+        run = loop(argv, world)
     except ConfigError as error:
         if rank == 0:
             print(f"pretrain_bdlm.py: error: {error}", file=sys.stderr, flush=True)
@@ -120,18 +129,16 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from megatron_csbp import cpu_backend, training
-
     try:
-        init_distributed(args.distributed_timeout_minutes)
-        cpu_backend.enable()
-        training.train(args)
+        run()
     except ConfigError as error:  # refused input found later (data vocabulary, checkpoints): every rank agrees
         if rank == 0:
             print(f"pretrain_bdlm.py: error: {error}", file=sys.stderr, flush=True)
         sys.stderr.flush()
         os._exit(2)
     except BaseException as error:  # noqa: BLE001 - a failed rank must never leave the others hanging
+        if isinstance(error, SystemExit) and error.code in (0, None):
+            raise
         traceback.print_exc()
         print(_announce_failure(rank, error), file=sys.stderr, flush=True)
         sys.stdout.flush()

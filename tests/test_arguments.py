@@ -47,7 +47,7 @@ def test_megatron_defaults_and_ours():
     assert (args.lr_decay_style, args.min_lr, args.lr_warmup_iters, args.weight_decay) == ("linear", 0.0, 0, 0.01)
     assert (args.adam_beta1, args.adam_beta2, args.clip_grad, args.seed) == (0.9, 0.999, 1.0, 1234)
     assert (args.eval_interval, args.eval_iters, args.log_interval) == (1000, 100, 100)
-    assert (args.attention_dropout, args.hidden_dropout, args.init_method_std) == (0.1, 0.1, 0.02)
+    assert (args.attention_dropout, args.hidden_dropout, args.init_method_std) == (0.0, 0.1, 0.02)  # BDLM: 0
     assert (args.num_query_groups, args.make_vocab_size_divisible_by, args.rotary_base) == (1, 128, 10000)
     assert args.normalization == "LayerNorm" and args.add_bias_linear and not args.bf16
     assert args.distributed_timeout_minutes == 10

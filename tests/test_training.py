@@ -2,7 +2,6 @@
 checkpoints reload into another block-parallel size, the log lines and TensorBoard scalars are right,
 and the Megatron-LM path hands over our providers and flags."""
 
-import importlib.util
 import math
 import os
 import re
@@ -60,10 +59,14 @@ def test_log_lines_memory_and_tensorboard(layout_runs):
                                  seq_length=64, block_size=8, batch_size=4, ffn_hidden_size=128, num_query_groups=2,
                                  swiglu=True)
     for match in lines:
-        iteration, seconds = int(match.group(1)), float(match.group(4)) / 1e3
+        iteration, milliseconds = int(match.group(1)), float(match.group(4))
         assert int(match.group(3)) == 4 * iteration and int(match.group(8)) == 4
-        assert float(match.group(5)) == pytest.approx(4 * 64 / seconds, rel=2e-3)
-        assert float(match.group(6)) == pytest.approx(step_flops / seconds / 2 / 1e12, rel=2e-3)
+        # The time is printed to 0.1 ms, tokens/s to 0.1, TFLOP/s to 4 significant digits: each figure must
+        # lie within what the printed time allows, however fast the machine.
+        slowest, fastest = (milliseconds + 0.05) / 1e3, (milliseconds - 0.05) / 1e3
+        assert 4 * 64 / slowest - 0.05 <= float(match.group(5)) <= 4 * 64 / fastest + 0.05, match.group(0)
+        flops_per_rank = step_flops / 2 / 1e12
+        assert flops_per_rank / slowest * (1 - 5e-4) <= float(match.group(6)) <= flops_per_rank / fastest * (1 + 5e-4)
         assert match.group(11) == match.group(12) == "0"
     assert csbp.output.count(" memory (MB) | rss: ") == 2 * K
     assert re.search(r"lm loss PPL \(upper bound\): (\S+) \|", csbp.output)
@@ -99,62 +102,52 @@ def test_checkpoints_reload_into_another_parallel_layout(layout_runs, tmp_path, 
 
 
 # ------------------------------------------------------------------------------------ in-process checks
-def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_bdlm", os.path.join(REPO, "scripts", "pretrain_bdlm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_megatron_lm_path_gets_our_providers_and_flags(monkeypatch, tmp_path, corpus):
-    from megatron.core.enums import ModelType
-
+def test_providers_read_megatron_lm_globals_when_given_no_args(monkeypatch, corpus):
+    """Under `pretrain()` the providers get no `args`: they read Megatron-LM's global args and tokenizer (a
+    stand-in `megatron.training` here; tests/test_megatron_lm.py runs the real one)."""
     from megatron_csbp import providers
-    from megatron_csbp.arguments import add_csbp_args
+    from megatron_csbp.data import NullTokenizer
 
-    calls = []
-    fake = types.ModuleType("megatron.training")
-    fake.pretrain = lambda *a, **k: calls.append((a, k, list(sys.argv)))
-    fake.get_args = lambda: megatron_args
-    monkeypatch.setitem(sys.modules, "megatron.training", fake)
-    monkeypatch.setattr(sys, "argv", ["pretrain_bdlm.py"])
-    config = tmp_path / "run.yaml"
-    config.write_text("num-layers: 2\nseq-length: 64\nbdlm:\n  block-size: 8\ncsbp:\n  context-block-parallel: 2\n")
-
-    assert _script().main(["--config", str(config), "num-layers=3", "--lr", "0.01"]) == 0
-    (positional, keywords, argv), = calls
-    assert positional == (providers.train_valid_test_datasets_provider, providers.model_provider,
-                          ModelType.encoder_or_decoder, providers.forward_step)
-    assert keywords == {"extra_args_provider": add_csbp_args}
-    text = " ".join(argv[1:])
-    for expected in ("--config " + str(config), "--num-layers 3", "--seq-length 64", "--bdlm-block-size 8",
-                     "--context-block-parallel 2", "--lr 0.01", "--calculate-per-token-loss"):
-        assert expected in text, text
-    assert "--num-layers 2" not in text
-
-    # The providers read Megatron-LM's global args when given none (as pretrain() calls them).
     megatron_args = validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode="csbp")
+    fake = types.ModuleType("megatron.training")
+    fake.get_args = lambda: megatron_args
+    fake.get_tokenizer = lambda: NullTokenizer(256)
+    monkeypatch.setitem(sys.modules, "megatron.training", fake)
+    monkeypatch.setattr(providers, "is_dataset_built_on_rank", lambda vp_stage=None: True)
     train, valid, test = providers.train_valid_test_datasets_provider([16, 8, 0])
     assert test is None and len(train) >= 16 and len(valid) >= 1
     sample = train[5]
     assert sample["tokens"].shape == (64,) and int(sample["sample_index"]) == 5
+    providers.fill_vocabulary(megatron_args, megatron_lm=True)
     assert int(sample["tokens"].max()) < megatron_args.mask_token_id == 257
     objective = providers.objective_from_args(megatron_args)
     assert (objective.block_size, objective.mask_token_id, objective.antithetic_group) == (8, 257, 4)
     assert megatron_args.padded_vocab_size == 384
 
 
+def _spans(*ranges):
+    return [p for start, stop in ranges for p in range(start, stop)]
+
+
+# L=64, B=8, P=2, worked out by hand from the algorithm notes: dual-end pairs (0,7),(1,6) | (2,5),(3,4);
+# zigzag clean chunks of 16 (C=2): r0 [0,16)+[48,64), r1 [16,48); CP: zigzag over [x_t ; x_0] in 4 chunks of 32.
+EXPECTED_ROWS = {
+    "csbp": [_spans((0, 8), (56, 64), (8, 16), (48, 56), (0, 16), (48, 64)),
+             _spans((16, 24), (40, 48), (24, 32), (32, 40), (16, 48))],
+    "cp": [_spans((0, 32), (32, 64)), _spans((32, 64), (0, 32))],
+    "bp": [_spans((0, 8), (56, 64), (8, 16), (48, 56), (0, 64)), _spans((16, 24), (40, 48), (24, 32), (32, 40), (0, 64))],
+}
+
+
 @pytest.mark.parametrize("mode,clean_shards", [("csbp", 2), ("cp", 2), ("bp", 1)])
 def test_layout_from_args(corpus, mode, clean_shards):
     from megatron_csbp import providers
-    from megatron_csbp.layout import layout_for
 
     args = validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode=mode)
     assert providers.clean_shards(args) == clean_shards
     for rank in (0, 1):
         layout = providers.layout_from_args(args, block_parallel_rank=rank)
-        reference = layout_for(mode, 64, 8, 2, clean_shards, rank)
-        assert layout.row_positions.tolist() == reference.row_positions.tolist()
+        assert layout.row_positions.tolist() == EXPECTED_ROWS[mode][rank], (mode, rank)
 
 
 def test_the_demo_config_learns(corpus, tmp_path):
@@ -165,7 +158,7 @@ def test_the_demo_config_learns(corpus, tmp_path):
     from pretrain_runs import REPO, SCRIPT, TORCHRUN, Run, environment
 
     overrides = [f"data-path={corpus}", f"save={tmp_path}", f"load={tmp_path}", f"tensorboard-dir={tmp_path / 'tb'}",
-                 "seq-length=128", "split=80,20,0", "train-iters=24", "lr-warmup-iters=3", "log-interval=1", "eval-interval=12"]
+                 "seq-length=128", "split=80,20,0", "train-iters=24", "log-interval=1", "eval-interval=12"]
     done = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node", "2", SCRIPT, "--config",
                            os.path.join(REPO, "configs", "tiny_cpu.yaml"), *overrides], cwd=REPO, env=environment(),
                           timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -1,0 +1,95 @@
+"""Megatron-LM's own `pretrain()` driving the plugin: its parser, its loop, our providers.
+
+Megatron-LM (`megatron.training`) is not on PyPI: it is found where `MEGATRON_LM_PATH` points (a checkout
+of the Megatron-LM release that matches the installed megatron-core, e.g. tag `core_v0.16.1`; its
+`megatron` folder merges with megatron-core's, both being namespace packages) or wherever it is already
+importable (`PYTHONPATH`). `MEGATRON_LM_PATH` goes at the END of `sys.path`, so the installed megatron-core
+keeps serving `megatron.core`.
+
+A run here:
+1. expands `--config` and `key=value` overrides against Megatron-LM's parser plus the plugin's flags
+   (`add_csbp_args`), so any Megatron-LM flag and value can stand in a YAML;
+2. applies the plugin's rules (`arguments.validate_plugin_args`) to that namespace before any work: the
+   same one-line refusals as our own loop;
+3. calls `pretrain()` with the plugin's providers, `args_defaults` for the BDLM defaults Megatron-LM keeps
+   as None, inside `cpu_backend.active()` (which does nothing where an accelerator exists).
+"""
+
+import argparse
+import contextlib
+import importlib.util
+import os
+import sys
+
+from megatron_csbp.arguments import ConfigError, add_csbp_args, byte_tokenizer_as_null, validate_plugin_args
+from megatron_csbp.config import expand_argv
+
+
+def import_pretrain():
+    """Megatron-LM's `pretrain`, or None where `megatron.training` cannot be imported."""
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if path:
+        if not os.path.isdir(os.path.join(path, "megatron", "training")):
+            raise ConfigError(f"MEGATRON_LM_PATH={path}: no megatron/training in it; point it at a Megatron-LM "
+                              f"checkout (the tag matching megatron-core, e.g. core_v0.16.1)")
+        if path not in sys.path:
+            sys.path.append(path)
+    import torch
+
+    from megatron_csbp import cpu_backend
+
+    if not torch.accelerator.is_available():
+        cpu_backend.triton_free_batch_invariant_kernels()
+    if importlib.util.find_spec("megatron.training") is None:
+        return None
+    from megatron.training import pretrain
+    return pretrain
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's whole parser (as `pretrain()` builds it) with the plugin's flags added."""
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
+    return add_csbp_args(add_megatron_arguments(parser))
+
+
+def parse_args(argv: list[str], world_size: int) -> tuple[list[str], argparse.Namespace]:
+    """(expanded argv, namespace with the plugin's rules applied): what `pretrain()` will re-parse."""
+    parser = build_parser()
+    expanded = byte_tokenizer_as_null(expand_argv(argv, parser))
+    return expanded, validate_plugin_args(parser.parse_args(expanded), world_size)
+
+
+@contextlib.contextmanager
+def _built_dataset_helpers_kept():
+    """megatron-core's `compile_helpers` runs `make` in its package folder; the PyPI wheel ships the
+    helper already built and no Makefile, so `make` fails (on GPUs too) and Megatron-LM exits. Where the
+    helper imports, there is nothing to compile."""
+    from megatron.core.datasets import utils
+
+    original = utils.compile_helpers
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is not None:
+        utils.compile_helpers = lambda: None
+    try:
+        yield
+    finally:
+        utils.compile_helpers = original
+
+
+def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
+    """Trains with Megatron-LM's `pretrain()` on the argv `parse_args` expanded (and validated, as `args`)."""
+    from megatron.core.enums import ModelType
+
+    from megatron_csbp import cpu_backend, providers
+    from megatron_csbp.device import default_backend
+
+    megatron_pretrain = import_pretrain()
+    if "--distributed-backend" not in expanded:  # Megatron-LM's default is nccl, which needs a GPU
+        expanded = [*expanded, "--distributed-backend", default_backend()]
+    sys.argv = [sys.argv[0], *expanded]
+    with cpu_backend.active(), _built_dataset_helpers_kept():
+        megatron_pretrain(providers.train_valid_test_datasets_provider, providers.model_provider,
+                          ModelType.encoder_or_decoder, providers.forward_step, extra_args_provider=add_csbp_args,
+                          args_defaults={"max_position_embeddings": args.seq_length},
+                          get_embedding_ranks=providers.get_embedding_ranks)

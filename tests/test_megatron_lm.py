@@ -1,0 +1,140 @@
+"""Megatron-LM's real `pretrain()` drives the plugin: the same numbers as our own loop, its flags in a YAML,
+and the plugin's refusals before any work.
+
+Needs Megatron-LM (not on PyPI): a checkout of tag core_v0.16.1 and `MEGATRON_LM_PATH` pointing at it; the
+tests skip, saying so, where it is absent (e.g. CI on a fresh machine).
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import megatron_lm_path
+from pretrain_runs import ITERATION, REPO, SCRIPT, TORCHRUN, Run, environment, significant
+
+pytest_plugins = ["pretrain_runs"]
+MEGATRON_LM = megatron_lm_path()
+pytestmark = pytest.mark.skipif(MEGATRON_LM is None, reason="Megatron-LM is absent: set MEGATRON_LM_PATH to a "
+                                                            "Megatron-LM checkout of tag core_v0.16.1")
+CONFIG = os.path.join(REPO, "configs", "tiny_cpu.yaml")
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/.*?grad norm:\s*([0-9.]+)")
+VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+)")
+ITERS = 4
+
+
+def _overrides(corpus, **settings):
+    """The demo config, made small: 128-token samples, 4 iterations, validation at 2 and 4."""
+    base = {"data-path": corpus, "save": None, "load": None, "tensorboard-dir": None, "seq-length": 128,
+            "train-iters": ITERS, "log-interval": 1, "eval-interval": 2, "eval-iters": 1, "split": "90,10,0",
+            "lr-warmup-fraction": 0.25}
+    base.update({key.replace("_", "-"): value for key, value in settings.items()})
+    return [f"{key}={'null' if value is None else 'true' if value is True else value}" for key, value in base.items()]
+
+
+def _launch(loop, nproc, overrides, *extra, config=CONFIG, expect=0):
+    command = [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc), SCRIPT, "--config", config,
+               "--training-loop", loop, *overrides, *extra]
+    done = subprocess.run(command, cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}), timeout=900,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == expect, f"{loop}: exit {done.returncode}\n{done.stdout[-5000:]}"
+    return Run(done.returncode, done.stdout, 0.0)
+
+
+def _logged(run: Run) -> dict:
+    """{iteration: (lm loss, grad norm)} as printed, and the validation losses."""
+    losses = {int(m.group(1)): float(m.group(3)) for m in ITERATION.finditer(run.output)}
+    norms = {int(m.group(1)): m.group(2) for m in GRAD_NORM.finditer(run.output)}
+    return {i: (losses[i], norms[i]) for i in losses}, {int(m.group(1)): m.group(2)
+                                                        for m in VALIDATION.finditer(run.output)}
+
+
+def _assert_same_numbers(ours: Run, megatron: Run, first: int = 1):
+    """Every logged iteration agrees to the printed digits. Megatron-LM's line for the second iteration of a
+    run is the mean of its first two (its accumulators are not reset after the first log line)."""
+    (our_steps, our_validation), (their_steps, their_validation) = _logged(ours), _logged(megatron)
+    assert sorted(our_steps) == sorted(their_steps) == list(range(first, ITERS + 1)), (our_steps, their_steps)
+    for iteration, (loss, norm) in our_steps.items():
+        their_loss, their_norm = their_steps[iteration]
+        assert their_norm == norm, (iteration, norm, their_norm)
+        if iteration == first + 1:
+            loss = (our_steps[first][0] + loss) / 2
+            assert their_loss == pytest.approx(loss, rel=2e-6), (iteration, loss, their_loss)
+        else:
+            assert significant(their_loss, 7) == significant(loss, 7), (iteration, loss, their_loss)
+    assert our_validation and {i: v for i, v in their_validation.items() if i in our_validation} == our_validation
+
+
+TOPOLOGIES = {
+    "csbp2": (2, {"context-block-parallel": 2}),
+    "tp2xcsbp2+sp": (4, {"context-block-parallel": 2, "tensor-model-parallel-size": 2, "sequence-parallel": True}),
+    "pp2xcsbp2": (4, {"context-block-parallel": 2, "pipeline-model-parallel-size": 2}),
+    "dp2xcsbp2": (4, {"context-block-parallel": 2}),
+    "cp2": (2, {"context-block-parallel": 2, "bdlm-parallel-mode": "cp"}),
+    "bp2": (2, {"context-block-parallel": 2, "bdlm-parallel-mode": "bp"}),
+    "fast-dllm-v2": (2, {"context-block-parallel": 2, "bdlm-objective": "fast-dllm-v2"}),
+}
+
+
+@pytest.mark.parametrize("name", list(TOPOLOGIES))
+def test_both_loops_print_the_same_losses_and_grad_norms(corpus, name):
+    nproc, settings = TOPOLOGIES[name]
+    overrides = _overrides(corpus, **settings)
+    ours = _launch("megatron-core", nproc, overrides)
+    megatron = _launch("megatron-lm", nproc, overrides)
+    assert "[after megatron is initialized]" in megatron.output and "[after megatron" not in ours.output
+    _assert_same_numbers(ours, megatron)
+
+
+def test_a_yaml_with_megatron_lm_only_flags_runs_under_megatron_lm(corpus, tmp_path):
+    config = tmp_path / "megatron_lm.yaml"
+    text = open(CONFIG, encoding="utf-8").read().replace("tokenizer-type: ByteLevelTokenizer",
+                                                        "tokenizer-type: NullTokenizer\nvocab-size: 256")
+    config.write_text(text + "\ntransformer-impl: local\nlog-throughput: true\ntiming-log-level: 0\n"
+                             "no-masked-softmax-fusion: true\n")
+    overrides = _overrides(corpus, train_iters=2)
+    run = _launch("megatron-lm", 2, overrides, config=str(config))
+    assert "throughput per GPU (TFLOP/s/GPU)" in run.output and re.search(r"iteration\s+2/\s*2", run.output)
+    refused = _launch("megatron-core", 2, overrides, config=str(config), expect=2)
+    assert "unknown key 'log-throughput'" in refused.output
+
+
+def _megatron_lm_refusal(argv, world=2):
+    sys.path.append(MEGATRON_LM)
+    from megatron_csbp import megatron_lm
+    from megatron_csbp.arguments import ConfigError
+
+    assert megatron_lm.import_pretrain() is not None
+    with pytest.raises(ConfigError) as refused:
+        megatron_lm.parse_args(["--config", CONFIG, *argv], world)
+    return str(refused.value)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bdlm-block-size=24"], "--seq-length 512 is not a multiple of --bdlm-block-size 24"),
+    (["context-block-parallel=3"], "does not divide the world size 2"),
+    (["--attention-dropout", "0.1"], "--attention-dropout must be 0"),
+    (["--cp-comm-type", "a2a"], "--cp-comm-type selects a ring-CP transport"),
+    (["--multi-latent-attention"], "--multi-latent-attention is not supported with CSBP"),
+    (["--mtp-num-layers", "1"], "--mtp-num-layers (multi-token prediction) is not supported"),
+    (["--hierarchical-context-parallel-sizes", "1", "2"], "--hierarchical-context-parallel-sizes is a ring-CP"),
+    (["--position-embedding-type", "learned_absolute"], "BDLM needs rope"),
+    (["--transformer-impl", "transformer_engine"], "needs Transformer Engine"),
+    (["bdlm-noise-range=[0, 1]"], "--bdlm-noise-range 0.0 1.0 must satisfy 0 < T_MIN"),
+    (["context-block-parallel-clean-shards=3"], "is not a multiple of --context-block-parallel-clean-shards 3"),
+])
+def test_the_plugins_refusals_fire_under_megatron_lm(argv, message):
+    assert message in _megatron_lm_refusal(argv)
+
+
+def test_a_refusal_under_megatron_lm_is_one_line_and_exit_2_before_any_work(corpus):
+    done = subprocess.run([sys.executable, SCRIPT, "--config", CONFIG, "--training-loop", "megatron-lm",
+                           *_overrides(corpus), "--attention-dropout", "0.1"], cwd=REPO, timeout=300,
+                          env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}), capture_output=True, text=True)
+    assert done.returncode == 2, done.stdout + done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower() and "warn" not in line.lower()]
+    assert errors == ["pretrain_bdlm.py: error: --attention-dropout must be 0: the CSBP attention kernel has no "
+                      "attention-probability dropout (hidden dropout is unaffected)"], done.stderr[-3000:]
+    assert "initializ" not in done.stdout  # Megatron-LM never started
