@@ -77,13 +77,13 @@ def _convert(name: str, value, action: argparse.Action, where: str) -> str:
     if isinstance(value, (list, dict)) or (isinstance(value, bool) and action.type in (int, float)):
         raise ConfigError(f"{where}: '{name}' expects {'a number' if action.type in (int, float) else 'a value'} "
                           f"({wanted}), got {type(value).__name__} {value!r}")
-    text = str(value)
+    text = converted = str(value)
     if action.type is not None:
         try:
-            action.type(text)
+            converted = action.type(text)
         except (TypeError, ValueError):
             raise ConfigError(f"{where}: '{name}' expects {wanted}, got {value!r}") from None
-    if action.choices is not None and text not in action.choices:
+    if action.choices is not None and converted not in action.choices:
         raise ConfigError(f"{where}: '{name}' is {value!r}; choose one of {', '.join(map(str, action.choices))}")
     return text
 
