@@ -137,8 +137,9 @@ def sampling_model(config, vocab_size: int, block_size: int, **gpt_kwargs):
 class _BlockLogits:
     """Logits of the active block's positions given the committed prefix, counting the model calls.
 
-    With the cache, newly committed blocks are run once (their K/V stay, the offset advances past them)
-    and each step runs the active block alone; without it, every step runs the whole sequence.
+    With the cache, the rows committed since the last call run once, in the same call as the active block
+    (their K/V stay, the offset moves past them; a long prompt runs on its own first, with the head on its
+    last row only); without it, every call runs the whole sequence from position 0.
     """
 
     def __init__(self, model, batch_size: int, max_length: int, settings: SamplingSettings):
@@ -148,7 +149,7 @@ class _BlockLogits:
         self.context = StaticInferenceContext(batch_size, max_length)
         self.cached = 0  # committed positions whose K/V are in the cache
         self.last_row = None  # logits of the last committed row (shifted labels)
-        self.calls = 0
+        self.calls = self.rows = 0
 
     def _run(self, tokens, last_row_only: bool):
         self.context.materialize_only_last_token_logits = last_row_only
@@ -156,25 +157,33 @@ class _BlockLogits:
         logits = self.model(tokens, positions.expand_as(tokens), None, inference_context=self.context,
                             runtime_gather_output=True)
         self.calls += 1
+        self.rows += tokens.shape[0] * tokens.shape[1]
         logits = logits.float()
         logits[..., self.settings.mask_token_id] = float("-inf")
         if self.settings.vocab_size is not None:
             logits[..., self.settings.vocab_size:] = float("-inf")
         return logits
 
+    def _commit(self, start: int) -> None:
+        if self.settings.kv_cache:
+            self.context.sequence_len_offset = self.cached = start
+
     def __call__(self, committed, block):
         start = committed.shape[1]
-        if self.settings.kv_cache:
-            if start > self.cached:
-                self.last_row = self._run(committed[:, self.cached:], last_row_only=True)
-                self.context.sequence_len_offset = self.cached = start
-            logits, last_row = self._run(block, last_row_only=False), self.last_row
-        else:
+        if not self.settings.kv_cache:
             self.context.reset()
-            logits = self._run(torch.cat([committed, block], dim=1), last_row_only=False)
-            logits, last_row = logits[:, start:], logits[:, start - 1:start] if start else None
+        new = committed[:, self.cached:]
+        if self.settings.kv_cache and new.shape[1] > self.settings.block_size:
+            self.last_row = self._run(new, last_row_only=True)
+            self._commit(start)
+            new = new[:, :0]
+        logits = self._run(torch.cat([new, block], dim=1), last_row_only=False)
+        if new.shape[1]:
+            self.last_row = logits[:, new.shape[1] - 1:new.shape[1]]
+        self._commit(start)
+        logits = logits[:, new.shape[1]:]
         if self.settings.shifted_labels:  # position p is predicted by row p-1
-            first = last_row if last_row is not None else torch.zeros_like(logits[:, :1])  # position 0: a prompt token
+            first = self.last_row if start else torch.zeros_like(logits[:, :1])  # position 0 is a prompt token
             logits = torch.cat([first, logits[:, :-1]], dim=1)
         return logits
 
@@ -225,6 +234,7 @@ def unmask_step(block, logits, steps_left: int, settings: SamplingSettings, gene
 class Generation(NamedTuple):
     tokens: list  # per prompt: the new tokens, cut before the first EOS
     model_calls: int
+    model_rows: int  # token rows run through the model, summed over calls and prompts
     seconds: float
 
     @property
@@ -285,4 +295,4 @@ def generate(model, prompts: list, max_new_tokens: int, settings: SamplingSettin
         if settings.eos_token_id is not None and settings.eos_token_id in new:
             new = new[:new.index(settings.eos_token_id)]
         outputs.append(new)
-    return Generation(outputs, block_logits.calls, time.time() - started)
+    return Generation(outputs, block_logits.calls, block_logits.rows, time.time() - started)

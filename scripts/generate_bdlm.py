@@ -196,7 +196,7 @@ def report(options, args, directory, settings, prompts, generation) -> None:
         print(f"sample {index}: {args.tokenizer.detokenize(tokens)!r}")
     count = sum(len(tokens) for tokens in generation.tokens)
     print(f"generated {count} tokens in {generation.seconds:.2f} s ({generation.tokens_per_second:.1f} tokens/s) | "
-          f"{generation.model_calls} model calls", flush=True)
+          f"{generation.model_calls} model calls ({generation.model_rows} token rows)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
