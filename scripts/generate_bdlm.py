@@ -167,8 +167,9 @@ def prepare(argv):
     return options, args, directory, settings, prompts, encoded
 
 
-def build_model(args, directory):
-    """The sampling model over this rank's TP shard, with the checkpoint's weights."""
+def build_model(args, directory: str | None):
+    """The sampling model over this rank's TP shard, with the weights of checkpoint `directory` (None:
+    freshly initialised, an untrained model)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_csbp import checkpointing, parallel_state, providers, sampling
@@ -180,8 +181,9 @@ def build_model(args, directory):
     model_parallel_cuda_manual_seed(args.seed)
     model = sampling.sampling_model(transformer_config_from_args(args), args.padded_vocab_size, args.bdlm_block_size,
                                     **providers.gpt_kwargs_from_args(args)).to(default_device())
-    checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,
-                                  log=lambda *_: None)
+    if directory is not None:
+        checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,
+                                      log=lambda *_: None)
     return model
 
 

@@ -5,6 +5,7 @@ model completes its corpus (an untrained one does not), on 1 rank and under TP 2
 import ast
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -212,7 +213,7 @@ def _run(command, expect=0):
 
 @pytest.fixture(scope="module")
 def alphabet_checkpoints(tmp_path_factory):
-    """A tiny BDLM trained 120 iterations on the repeated alphabet, and the same model untrained."""
+    """A tiny BDLM trained 120 iterations on the repeated alphabet by scripts/pretrain_bdlm.py."""
     from megatron_csbp.data import write_indexed_dataset
 
     root = tmp_path_factory.mktemp("alphabet")
@@ -220,38 +221,59 @@ def alphabet_checkpoints(tmp_path_factory):
     write_indexed_dataset(documents, str(root / "alphabet"), 257)
     script = os.path.join(REPO, "scripts", "pretrain_bdlm.py")
     common = {**TINY, "data_path": root / "alphabet"}
-    for name, settings in (("trained", dict(train_iters=120, lr_warmup_iters=5)),
-                           ("untrained", dict(train_iters=0, lr_decay_iters=1, lr_warmup_iters=0))):
-        overrides = [f"{key.replace('_', '-')}={value}" for key, value in {**common, **settings}.items()]
-        _run([sys.executable, script, *overrides, f"save={root / name}"])
+    overrides = [f"{key.replace('_', '-')}={value}" for key, value in common.items()]
+    _run([sys.executable, script, *overrides, "train-iters=120", "lr-warmup-iters=5", f"save={root / 'trained'}"])
     return root
 
 
-def _generate(load, *extra, nproc=1):
-    launcher = [sys.executable] if nproc == 1 else [os.path.join(os.path.dirname(sys.executable), "torchrun"),
-                                                     "--standalone", "--nproc-per-node", str(nproc)]
-    output = _run([*launcher, os.path.join(REPO, "scripts", "generate_bdlm.py"), "--load", str(load),
-                   "--prompt", "abcdefghij", "--prompt", "pqrs", "--max-new-tokens", "20", *extra])
-    samples = [ast.literal_eval(line.split(": ", 1)[1]) for line in output.splitlines() if line.startswith("sample ")]
-    assert len(samples) == 2 and "tokens/s" in output and "model calls" in output, output
-    return samples, output
+PROMPTS = ["abcdefghij", "pqrs"]  # into the second block, and shorter than one block
+NEW_TOKENS = 20
 
 
-def _continuation(prompt, count):
-    start = ALPHABET.index(prompt[-1]) + 1
-    return (ALPHABET * 3)[start:start + count]
+def _prompt_flags():
+    return [flag for prompt in PROMPTS for flag in ("--prompt", prompt)] + ["--max-new-tokens", str(NEW_TOKENS)]
 
 
-def test_a_trained_model_completes_its_corpus_on_one_rank_and_under_tp2(alphabet_checkpoints):
-    expected = [_continuation("abcdefghij", 20), _continuation("pqrs", 20)]
-    samples, output = _generate(alphabet_checkpoints / "trained")
+def _expected():
+    return [(ALPHABET * 3)[ALPHABET.index(p[-1]) + 1:][:NEW_TOKENS] for p in PROMPTS]
+
+
+def _complete(rank, world_size, load):
+    """The script's own steps (arguments, model, generation) with the checkpoint's weights, then without
+    them (the untrained model, freshly initialised)."""
+    from megatron_csbp import cpu_backend, parallel_state, sampling
+
+    script = _script()
+    cpu_backend.enable()
+    completions = []
+    options, args, directory, settings, prompts, encoded = script.prepare(["--load", load, *_prompt_flags()])
+    for weights in (directory, None):
+        generation = sampling.generate(script.build_model(args, weights), encoded, options.max_new_tokens, settings)
+        parallel_state.destroy_model_parallel()
+        completions.append([args.tokenizer.detokenize(tokens) for tokens in generation.tokens])
+    return completions
+
+
+def test_a_briefly_trained_model_completes_its_corpus_and_an_untrained_one_does_not(alphabet_checkpoints):
+    trained, untrained = run_ranks(_complete, 1, str(alphabet_checkpoints / "trained"), timeout=300)[0]
+    print(f"trained: {trained}, untrained: {untrained}")
+    assert trained == _expected()
+    right = sum(a == b for sample, want in zip(untrained, _expected()) for a, b in zip(sample, want))
+    assert right < NEW_TOKENS // 2, untrained  # negative control
+
+
+def test_generate_script_under_tp2_gives_the_one_rank_tokens(alphabet_checkpoints):
+    output = _run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
+                   os.path.join(REPO, "scripts", "generate_bdlm.py"), "--load", str(alphabet_checkpoints / "trained"),
+                   "--tensor-model-parallel-size", "2", *_prompt_flags()])
     print(output.splitlines()[-1])
-    assert samples == expected, output
-    tp2, output = _generate(alphabet_checkpoints / "trained", "--tensor-model-parallel-size", "2", nproc=2)
-    assert tp2 == expected, output
-    untrained, output = _generate(alphabet_checkpoints / "untrained")
-    assert all(sample != want for sample, want in zip(untrained, expected)), output  # negative control
-    assert sum(a == b for sample, want in zip(untrained, expected) for a, b in zip(sample, want)) < 10, output
+    samples = [ast.literal_eval(line.split(": ", 1)[1]) for line in output.splitlines() if line.startswith("sample ")]
+    assert samples == _expected(), output
+    assert [ast.literal_eval(line.split(": ", 1)[1]) for line in output.splitlines()
+            if line.startswith("prompt ")] == PROMPTS
+    assert re.search(r"generated 40 tokens in [\d.]+ s \([\d.]+ tokens/s\) \| \d+ model calls", output), output
+    settings = next(line for line in output.splitlines() if line.startswith("checkpoint "))
+    assert "tp 2" in settings and "strategy confidence" in settings, output
 
 
 def _script():
