@@ -19,6 +19,7 @@ data: venv
 
 demo: data
 	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 scripts/pretrain_bdlm.py --config configs/tiny_cpu.yaml
+	$(PY) scripts/generate_bdlm.py --load runs/tiny_cpu --prompt "def " --prompt "import " --max-new-tokens 48
 
 test: venv
 	$(PY) -m pytest -q tests
