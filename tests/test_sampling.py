@@ -86,12 +86,14 @@ def _training_logits(model, layout, committed, block, shifted, generator):
     batch, start = committed.shape
     x0 = torch.randint(0, MASK, (batch, SEQ), generator=generator)
     xt = torch.randint(0, MASK + 1, (batch, SEQ), generator=generator)
-    x0[:, :start] = committed
-    xt[:, start:start + BLOCK] = block
+    x0[:, :start] = committed.cpu()
+    xt[:, start:start + BLOCK] = block.cpu()
     if shifted and start:  # the row before the block: the previous block, fully unmasked
-        xt[:, start - BLOCK:start] = committed[:, start - BLOCK:]
+        xt[:, start - BLOCK:start] = committed[:, start - BLOCK:].cpu()
     rows = torch.cat([xt[:, layout.noisy_positions], x0[:, layout.clean_positions]], dim=1)
-    logits = model(rows, layout.row_positions.expand(batch, -1))
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logits = model(rows.to(device), layout.row_positions.expand(batch, -1).to(device)).cpu()
     by_position = torch.empty_like(logits)
     by_position[:, layout.noisy_positions] = logits
     return by_position[:, torch.arange(start, start + BLOCK) - int(shifted)]
@@ -109,6 +111,7 @@ def _model_checks(rank, world_size):
     from megatron.core.transformer import TransformerConfig
 
     from megatron_csbp import cpu_backend
+    from megatron_csbp.device import default_device
     from megatron_csbp.layout import CSBPLayout
     from megatron_csbp.model import model_provider
     from megatron_csbp.sampling import STRATEGIES, generate, sampling_model
@@ -121,9 +124,10 @@ def _model_checks(rank, world_size):
                                use_cpu_initialization=True, calculate_per_token_loss=True, hidden_dropout=0.0,
                                attention_dropout=0.0, normalization="RMSNorm", init_method_std=0.3)
     layout = CSBPLayout(SEQ, BLOCK, 1, 1)  # dual-end order: noisy rows are not in position order
-    trained = model_provider(config=config, layout=layout, vocab_size=VOCAB, mask_token_id=MASK).eval()
+    trained = model_provider(config=config, layout=layout, vocab_size=VOCAB, mask_token_id=MASK)
     sampler = sampling_model(config, VOCAB, BLOCK, max_sequence_length=SEQ)
     sampler.load_state_dict(trained.state_dict(), strict=True)
+    trained, sampler = trained.to(default_device()).eval(), sampler.to(default_device())
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0]]  # two blocks of prefill
     generator = torch.Generator().manual_seed(1)
     errors, control, results = {}, [], {}
@@ -136,7 +140,7 @@ def _model_checks(rank, world_size):
                 settings = _settings(strategy=strategy, shifted_labels=shifted, kv_cache=kv_cache, threshold=0.5,
                                      **sampled)
                 generation = generate(sampler, prompts, 12, settings,
-                                      on_step=lambda *step: steps.append([t.clone() for t in step[1:]] + [step[0]]))
+                                      on_step=lambda *step: steps.append([t.to("cpu", copy=True) for t in step[1:]] + [step[0]]))
                 runs[kv_cache] = generation, steps
             (cached, cached_steps), (uncached, uncached_steps) = runs[True], runs[False]
             name = f"{'fast-dllm-v2' if shifted else 'bd3lm'} {strategy}"
