@@ -72,14 +72,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, *, args=N
         pre_process, post_process, config=config or transformer_config_from_args(args),
         layout=layout_from_args(args), vocab_size=args.padded_vocab_size, mask_token_id=args.mask_token_id,
         group=parallel_state.get_block_parallel_groups(), transport=args.csbp_transport, vp_stage=vp_stage,
-        **gpt_kwargs_from_args(args))
-
-
-def gpt_kwargs_from_args(args: argparse.Namespace) -> dict:
-    """The `GPTModel` keywords the arguments fix (the sampler builds its model from them too)."""
-    return dict(share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-                max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
-                rotary_percent=args.rotary_percent)
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent)
 
 
 class SampleIndexed(torch.utils.data.Dataset):

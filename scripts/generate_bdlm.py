@@ -76,36 +76,25 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
     from megatron_csbp import checkpointing
     from megatron_csbp.arguments import build_parser as training_parser
     from megatron_csbp.config import parse_args
+    from megatron_csbp.data import build_tokenizer
 
     checkpointing.check_complete(directory)
     try:
         saved = dist_checkpointing.load_common_state_dict(directory).get("args")
     except Exception as error:
         raise ConfigError(f"checkpoint {directory} is corrupt: its common state cannot be read ({error})") from None
-    if saved is None and config is None:
-        raise ConfigError(f"checkpoint {directory} records no training arguments: give its --config FILE.yaml")
+    if not saved:
+        raise ConfigError(f"checkpoint {directory} records no training arguments: it was not written by "
+                          f"megatron_csbp's training loop (scripts/pretrain_bdlm.py)")
     args = training_parser().parse_args([])
-    vars(args).update(saved or {})
+    vars(args).update(saved)
     if config is not None:
         defaults, given = vars(parse_args([])), vars(parse_args(["--config", config]))
         vars(args).update({key: value for key, value in given.items() if value != defaults.get(key)})
-    missing = [flag for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "bdlm_block_size")
-               if getattr(args, flag, None) is None]
-    if missing:
-        raise ConfigError(f"checkpoint {directory} does not say --{missing[0].replace('_', '-')}: give --config")
-    if saved is None:  # what training's validate_args derives and the checkpoint would have recorded
-        args.num_query_groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
-        args.kv_channels = args.kv_channels or args.hidden_size // args.num_attention_heads
-        args.max_position_embeddings = args.max_position_embeddings or args.seq_length
-        if args.ffn_hidden_size is None:
-            args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
-                                    else 4 * args.hidden_size)
-    saved_vocab = (saved or {}).get("padded_vocab_size")
-    from megatron_csbp.data import build_tokenizer
-
     args.tensor_model_parallel_size = tensor_parallel
     args.tokenizer = build_tokenizer(args)
-    args.padded_vocab_size = saved_vocab or args.padded_vocab_size
+    # The MASK id and the padded vocabulary are the checkpoint's, whatever the TP size now.
+    args.mask_token_id, args.padded_vocab_size = saved["mask_token_id"], saved["padded_vocab_size"]
     args.pipeline_model_parallel_size = args.context_parallel_size = 1
     args.context_block_parallel = 1
     args.sequence_parallel = False
@@ -172,15 +161,18 @@ def build_model(args, directory: str | None):
     freshly initialised, an untrained model)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_csbp import checkpointing, parallel_state, providers, sampling
+    from megatron_csbp import checkpointing, parallel_state, sampling
     from megatron_csbp.arguments import transformer_config_from_args
     from megatron_csbp.device import default_device
 
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1, context_block_parallel_size=1,
                                              clean_shards=1)
     model_parallel_cuda_manual_seed(args.seed)
-    model = sampling.sampling_model(transformer_config_from_args(args), args.padded_vocab_size, args.bdlm_block_size,
-                                    **providers.gpt_kwargs_from_args(args)).to(default_device())
+    model = sampling.sampling_model(  # the GPTModel keywords providers.model_provider gives the training model
+        transformer_config_from_args(args), args.padded_vocab_size, args.bdlm_block_size,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent).to(default_device())
     if directory is not None:
         checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,
                                       log=lambda *_: None)
@@ -218,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         init_distributed(args.distributed_timeout_minutes)
-        cpu_backend.enable()
-        model = build_model(args, directory)
-        generation = sampling.generate(model, encoded, options.max_new_tokens, settings)
+        with cpu_backend.active():
+            model = build_model(args, directory)
+            generation = sampling.generate(model, encoded, options.max_new_tokens, settings)
         if rank == 0:
             report(options, args, directory, settings, prompts, generation)
     except ConfigError as error:  # e.g. a checkpoint that does not load into this model: every rank agrees

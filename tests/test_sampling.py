@@ -106,17 +106,22 @@ def _relative_error(got, expected):
 
 
 def _model_checks(rank, world_size):
+    from megatron_csbp import cpu_backend
+
+    with cpu_backend.active():
+        return _checks_on_one_rank()
+
+
+def _checks_on_one_rank():
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp import cpu_backend
     from megatron_csbp.device import default_device
     from megatron_csbp.layout import CSBPLayout
     from megatron_csbp.model import model_provider
     from megatron_csbp.sampling import STRATEGIES, generate, sampling_model
 
-    cpu_backend.enable()
     mpu.initialize_model_parallel()
     torch.manual_seed(0)
     model_parallel_cuda_manual_seed(0)
@@ -248,13 +253,14 @@ def _complete(rank, world_size, load):
     from megatron_csbp import cpu_backend, parallel_state, sampling
 
     script = _script()
-    cpu_backend.enable()
     completions = []
     options, args, directory, settings, prompts, encoded = script.prepare(["--load", load, *_prompt_flags()])
-    for weights in (directory, None):
-        generation = sampling.generate(script.build_model(args, weights), encoded, options.max_new_tokens, settings)
-        parallel_state.destroy_model_parallel()
-        completions.append([args.tokenizer.detokenize(tokens) for tokens in generation.tokens])
+    with cpu_backend.active():
+        for weights in (directory, None):
+            model = script.build_model(args, weights)
+            generation = sampling.generate(model, encoded, options.max_new_tokens, settings)
+            parallel_state.destroy_model_parallel()
+            completions.append([args.tokenizer.detokenize(tokens) for tokens in generation.tokens])
     return completions
 
 
