@@ -37,12 +37,14 @@ nucleus; "confidence" is the probability of the chosen token under that distribu
 import math
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable, NamedTuple
 
 import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_csbp.arguments import ConfigError
+from megatron_csbp.kernels import default_kernels
 
 STRATEGIES = ("confidence", "top-k", "posterior", "first-hitting")
 
@@ -87,8 +89,10 @@ class BlockCausalAttention(MegatronModule):
     """Core attention of the sampling model: the BDLM mask over position-ordered rows (see module doc).
 
     Megatron's static inference hands it the queries of this call's rows and the keys of the whole cached
-    sequence up to them, so the queries are the last rows: a query at position `p` sees keys of blocks
-    `<= p // block_size`. A call whose rows lie in one block (every denoising step) needs no mask at all.
+    sequence up to them, so the queries are the last rows: a query at position `p` sees the keys below
+    the end of its block. A call whose rows lie in one block (every denoising step) sees every key, so
+    it is plain attention; a call over several blocks (a prompt) uses the training kernels' prefix
+    attention, which never builds a rows x keys mask.
     """
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self", attention_dropout=None,
@@ -100,16 +104,26 @@ class BlockCausalAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         rows, keys, block = query.shape[0], key.shape[0], self.block_size
-        first = keys - rows
-        mask = None
-        if first // block != (keys - 1) // block:
-            query_blocks = torch.arange(first, keys, device=query.device) // block
-            key_blocks = torch.arange(keys, device=query.device) // block
-            mask = key_blocks.unsqueeze(0) <= query_blocks.unsqueeze(1)
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, rows, d]
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.softmax_scale,
-                                                               enable_gqa=True)
+        first = keys - rows
+        if first // block == (keys - 1) // block:
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale, enable_gqa=True)
+        else:
+            b, heads, _, d = q.shape
+            plan = _prefix_plan(query.device, first, keys, block)
+            grouped = q.reshape(b, k.shape[1], heads // k.shape[1], rows, d)  # query heads under their K/V head
+            out = default_kernels(query.device).prefix_forward(grouped, k, v, plan, self.softmax_scale)[0]
+            out = out.reshape(b, heads, rows, d)
         return out.permute(2, 0, 1, 3).reshape(rows, query.shape[1], -1)
+
+
+@lru_cache(maxsize=8)
+def _prefix_plan(device, first: int, keys: int, block: int):
+    """Rows `first..keys-1` against keys `0..keys-1`: each sees the keys below the end of its block (one
+    plan per call, shared by every layer)."""
+    positions = torch.arange(keys, device=device)
+    limits = (positions[first:] // block + 1) * block
+    return default_kernels(device).plan(limits, positions)
 
 
 def sampling_model(config, vocab_size: int, block_size: int, **gpt_kwargs):

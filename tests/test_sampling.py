@@ -79,6 +79,29 @@ def test_top_p_keeps_the_nucleus_and_settings_refuse_bad_values():
             _settings(**{field: value})
 
 
+def test_block_causal_attention_is_the_bdlm_mask_over_position_ordered_rows():
+    """A query at position p sees the keys of blocks <= p // B, whether its call holds one block (plain
+    attention) or several (the kernels' prefix attention); GQA heads stay grouped as Megatron groups them."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_csbp.sampling import BlockCausalAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               attention_dropout=0.0)
+    attention = BlockCausalAttention(config, 1, block_size=BLOCK)
+    generator = torch.Generator().manual_seed(0)
+    for first, keys in [(8, 12), (8, 20), (0, 20), (13, 15)]:
+        rows = keys - first
+        query = torch.randn(rows, 2, 4, 8, generator=generator, dtype=torch.float64)
+        key, value = torch.randn(2, keys, 2, 2, 8, generator=generator, dtype=torch.float64)
+        visible = (torch.arange(keys) // BLOCK)[None, :] <= (torch.arange(first, keys) // BLOCK)[:, None]
+        scores = torch.einsum("sbhd,tbhd->bhst", query, key.repeat_interleave(2, 2)) * 8 ** -0.5
+        expected = torch.einsum("bhst,tbhd->sbhd", scores.masked_fill(~visible, float("-inf")).softmax(-1),
+                                value.repeat_interleave(2, 2)).reshape(rows, 2, -1)
+        got = attention(query, key, value)
+        assert ((got - expected).norm() / expected.norm()) < 1e-10, (first, keys)
+
+
 # --------------------------------------------------------------------------------- against the training forward
 def _training_logits(model, layout, committed, block, shifted, generator):
     """The training forward's logits for the active block's positions on `[x_t ; x_0]` rows that hold the
