@@ -296,9 +296,10 @@ def generate(model, prompts: list, max_new_tokens: int, settings: SamplingSettin
                         on_step(index, committed, block, logits)
                     block = unmask_step(block, logits, settings.steps_per_block - step, settings, generator)
                 sequence[:, start:end] = block
-                if settings.eos_token_id is not None:
-                    for row in range(len(prompts)):
-                        finished[row] |= bool((sequence[row, lengths[row]:end] == settings.eos_token_id).any())
+                for row in range(len(prompts)):  # done: all its tokens are there, or it has produced EOS
+                    produced = sequence[row, lengths[row]:min(end, ends[row])]
+                    finished[row] |= end >= ends[row] or (settings.eos_token_id is not None and
+                                                          bool((produced == settings.eos_token_id).any()))
                 if all(finished):
                     break
     finally:

@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # e.g. a checkpoint that does not load into this model: every rank agrees
         if rank == 0:
             print(f"{NAME}: error: {error}", file=sys.stderr, flush=True)
-        return 2
+        sys.stderr.flush()
+        os._exit(2)
     except BaseException:  # noqa: BLE001
         traceback.print_exc()
         print(f"rank {rank} failed", file=sys.stderr, flush=True)
