@@ -88,9 +88,14 @@ def build_tokenizer(args: argparse.Namespace):
         tokenizer = HuggingFaceTokenizer(args.tokenizer_model, args.vocab_size)
     else:
         tokenizer = ByteTokenizer(256 if args.vocab_size is None else args.vocab_size)
-    args.mask_token_id = tokenizer.vocab_size
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size + 1, args.make_vocab_size_divisible_by,
-                                               args.tensor_model_parallel_size)
+    mask = getattr(args, "bdlm_mask_token_id", None)
+    if mask is not None and mask < 0:
+        raise ConfigError(f"--bdlm-mask-token-id {mask} must be a non-negative id")
+    # MASK: by default a new id right after the tokenizer's; or an id --bdlm-mask-token-id names (an
+    # unused token of the tokenizer, or a new one further on, as `scripts/convert_hf.py import` records).
+    args.mask_token_id = tokenizer.vocab_size if mask is None else mask
+    args.padded_vocab_size = padded_vocab_size(max(tokenizer.vocab_size, args.mask_token_id + 1),
+                                               args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     return tokenizer
 
 
@@ -163,8 +168,11 @@ def dataset_stats(prefix: str, chunk_tokens: int = 1 << 24) -> DatasetStats:
     return DatasetStats(len(dataset.document_indices) - 1, num_tokens, max_id)
 
 
-def check_vocabulary(prefixes: list[str], mask_token_id: int, padded_vocab_size: int) -> int:
-    """Refuse datasets with ids the model cannot take (beyond its vocabulary, or the MASK id); returns the max id."""
+def check_vocabulary(prefixes: list[str], mask_token_id: int, padded_vocab_size: int,
+                     tokenizer_ids: int | None = None) -> int:
+    """Refuse datasets with ids the model cannot take (beyond its vocabulary or the tokenizer's
+    `tokenizer_ids` ids (default: those before MASK), or the MASK id); returns the max id."""
+    tokenizer_ids = mask_token_id if tokenizer_ids is None else tokenizer_ids
     largest = -1
     for prefix in prefixes:
         max_id = dataset_stats(prefix).max_token_id
@@ -176,7 +184,7 @@ def check_vocabulary(prefixes: list[str], mask_token_id: int, padded_vocab_size:
         if max_id == mask_token_id:
             raise ConfigError(f"--data-path {prefix}: token id {max_id} collides with the MASK id {mask_token_id}; "
                               f"{fix}")
-        if max_id > mask_token_id:
+        if max_id >= tokenizer_ids:
             raise ConfigError(f"--data-path {prefix}: token id {max_id} lies beyond the tokenizer's ids and the MASK "
                               f"id {mask_token_id} (padding); {fix}")
         largest = max(largest, max_id)
@@ -281,8 +289,9 @@ def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: C
     if not prefixes:
         raise ConfigError("--data-path is required (scripts/prepare_data.py builds the default dataset)")
     check_data_prefixes(prefixes)
-    check_vocabulary(prefixes, tokenizer.vocab_size, padded_vocab_size(
-        tokenizer.vocab_size + 1, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size))
+    if getattr(args, "mask_token_id", None) is None:
+        build_tokenizer(args)
+    check_vocabulary(prefixes, args.mask_token_id, args.padded_vocab_size, tokenizer.vocab_size)
     split, sizes = args.split or MEGATRON_SPLIT_DEFAULT, split_sizes(args)
     check_split(prefixes, split)
     cache_root = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
