@@ -24,6 +24,7 @@ Exit status: 0 done, 2 refused input (one line: what and how to fix it), 1 a fai
 """
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -40,7 +41,8 @@ FRAGMENT = "model.yaml"
 _IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
 
 
-def _start_single_process():
+@contextlib.contextmanager
+def _single_process():
     """One gloo rank and megatron's parallel state (no parallelism): what building a model needs."""
     import torch.distributed as dist
 
@@ -56,6 +58,10 @@ def _start_single_process():
         raise ConfigError("convert_hf.py runs on one process: launch it with python, not torchrun")
     cpu_backend.enable()
     parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1, clean_shards=1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
 
 
 def _uninitialised_model(args):
@@ -190,19 +196,19 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
     log(f" {config['architectures'][0]}: {flags['num-layers']} layers, {hf_rows} HF vocabulary rows -> "
         f"{vocab.padded} padded; MASK id {mask_id} ({'new, rows initialised to the mean' if new_mask else 'existing'})")
 
-    _start_single_process()
     args = _single_rank(args)
-    model = _uninitialised_model(args)
     shape = hf.Shape.from_args(args)
     names = hf.name_map(shape)
-    parameters = dict(model.named_parameters())
-    if set(parameters) != set(names):
-        raise RuntimeError(f"the mapping and the model disagree: {sorted(set(parameters) ^ set(names))[:4]}")
-    with torch.no_grad():
-        for name, parameter in parameters.items():
-            parameter.copy_(hf.to_megatron(name, [weights.get(key) for key in names[name]], shape, vocab,
-                                           parameter.dtype))
-    directory = checkpointing.save_checkpoint(save, checkpointing.LoopState(), model, None, None, args)
+    with _single_process():
+        model = _uninitialised_model(args)
+        parameters = dict(model.named_parameters())
+        if set(parameters) != set(names):
+            raise RuntimeError(f"the mapping and the model disagree: {sorted(set(parameters) ^ set(names))[:4]}")
+        with torch.no_grad():
+            for name, parameter in parameters.items():
+                parameter.copy_(hf.to_megatron(name, [weights.get(key) for key in names[name]], shape, vocab,
+                                               parameter.dtype))
+        directory = checkpointing.save_checkpoint(save, checkpointing.LoopState(), model, None, None, args)
     log(f" saved {directory}; tokenizer in {hf_side}; model flags in {fragment_path}")
     return fragment_path
 
@@ -276,14 +282,14 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, lo
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     config = export_config(args, base, rows, dtype)  # refuses, before any tensor is read
 
-    _start_single_process()
-    model = _uninitialised_model(args)
-    checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,
-                                  log=lambda *_: None)
     shape = hf.Shape.from_args(args)
     vocab = hf.Vocabulary(hf_rows=rows, padded=args.padded_vocab_size, mask_id=args.mask_token_id,
                           new_mask=False, mean_of=0, rows=rows)
     names = hf.name_map(shape)
+    with _single_process():
+        model = _uninitialised_model(args)
+        checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,
+                                      log=lambda *_: None)
     parameters = dict(model.named_parameters())
     shards, size = [[]], 0
     for name, parameter in parameters.items():
