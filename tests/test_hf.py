@@ -79,7 +79,7 @@ def _mask_embedding(embedding, mean_of):
     return embedding[:mean_of].double().mean(0).to(embedding.dtype)
 
 
-def hf_reference(hf_dir, x_t, x0, mask_id, mean_of, noisy_rows_only=True):
+def hf_reference(hf_dir, x_t, x0, mask_id, mean_of):
     """The HF model's logits `[b, L, rows]` on the noisy rows of `[x_t ; x0]` under the BDLM mask."""
     from transformers import AutoModelForCausalLM
 
@@ -92,9 +92,10 @@ def hf_reference(hf_dir, x_t, x0, mask_id, mean_of, noisy_rows_only=True):
     embeds[ids == mask_id] = mask_row
     allowed = bdlm_mask(SEQ, BLOCK)
     additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
-    positions = torch.arange(SEQ).repeat(2).expand(BATCH, -1)
+    batch = ids.shape[0]
+    positions = torch.arange(SEQ).repeat(2).expand(batch, -1)
     with torch.no_grad():
-        logits = model(inputs_embeds=embeds, attention_mask=additive.expand(BATCH, 1, -1, -1),
+        logits = model(inputs_embeds=embeds, attention_mask=additive.expand(batch, 1, -1, -1),
                        position_ids=positions).logits
     return logits[:, :SEQ]
 
@@ -300,6 +301,7 @@ def test_finetune_first_loss_is_the_huggingface_models(converted, llama_data, tm
 
     config = _finetune_config(converted, tmp_path)
     overrides = [f"data-path={llama_data}", f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}", "train-iters=2",
+                 "lr-warmup-iters=0",
                  "bdlm-noise-range=1 1", "eval-iters=0", f"save={tmp_path / 'finetuned'}", "save-interval=2",
                  f"data-cache-path={tmp_path / 'cache'}"]
     output = _pretrain(1, config, *overrides)
