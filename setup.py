@@ -22,6 +22,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8,<10"],
+        # scripts/convert_hf.py (Hugging Face import/export) and, in tests, the reference models.
+        "hf": ["transformers>=5.0,<6", "safetensors>=0.4", "tokenizers>=0.21"],
         "gpu": ["transformer-engine[pytorch]"],
     },
     entry_points={"console_scripts": ["csbp-bench=megatron_csbp.bench:main", "csbp-plan=megatron_csbp.plan:main"]},
