@@ -343,3 +343,53 @@ def test_import_refuses_what_the_mapping_cannot_express(converted, tmp_path, cap
     assert code == 2 and message in error and len(error.splitlines()) == 1, error
     assert error.startswith("convert_hf.py: error: ")
     assert not os.path.exists(tmp_path / "ckpt" / "iter_0000000")
+
+
+def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
+    """`--bdlm-mask-token-id`: a new id further on grows the vocabulary; an existing id does not."""
+    from megatron_csbp import data
+    from megatron_csbp.arguments import ConfigError
+    from megatron_csbp.checkpointing import CheckpointError, check_compatible
+    from megatron_csbp.config import parse_args
+
+    args = parse_args([])
+    data.build_tokenizer(args)
+    assert (args.mask_token_id, args.padded_vocab_size) == (257, 384)  # the default: right after the tokenizer's
+    args = parse_args(["bdlm-mask-token-id=400"])
+    data.build_tokenizer(args)
+    assert (args.mask_token_id, args.padded_vocab_size) == (400, 512)
+    args = parse_args(["bdlm-mask-token-id=100"])
+    data.build_tokenizer(args)
+    assert (args.mask_token_id, args.padded_vocab_size) == (100, 384)
+    with pytest.raises(CheckpointError, match="--bdlm-mask-token-id 257, this run has --bdlm-mask-token-id 100"):
+        check_compatible({"mask_token_id": 257}, args, "ckpt")
+    prefix = str(tmp_path / "ids")
+    data.write_indexed_dataset([[5, 200, 256]], prefix, 257)
+    assert data.check_vocabulary([prefix], 100, 384, 257) == 256  # ids above an existing MASK id are data
+    with pytest.raises(ConfigError, match="beyond the tokenizer's ids"):
+        data.check_vocabulary([prefix], 100, 384, 200)
+
+
+def test_existing_token_as_mask_round_trips_exactly(converted, tmp_path):
+    """`--mask-token` names an unused special token: its id is MASK, no row changes, export is bit-exact."""
+    hf_dir = os.path.join(converted, "qwen3", "hf")
+    code, output = _convert("import", "--hf-dir", hf_dir, "--save", str(tmp_path / "ckpt"),
+                            "--mask-token", "<|unused_0|>", "--make-vocab-size-divisible-by", "64")
+    assert code == 0, output
+    import yaml
+    fragment = yaml.safe_load(open(tmp_path / "ckpt" / "model.yaml"))
+    assert fragment["bdlm-mask-token-id"] == 1  # the tokenizer's second special token
+    code, output = _convert("export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "out"))
+    assert code == 0, output
+    _assert_bit_exact(_safetensors(str(tmp_path / "out")), _safetensors(hf_dir))
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).mask_token_id == 1
+
+
+def test_a_converted_model_needs_finetune(converted, llama_data, tmp_path):
+    config = _finetune_config(converted, tmp_path)
+    launcher = [sys.executable, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), "--config", config,
+                f"data-path={llama_data}", f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}", "finetune=false",
+                "train-iters=1", "lr-warmup-iters=0", "eval-iters=0", "save=null"]
+    done = subprocess.run(launcher, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 2 and "holds a model only" in done.stdout and "--finetune" in done.stdout, done.stdout
