@@ -89,6 +89,10 @@ def _add_model_args(parser):
                             "default, learned_absolute, is not supported.)")
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--rotary-percent", type=float, default=1.0)
+    group.add_argument("--use-rope-scaling", action="store_true",
+                       help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency factors 1/4, "
+                            "original context 8192).")
+    group.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Its factor (Llama 3.1: 8).")
     group.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     group.add_argument("--norm-epsilon", type=float, default=1e-5)
     group.add_argument("--swiglu", action="store_true")

@@ -13,6 +13,8 @@ for it, with its conventions and names:
 * RoPE layout: HF's `rotate_half` pairs dimension `i` with `i + d/2`, which is megatron's default
   non-interleaved RoPE (`rotary_interleaved=False`): Q/K rows are copied unpermuted.
 * QK-norm (Qwen3): `q_norm`/`k_norm` are megatron's `q_layernorm`/`k_layernorm` (RMSNorm over `d`).
+* RoPE scaling: Llama 3's `llama3` type is megatron-core's `rope_scaling` (its fixed low/high frequency
+  factors and original context); other types are refused.
 
 Vocabulary. The megatron embedding (and untied output layer) has `padded_vocab_size` rows: the HF rows,
 then zero rows (Megatron's padding). A new MASK id (`Vocabulary.new_mask`) gets, in both matrices, the
@@ -54,11 +56,15 @@ def read_config(hf_dir: str) -> dict:
         return json.load(handle)
 
 
-def _rope(config: dict) -> tuple[str, float]:
+# Llama 3.x RoPE scaling as megatron-core implements it (`--use-rope-scaling`): only its factor is free.
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope(config: dict) -> tuple[str, float, dict]:
     parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
     kind = parameters.get("rope_type", parameters.get("type", "default"))
     theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
-    return kind, float(theta)
+    return kind, float(theta), parameters
 
 
 def model_family(config: dict) -> str:
@@ -78,9 +84,12 @@ def model_family(config: dict) -> str:
     sliding = config.get("use_sliding_window", True) and config.get("sliding_window") is not None
     _refuse(sliding, f"{name}: sliding-window attention (sliding_window={config.get('sliding_window')}) cannot be "
                      f"expressed; only models with full attention in every layer convert")
-    kind, theta = _rope(config)
-    _refuse(kind != "default", f"{name}: rope scaling type '{kind}' is not implemented (only plain RoPE); "
-                               f"convert a model without rope scaling")
+    kind, theta, parameters = _rope(config)
+    _refuse(kind not in ("default", "llama3"), f"{name}: rope scaling type '{kind}' is not implemented (plain "
+                                               f"RoPE and Llama 3's 'llama3' are); convert another model")
+    fixed = {key: parameters.get(key) for key in LLAMA3_ROPE_FIXED}
+    _refuse(kind == "llama3" and fixed != LLAMA3_ROPE_FIXED,
+            f"{name}: llama3 rope scaling with {fixed} is not implemented (megatron-core's has {LLAMA3_ROPE_FIXED})")
     _refuse(theta != int(theta), f"{name}: rope_theta {theta} is not an integer (--rotary-base takes one)")
     _refuse(config.get("partial_rotary_factor", 1.0) != 1.0, f"{name}: partial rotary embeddings do not convert")
     _refuse(config.get("hidden_act", "silu") != "silu", f"{name}: hidden_act {config.get('hidden_act')}: only "
@@ -103,6 +112,8 @@ def model_flags(config: dict) -> dict:
         "group-query-attention": groups != heads, "num-query-groups": groups, "kv-channels": head_dim,
         "max-position-embeddings": config.get("max_position_embeddings"),
         "position-embedding-type": "rope", "rotary-base": int(_rope(config)[1]),
+        "use-rope-scaling": _rope(config)[0] == "llama3",
+        "rope-scaling-factor": float(_rope(config)[2].get("factor", 8.0)) if _rope(config)[0] == "llama3" else None,
         "normalization": "RMSNorm", "norm-epsilon": float(config.get("rms_norm_eps", 1e-6)), "swiglu": True,
         "disable-bias-linear": True, "add-qkv-bias": family == "qwen2", "qk-layernorm": family == "qwen3",
         "untie-embeddings-and-output-weights": not config.get("tie_word_embeddings", False),

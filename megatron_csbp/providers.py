@@ -74,7 +74,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, *, args=N
         group=parallel_state.get_block_parallel_groups(), transport=args.csbp_transport, vp_stage=vp_stage,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent)
+        rotary_percent=args.rotary_percent, rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0))
 
 
 class SampleIndexed(torch.utils.data.Dataset):

@@ -225,10 +225,12 @@ def export_config(args, base: dict | None, rows: int, dtype) -> dict:
     family = "qwen3" if args.qk_layernorm else "qwen2" if args.add_qkv_bias else "llama"
     config = dict(base) if base else {"architectures": [hf.EXPORT_ARCHITECTURE[family]], "model_type": family,
                                       "hidden_act": "silu", "attention_bias": False}
-    if "rope_parameters" in config:
-        config["rope_parameters"] = {**config["rope_parameters"], "rope_theta": float(args.rotary_base)}
-    else:
-        config["rope_theta"] = float(args.rotary_base)
+    rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+    if getattr(args, "use_rope_scaling", False):
+        rope.update(rope_type="llama3", factor=float(args.rope_scaling_factor), **hf.LLAMA3_ROPE_FIXED)
+    config.pop("rope_scaling", None)
+    config.pop("rope_theta", None)
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), **rope}
     config.update(hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
                   num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
                   num_key_value_heads=args.num_query_groups, head_dim=args.kv_channels,

@@ -47,7 +47,8 @@ def make_tokenizer(vocab_size: int):
 
 def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows: int | None = None,
                hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-               head_dim: int = 16, intermediate_size: int = 96, tied: bool = False, seed: int = 0) -> str:
+               head_dim: int = 16, intermediate_size: int = 96, tied: bool = False, rope_parameters: dict | None = None,
+               seed: int = 0) -> str:
     """Writes a tiny random `family` model with a `tokenizer_ids`-id tokenizer and `model_rows` (default:
     as many) embedding rows to `output`; returns `output`."""
     import torch
@@ -55,6 +56,8 @@ def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows
 
     configs = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
     extra = {"sliding_window": None} if family == "mistral" else {}
+    if rope_parameters:
+        extra["rope_parameters"] = rope_parameters
     config = configs[family](
         vocab_size=model_rows or tokenizer_ids, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
