@@ -261,7 +261,14 @@ class SafetensorsDir:
     def keys(self):
         return self._where.keys()
 
-    def get(self, key: str) -> torch.Tensor:
+    def shape(self, key: str) -> list[int]:
+        self._check(key)
+        return self._files[self._where[key]].get_slice(key).get_shape()
+
+    def _check(self, key: str) -> None:
         if key not in self._where:
             raise UnsupportedModel(f"the HF weights have no tensor {key}: not a model this mapping can express")
+
+    def get(self, key: str) -> torch.Tensor:
+        self._check(key)
         return self._files[self._where[key]].get_tensor(key)

@@ -154,7 +154,7 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
     flags = hf.model_flags(config)  # refuses what the mapping cannot express, before any work
     weights = hf.SafetensorsDir(hf_dir)
     _check_tying(weights, flags, hf_dir)
-    hf_rows = weights.get("model.embed_tokens.weight").shape[0]
+    hf_rows = weights.shape("model.embed_tokens.weight")[0]
     shape_probe = hf.Shape(flags["num-layers"], flags["num-attention-heads"], flags["num-query-groups"],
                            flags["kv-channels"], flags["add-qkv-bias"], flags["qk-layernorm"],
                            not flags["untie-embeddings-and-output-weights"])

@@ -36,7 +36,7 @@ TOLERANCE = 1e-5
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 MODELS = {"llama": dict(family="llama", tokenizer_ids=383),
-          "llama3": dict(family="llama", tokenizer_ids=300, tied=True, rope_parameters=LLAMA3_ROPE),
+          "llama3": dict(family="llama", tokenizer_ids=383, tied=True, rope_parameters=LLAMA3_ROPE),
           "qwen2": dict(family="qwen2", tokenizer_ids=300, model_rows=384, tied=True),
           "qwen3": dict(family="qwen3", tokenizer_ids=300, model_rows=384)}
 CONTROLS = {"rope interleaved": MODELS, "qkv concatenated": MODELS, "rope unscaled": ["llama3"]}
@@ -57,6 +57,13 @@ def _make_and_import(rank, world, root):
         hf_dir = make.make_model(**settings, output=os.path.join(root, name, "hf"))
         convert.import_checkpoint(hf_dir, os.path.join(root, name, "ckpt"), make_vocab_size_divisible_by=DIVISIBLE_BY,
                                   log=lambda *_: None)
+
+
+def _run_conversions(rank, world, jobs):
+    """On one spawned rank: `convert_hf.import_checkpoint` / `export_checkpoint` calls, one after the other."""
+    convert = _script("convert_hf")
+    for function, kwargs in jobs:
+        getattr(convert, function)(**kwargs, log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")
@@ -237,10 +244,11 @@ def _assert_bit_exact(exported, expected):
 def test_import_export_round_trip_is_bit_exact(converted, tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    run_ranks(_run_conversions, 1, [("export_checkpoint", dict(load=os.path.join(converted, family, "ckpt"),
+                                                                out=str(tmp_path / family))) for family in MODELS],
+              timeout=600)
     for family in MODELS:
         out = str(tmp_path / family)
-        code, output = _convert("export", "--load", os.path.join(converted, family, "ckpt"), "--hf-dir", out)
-        assert code == 0, output
         original = _safetensors(os.path.join(converted, family, "hf"))
         _assert_bit_exact(_safetensors(out), _expected_export(family, original))
         config = AutoConfig.from_pretrained(out, local_files_only=True)
@@ -378,15 +386,14 @@ def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
 
 def test_existing_token_as_mask_round_trips_exactly(converted, tmp_path):
     """`--mask-token` names an unused special token: its id is MASK, no row changes, export is bit-exact."""
-    hf_dir = os.path.join(converted, "qwen3", "hf")
-    code, output = _convert("import", "--hf-dir", hf_dir, "--save", str(tmp_path / "ckpt"),
-                            "--mask-token", "<|unused_0|>", "--make-vocab-size-divisible-by", "64")
-    assert code == 0, output
     import yaml
+
+    hf_dir, save = os.path.join(converted, "qwen3", "hf"), str(tmp_path / "ckpt")
+    run_ranks(_run_conversions, 1, [
+        ("import_checkpoint", dict(hf_dir=hf_dir, save=save, mask_token="<|unused_0|>", make_vocab_size_divisible_by=64)),
+        ("export_checkpoint", dict(load=save, out=str(tmp_path / "out")))], timeout=600)
     fragment = yaml.safe_load(open(tmp_path / "ckpt" / "model.yaml"))
     assert fragment["bdlm-mask-token-id"] == 1  # the tokenizer's second special token
-    code, output = _convert("export", "--load", str(tmp_path / "ckpt"), "--hf-dir", str(tmp_path / "out"))
-    assert code == 0, output
     _assert_bit_exact(_safetensors(str(tmp_path / "out")), _safetensors(hf_dir))
     from transformers import AutoTokenizer
     assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).mask_token_id == 1
