@@ -5,7 +5,8 @@ BDLM trains on the clean sequence `x0` of `L` tokens: GPTDataset is built with
 (the BDLM mask is the attention op's business); a sample's `tokens` are `x0`.
 
 Vocabulary: the tokenizer's ids (bytes 0..255 and EOD = 256 for the byte tokenizer), then the MASK id
-right after them (or the id `--bdlm-mask-token-id` names), then Megatron-style padding to a multiple of `--make-vocab-size-divisible-by` x TP.
+right after them (or the id `--bdlm-mask-token-id` names), then Megatron-style padding to a multiple of
+`--make-vocab-size-divisible-by` x TP.
 """
 
 import argparse
