@@ -321,7 +321,8 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, lo
     if hf_side:
         _export_tokenizer(hf_side, out, args.mask_token_id, log)
         if os.path.isfile(os.path.join(hf_side, "generation_config.json")):
-            shutil.copyfile(os.path.join(hf_side, "generation_config.json"), os.path.join(out, "generation_config.json"))
+            shutil.copyfile(os.path.join(hf_side, "generation_config.json"),
+                            os.path.join(out, "generation_config.json"))
     else:
         log(f" note: the {args.tokenizer_type} has no Hugging Face form; {out} holds the model without a tokenizer")
     log(f" exported {directory} (iteration {iteration}) to {out}: {len(shards)} shard(s), vocabulary {rows}, "

@@ -390,7 +390,8 @@ def test_existing_token_as_mask_round_trips_exactly(converted, tmp_path):
 
     hf_dir, save = os.path.join(converted, "qwen3", "hf"), str(tmp_path / "ckpt")
     run_ranks(_run_conversions, 1, [
-        ("import_checkpoint", dict(hf_dir=hf_dir, save=save, mask_token="<|unused_0|>", make_vocab_size_divisible_by=64)),
+        ("import_checkpoint", dict(hf_dir=hf_dir, save=save, mask_token="<|unused_0|>",
+                                   make_vocab_size_divisible_by=DIVISIBLE_BY)),
         ("export_checkpoint", dict(load=save, out=str(tmp_path / "out")))], timeout=600)
     fragment = yaml.safe_load(open(tmp_path / "ckpt" / "model.yaml"))
     assert fragment["bdlm-mask-token-id"] == 1  # the tokenizer's second special token
