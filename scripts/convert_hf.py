@@ -80,6 +80,7 @@ def _single_rank(args):
     args.context_parallel_size = args.context_block_parallel = args.context_block_parallel_clean_shards = 1
     args.sequence_parallel, args.world_size, args.data_parallel_size = False, 1, 1
     args.bdlm_parallel_mode = "csbp"
+    args.use_cpu_initialization = True  # conversion happens in host memory, also on a GPU machine
     return args
 
 
@@ -265,7 +266,6 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, lo
 
     iteration = checkpointing.find_checkpoint(load, fallback=False, log=log)
     directory = checkpointing.checkpoint_dir(load, iteration)
-    checkpointing.check_complete(directory)
     saved = dist_checkpointing.load_common_state_dict(directory)
     args = _single_rank(argparse.Namespace(**saved["args"]))
     hf_side = None
