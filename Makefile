@@ -10,7 +10,7 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,megatron-lm]"
+	$(PY) -m pip install --quiet -e ".[test,megatron-lm,hf]"
 	touch $@
 
 venv: $(VENV)/.installed

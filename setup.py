@@ -22,6 +22,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8,<10", "pytest-timeout>=2.3,<3"],
+        # scripts/convert_hf.py (Hugging Face import/export) and, in tests, the reference models.
+        "hf": ["transformers>=5.0,<6", "safetensors>=0.4", "tokenizers>=0.21"],
         "gpu": ["transformer-engine[pytorch]"],
         # What Megatron-LM's `megatron.training` imports beyond megatron-core (Megatron-LM itself is not on
         # PyPI: see the README). triton is not listed: on GPUs it comes with torch, on CPUs it is not needed.

@@ -63,6 +63,9 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="How noisy blocks are dealt to ranks (contiguous is an ablation).")
     group.add_argument("--csbp-clean-layout", choices=("zigzag", "contiguous"), default="zigzag",
                        help="How the clean sequence is sharded over a ring (contiguous is an ablation).")
+    group.add_argument("--bdlm-mask-token-id", type=int, default=None, metavar="ID",
+                       help="The MASK id: a new id right after the tokenizer's (the default), or an existing id "
+                            "the data never uses (e.g. what scripts/convert_hf.py import chose).")
     group.add_argument("--max-consecutive-bad-steps", type=int, default=3, metavar="N",
                        help="Steps with a NaN/Inf loss or grad norm are skipped; stop after N in a row.")
     group.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
@@ -127,11 +130,19 @@ def _add_model_args(parser):
                             "default, learned_absolute, is not supported.)")
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--rotary-percent", type=float, default=1.0)
+    group.add_argument("--use-rope-scaling", action="store_true",
+                       help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency factors 1/4, "
+                            "original context 8192).")
+    group.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Its factor (Llama 3.1: 8).")
     group.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
     group.add_argument("--norm-epsilon", type=float, default=1e-5)
     group.add_argument("--swiglu", action="store_true")
     group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
     group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--add-qkv-bias", action="store_true",
+                       help="Bias on the QKV projection only (Qwen2), even with --disable-bias-linear.")
+    group.add_argument("--qk-layernorm", action="store_true",
+                       help="Normalise each head's query and key (Qwen3's QK-norm), with --normalization.")
     group.add_argument("--init-method-std", type=float, default=0.02)
     group.add_argument("--attention-dropout", type=float, default=0.0,
                        help="Must be 0: the CSBP attention kernel has no attention-probability dropout.")
@@ -516,7 +527,8 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         context_parallel_size=args.context_parallel_size, sequence_parallel=args.sequence_parallel,
         normalization=args.normalization, layernorm_epsilon=args.norm_epsilon,
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
-        add_bias_linear=args.add_bias_linear, init_method_std=args.init_method_std,
+        add_bias_linear=args.add_bias_linear, add_qkv_bias=getattr(args, "add_qkv_bias", False),
+        qk_layernorm=getattr(args, "qk_layernorm", False), init_method_std=args.init_method_std,
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         bf16=args.bf16, fp16=args.fp16, params_dtype=params_dtype, pipeline_dtype=params_dtype,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,

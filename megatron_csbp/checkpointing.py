@@ -30,9 +30,10 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "csbp_manifest.json"
 _ITERATION_DIR = re.compile(r"iter_(\d{7})")
 # Settings that fix a parameter's shape: a checkpoint only loads into a model that agrees on all of them.
+# The MASK id too: training, sampling and export must agree on it with the checkpoint.
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                     "kv_channels", "padded_vocab_size", "swiglu", "normalization", "add_bias_linear",
-                    "untie_embeddings_and_output_weights")
+                    "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "mask_token_id")
 _TEST_CRASH_BEFORE_PUBLISH = "MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH"  # iteration: fail after writing, pre-rename
 
 
@@ -167,7 +168,9 @@ def _write_tracker(root: str, iteration: int) -> None:
 
 
 def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, args) -> str:
-    """Writes `<root>/iter_XXXXXXX/` (collective: every rank calls it); returns its path."""
+    """Writes `<root>/iter_XXXXXXX/` (collective: every rank calls it); returns its path.
+
+    `optimizer` and `scheduler` None: a model-only checkpoint (a converted model), loaded with --finetune."""
     from megatron.core import dist_checkpointing
 
     final = checkpoint_dir(root, state.iteration)
@@ -177,8 +180,10 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
         shutil.rmtree(temporary, ignore_errors=True)  # what an interrupted save left
         os.makedirs(temporary)
     dist.barrier()
-    sharded = _sharded_state_dict(model, optimizer, is_loading=False, with_optimizer=True, rng=_rng_state())
-    sharded.update(loop=asdict(state), scheduler=scheduler.state_dict(), args=_plain_args(args),
+    sharded = _sharded_state_dict(model, optimizer, is_loading=False, with_optimizer=optimizer is not None,
+                                  rng=_rng_state())
+    sharded.update(loop=asdict(state), scheduler=None if scheduler is None else scheduler.state_dict(),
+                   args=_plain_args(args),
                    parallel_sizes=_parallel_sizes())
     dist_checkpointing.save(sharded, temporary)
     dist.barrier()
@@ -261,7 +266,7 @@ def check_compatible(saved_args: dict, args: argparse.Namespace, directory: str)
                     f"{args.padded_vocab_size} (the tokenizer's ids + MASK, padded to a multiple of "
                     f"--make-vocab-size-divisible-by x --tensor-model-parallel-size): set "
                     f"--make-vocab-size-divisible-by so both pad alike, or use the checkpoint's tokenizer")
-            flag = "--" + name.replace("_", "-")
+            flag = "--bdlm-mask-token-id" if name == "mask_token_id" else "--" + name.replace("_", "-")
             raise CheckpointError(f"checkpoint {directory} was saved with {flag} {saved_args[name]}, this run has "
                                   f"{flag} {getattr(args, name, None)}: use the same {flag}, or another --load")
 
@@ -278,6 +283,9 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
     except Exception as error:
         raise CheckpointError(f"checkpoint {directory} is corrupt: its common state cannot be read ({error})") from None
     check_compatible(common["args"], args, directory)
+    if load_optimizer and common.get("scheduler") is None:
+        raise CheckpointError(f"checkpoint {directory} holds a model only (no optimizer state, e.g. a converted "
+                              f"model): load it with --finetune (or --no-load-optim)")
     load_rng = load_rng and common["parallel_sizes"] == _parallel_sizes()
     if not load_rng:
         log(f" not restoring RNG states from {directory} (saved with {common['parallel_sizes']}, running with "

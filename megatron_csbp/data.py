@@ -5,7 +5,8 @@ BDLM trains on the clean sequence `x0` of `L` tokens: GPTDataset is built with
 (the BDLM mask is the attention op's business); a sample's `tokens` are `x0`.
 
 Vocabulary: the tokenizer's ids (bytes 0..255 and EOD = 256 for the byte tokenizer), then the MASK id
-right after them, then Megatron-style padding to a multiple of `--make-vocab-size-divisible-by` x TP.
+right after them (or the id `--bdlm-mask-token-id` names), then Megatron-style padding to a multiple of
+`--make-vocab-size-divisible-by` x TP.
 """
 
 import argparse
@@ -111,6 +112,18 @@ def build_tokenizer(args: argparse.Namespace):
     return tokenizer
 
 
+def vocabulary(args: argparse.Namespace, tokenizer) -> tuple[int, int]:
+    """(MASK id, padded vocabulary size) of the run: MASK is `--bdlm-mask-token-id` (an unused id of the
+    tokenizer, or a new one further on, as `scripts/convert_hf.py import` records it) or, by default, a new id
+    right after the tokenizer's; the vocabulary is padded (Megatron's rule) to hold both."""
+    mask = getattr(args, "bdlm_mask_token_id", None)
+    if mask is not None and mask < 0:
+        raise ConfigError(f"--bdlm-mask-token-id {mask} must be a non-negative id")
+    mask = tokenizer.vocab_size if mask is None else mask
+    return mask, padded_vocab_size(max(tokenizer.vocab_size, mask + 1), args.make_vocab_size_divisible_by,
+                                   args.tensor_model_parallel_size)
+
+
 @dataclass(frozen=True)
 class DatasetStats:
     """What an indexed dataset holds, read back from its files."""
@@ -180,8 +193,11 @@ def dataset_stats(prefix: str, chunk_tokens: int = 1 << 24) -> DatasetStats:
     return DatasetStats(len(dataset.document_indices) - 1, num_tokens, max_id)
 
 
-def check_vocabulary(prefixes: list[str], mask_token_id: int, padded_vocab_size: int) -> int:
-    """Refuse datasets with ids the model cannot take (beyond its vocabulary, or the MASK id); returns the max id."""
+def check_vocabulary(prefixes: list[str], mask_token_id: int, padded_vocab_size: int,
+                     tokenizer_ids: int | None = None) -> int:
+    """Refuse datasets with ids the model cannot take (beyond its vocabulary or the tokenizer's
+    `tokenizer_ids` ids (default: those before MASK), or the MASK id); returns the max id."""
+    tokenizer_ids = mask_token_id if tokenizer_ids is None else tokenizer_ids
     largest = -1
     for prefix in prefixes:
         max_id = dataset_stats(prefix).max_token_id
@@ -193,7 +209,7 @@ def check_vocabulary(prefixes: list[str], mask_token_id: int, padded_vocab_size:
         if max_id == mask_token_id:
             raise ConfigError(f"--data-path {prefix}: token id {max_id} collides with the MASK id {mask_token_id}; "
                               f"{fix}")
-        if max_id > mask_token_id:
+        if max_id >= tokenizer_ids:
             raise ConfigError(f"--data-path {prefix}: token id {max_id} lies beyond the tokenizer's ids and the MASK "
                               f"id {mask_token_id} (padding); {fix}")
         largest = max(largest, max_id)
@@ -299,8 +315,7 @@ def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: C
     if not prefixes:
         raise ConfigError("--data-path is required (scripts/prepare_data.py builds the default dataset)")
     check_data_prefixes(prefixes)
-    check_vocabulary(prefixes, tokenizer.vocab_size, padded_vocab_size(
-        tokenizer.vocab_size + 1, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size))
+    check_vocabulary(prefixes, *vocabulary(args, tokenizer), tokenizer.vocab_size)
     split, sizes = args.split or MEGATRON_SPLIT_DEFAULT, sizes or split_sizes(args)
     check_split(prefixes, split)
     cache_root = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")

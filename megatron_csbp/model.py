@@ -147,7 +147,7 @@ def model_provider(pre_process=True, post_process=True, *, config, layout, vocab
     """
     context = csbp_spec.AttentionContext(layout=layout, group=group, transport=transport)
     layer_spec = csbp_spec.get_csbp_layer_spec(use_transformer_engine=use_transformer_engine, context=context,
-                                               base_spec=base_spec)
+                                               base_spec=base_spec, qk_layernorm=config.qk_layernorm)
     if not use_transformer_engine:  # the final norm too must accept sequence parallelism
         layer_spec = TransformerBlockSubmodules(
             layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),

@@ -36,16 +36,12 @@ def _tokenizer(args: argparse.Namespace, megatron_lm: bool):
 
 
 def fill_vocabulary(args: argparse.Namespace, megatron_lm: bool = False) -> None:
-    """Fills `args.mask_token_id` / `args.padded_vocab_size`: MASK is the id right after the tokenizer's, and
-    the vocabulary is padded (Megatron's rule) so that it holds it."""
+    """Fills `args.mask_token_id` / `args.padded_vocab_size` from the run's tokenizer (`data.vocabulary`)."""
     if getattr(args, "bdlm_vocabulary_filled", False):
         return
-    from megatron_csbp.data import padded_vocab_size
+    from megatron_csbp.data import vocabulary
 
-    tokenizer = _tokenizer(args, megatron_lm)
-    args.mask_token_id = tokenizer.vocab_size
-    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size + 1, args.make_vocab_size_divisible_by,
-                                               args.tensor_model_parallel_size)
+    args.mask_token_id, args.padded_vocab_size = vocabulary(args, _tokenizer(args, megatron_lm))
     args.bdlm_vocabulary_filled = True
 
 
@@ -121,7 +117,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         use_transformer_engine=args.transformer_impl == "transformer_engine", base_spec=layer_spec_from_args(args),
         pg_collection=pg_collection, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent)
+        rotary_percent=args.rotary_percent, rope_scaling=getattr(args, "use_rope_scaling", False),
+        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0))
 
 
 def embedding_ranks(pp_ranks: list[int], tied: bool) -> list[int]:

@@ -45,6 +45,7 @@ MODULE_MARKERS = {
     "test_slurm": ("spawn", "slow", "slurm"),
     "test_megatron_lm": ("spawn", "slow", "megatron_lm"),
     "test_sampling": ("spawn", "slow"),
+    "test_hf": ("spawn", "slow"),
     "test_suite_rules": (),
 }
 

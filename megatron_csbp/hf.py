@@ -1,0 +1,274 @@
+"""Hugging Face <-> megatron-core weights for dense Llama-family models: Llama, Mistral, Qwen2, Qwen3.
+
+One mapping, both directions; `scripts/convert_hf.py` drives it (import: HF directory -> our `torch_dist`
+checkpoint; export: any of our checkpoints -> HF directory). Megatron-Bridge's `AutoBridge` is the
+ecosystem's converter; it needs Python >= 3.12 and megatron-core >= 0.17, so this small module stands in
+for it, with its conventions and names:
+
+* QKV interleaving per query group: megatron's fused `linear_qkv` holds, for each of the G query groups,
+  its H/G query heads, then its key head, then its value head (`[q_g ; k_g ; v_g]`, each head `d` rows);
+  TP shards it by whole groups. The Qwen2 QKV bias is interleaved alike.
+* Gated-MLP fusion `[gate ; up]`: `linear_fc1` is `gate_proj` stacked over `up_proj` (megatron's swiglu
+  sharded factory splits the two halves per TP rank).
+* RoPE layout: HF's `rotate_half` pairs dimension `i` with `i + d/2`, which is megatron's default
+  non-interleaved RoPE (`rotary_interleaved=False`): Q/K rows are copied unpermuted.
+* QK-norm (Qwen3): `q_norm`/`k_norm` are megatron's `q_layernorm`/`k_layernorm` (RMSNorm over `d`).
+* RoPE scaling: Llama 3's `llama3` type is megatron-core's `rope_scaling` (its fixed low/high frequency
+  factors and original context); other types are refused.
+
+Vocabulary. The megatron embedding (and untied output layer) has `padded_vocab_size` rows: the HF rows,
+then zero rows (Megatron's padding). A new MASK id (`Vocabulary.new_mask`) gets, in both matrices, the
+mean of the rows of the tokenizer's original ids (an unseen token starts as the average token, the
+initialisation Fast-dLLM v2 / Dream use); when the HF matrix already has a row there (an unused padding
+row, as in Qwen's), that row is replaced. An existing token named as MASK keeps its rows. Export writes
+rows `[0, Vocabulary.rows)` back.
+"""
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from megatron_csbp.arguments import ConfigError
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
+                 "Qwen3ForCausalLM": "qwen3"}
+EXPORT_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+class UnsupportedModel(ConfigError):
+    """An HF model (or one of our checkpoints) that the mapping cannot express, with what to do."""
+
+
+def _refuse(condition: bool, message: str) -> None:
+    if condition:
+        raise UnsupportedModel(message)
+
+
+def read_config(hf_dir: str) -> dict:
+    """The raw `config.json` of a local HF directory (read as JSON: both the transformers 4 and 5 spellings)."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConfigError(f"--hf-dir {hf_dir}: no config.json (a local Hugging Face model directory is needed; "
+                          f"nothing is downloaded)")
+    with open(path, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+# Llama 3.x RoPE scaling as megatron-core implements it (`--use-rope-scaling`): only its factor is free.
+LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope(config: dict) -> tuple[str, float, dict]:
+    parameters = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    theta = parameters.get("rope_theta", config.get("rope_theta", 10000.0))
+    return kind, float(theta), parameters
+
+
+def model_family(config: dict) -> str:
+    """'llama', 'mistral', 'qwen2' or 'qwen3'; refuses (one line) what the mapping cannot express."""
+    architectures = config.get("architectures") or []
+    name = architectures[0] if architectures else str(config.get("model_type"))
+    moe = ("moe" in name.lower() or "mixtral" in name.lower()
+           or any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts")))
+    _refuse(moe, f"{name} is a mixture-of-experts model: only dense Llama/Mistral/Qwen2/Qwen3 models convert")
+    _refuse(name not in ARCHITECTURES, f"architecture {name} is not supported: convert one of "
+                                       f"{', '.join(ARCHITECTURES)} (dense decoder models)")
+    family = ARCHITECTURES[name]
+    layer_types = set(config.get("layer_types") or ["full_attention"])
+    _refuse("linear_attention" in layer_types, f"{name}: linear-attention layers cannot be expressed")
+    _refuse(layer_types != {"full_attention"}, f"{name}: layer_types {sorted(layer_types)}: only full-attention "
+                                               f"layers convert (sliding-window layers have no BDLM mask)")
+    sliding = config.get("use_sliding_window", True) and config.get("sliding_window") is not None
+    _refuse(sliding, f"{name}: sliding-window attention (sliding_window={config.get('sliding_window')}) cannot be "
+                     f"expressed; only models with full attention in every layer convert")
+    kind, theta, parameters = _rope(config)
+    _refuse(kind not in ("default", "llama3"), f"{name}: rope scaling type '{kind}' is not implemented (plain "
+                                               f"RoPE and Llama 3's 'llama3' are); convert another model")
+    fixed = {key: parameters.get(key) for key in LLAMA3_ROPE_FIXED}
+    _refuse(kind == "llama3" and fixed != LLAMA3_ROPE_FIXED,
+            f"{name}: llama3 rope scaling with {fixed} is not implemented (megatron-core's has {LLAMA3_ROPE_FIXED})")
+    _refuse(theta != int(theta), f"{name}: rope_theta {theta} is not an integer (--rotary-base takes one)")
+    _refuse(config.get("partial_rotary_factor", 1.0) != 1.0, f"{name}: partial rotary embeddings do not convert")
+    _refuse(config.get("hidden_act", "silu") != "silu", f"{name}: hidden_act {config.get('hidden_act')}: only "
+                                                        f"SiLU-gated MLPs convert")
+    _refuse(bool(config.get("mlp_bias")), f"{name}: mlp_bias cannot be expressed (megatron biases all or no linears)")
+    _refuse(family != "qwen2" and bool(config.get("attention_bias")),
+            f"{name}: attention_bias on q/k/v/o without an MLP bias cannot be expressed")
+    return family
+
+
+def model_flags(config: dict) -> dict:
+    """Our model flags (YAML keys) for an HF config."""
+    family = model_family(config)
+    heads = config["num_attention_heads"]
+    groups = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    flags = {
+        "num-layers": config["num_hidden_layers"], "hidden-size": config["hidden_size"],
+        "ffn-hidden-size": config["intermediate_size"], "num-attention-heads": heads,
+        "group-query-attention": groups != heads, "num-query-groups": groups, "kv-channels": head_dim,
+        "max-position-embeddings": config.get("max_position_embeddings"),
+        "position-embedding-type": "rope", "rotary-base": int(_rope(config)[1]),
+        "use-rope-scaling": _rope(config)[0] == "llama3",
+        "rope-scaling-factor": float(_rope(config)[2].get("factor", 8.0)) if _rope(config)[0] == "llama3" else None,
+        "normalization": "RMSNorm", "norm-epsilon": float(config.get("rms_norm_eps", 1e-6)), "swiglu": True,
+        "disable-bias-linear": True, "add-qkv-bias": family == "qwen2", "qk-layernorm": family == "qwen3",
+        "untie-embeddings-and-output-weights": not config.get("tie_word_embeddings", False),
+        "attention-dropout": 0.0, "hidden-dropout": 0.0,
+    }
+    return {key: value for key, value in flags.items() if value is not None}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the weight mapping needs to know of the model."""
+
+    num_layers: int
+    num_heads: int
+    num_groups: int
+    head_dim: int
+    qkv_bias: bool
+    qk_norm: bool
+    tied: bool
+
+    @classmethod
+    def from_args(cls, args) -> "Shape":
+        return cls(args.num_layers, args.num_attention_heads, args.num_query_groups, args.kv_channels,
+                   bool(getattr(args, "add_qkv_bias", False)), bool(getattr(args, "qk_layernorm", False)),
+                   not args.untie_embeddings_and_output_weights)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """Rows of the embedding matrices: `hf_rows` in the HF model, `padded` in ours, MASK at `mask_id`.
+
+    `new_mask`: MASK is a new token whose rows are initialised (mean of the rows of ids `< mean_of`).
+    `rows`: the rows an export writes (the tokenizer's ids, MASK included)."""
+
+    hf_rows: int
+    padded: int
+    mask_id: int
+    new_mask: bool
+    mean_of: int
+    rows: int
+
+
+_LAYER = "decoder.layers.{}."
+_HF_LAYER = "model.layers.{}."
+
+
+def _layer_names(shape: Shape) -> dict[str, list[str]]:
+    """Per-layer megatron name suffix -> the HF name suffixes it is built from."""
+    names = {"input_layernorm.weight": ["input_layernorm.weight"],
+             "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                                  "self_attn.v_proj.weight"],
+             "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+             "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
+             "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+             "mlp.linear_fc2.weight": ["mlp.down_proj.weight"]}
+    if shape.qkv_bias:
+        names["self_attention.linear_qkv.bias"] = ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
+                                                   "self_attn.v_proj.bias"]
+    if shape.qk_norm:
+        names["self_attention.q_layernorm.weight"] = ["self_attn.q_norm.weight"]
+        names["self_attention.k_layernorm.weight"] = ["self_attn.k_norm.weight"]
+    return names
+
+
+def name_map(shape: Shape) -> dict[str, list[str]]:
+    """Every megatron parameter name (one rank, no parallelism) -> the HF tensor names it is built from."""
+    names = {"embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
+             "decoder.final_layernorm.weight": ["model.norm.weight"]}
+    if not shape.tied:
+        names["output_layer.weight"] = ["lm_head.weight"]
+    for layer in range(shape.num_layers):
+        for ours, theirs in _layer_names(shape).items():
+            names[_LAYER.format(layer) + ours] = [_HF_LAYER.format(layer) + name for name in theirs]
+    return names
+
+
+def interleave_qkv(q, k, v, shape: Shape):
+    """`[q ; k ; v]` (rows, or a bias) -> per query group `[q_g ; k_g ; v_g]`."""
+    g, d = shape.num_groups, shape.head_dim
+    per_group = shape.num_heads // g
+    rest = q.shape[1:]
+    return torch.cat([q.reshape(g, per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)],
+                     dim=1).reshape(-1, *rest)
+
+
+def split_qkv(qkv, shape: Shape):
+    """Inverse of `interleave_qkv`: -> (q, k, v)."""
+    g, d = shape.num_groups, shape.head_dim
+    per_group = shape.num_heads // g
+    rest = qkv.shape[1:]
+    q, k, v = qkv.reshape(g, (per_group + 2) * d, *rest).split([per_group * d, d, d], dim=1)
+    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+
+
+def _vocab_rows(hf_rows_tensor, vocab: Vocabulary, dtype):
+    out = torch.zeros(vocab.padded, *hf_rows_tensor.shape[1:], dtype=dtype)
+    kept = min(vocab.hf_rows, vocab.padded)
+    out[:kept] = hf_rows_tensor[:kept]
+    if vocab.new_mask:
+        out[vocab.mask_id] = hf_rows_tensor[:vocab.mean_of].double().mean(0)
+    return out
+
+
+def to_megatron(name: str, hf_tensors: list, shape: Shape, vocab: Vocabulary, dtype) -> torch.Tensor:
+    """The megatron parameter `name` from the HF tensors `name_map(shape)[name]` names (in that order)."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return _vocab_rows(hf_tensors[0], vocab, dtype)
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        return interleave_qkv(*hf_tensors, shape).to(dtype)
+    return torch.cat(hf_tensors).to(dtype)  # linear_fc1: [gate ; up]; the others: one tensor
+
+
+def to_hf(name: str, tensor: torch.Tensor, shape: Shape, vocab: Vocabulary) -> list[torch.Tensor]:
+    """The HF tensors `name_map(shape)[name]` names, from the megatron parameter `name`."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        return [tensor[:vocab.rows]]
+    if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
+        return list(split_qkv(tensor, shape))
+    if name.endswith("linear_fc1.weight"):
+        return list(tensor.chunk(2))
+    return [tensor]
+
+
+class SafetensorsDir:
+    """The tensors of a local HF directory's `*.safetensors` files, each read only when asked for."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
+        files = sorted(name for name in os.listdir(hf_dir) if name.endswith(".safetensors"))
+        if not files:
+            raise ConfigError(f"--hf-dir {hf_dir}: no *.safetensors files (convert .bin weights to safetensors "
+                              f"first; pickled weights are not read)")
+        self._files = {}
+        self._where = {}
+        for name in files:
+            handle = safe_open(os.path.join(hf_dir, name), framework="pt")
+            self._files[name] = handle
+            for key in handle.keys():
+                self._where[key] = name
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def keys(self):
+        return self._where.keys()
+
+    def shape(self, key: str) -> list[int]:
+        self._check(key)
+        return self._files[self._where[key]].get_slice(key).get_shape()
+
+    def _check(self, key: str) -> None:
+        if key not in self._where:
+            raise UnsupportedModel(f"the HF weights have no tensor {key}: not a model this mapping can express")
+
+    def get(self, key: str) -> torch.Tensor:
+        self._check(key)
+        return self._files[self._where[key]].get_tensor(key)

@@ -1,0 +1,375 @@
+#!/usr/bin/env python
+"""Hugging Face models in, BDLMs out: a local HF directory <-> our `torch_dist` checkpoints.
+
+    python scripts/convert_hf.py import --hf-dir DIR --save CKPT [--tensor-model-parallel-size T]
+                                        [--make-vocab-size-divisible-by N] [--mask-token TOKEN]
+    python scripts/convert_hf.py export --load CKPT --hf-dir OUT [--max-shard-size-mb M]
+
+import: a dense Llama / Mistral / Qwen2 / Qwen3 directory (`config.json`, `*.safetensors`, tokenizer files;
+nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only checkpoint (fp32) that training loads with
+`--load CKPT --finetune` into any TP / PP / CSBP layout (dist_checkpointing reshards it). Beside it:
+`CKPT/hf/` (the tokenizer with the MASK token, for `--tokenizer-type HuggingFaceTokenizer`, and the HF
+config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK token is a new one,
+`<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.hf`), or, with `--mask-token`,
+an existing unused token. Its id is recorded as `bdlm-mask-token-id` in the fragment and in the
+checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / `--make-vocab-size-
+divisible-by` must be those training will use: they fix the padded vocabulary. Weights are read tensor
+by tensor and copied into one (uninitialised) model, never two full copies.
+
+export: the latest checkpoint of any of our runs (saved at any TP / PP) becomes an HF directory that
+`transformers` loads offline with `from_pretrained(OUT)`: safetensors shards, `config.json` (with
+`mask_token_id` and `bdlm_block_size`), and the tokenizer with its MASK token.
+
+Exit status: 0 done, 2 refused input (one line: what and how to fix it), 1 a failure.
+"""
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megatron_csbp.arguments import ConfigError  # noqa: E402
+
+NEW_MASK_TOKEN = "<|mask|>"
+HF_SIDE = "hf"  # CKPT/hf: the tokenizer and HF config the checkpoint goes with
+FRAGMENT = "model.yaml"
+_IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
+
+
+@contextlib.contextmanager
+def _single_process():
+    """One gloo rank and megatron's parallel state (no parallelism): what building a model needs."""
+    import torch.distributed as dist
+
+    from megatron_csbp import cpu_backend, parallel_state
+    from megatron_csbp.device import default_backend
+    from megatron_csbp.launch import free_port
+
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group(default_backend(), rank=0, world_size=1, timeout=datetime.timedelta(minutes=10))
+    if dist.get_world_size() != 1:
+        raise ConfigError("convert_hf.py runs on one process: launch it with python, not torchrun")
+    cpu_backend.enable()
+    parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1, clean_shards=1)
+    try:
+        yield
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def _uninitialised_model(args):
+    """Our model for `args` on this one rank, its weights allocated but not initialised (they are overwritten)."""
+    from megatron_csbp import providers
+    from megatron_csbp.arguments import transformer_config_from_args
+
+    config = transformer_config_from_args(args)
+    config.perform_initialization = False
+    return providers.model_provider(True, True, args=args, config=config)
+
+
+def _single_rank(args):
+    """`args` of a model built on one rank (the padded vocabulary stays the one computed for training's TP)."""
+    args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
+    args.context_parallel_size = args.context_block_parallel = args.context_block_parallel_clean_shards = 1
+    args.sequence_parallel, args.world_size, args.data_parallel_size = False, 1, 1
+    args.bdlm_parallel_mode = "csbp"
+    args.use_cpu_initialization = True  # conversion happens in host memory, also on a GPU machine
+    return args
+
+
+def _vocabulary_rows(args) -> int:
+    """Ids the model's tokenizer side has: the tokenizer's (MASK included) and MASK's; rows an export writes."""
+    from megatron_csbp.data import build_tokenizer
+
+    probe = argparse.Namespace(**vars(args))
+    probe.bdlm_mask_token_id = args.mask_token_id
+    tokenizer = build_tokenizer(probe)
+    return max(tokenizer.vocab_size, args.mask_token_id + 1)
+
+
+# ------------------------------------------------------------------------------------------------ import
+def write_tokenizer(hf_dir: str, out_dir: str, mask_token: str | None) -> tuple[int, bool, int]:
+    """Writes the tokenizer with its MASK token to `out_dir`; returns (MASK id, MASK is new, original ids)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    except Exception as error:
+        raise ConfigError(f"--hf-dir {hf_dir}: no tokenizer transformers can read offline "
+                          f"({' '.join(str(error).split())[:200]})") from None
+    original_ids = len(tokenizer)
+    vocabulary = tokenizer.get_vocab()
+    if mask_token is not None:
+        if mask_token not in vocabulary:
+            raise ConfigError(f"--mask-token {mask_token!r} is not a token of {hf_dir}'s tokenizer: name an "
+                              f"existing unused special token, or drop --mask-token for a new {NEW_MASK_TOKEN}")
+        tokenizer.add_special_tokens({"mask_token": mask_token})
+        mask_id, new = vocabulary[mask_token], False
+    else:
+        if NEW_MASK_TOKEN in vocabulary:
+            raise ConfigError(f"{hf_dir}'s tokenizer already has {NEW_MASK_TOKEN} (id {vocabulary[NEW_MASK_TOKEN]}): "
+                              f"use it with --mask-token '{NEW_MASK_TOKEN}'")
+        tokenizer.add_special_tokens({"mask_token": NEW_MASK_TOKEN})
+        mask_id, new = tokenizer.convert_tokens_to_ids(NEW_MASK_TOKEN), True
+        assert mask_id == original_ids, (mask_id, original_ids)
+    tokenizer.save_pretrained(out_dir)
+    if not os.path.isfile(os.path.join(out_dir, "tokenizer.json")):
+        raise ConfigError(f"--hf-dir {hf_dir}: its tokenizer has no fast (tokenizer.json) form, which "
+                          f"--tokenizer-type HuggingFaceTokenizer reads")
+    return mask_id, new, original_ids
+
+
+def _check_tying(weights, flags: dict, hf_dir: str) -> None:
+    import torch
+
+    tied = not flags["untie-embeddings-and-output-weights"]
+    if tied and "lm_head.weight" in weights:
+        if not torch.equal(weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")):
+            raise ConfigError(f"--hf-dir {hf_dir}: config.json ties the embeddings (tie_word_embeddings) but "
+                              f"lm_head.weight differs from the embedding; fix tie_word_embeddings")
+    if not tied and "lm_head.weight" not in weights:
+        raise ConfigError(f"--hf-dir {hf_dir}: config.json unties the embeddings but the weights have no "
+                          f"lm_head.weight; set tie_word_embeddings: true")
+
+
+def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int = 1,
+                      make_vocab_size_divisible_by: int = 128, mask_token: str | None = None,
+                      log=print) -> str:
+    """HF directory -> `save`/iter_0000000 (+ `save`/hf, `save`/model.yaml); returns the fragment's path."""
+    import torch
+    import yaml
+
+    from megatron_csbp import checkpointing, hf, providers
+    from megatron_csbp.arguments import validate_args
+    from megatron_csbp.config import parse_args
+    from megatron_csbp.data import HuggingFaceTokenizer
+
+    config = hf.read_config(hf_dir)
+    flags = hf.model_flags(config)  # refuses what the mapping cannot express, before any work
+    weights = hf.SafetensorsDir(hf_dir)
+    _check_tying(weights, flags, hf_dir)
+    hf_rows = weights.shape("model.embed_tokens.weight")[0]
+    shape_probe = hf.Shape(flags["num-layers"], flags["num-attention-heads"], flags["num-query-groups"],
+                           flags["kv-channels"], flags["add-qkv-bias"], flags["qk-layernorm"],
+                           not flags["untie-embeddings-and-output-weights"])
+    used = {name for names in hf.name_map(shape_probe).values() for name in names} | {"lm_head.weight"}
+    unused = sorted(key for key in weights.keys() if key not in used and not key.endswith(_IGNORED_HF_TENSORS))
+    if unused:
+        raise hf.UnsupportedModel(f"--hf-dir {hf_dir}: tensors the mapping cannot express, e.g. {unused[0]} "
+                                  f"({len(unused)} in all)")
+
+    save = os.path.abspath(save)
+    hf_side = os.path.join(save, HF_SIDE)
+    os.makedirs(hf_side, exist_ok=True)
+    mask_id, new_mask, original_ids = write_tokenizer(hf_dir, hf_side, mask_token)
+    for name in ("config.json", "generation_config.json"):
+        if os.path.isfile(os.path.join(hf_dir, name)):
+            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(hf_side, name))
+    tokenizer_model = os.path.join(hf_side, "tokenizer.json")
+    fragment = {**flags, "tokenizer-type": "HuggingFaceTokenizer", "tokenizer-model": tokenizer_model,
+                "bdlm-mask-token-id": mask_id, "make-vocab-size-divisible-by": make_vocab_size_divisible_by}
+    if HuggingFaceTokenizer(tokenizer_model).vocab_size < hf_rows:
+        # Keep every HF row (e.g. Qwen's unused padding rows): --vocab-size N means ids up to N (EOD's).
+        fragment["vocab-size"] = hf_rows - 1
+    fragment.update({"load": save, "finetune": True})
+    fragment_path = os.path.join(save, FRAGMENT)
+    with open(fragment_path, "w", encoding="utf-8") as handle:
+        handle.write(f"# Model flags of {os.path.abspath(hf_dir)}, imported by scripts/convert_hf.py: put them in "
+                     f"a training config\n# (beside e.g. configs/ar_to_bdlm_fast_dllm_v2.yaml). Trained with "
+                     f"--tensor-model-parallel-size {tensor_model_parallel_size} in mind (it fixes the padded "
+                     f"vocabulary).\n")
+        yaml.safe_dump(fragment, handle, sort_keys=False)
+
+    args = parse_args(["--config", fragment_path, "seq-length=16", "bdlm-block-size=16", "micro-batch-size=1",
+                       "train-iters=1", "lr=0", "data-path=unused", "finetune=true",
+                       f"tensor-model-parallel-size={tensor_model_parallel_size}"])
+    args = validate_args(args, tensor_model_parallel_size, on_accelerator=False, check_paths=False)
+    providers.fill_vocabulary(args)
+    vocab = hf.Vocabulary(hf_rows=hf_rows, padded=args.padded_vocab_size, mask_id=mask_id, new_mask=new_mask,
+                          mean_of=min(original_ids, hf_rows), rows=_vocabulary_rows(args))
+    log(f" {config['architectures'][0]}: {flags['num-layers']} layers, {hf_rows} HF vocabulary rows -> "
+        f"{vocab.padded} padded; MASK id {mask_id} ({'new, rows initialised to the mean' if new_mask else 'existing'})")
+
+    args = _single_rank(args)
+    shape = hf.Shape.from_args(args)
+    names = hf.name_map(shape)
+    with _single_process():
+        model = _uninitialised_model(args)
+        parameters = dict(model.named_parameters())
+        if set(parameters) != set(names):
+            raise RuntimeError(f"the mapping and the model disagree: {sorted(set(parameters) ^ set(names))[:4]}")
+        with torch.no_grad():
+            for name, parameter in parameters.items():
+                parameter.copy_(hf.to_megatron(name, [weights.get(key) for key in names[name]], shape, vocab,
+                                               parameter.dtype))
+        directory = checkpointing.save_checkpoint(save, checkpointing.LoopState(), model, None, None, args)
+    log(f" saved {directory}; tokenizer in {hf_side}; model flags in {fragment_path}")
+    return fragment_path
+
+
+# ------------------------------------------------------------------------------------------------ export
+def export_config(args, base: dict | None, rows: int, dtype) -> dict:
+    """The HF `config.json` of our model (the imported one updated, or one built from the flags)."""
+    from megatron_csbp import hf
+
+    if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear or \
+            getattr(args, "position_embedding_type", "rope") != "rope":
+        raise hf.UnsupportedModel("export needs a Llama-family model (--normalization RMSNorm --swiglu "
+                                  "--disable-bias-linear, rope); this checkpoint has another shape")
+    family = "qwen3" if args.qk_layernorm else "qwen2" if args.add_qkv_bias else "llama"
+    config = dict(base) if base else {"architectures": [hf.EXPORT_ARCHITECTURE[family]], "model_type": family,
+                                      "hidden_act": "silu", "attention_bias": False}
+    rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+    if getattr(args, "use_rope_scaling", False):
+        rope.update(rope_type="llama3", factor=float(args.rope_scaling_factor), **hf.LLAMA3_ROPE_FIXED)
+    config.pop("rope_scaling", None)
+    config.pop("rope_theta", None)
+    config["rope_parameters"] = {**config.get("rope_parameters", {}), **rope}
+    config.update(hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
+                  num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
+                  num_key_value_heads=args.num_query_groups, head_dim=args.kv_channels,
+                  rms_norm_eps=args.norm_epsilon, max_position_embeddings=args.max_position_embeddings,
+                  vocab_size=rows, tie_word_embeddings=not args.untie_embeddings_and_output_weights,
+                  mask_token_id=args.mask_token_id, bdlm_block_size=args.bdlm_block_size,
+                  dtype=str(dtype).removeprefix("torch."))
+    return config
+
+
+def _export_tokenizer(hf_side: str, out: str, mask_id: int, log) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(hf_side, local_files_only=True)
+    if tokenizer.mask_token_id != mask_id:
+        if mask_id == len(tokenizer):
+            tokenizer.add_special_tokens({"mask_token": NEW_MASK_TOKEN})
+        elif mask_id < len(tokenizer):
+            tokenizer.add_special_tokens({"mask_token": tokenizer.convert_ids_to_tokens(mask_id)})
+        else:
+            log(f" note: MASK id {mask_id} lies beyond the tokenizer's {len(tokenizer)} ids; it has no token")
+    tokenizer.save_pretrained(out)
+
+
+def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, log=print) -> str:
+    """The latest checkpoint under `load` -> an HF directory `out`; returns `out`."""
+    import torch
+    from megatron.core import dist_checkpointing
+    from safetensors.torch import save_file
+
+    from megatron_csbp import checkpointing, hf
+
+    iteration = checkpointing.find_checkpoint(load, fallback=False, log=log)
+    directory = checkpointing.checkpoint_dir(load, iteration)
+    saved = dist_checkpointing.load_common_state_dict(directory)
+    args = _single_rank(argparse.Namespace(**saved["args"]))
+    hf_side = None
+    if args.tokenizer_type == "HuggingFaceTokenizer":
+        for candidate in (args.tokenizer_model, os.path.join(load, HF_SIDE, "tokenizer.json")):
+            if candidate and os.path.isfile(candidate):
+                hf_side = os.path.dirname(os.path.abspath(candidate))
+                args.tokenizer_model = candidate
+                break
+        if hf_side is None:
+            raise ConfigError(f"--load {load}: its tokenizer {args.tokenizer_model} is gone; put it back (or in "
+                              f"{os.path.join(load, HF_SIDE)})")
+    base_path = os.path.join(hf_side, "config.json") if hf_side else None
+    base = hf.read_config(hf_side) if base_path and os.path.isfile(base_path) else None
+    rows = _vocabulary_rows(args)
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    config = export_config(args, base, rows, dtype)  # refuses, before any tensor is read
+
+    shape = hf.Shape.from_args(args)
+    vocab = hf.Vocabulary(hf_rows=rows, padded=args.padded_vocab_size, mask_id=args.mask_token_id,
+                          new_mask=False, mean_of=0, rows=rows)
+    names = hf.name_map(shape)
+    with _single_process():
+        model = _uninitialised_model(args)
+        checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,
+                                      log=lambda *_: None)
+    parameters = dict(model.named_parameters())
+    shards, size = [[]], 0
+    for name, parameter in parameters.items():
+        nbytes = parameter.numel() * parameter.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    os.makedirs(out, exist_ok=True)
+    weight_map, total = {}, 0
+    for index, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {}
+        for name in shard:
+            for key, tensor in zip(names[name], hf.to_hf(name, parameters[name].detach(), shape, vocab)):
+                tensors[key] = tensor.to(dtype).clone()
+                weight_map[key] = file
+                total += tensors[key].numel() * tensors[key].element_size()
+        save_file(tensors, os.path.join(out, file), metadata={"format": "pt"})
+        del tensors
+    if len(shards) > 1:
+        with open(os.path.join(out, "model.safetensors.index.json"), "w", encoding="utf-8") as handle:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, handle, indent=2)
+    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)
+    if hf_side:
+        _export_tokenizer(hf_side, out, args.mask_token_id, log)
+        if os.path.isfile(os.path.join(hf_side, "generation_config.json")):
+            shutil.copyfile(os.path.join(hf_side, "generation_config.json"),
+                            os.path.join(out, "generation_config.json"))
+    else:
+        log(f" note: the {args.tokenizer_type} has no Hugging Face form; {out} holds the model without a tokenizer")
+    log(f" exported {directory} (iteration {iteration}) to {out}: {len(shards)} shard(s), vocabulary {rows}, "
+        f"MASK id {args.mask_token_id}, block size {args.bdlm_block_size}")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Hugging Face <-> megatron_csbp checkpoints.", allow_abbrev=False)
+    commands = parser.add_subparsers(dest="command", required=True)
+    to_ours = commands.add_parser("import", help="a local HF directory -> a torch_dist checkpoint to fine-tune")
+    to_ours.add_argument("--hf-dir", required=True, help="Local HF model directory (config.json, *.safetensors, "
+                                                         "tokenizer files).")
+    to_ours.add_argument("--save", required=True, help="Checkpoint directory to write (training's --load).")
+    to_ours.add_argument("--tensor-model-parallel-size", type=int, default=1,
+                         help="The TP size training will use (it fixes the padded vocabulary).")
+    to_ours.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                         help="As training's flag: the vocabulary is padded to a multiple of this x TP.")
+    to_ours.add_argument("--mask-token", default=None,
+                         help=f"An existing unused token to use as MASK (default: a new {NEW_MASK_TOKEN}).")
+    to_ours_back = commands.add_parser("export", help="one of our checkpoints -> a HF directory")
+    to_ours_back.add_argument("--load", required=True, help="Checkpoint root (its latest iteration is exported).")
+    to_ours_back.add_argument("--hf-dir", required=True, help="HF directory to write.")
+    to_ours_back.add_argument("--max-shard-size-mb", type=int, default=2048, help="Largest safetensors file.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "import":
+            if args.tensor_model_parallel_size < 1 or args.make_vocab_size_divisible_by < 1:
+                raise ConfigError("--tensor-model-parallel-size and --make-vocab-size-divisible-by must be >= 1")
+            if not os.path.isdir(args.hf_dir):
+                raise ConfigError(f"--hf-dir {args.hf_dir}: no such directory (a local HF model is needed)")
+            import_checkpoint(args.hf_dir, args.save, tensor_model_parallel_size=args.tensor_model_parallel_size,
+                              make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                              mask_token=args.mask_token)
+        else:
+            if not os.path.isdir(args.load):
+                raise ConfigError(f"--load {args.load}: no such directory")
+            export_checkpoint(args.load, args.hf_dir, max_shard_bytes=args.max_shard_size_mb << 20)
+    except ConfigError as error:
+        print(f"convert_hf.py: error: {error}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

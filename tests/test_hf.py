@@ -1,0 +1,409 @@
+"""Hugging Face import and export (scripts/convert_hf.py, megatron_csbp/hf.py) against `transformers` itself.
+
+Tiny random Llama, Qwen2 (QKV bias, tied embeddings, unused padding rows) and Qwen3 (QK-norm) models are
+made locally and imported. The reference is the HF model run by `transformers` on the same `[x_t ; x_0]`
+rows with the BDLM attention mask (a custom 4-D float mask) and shared position ids (position p for
+both copies); the MASK token's input embedding is the documented initialisation, computed here.
+* logits on the noisy rows: converted model == HF model, <= 1e-5 relative, on 1 rank, TP2 and CSBP2
+  (the MASK column, which the model sets to -inf, left out); controls with the RoPE halves interleaved
+  or Q/K/V concatenated without per-group interleaving fail;
+* import -> export is bit-exact (MASK rows = the documented initialisation), from the import itself and
+  from a checkpoint our training loop saved at TP2 x PP2;
+* fine-tuning an imported model runs, and its first-iteration loss is the Fast-dLLM v2 loss of the HF
+  model at noise 1 (every noisy token MASK), computed here.
+"""
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from attention_reference import bdlm_mask
+from spawn import run_ranks
+
+pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEQ, BLOCK, BATCH = 32, 4, 2
+TOLERANCE = 1e-5
+# Vocabularies: Llama's tokenizer fills its 383 rows (MASK is a new row 383); Qwen's has 300 ids in 384 rows
+# (MASK takes the unused row 300). Padded to a multiple of 64 x TP: 384 at TP1 and TP2, so no padding rows.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+MODELS = {"llama": dict(family="llama", tokenizer_ids=383),
+          "llama3": dict(family="llama", tokenizer_ids=383, tied=True, rope_parameters=LLAMA3_ROPE),
+          "qwen2": dict(family="qwen2", tokenizer_ids=300, model_rows=384, tied=True),
+          "qwen3": dict(family="qwen3", tokenizer_ids=300, model_rows=384)}
+CONTROLS = {"rope interleaved": MODELS, "qkv concatenated": MODELS, "rope unscaled": ["llama3"]}
+DIVISIBLE_BY = 64
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _make_and_import(rank, world, root):
+    """On one spawned rank: the tiny HF models and their imports (`root/<family>/{hf,ckpt}`)."""
+    make, convert = _script("make_tiny_hf_model"), _script("convert_hf")
+    for name, settings in MODELS.items():
+        hf_dir = make.make_model(**settings, output=os.path.join(root, name, "hf"))
+        convert.import_checkpoint(hf_dir, os.path.join(root, name, "ckpt"), make_vocab_size_divisible_by=DIVISIBLE_BY,
+                                  log=lambda *_: None)
+
+
+def _run_conversions(rank, world, jobs):
+    """On one spawned rank: `convert_hf.import_checkpoint` / `export_checkpoint` calls, one after the other."""
+    convert = _script("convert_hf")
+    for function, kwargs in jobs:
+        getattr(convert, function)(**kwargs, log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("hf"))
+    run_ranks(_make_and_import, 1, root, timeout=600)
+    return root
+
+
+def _fragment(root, family):
+    return os.path.join(root, family, "ckpt", "model.yaml")
+
+
+def _inputs(mask_id, num_ids):
+    """x0 [b, L] (ids the tokenizer has, not MASK) and x_t (about half the tokens MASK)."""
+    generator = torch.Generator().manual_seed(11)
+    x0 = torch.randint(0, num_ids, (BATCH, SEQ), generator=generator)
+    x0[x0 == mask_id] = 0
+    masked = torch.rand(BATCH, SEQ, generator=generator) < 0.5
+    return x0, torch.where(masked, mask_id, x0)
+
+
+def _mask_embedding(embedding, mean_of):
+    """The documented MASK initialisation, computed independently: the mean of the original ids' rows."""
+    return embedding[:mean_of].double().mean(0).to(embedding.dtype)
+
+
+def hf_reference(hf_dir, x_t, x0, mask_id, mean_of):
+    """The HF model's logits `[b, L, rows]` on the noisy rows of `[x_t ; x0]` under the BDLM mask."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    table = model.get_input_embeddings().weight.detach()
+    mask_row = _mask_embedding(table, mean_of)
+    ids = torch.cat([x_t, x0], dim=1)
+    embeds = table[ids.clamp(max=table.shape[0] - 1)]
+    embeds[ids == mask_id] = mask_row
+    allowed = bdlm_mask(SEQ, BLOCK)
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    batch = ids.shape[0]
+    positions = torch.arange(SEQ).repeat(2).expand(batch, -1)
+    with torch.no_grad():
+        logits = model(inputs_embeds=embeds, attention_mask=additive.expand(batch, 1, -1, -1),
+                       position_ids=positions).logits
+    return logits[:, :SEQ]
+
+
+def _our_logits(rank, world, root, families, tp, cp, controls):
+    """On each rank: our converted model's logits on its noisy rows (gathered over TP), per family."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_csbp import checkpointing, cpu_backend, parallel_state, providers
+    from megatron_csbp.arguments import transformer_config_from_args, validate_args
+    from megatron_csbp.config import parse_args
+    from megatron_csbp.hf import split_qkv, Shape
+
+    cpu_backend.enable()
+    results = {}
+    for family in families:
+        for control in ("none", *(control for control in controls if family in CONTROLS[control])):
+            args = validate_args(parse_args(
+                ["--config", _fragment(root, family), f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}",
+                 f"micro-batch-size={BATCH}", "train-iters=1", "lr=0", "data-path=unused",
+                 f"tensor-model-parallel-size={tp}", f"context-block-parallel={cp}"]), world, check_paths=False)
+            parallel_state.initialize_model_parallel(tp, 1, context_block_parallel_size=cp, clean_shards=cp)
+            try:
+                model_parallel_cuda_manual_seed(1234)
+                config = transformer_config_from_args(args)
+                config.rotary_interleaved = control == "rope interleaved"
+                args.use_rope_scaling = args.use_rope_scaling and control != "rope unscaled"
+                model = providers.model_provider(args=args, config=config)
+                checkpointing.load_checkpoint(os.path.join(root, family, "ckpt", "iter_0000000"), model, None, None,
+                                              args, load_optimizer=False, load_rng=False, log=lambda *_: None)
+                if control == "qkv concatenated":  # [q ; k ; v] as if the per-group interleaving were missing
+                    for layer in model.decoder.layers:
+                        qkv = layer.self_attention.linear_qkv.weight
+                        qkv.data.copy_(torch.cat(split_qkv(qkv.data, Shape.from_args(args))))
+                layout = providers.layout_from_args(args)
+                x0, x_t = _inputs(args.mask_token_id, MODELS[family]["tokenizer_ids"])
+                input_ids = torch.cat([x_t[:, layout.noisy_positions], x0[:, layout.clean_positions]], dim=1)
+                positions = layout.row_positions.expand(BATCH, -1).contiguous()
+                model.eval()
+                with torch.no_grad():
+                    logits = model(input_ids, positions, labels=None)
+                shards = [torch.empty_like(logits) for _ in range(tp)]
+                torch.distributed.all_gather(shards, logits.contiguous(), group=mpu.get_tensor_model_parallel_group())
+                results[family, control] = (layout.noisy_positions, torch.cat(shards, dim=-1))
+            finally:
+                parallel_state.destroy_model_parallel()
+    return results
+
+
+def _assemble(per_rank, family, control):
+    """Every rank's noisy rows back into `[b, L, V]` (ranks of a TP group hold the same gathered logits)."""
+    out = None
+    for result in per_rank:
+        positions, logits = result[family, control]
+        if out is None:
+            out = torch.full((logits.shape[0], SEQ, logits.shape[2]), float("nan"))
+        out[:, positions] = logits
+    assert not out.isnan().any()
+    return out
+
+
+def _relative_error(ours, reference, mask_id):
+    keep = torch.ones(reference.shape[-1], dtype=torch.bool)
+    if mask_id < keep.numel():
+        keep[mask_id] = False
+    assert torch.isinf(ours[..., mask_id]).all()  # the MASK logit is excluded from the predictions
+    ours = ours[..., : reference.shape[-1]][..., keep].double()
+    reference = reference[..., keep].double()
+    return ((ours - reference).norm() / reference.norm()).item()
+
+
+def _mask_id(family):
+    return MODELS[family]["tokenizer_ids"]  # a new MASK right after the tokenizer's ids
+
+
+@pytest.mark.parametrize("tp, cp", [(1, 1), (2, 1), (1, 2)], ids=["1 rank", "tp2", "csbp2"])
+def test_logits_equal_huggingface(converted, tp, cp):
+    controls = list(CONTROLS) if tp == cp == 1 else []
+    per_rank = run_ranks(_our_logits, tp * cp, converted, list(MODELS), tp, cp, controls, timeout=600)
+    for family, sizes in MODELS.items():
+        mask_id = _mask_id(family)
+        x0, x_t = _inputs(mask_id, sizes["tokenizer_ids"])
+        reference = hf_reference(os.path.join(converted, family, "hf"), x_t, x0, mask_id,
+                                 min(sizes["tokenizer_ids"], sizes.get("model_rows", sizes["tokenizer_ids"])))
+        error = _relative_error(_assemble(per_rank, family, "none"), reference, mask_id)
+        print(f"{family} tp{tp} csbp{cp}: relative error {error:.2e}")
+        assert error <= TOLERANCE, (family, error)
+        for control in (control for control in controls if family in CONTROLS[control]):
+            wrong = _relative_error(_assemble(per_rank, family, control), reference, mask_id)
+            print(f"{family} control '{control}': relative error {wrong:.2e}")
+            assert wrong > 100 * TOLERANCE, (family, control, wrong)
+
+
+def _safetensors(directory):
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(directory, name)))
+    return tensors
+
+
+def _expected_export(family, original):
+    """The original weights with the MASK rows as documented: a new row (or the unused row MASK takes)
+    holding the mean of the original ids' rows."""
+    sizes = MODELS[family]
+    mask_id, mean_of = _mask_id(family), min(sizes["tokenizer_ids"], sizes.get("model_rows", 10 ** 9))
+    expected = dict(original)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in expected:
+            table = expected[name]
+            rows = max(table.shape[0], mask_id + 1)
+            grown = torch.cat([table, table.new_zeros(rows - table.shape[0], table.shape[1])])
+            grown[mask_id] = _mask_embedding(table, mean_of)
+            expected[name] = grown
+    return expected
+
+
+def _convert(*argv):
+    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), *argv], cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return done.returncode, done.stdout
+
+
+def _assert_bit_exact(exported, expected):
+    assert sorted(exported) == sorted(expected)
+    for name, tensor in expected.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+
+def test_import_export_round_trip_is_bit_exact(converted, tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    run_ranks(_run_conversions, 1, [("export_checkpoint", dict(load=os.path.join(converted, family, "ckpt"),
+                                                                out=str(tmp_path / family))) for family in MODELS],
+              timeout=600)
+    for family in MODELS:
+        out = str(tmp_path / family)
+        original = _safetensors(os.path.join(converted, family, "hf"))
+        _assert_bit_exact(_safetensors(out), _expected_export(family, original))
+        config = AutoConfig.from_pretrained(out, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+        assert (config.mask_token_id, config.bdlm_block_size) == (_mask_id(family), 16)
+        assert tokenizer.mask_token == "<|mask|>" and tokenizer.mask_token_id == _mask_id(family)
+        assert config.tie_word_embeddings == MODELS[family].get("tied", False)
+        AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # transformers loads it offline
+
+
+@pytest.fixture(scope="module")
+def llama_data(converted):
+    """A small dataset in the Llama tokenizer's ids (never MASK)."""
+    from megatron_csbp.data import write_indexed_dataset
+
+    generator = torch.Generator().manual_seed(5)
+    documents = [torch.randint(0, _mask_id("llama"), (int(n),), generator=generator).tolist()
+                 for n in torch.randint(20, 120, (60,), generator=generator)]
+    prefix = os.path.join(converted, "llama_data")
+    write_indexed_dataset(documents, prefix, _mask_id("llama") + 1)
+    return prefix
+
+
+def _finetune_config(converted, tmp_path):
+    """The recipe: the import's model flags beside configs/ar_to_bdlm_fast_dllm_v2.yaml, in one file."""
+    path = tmp_path / "finetune.yaml"
+    with open(os.path.join(REPO, "configs", "ar_to_bdlm_fast_dllm_v2.yaml"), encoding="utf-8") as recipe:
+        path.write_text(open(_fragment(converted, "llama"), encoding="utf-8").read() + recipe.read())
+    return str(path)
+
+
+def _pretrain(nproc, config, *overrides):
+    launcher = [sys.executable] if nproc == 1 else [os.path.join(os.path.dirname(sys.executable), "torchrun"),
+                                                    "--standalone", "--nproc-per-node", str(nproc)]
+    done = subprocess.run([*launcher, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), "--config", config,
+                           *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    assert done.returncode == 0, done.stdout[-6000:]
+    return done.stdout
+
+
+def test_round_trip_from_a_tp2_pp2_training_checkpoint(converted, llama_data, tmp_path):
+    """Our loop loads the import at TP2 x PP2 and saves after one step at lr 0 (Adam moves nothing):
+    exporting that checkpoint gives the very same HF weights."""
+    save = str(tmp_path / "tp2pp2")
+    _pretrain(4, _finetune_config(converted, tmp_path), f"data-path={llama_data}", f"seq-length={SEQ}",
+              f"bdlm-block-size={BLOCK}", "tensor-model-parallel-size=2", "pipeline-model-parallel-size=2",
+              "train-iters=1", "lr=0", "min-lr=0", "lr-warmup-iters=0", "eval-iters=0", f"save={save}",
+              "save-interval=1", "micro-batch-size=1", "global-batch-size=2")
+    assert open(os.path.join(save, "latest_checkpointed_iteration.txt")).read().strip() == "1"
+    out = str(tmp_path / "exported")
+    code, output = _convert("export", "--load", save, "--hf-dir", out)
+    assert code == 0, output
+    original = _safetensors(os.path.join(converted, "llama", "hf"))
+    _assert_bit_exact(_safetensors(out), _expected_export("llama", original))
+
+
+def test_finetune_first_loss_is_the_huggingface_models(converted, llama_data, tmp_path):
+    """`--load CKPT --finetune` with the recipe; at noise 1 view one masks every token and view two none, so
+    the Fast-dLLM v2 loss is the mean CE of the HF model's noisy row p (all MASK) predicting token p+1."""
+    from megatron_csbp import providers
+    from megatron_csbp.arguments import validate_args
+    from megatron_csbp.config import parse_args
+
+    config = _finetune_config(converted, tmp_path)
+    overrides = [f"data-path={llama_data}", f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}", "train-iters=2",
+                 "lr-warmup-iters=0",
+                 "bdlm-noise-range=1 1", "eval-iters=0", f"save={tmp_path / 'finetuned'}", "save-interval=2",
+                 f"data-cache-path={tmp_path / 'cache'}"]
+    output = _pretrain(1, config, *overrides)
+    first = float(re.search(r"iteration\s+1/\s*2 \|.*?lm loss: ([-+0-9.eE]+)", output).group(1))
+
+    args = validate_args(parse_args(["--config", config, *overrides]), 1)
+    train, _, _ = providers.train_valid_test_datasets_provider(args=args)
+    x0 = torch.stack([train[i]["tokens"] for i in range(args.global_batch_size)])
+    mask_id = args.mask_token_id
+    assert mask_id == _mask_id("llama") and args.padded_vocab_size == mask_id + 1  # no padding columns
+    logits = hf_reference(os.path.join(converted, "llama", "hf"), torch.full_like(x0, mask_id), x0, mask_id,
+                          _mask_id("llama"))
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(),
+                                           x0[:, 1:].reshape(-1), reduction="mean").item()
+    print(f"first-iteration loss {first:.6e}, HF model's Fast-dLLM v2 loss {ce:.6e}")
+    assert first == pytest.approx(ce, rel=TOLERANCE)
+    assert " loaded checkpoint from " in output
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}, "mixture-of-experts"),
+    ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding-window"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window layers"),
+    ({"layer_types": ["linear_attention", "full_attention"]}, "linear-attention"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "rope scaling type 'yarn'"),
+    ({"tie_word_embeddings": True}, "lm_head.weight differs"),
+])
+def test_import_refuses_what_the_mapping_cannot_express(converted, tmp_path, capsys, change, message):
+    import json
+    import shutil
+
+    hf_dir = str(tmp_path / "model")
+    shutil.copytree(os.path.join(converted, "llama", "hf"), hf_dir)
+    config = json.load(open(os.path.join(hf_dir, "config.json")))
+    config.update(change)
+    json.dump(config, open(os.path.join(hf_dir, "config.json"), "w"))
+    code = _script("convert_hf").main(["import", "--hf-dir", hf_dir, "--save", str(tmp_path / "ckpt")])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and message in error and len(error.splitlines()) == 1, error
+    assert error.startswith("convert_hf.py: error: ")
+    assert not os.path.exists(tmp_path / "ckpt" / "iter_0000000")
+
+
+def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
+    """`--bdlm-mask-token-id`: a new id further on grows the vocabulary; an existing id does not."""
+    from megatron_csbp import data
+    from megatron_csbp.arguments import ConfigError
+    from megatron_csbp.checkpointing import CheckpointError, check_compatible
+    from megatron_csbp.config import parse_args
+
+    args = parse_args([])
+    data.build_tokenizer(args)
+    assert (args.mask_token_id, args.padded_vocab_size) == (257, 384)  # the default: right after the tokenizer's
+    args = parse_args(["bdlm-mask-token-id=400"])
+    data.build_tokenizer(args)
+    assert (args.mask_token_id, args.padded_vocab_size) == (400, 512)
+    args = parse_args(["bdlm-mask-token-id=100"])
+    data.build_tokenizer(args)
+    assert (args.mask_token_id, args.padded_vocab_size) == (100, 384)
+    with pytest.raises(CheckpointError, match="--bdlm-mask-token-id 257, this run has --bdlm-mask-token-id 100"):
+        check_compatible({"mask_token_id": 257}, args, "ckpt")
+    prefix = str(tmp_path / "ids")
+    data.write_indexed_dataset([[5, 200, 256]], prefix, 257)
+    assert data.check_vocabulary([prefix], 100, 384, 257) == 256  # ids above an existing MASK id are data
+    with pytest.raises(ConfigError, match="beyond the tokenizer's ids"):
+        data.check_vocabulary([prefix], 100, 384, 200)
+
+
+def test_existing_token_as_mask_round_trips_exactly(converted, tmp_path):
+    """`--mask-token` names an unused special token: its id is MASK, no row changes, export is bit-exact."""
+    import yaml
+
+    hf_dir, save = os.path.join(converted, "qwen3", "hf"), str(tmp_path / "ckpt")
+    run_ranks(_run_conversions, 1, [
+        ("import_checkpoint", dict(hf_dir=hf_dir, save=save, mask_token="<|unused_0|>",
+                                   make_vocab_size_divisible_by=DIVISIBLE_BY)),
+        ("export_checkpoint", dict(load=save, out=str(tmp_path / "out")))], timeout=600)
+    fragment = yaml.safe_load(open(tmp_path / "ckpt" / "model.yaml"))
+    assert fragment["bdlm-mask-token-id"] == 1  # the tokenizer's second special token
+    _assert_bit_exact(_safetensors(str(tmp_path / "out")), _safetensors(hf_dir))
+    from transformers import AutoTokenizer
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "out")).mask_token_id == 1
+
+
+def test_a_converted_model_needs_finetune(converted, llama_data, tmp_path):
+    config = _finetune_config(converted, tmp_path)
+    launcher = [sys.executable, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), "--config", config,
+                f"data-path={llama_data}", f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}", "finetune=false",
+                "train-iters=1", "lr-warmup-iters=0", "eval-iters=0", "save=null"]
+    done = subprocess.run(launcher, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    assert done.returncode == 2 and "holds a model only" in done.stdout and "--finetune" in done.stdout, done.stdout
