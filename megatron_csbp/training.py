@@ -172,7 +172,7 @@ class Trainer:
         state = checkpointing.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, args,
                                               load_optimizer=load_optimizer,
                                               load_rng=not (args.no_load_rng or args.finetune),
-                                              log=self.progress.print)
+                                              verify=False, log=self.progress.print)
         if not args.finetune:
             self.state = state
             if os.path.realpath(args.load) == os.path.realpath(args.save or ""):
@@ -184,7 +184,7 @@ class Trainer:
             return
         os.makedirs(self.args.save, exist_ok=True)
         checkpointing.save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler,
-                                      self.args)
+                                      self.args, log=self.progress.print)
         self.last_saved = self.state.iteration
         self.progress.print(f" saved checkpoint at iteration {self.state.iteration:7d} to {self.args.save}")
 
