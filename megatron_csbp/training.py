@@ -20,7 +20,9 @@ What it adds to a plain loop, and why:
 Test hooks (environment variables, read once; unset in normal runs):
 `MEGATRON_CSBP_TEST_NAN_ITERATIONS=3,7` poisons the loss of those iterations with NaN;
 `MEGATRON_CSBP_TEST_FAIL=RANK:ITERATION[:kill]` makes that rank raise (or SIGKILL itself) in that
-iteration's forward step; `checkpointing` reads `MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH`.
+iteration's forward step; `checkpointing` reads `MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH`;
+`MEGATRON_CSBP_TEST_TIMEOUT_SECONDS=12` replaces `--distributed-timeout-minutes` for the model-parallel
+groups and the watchdog (`supervision`), so a hang test need not wait a minute.
 """
 
 import math
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_csbp import checkpointing, providers
+from megatron_csbp import checkpointing, providers, supervision
 from megatron_csbp.checkpointing import LoopState
 from megatron_csbp.device import default_device
 from megatron_csbp.progress import Progress
@@ -165,11 +167,13 @@ class Trainer:
         if not os.path.isdir(args.load):
             raise checkpointing.CheckpointError(f"--load {args.load}: no such directory; give the --save "
                                                 f"directory of an earlier run, or drop --load")
-        iteration = checkpointing.find_checkpoint(args.load, fallback=args.load_fallback_to_previous,
-                                                  log=self.progress.print)
+        with supervision.watch(f"verifying the checkpoints in {args.load}"):
+            iteration = checkpointing.find_checkpoint(args.load, fallback=args.load_fallback_to_previous,
+                                                      log=self.progress.print)
         directory = checkpointing.checkpoint_dir(args.load, iteration)
         load_optimizer = not (args.no_load_optim or args.finetune)
-        state = checkpointing.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, args,
+        with supervision.watch(f"loading {directory}"):
+            state = checkpointing.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, args,
                                               load_optimizer=load_optimizer,
                                               load_rng=not (args.no_load_rng or args.finetune),
                                               verify=False, log=self.progress.print)
@@ -183,8 +187,9 @@ class Trainer:
         if not self.args.save or self.last_saved == self.state.iteration:
             return
         os.makedirs(self.args.save, exist_ok=True)
-        checkpointing.save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler,
-                                      self.args, log=self.progress.print)
+        with supervision.watch(f"saving the checkpoint of iteration {self.state.iteration}"):
+            checkpointing.save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler,
+                                          self.args, log=self.progress.print)
         self.last_saved = self.state.iteration
         self.progress.print(f" saved checkpoint at iteration {self.state.iteration:7d} to {self.args.save}")
 
@@ -195,6 +200,7 @@ class Trainer:
         fails = hooks.fail_iteration == iteration and hooks.fail_rank == dist.get_rank()
 
         def forward_step(data_iterator, model):
+            supervision.progress()  # one mark per micro-batch: a long schedule is not a hang
             if fails:
                 if hooks.fail_by_kill:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -280,11 +286,14 @@ class Trainer:
                 iteration = state.iteration + 1
                 self.ddp.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                total = self._forward_backward(self._forward_step(iteration), data, self.num_micro_batches,
-                                               forward_only=False)
-                loss = None if total is None else (total[0] / total[1]).item()
-                bad_loss, stop_reason = self._stop_reason(signals, started, loss is None or math.isfinite(loss))
-                updated, grad_norm, bad = self._guarded_step(not bad_loss)
+                with supervision.watch(f"iteration {iteration}: forward/backward (pipeline, DP and CSBP collectives)"):
+                    total = self._forward_backward(self._forward_step(iteration), data, self.num_micro_batches,
+                                                   forward_only=False)
+                    loss = None if total is None else (total[0] / total[1]).item()
+                with supervision.watch(f"iteration {iteration}: the stop-flag all-reduce"):
+                    bad_loss, stop_reason = self._stop_reason(signals, started, loss is None or math.isfinite(loss))
+                with supervision.watch(f"iteration {iteration}: optimizer step (grad-norm all-reduce)"):
+                    updated, grad_norm, bad = self._guarded_step(not bad_loss)
                 state.iteration = iteration
                 state.consumed_train_samples += args.global_batch_size
                 if updated:
@@ -312,7 +321,8 @@ class Trainer:
                                            state.skipped_iterations, state.nan_iterations)
                     interval_start, interval_iterations = now, 0
                 if valid is not None and args.eval_iters and iteration % args.eval_interval == 0:
-                    nelbo = self.evaluate(valid)
+                    with supervision.watch(f"iteration {iteration}: validation"):
+                        nelbo = self.evaluate(valid)
                     if nelbo is not None:
                         self.progress.validation(iteration, nelbo)
                     interval_start = time.time()
@@ -331,18 +341,52 @@ class Trainer:
             self.progress.close()
 
 
+def _lock_save_directory(args) -> str | None:
+    """Rank 0 takes `--save`'s writer lock before any work; every rank refuses alike when it is held."""
+    from megatron_csbp import save_lock
+
+    if not args.save:
+        return None
+    path, refusal = None, None
+    if dist.get_rank() == 0:
+        try:
+            path = save_lock.acquire(args.save)
+        except save_lock.ConfigError as error:
+            refusal = str(error)
+    verdict = [refusal]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise save_lock.ConfigError(verdict[0])
+    return path
+
+
 def train(args) -> LoopState:
     """Trains with validated `args` on the initialised default process group; returns the final loop state."""
+    from megatron_csbp import parallel_state, save_lock
+
+    lock = _lock_save_directory(args)
+    try:
+        return _train(args)
+    finally:
+        if lock is not None:
+            save_lock.release(lock)
+
+
+def _train(args) -> LoopState:
     from megatron_csbp import parallel_state
 
+    timeout = supervision.distributed_timeout_seconds(args)
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        context_block_parallel_size=args.context_parallel_size, clean_shards=providers.clean_shards(args))
+        context_block_parallel_size=args.context_parallel_size, clean_shards=providers.clean_shards(args),
+        distributed_timeout_minutes=timeout / 60)
     signals = _StopSignals(args.exit_signal_handler)  # from the start: a signal while loading is not lost
+    supervision.start_watchdog(timeout, dist.get_rank(), dist.get_world_size())
     try:
         trainer = Trainer(args)
         trainer.load()
         return trainer.run(signals)
     finally:
+        supervision.stop_watchdog()
         signals.restore()
         parallel_state.destroy_model_parallel()

@@ -25,6 +25,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _FAILED_RANK_KEY = "megatron_csbp/failed_rank"
 
+from megatron_csbp.supervision import die_with_launcher  # noqa: E402
+
+die_with_launcher()  # at import: a killed torchrun/srun takes its ranks, and their spawned helpers, with it
+
 
 def megatron_lm_pretrain():
     """Megatron-LM's `pretrain`, or None where only megatron-core is installed."""
