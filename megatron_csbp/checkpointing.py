@@ -279,6 +279,8 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
     """Writes `<root>/iter_XXXXXXX/` (collective: every rank calls it); returns its path."""
     from megatron.core import dist_checkpointing
 
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     final = checkpoint_dir(root, state.iteration)
     temporary = final + ".tmp"
     rank = dist.get_rank()
@@ -300,7 +302,7 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
             f"{len(shares)} ranks sharing)")
         if rank == 0:
             _write_manifest(temporary, files)
-    except (OSError, RuntimeError) as error:
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - re-raised as is unless out of space
         explained = _explain_save_error(error, root, temporary)
         if explained is error:
             raise

@@ -138,6 +138,8 @@ class Trainer:
             self.optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
             lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
             lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+            wsd_decay_steps=None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * samples,
+            lr_wsd_decay_style=args.lr_wsd_decay_style,
             wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.ddp.no_sync
@@ -160,6 +162,10 @@ class Trainer:
         requeue = bool(args.save) and os.path.realpath(args.load) == os.path.realpath(args.save)
         empty = not os.path.isdir(args.load) or (checkpointing.read_tracker(args.load) is None
                                                  and not checkpointing.iteration_dirs(args.load))
+        if empty and args.exit_on_missing_checkpoint:
+            raise checkpointing.CheckpointError(f"--load {args.load}: no checkpoint there, and "
+                                                f"--exit-on-missing-checkpoint is set; give the --save directory "
+                                                f"of an earlier run, or drop --exit-on-missing-checkpoint")
         if requeue and empty:
             self.progress.print(f" no checkpoint in {args.load} yet (--load is --save, the requeue pattern): "
                                 f"starting from scratch")

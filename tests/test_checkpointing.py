@@ -105,6 +105,8 @@ def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corp
         ("shape", validated_args(corpus, load=str(source), hidden_size=32, **settings)),
         ("requeue", validated_args(corpus, load=str(empty), save=str(empty), train_iters=1, lr_warmup_iters=0,
                                     eval_iters=0)),
+        ("missing", validated_args(corpus, load=str(tmp_path / "missing"), save=str(tmp_path / "missing"),
+                                   exit_on_missing_checkpoint=True, **settings)),
     ]
     results = run_ranks(_train_cases, 1, cases, timeout=300)[0]
 
@@ -141,6 +143,10 @@ def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corp
         status, output = results[name]  # Megatron-LM's exit conditions: save, then leave (exit status 0)
         assert status == "ok" and f"exiting at iteration {stop} on {why}" in output, output
         assert (exits[name] / "latest_checkpointed_iteration.txt").read_text() == str(stop)
+    status, message = results["missing"]  # Megatron-LM's --exit-on-missing-checkpoint: no silent fresh start
+    assert status == "error" and message == (
+        f"--load {tmp_path}/missing: no checkpoint there, and --exit-on-missing-checkpoint is set; give the --save "
+        f"directory of an earlier run, or drop --exit-on-missing-checkpoint")
     status, output = results["requeue"]
     assert status == "ok" and f"no checkpoint in {empty} yet (--load is --save, the requeue pattern)" in output
     assert (empty / "latest_checkpointed_iteration.txt").read_text() == "1"
@@ -200,3 +206,34 @@ def test_checksum_cost_is_logged_at_save(interrupted):
     output = interrupted["resumed"].output
     assert re.search(r"checksummed \d+ files \([0-9.]+ MiB\) in [0-9.]+ s \(sha256, 1 ranks sharing\)", output), \
         output[-3000:]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.6 MiB tmpfs: room for one tiny checkpoint (~1.6 MiB), not two. Needs root (mount)."""
+    import subprocess
+
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(corpus, small_disk):
+    from megatron_csbp.checkpointing import find_checkpoint
+
+    save = small_disk / "checkpoints"
+    result = run(1, base(corpus, save=save, save_interval=2, train_iters=4, eval_iters=0), expect=1, timeout=200)
+    assert "saved checkpoint at iteration       2" in result.output
+    assert "room for one checkpoint only" in result.output  # the up-front warning
+    match = re.search(rf"rank 0 failed: CheckpointSaveError: no space left on device writing {save}/iter_0000004.tmp "
+                      rf"under --save {save} \([0-9.]+ MiB free\); the previous checkpoint is intact: free space "
+                      rf"there or give another --save", result.output)
+    assert match, result.output[-3000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert find_checkpoint(str(save), fallback=False, log=lambda line: None) == 2
