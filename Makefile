@@ -18,7 +18,7 @@ data: venv
 	$(PY) scripts/prepare_data.py
 
 demo: data
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 scripts/pretrain_bdlm.py --config configs/tiny_cpu.yaml
+	$(PY) -m megatron_csbp.torchrun --standalone --nproc-per-node 2 scripts/pretrain_bdlm.py --config configs/tiny_cpu.yaml
 
 test: venv
 	$(PY) -m pytest -q tests

@@ -138,8 +138,8 @@ class Trainer:
             self.optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
             lr_warmup_steps=args.lr_warmup_iters * samples, lr_decay_steps=args.lr_decay_iters * samples,
             lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
-            wsd_decay_steps=None if args.lr_wsd_decay_iters is None else args.lr_wsd_decay_iters * samples,
-            lr_wsd_decay_style=args.lr_wsd_decay_style,
+            wsd_decay_steps=(getattr(args, "lr_wsd_decay_iters", None) or 0) * samples or None,
+            lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None),
             wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.ddp.no_sync
