@@ -184,3 +184,16 @@ def test_prepare_data_on_empty_input_is_one_line(tmp_path):
         assert done.stderr.strip().splitlines()[-1] == (
             f"prepare_data: {source}: no documents to write ({why}); give input with text in it")
         assert not list(tmp_path.glob("out*")), list(tmp_path.glob("out*"))
+
+
+def test_submit_refuses_a_non_positive_cpus_per_task():
+    submit = os.path.join(REPO, "scripts", "slurm", "submit.py")
+    for cpus, refused in (("-1", True), ("0", True), ("2", False)):
+        done = subprocess.run([sys.executable, submit, "--config", os.path.join(REPO, "configs", "tiny_cpu.yaml"),
+                               "--nodes", "1", "--gpus-per-node", "0", "--ntasks-per-node", "2", "--cpus-per-task",
+                               cpus, "--dry-run"], capture_output=True, text=True, timeout=120, cwd=REPO)
+        if refused:
+            assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+                f"submit.py: refused: --cpus-per-task {cpus}: must be >= 1 (or drop it for Slurm's default)"]
+        else:  # negative control: a valid count is written into the batch script
+            assert done.returncode == 0 and "--cpus-per-task=2" in done.stdout, done.stderr
