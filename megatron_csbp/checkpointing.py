@@ -36,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_csbp import supervision
 from megatron_csbp.arguments import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -293,9 +294,11 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
         sharded.update(loop=asdict(state), scheduler=scheduler.state_dict(), args=_plain_args(args),
                        parallel_sizes=_parallel_sizes())
         dist_checkpointing.save(sharded, temporary)
+        supervision.progress()  # each phase of a long save gets the whole timeout (as torch's barriers do)
         dist.barrier()
         names = _checkpoint_files(temporary)
         shares = _gather(_hash_share(temporary, names))
+        supervision.progress()
         files = {name: entry for digests, _, _ in shares for name, entry in digests.items()}
         total, seconds = sum(share[1] for share in shares), max(share[2] for share in shares)
         log(f" checksummed {len(files)} files ({total / 2**20:.1f} MiB) in {seconds:.3f} s ({CHECKSUM}, "
@@ -376,6 +379,7 @@ def check_complete(directory: str, log=print) -> None:
         error = str(refused)
     if error is None:
         error = _check_files(directory, files)
+    supervision.progress()
     error = next((e for e in _gather(error) if e), None)
     if error is None:
         error = next((e for e in _gather(_check_readable(directory)) if e), None)

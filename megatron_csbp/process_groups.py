@@ -39,7 +39,8 @@ def new_block_parallel_groups(block_parallel_ranks: list[list[int]], clean_shard
         rings = [ranks[i:i + clean_shards] for i in range(0, size, clean_shards)]
         replicas = [ranks[i::clean_shards] for i in range(clean_shards)]
         ring_groups = [dist.new_group(ring, timeout=timeout) if 1 < clean_shards < size else None for ring in rings]
-        replica_groups = [dist.new_group(replica, timeout=timeout) if clean_shards < size else None for replica in replicas]
+        replica_groups = [dist.new_group(replica, timeout=timeout) if clean_shards < size else None
+                          for replica in replicas]
         if me not in ranks:
             continue
         if block_parallel_group is None:

@@ -359,6 +359,8 @@ def _lock_save_directory(args) -> str | None:
             path = save_lock.acquire(args.save)
         except save_lock.ConfigError as error:
             refusal = str(error)
+        except OSError as error:  # every rank must hear of it, or the others wait at the broadcast
+            refusal = f"--save {args.save}: cannot take its writer lock ({error}); give a writable directory"
     verdict = [refusal]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
