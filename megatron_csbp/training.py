@@ -14,6 +14,9 @@ What it adds to a plain loop, and why:
 * Numerical faults: a step whose loss or grad norm is not finite is skipped (the optimizer's step is
   split so it never applies it) and counted; `--max-consecutive-bad-steps` in a row stop the run with
   `TrainingError`, the last good checkpoint untouched.
+* One writer per `--save` (`save_lock`, taken before anything else) and a watchdog per rank
+  (`supervision`): an iteration phase, a save or a CSBP collective that does not complete within
+  `--distributed-timeout-minutes` ends the run, naming this rank, the operation and the silent ranks.
 * Validation: the per-token NELBO (and `exp` of it, a perplexity bound) over the first `--eval-iters`
   global batches of the validation split, the same samples every time so the values are comparable.
 
@@ -180,9 +183,9 @@ class Trainer:
         load_optimizer = not (args.no_load_optim or args.finetune)
         with supervision.watch(f"loading {directory}"):
             state = checkpointing.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, args,
-                                              load_optimizer=load_optimizer,
-                                              load_rng=not (args.no_load_rng or args.finetune),
-                                              verify=False, log=self.progress.print)
+                                                  load_optimizer=load_optimizer,
+                                                  load_rng=not (args.no_load_rng or args.finetune),
+                                                  verify=False, log=self.progress.print)
         if not args.finetune:
             self.state = state
             if os.path.realpath(args.load) == os.path.realpath(args.save or ""):
@@ -292,7 +295,7 @@ class Trainer:
                 iteration = state.iteration + 1
                 self.ddp.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                with supervision.watch(f"iteration {iteration}: forward/backward (pipeline, DP and CSBP collectives)"):
+                with supervision.watch(f"iteration {iteration}: forward/backward"):
                     total = self._forward_backward(self._forward_step(iteration), data, self.num_micro_batches,
                                                    forward_only=False)
                     loss = None if total is None else (total[0] / total[1]).item()
@@ -370,7 +373,7 @@ def _lock_save_directory(args) -> str | None:
 
 def train(args) -> LoopState:
     """Trains with validated `args` on the initialised default process group; returns the final loop state."""
-    from megatron_csbp import parallel_state, save_lock
+    from megatron_csbp import save_lock
 
     lock = _lock_save_directory(args)
     try:
