@@ -19,7 +19,7 @@ data: venv
 	$(PY) scripts/prepare_data.py
 
 demo: data
-	$(VENV)/bin/torchrun --standalone --nproc-per-node 2 scripts/pretrain_bdlm.py --config configs/tiny_cpu.yaml
+	$(PY) -m megatron_csbp.torchrun --standalone --nproc-per-node 2 scripts/pretrain_bdlm.py --config configs/tiny_cpu.yaml
 	$(PY) scripts/generate_bdlm.py --load runs/tiny_cpu --prompt "def " --prompt "import " --max-new-tokens 48 \
 		--strategy posterior --temperature 1 --seed 0
 

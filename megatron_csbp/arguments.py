@@ -10,7 +10,11 @@ sequence dimension pipeline stages exchange, where Megatron would use `seq_lengt
 """
 
 import argparse
+import math
 import os
+import re
+import shutil
+import sys
 
 PARALLEL_MODES = ("csbp", "cp", "bp")
 TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
@@ -170,7 +174,11 @@ def _add_training_args(parser):
                        default="linear")
     group.add_argument("--lr-warmup-iters", type=int, default=0)
     group.add_argument("--lr-warmup-fraction", type=float, default=None,
-                       help="Warmup as a share of the decay length (exclusive with --lr-warmup-iters/-samples).")
+                       help="Warmup as a share of the decay length (exclusive with --lr-warmup-iters).")
+    group.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                       help="With --lr-decay-style WSD: the final iterations over which the lr anneals.")
+    group.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine", "minus_sqrt"),
+                       default="exponential", help="With --lr-decay-style WSD: the anneal's shape.")
     group.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
     group.add_argument("--weight-decay", type=float, default=0.01)
     group.add_argument("--adam-beta1", type=float, default=0.9)
@@ -257,8 +265,8 @@ def parse_data_path(values: list[str] | None) -> tuple[list[str], list[float] | 
         raise ConfigError(f"--data-path: several datasets need weights, 'w1 prefix1 w2 prefix2 ...'; got {values}")
     if len(values) % 2:
         raise ConfigError(f"--data-path: {len(values)} values; weighted datasets come in pairs 'weight prefix'")
-    if any(w < 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"--data-path: weights must be >= 0 and not all 0; got {weights}")
+    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ConfigError(f"--data-path: weights must be finite, >= 0 and not all 0; got {weights}")
     return list(values[1::2]), weights
 
 
@@ -292,6 +300,119 @@ def _require(condition: bool, message: str) -> None:
 def _on_accelerator() -> bool:
     from megatron_csbp.device import default_device
     return default_device().type != "cpu"
+
+
+# Numeric flags and the values they accept: (flag, accepts, what the message says it must be).
+_RANGES = (
+    ("kv_channels", lambda v: v >= 1, ">= 1"), ("ffn_hidden_size", lambda v: v >= 1, ">= 1"),
+    ("num_query_groups", lambda v: v >= 1, ">= 1"), ("vocab_size", lambda v: v >= 1, ">= 1"),
+    ("make_vocab_size_divisible_by", lambda v: v >= 1, ">= 1"),
+    ("max_position_embeddings", lambda v: v >= 1, ">= 1"),
+    ("rotary_base", lambda v: v >= 1, ">= 1"), ("rotary_percent", lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("norm_epsilon", lambda v: v > 0, "> 0"), ("init_method_std", lambda v: v >= 0, ">= 0"),
+    ("attention_dropout", lambda v: 0 <= v < 1, "in [0, 1)"), ("hidden_dropout", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("global_batch_size", lambda v: v >= 1, ">= 1"),
+    ("lr", lambda v: v >= 0, ">= 0"), ("min_lr", lambda v: v >= 0, ">= 0"),
+    ("lr_warmup_iters", lambda v: v >= 0, ">= 0"), ("lr_decay_iters", lambda v: v >= 1, ">= 1"),
+    ("lr_wsd_decay_iters", lambda v: v >= 1, ">= 1"),
+    ("weight_decay", lambda v: v >= 0, ">= 0"), ("clip_grad", lambda v: v >= 0, ">= 0 (0: no clipping)"),
+    ("adam_beta1", lambda v: 0 <= v < 1, "in [0, 1)"), ("adam_beta2", lambda v: 0 <= v < 1, "in [0, 1)"),
+    ("adam_eps", lambda v: v > 0, "> 0"),
+    ("seed", lambda v: 0 <= v < 2 ** 32, "in [0, 2**32)"),
+    ("save_interval", lambda v: v >= 1, ">= 1"), ("exit_interval", lambda v: v >= 1, ">= 1"),
+    ("exit_duration_in_mins", lambda v: v >= 0, ">= 0"), ("num_workers", lambda v: v >= 0, ">= 0"),
+    ("recompute_num_layers", lambda v: v >= 1, ">= 1"),
+)
+
+
+def check_ranges(args: argparse.Namespace) -> None:
+    """Every numeric flag's range, and the pairs that must agree, refused with the flag named (one line).
+
+    Flags this parser lacks (e.g. under Megatron-LM's own) or left unset (None) are skipped; NaN is
+    refused everywhere (it fails every comparison).
+    """
+    for name, accepts, what in _RANGES:
+        value = getattr(args, name, None)
+        if value is not None and not isinstance(value, bool) and not accepts(value):
+            raise ConfigError(f"--{name.replace('_', '-')} must be {what}; got {value}")
+    lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
+    _require(lr is None or min_lr is None or lr >= min_lr,
+             f"--lr {lr} is below --min-lr {min_lr}: the schedule decays from --lr down to --min-lr; raise --lr or "
+             f"lower --min-lr")
+    if getattr(args, "lr_decay_style", None) == "WSD":
+        wsd, decay = getattr(args, "lr_wsd_decay_iters", None), args.lr_decay_iters or args.train_iters
+        _require(wsd is not None, "--lr-decay-style WSD needs --lr-wsd-decay-iters N (the final iterations over "
+                                  "which the lr anneals; --lr-wsd-decay-style picks its shape)")
+        _require(decay is None or wsd <= decay, f"--lr-wsd-decay-iters {wsd} exceeds --lr-decay-iters {decay} "
+                                                f"(default: --train-iters); shorten the anneal")
+    split, eval_iters = getattr(args, "split", None), getattr(args, "eval_iters", 0)
+    if split and eval_iters:
+        try:
+            shares = [float(part) for part in re.split(r"[,/]", split)]
+        except ValueError:
+            shares = []  # malformed: the data module names it
+        _require(len(shares) < 2 or shares[1] != 0 or not sum(shares) > 0,
+                 f"--split '{split}' gives validation no share, but --eval-iters {eval_iters} asks for it: give "
+                 f"it a share (e.g. --split 98,2,0) or set --eval-iters 0")
+
+
+def _existing_ancestor(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_directory(flag: str, path: str, *, written: bool) -> None:
+    """`path` is, or can become, a directory this run can read (and write, when `written`)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        fix = "give a directory (it is created when missing)" if written else "give the --save directory of a run"
+        raise ConfigError(f"{flag} {path} is a file, not a directory; {fix}")
+    existing = _existing_ancestor(path)
+    _require(os.path.isdir(existing), f"{flag} {path}: {existing} is a file, so {path} cannot be created; give "
+                                      f"another directory")
+    access = (os.W_OK | os.X_OK) if written else (os.R_OK | os.X_OK)
+    _require(os.access(existing, access),
+             f"{flag} {path} is not {'writable' if written else 'readable'} ({existing}: permissions or a read-only "
+             f"file system); fix that or give another directory")
+
+
+def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(bytes, parameters, bytes per parameter) one checkpoint of validated `args` takes: the weights, the
+    optimizer's moments (Adam 2, SGD 1, fp32) and its fp32 master weights under --bf16/--fp16."""
+    from megatron_csbp.flops import parameter_count
+
+    ids = (args.vocab_size or 256) + 1 + 1  # the tokenizer's ids, EOD, MASK (the data module has the exact count)
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    parameters = parameter_count(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        padded_vocab_size=-(-ids // multiple) * multiple, ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, swiglu=args.swiglu,
+        add_bias_linear=args.add_bias_linear, layernorm_bias=args.normalization == "LayerNorm",
+        untied_output=args.untie_embeddings_and_output_weights)
+    mixed = args.bf16 or args.fp16
+    per_parameter = (2 if mixed else 4) + (8 if args.optimizer == "adam" else 4) + (4 if mixed else 0)
+    return parameters * per_parameter, parameters, per_parameter
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """--save, --load, --tensorboard-dir, --data-cache-path usable as directories, and room at --save for a
+    checkpoint (refused when one does not fit, a warning when a second would not), before any work."""
+    for flag, name, written in (("--save", "save", True), ("--load", "load", False),
+                                ("--tensorboard-dir", "tensorboard_dir", True),
+                                ("--data-cache-path", "data_cache_path", True)):
+        path = getattr(args, name, None)
+        if path:
+            _check_directory(flag, path, written=written)
+    if not args.save:
+        return
+    need, parameters, per_parameter = checkpoint_bytes(args)
+    free = shutil.disk_usage(_existing_ancestor(args.save)).free
+    sizes = (f"{free / 2**30:.2f} GiB free there; one checkpoint of this model takes about {need / 2**30:.2f} GiB "
+             f"({parameters:,} parameters x {per_parameter} bytes: weights and optimizer state)")
+    _require(free >= need, f"--save {args.save}: {sizes}; free space or give another --save")
+    if free < 2 * need and os.environ.get("RANK", "0") == "0":
+        print(f"WARNING: --save {args.save}: {sizes}: room for one checkpoint only", file=sys.stderr, flush=True)
 
 
 RING_CP_REFUSALS = (
@@ -417,6 +538,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "train_iters", "lr"):
         _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
+    check_ranges(args)
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "tensor_model_parallel_size", "pipeline_model_parallel_size", "distributed_timeout_minutes",
                  "log_interval", "eval_interval"):
@@ -487,6 +609,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
         if args.tokenizer_model is not None:
             _require(os.path.isfile(args.tokenizer_model),
                      f"--tokenizer-model {args.tokenizer_model}: no such file (a local tokenizer.json is needed)")
+        check_output_paths(args)
     return args
 
 
@@ -499,7 +622,6 @@ def _validate_lr_schedule(args: argparse.Namespace) -> None:
     if args.lr_warmup_fraction is not None:
         _require(0 <= args.lr_warmup_fraction < 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in "
                                                    f"[0, 1) (a share of --lr-decay-iters)")
-    _require(args.lr_warmup_iters >= 0, f"--lr-warmup-iters must be >= 0; got {args.lr_warmup_iters}")
     _require(args.lr_warmup_iters < args.lr_decay_iters,
              f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
              f"(default: --train-iters); shorten the warmup or give it as --lr-warmup-fraction")

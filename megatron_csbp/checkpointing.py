@@ -5,25 +5,38 @@ model and optimizer (sharded, so it reloads into another TP or block-parallel si
 loop's position (iteration, consumed samples: the data iterator skips them on resume), the arguments, and
 every rank's RNG states. `<save>/latest_checkpointed_iteration.txt` names the newest complete one.
 
-Why it cannot be lost: a checkpoint is written under `iter_XXXXXXX.tmp`, a manifest of its file sizes is
-added last, the directory is renamed to its real name, and only then is the tracker file replaced (temp
-file + `os.replace`). A crash at any point leaves the previous checkpoint and tracker as they were. On load,
-the manifest catches a truncated or missing file before any tensor is read; with `fallback=True` the newest
-older complete checkpoint is used instead.
+Why it cannot be lost: a checkpoint is written under `iter_XXXXXXX.tmp`, a manifest of its files is added
+last, the directory is renamed to its real name, and only then is the tracker file replaced (temp file +
+`os.replace`). A crash at any point leaves the previous checkpoint and tracker as they were.
+
+Why it cannot be silently wrong: the manifest records every file's size and SHA-256, and its own SHA-256
+(any changed byte of the manifest is caught too). The digests are computed right after
+`dist_checkpointing.save` returns and before publishing, each rank hashing its share of the files while
+they are still in the page cache: megatron-core's writers (`FileSystemWriterAsync`, in a helper process)
+offer no hook where the bytes are written, and hashing there would mean patching them. The cost is one
+read of the checkpoint from memory at ~0.9 GB/s per rank, divided over the ranks, and the same on load
+(see `check_complete`); the save's log line reports it. On load, every file is checked against the
+manifest and `.metadata` and the common state are read before any tensor is, so a damaged, truncated or
+missing file is one line naming it; with `fallback=True` the newest older checkpoint that verifies is
+used instead.
 """
 
 import argparse
+import errno
+import hashlib
 import json
 import os
 import random
 import re
 import shutil
+import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_csbp import supervision
 from megatron_csbp.arguments import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -143,18 +156,93 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _write_manifest(directory: str) -> None:
-    sizes = {}
+CHECKSUM = "sha256"
+_MANIFEST_FORMAT = 2  # 1 (sizes only) is still read, with a warning
+
+
+def _canonical(data: dict) -> bytes:
+    return json.dumps(data, indent=0, sort_keys=True).encode()
+
+
+def _digest(path: str) -> str:
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, CHECKSUM).hexdigest()
+
+
+def _checkpoint_files(directory: str) -> list[str]:
+    """Every file of a checkpoint directory but the manifest, as sorted relative paths."""
+    names = []
     for folder, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(folder, name)
-            sizes[os.path.relpath(path, directory)] = os.path.getsize(path)
+        names += [os.path.relpath(os.path.join(folder, name), directory) for name in files]
+    return sorted(name for name in names if name not in (MANIFEST, MANIFEST + ".tmp"))
+
+
+def _world() -> tuple[int, int]:
+    """(rank, world size) of the default group, or (0, 1) outside a distributed run."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _gather(value) -> list:
+    rank, world = _world()
+    if world == 1:
+        return [value]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def _hash_share(directory: str, names: list[str]) -> tuple[dict, int, float]:
+    """This rank's share of `names` hashed: ({name: [bytes, digest]}, bytes read, seconds)."""
+    rank, world = _world()
+    started, digests, total = time.perf_counter(), {}, 0
+    for name in names[rank::world]:
+        path = os.path.join(directory, name)
+        size = os.path.getsize(path)
+        digests[name] = [size, _digest(path)]
+        total += size
+    return digests, total, time.perf_counter() - started
+
+
+def _manifest_bytes(files: dict) -> bytes:
+    body = {"format": _MANIFEST_FORMAT, "checksum": CHECKSUM,
+            "files": {name: {"bytes": size, CHECKSUM: digest} for name, (size, digest) in files.items()}}
+    body["manifest_" + CHECKSUM] = hashlib.new(CHECKSUM, _canonical(body)).hexdigest()
+    return _canonical(body)
+
+
+def _write_manifest(directory: str, files: dict) -> None:
     temporary = os.path.join(directory, MANIFEST + ".tmp")
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump({"files": sizes}, handle, indent=0, sort_keys=True)
+    with open(temporary, "wb") as handle:
+        handle.write(_manifest_bytes(files))
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, os.path.join(directory, MANIFEST))
+
+
+def read_manifest(directory: str, log=print) -> dict:
+    """{file: (bytes, digest or None)} from a checkpoint's manifest, which must be exactly as written."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {directory} is incomplete (no {MANIFEST}: its save did not finish)")
+    raw = open(path, "rb").read()
+    try:
+        data = json.loads(raw)
+        if isinstance(data.get("files"), dict) and all(isinstance(v, int) for v in data["files"].values()):
+            log(f" WARNING: checkpoint {directory} has no checksums (saved by an older version): sizes checked only")
+            return {name: (size, None) for name, size in data["files"].items()}
+        claimed = data.pop("manifest_" + CHECKSUM)
+        intact = claimed == hashlib.new(CHECKSUM, _canonical(data)).hexdigest()
+        data["manifest_" + CHECKSUM] = claimed
+        intact = intact and _canonical(data) == raw
+        files = {name: (entry["bytes"], entry[CHECKSUM]) for name, entry in data["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
+        intact = False
+    if not intact:
+        raise CheckpointError(f"checkpoint {directory} is corrupt: {MANIFEST} is damaged (unreadable, or not "
+                              f"what was written)")
+    return files
 
 
 def _write_tracker(root: str, iteration: int) -> None:
@@ -167,28 +255,67 @@ def _write_tracker(root: str, iteration: int) -> None:
     _fsync_dir(root)
 
 
-def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, args) -> str:
+def _explain_save_error(error: BaseException, root: str, directory: str) -> BaseException:
+    """A save that ran out of disk says so, naming the path (torch's own message can be `unexpected pos`)."""
+    chain, cause = [], error
+    while cause is not None and len(chain) < 10:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    no_space = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain) or any(
+        "no space left" in str(e).lower() for e in chain)
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        free = None
+    if not no_space and (free is None or free > 1 << 20):
+        return error
+    where = f" ({free / 2**20:.1f} MiB free)" if free is not None else ""
+    return CheckpointSaveError(f"no space left on device writing {directory} under --save {root}{where}; the "
+                               f"previous checkpoint is intact: free space there or give another --save")
+
+
+class CheckpointSaveError(RuntimeError):
+    """A save that could not be written (e.g. a full disk); the previous checkpoint is untouched."""
+
+
+def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, args, log=print) -> str:
     """Writes `<root>/iter_XXXXXXX/` (collective: every rank calls it); returns its path.
 
     `optimizer` and `scheduler` None: a model-only checkpoint (a converted model), loaded with --finetune."""
     from megatron.core import dist_checkpointing
 
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
     final = checkpoint_dir(root, state.iteration)
     temporary = final + ".tmp"
     rank = dist.get_rank()
+    try:
+        if rank == 0:
+            shutil.rmtree(temporary, ignore_errors=True)  # what an interrupted save left
+            os.makedirs(temporary)
+        dist.barrier()
+        sharded = _sharded_state_dict(model, optimizer, is_loading=False, with_optimizer=optimizer is not None,
+                                      rng=_rng_state())
+        sharded.update(loop=asdict(state), scheduler=None if scheduler is None else scheduler.state_dict(),
+                       args=_plain_args(args), parallel_sizes=_parallel_sizes())
+        dist_checkpointing.save(sharded, temporary)
+        supervision.progress()  # each phase of a long save gets the whole timeout (as torch's barriers do)
+        dist.barrier()
+        names = _checkpoint_files(temporary)
+        shares = _gather(_hash_share(temporary, names))
+        supervision.progress()
+        files = {name: entry for digests, _, _ in shares for name, entry in digests.items()}
+        total, seconds = sum(share[1] for share in shares), max(share[2] for share in shares)
+        log(f" checksummed {len(files)} files ({total / 2**20:.1f} MiB) in {seconds:.3f} s ({CHECKSUM}, "
+            f"{len(shares)} ranks sharing)")
+        if rank == 0:
+            _write_manifest(temporary, files)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - re-raised as is unless out of space
+        explained = _explain_save_error(error, root, temporary)
+        if explained is error:
+            raise
+        raise explained from error
     if rank == 0:
-        shutil.rmtree(temporary, ignore_errors=True)  # what an interrupted save left
-        os.makedirs(temporary)
-    dist.barrier()
-    sharded = _sharded_state_dict(model, optimizer, is_loading=False, with_optimizer=optimizer is not None,
-                                  rng=_rng_state())
-    sharded.update(loop=asdict(state), scheduler=None if scheduler is None else scheduler.state_dict(),
-                   args=_plain_args(args),
-                   parallel_sizes=_parallel_sizes())
-    dist_checkpointing.save(sharded, temporary)
-    dist.barrier()
-    if rank == 0:
-        _write_manifest(temporary)
         if os.environ.get(_TEST_CRASH_BEFORE_PUBLISH) == str(state.iteration):
             raise RuntimeError(f"injected crash before publishing {final} ({_TEST_CRASH_BEFORE_PUBLISH})")
         replaced = final + ".old"
@@ -203,24 +330,66 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
     return final
 
 
-def check_complete(directory: str) -> None:
-    """Refuses a directory that is not a complete checkpoint (missing, unfinished or truncated files)."""
-    if not os.path.isdir(directory):
-        raise CheckpointError(f"checkpoint {directory} does not exist")
-    manifest_path = os.path.join(directory, MANIFEST)
-    if not os.path.isfile(manifest_path):
-        raise CheckpointError(f"checkpoint {directory} is incomplete (no {MANIFEST}: its save did not finish)")
-    try:
-        sizes = json.load(open(manifest_path, encoding="utf-8"))["files"]
-    except (ValueError, KeyError) as error:
-        raise CheckpointError(f"checkpoint {directory} is corrupt: unreadable {MANIFEST} ({error})") from None
-    for name, size in sorted(sizes.items()):
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:300]}"
+
+
+def _check_files(directory: str, files: dict) -> str | None:
+    """This rank's share of the checks: every size, and the digests of its share of the files."""
+    for name, (size, _) in sorted(files.items()):
         path = os.path.join(directory, name)
         if not os.path.isfile(path):
-            raise CheckpointError(f"checkpoint {directory} is corrupt: {name} is missing")
+            return f"checkpoint {directory} is corrupt: {name} is missing"
         if os.path.getsize(path) != size:
-            raise CheckpointError(f"checkpoint {directory} is corrupt: {name} has {os.path.getsize(path)} bytes, "
-                                  f"{size} were written (truncated?)")
+            return (f"checkpoint {directory} is corrupt: {name} has {os.path.getsize(path)} bytes, {size} were "
+                    f"written (truncated?)")
+    rank, world = _world()
+    for name in sorted(files)[rank::world]:
+        expected = files[name][1]
+        if expected is not None and _digest(os.path.join(directory, name)) != expected:
+            return (f"checkpoint {directory} is corrupt: {name} does not match its {CHECKSUM} in {MANIFEST} "
+                    f"(damaged on disk or in transfer)")
+    return None
+
+
+def _check_readable(directory: str) -> str | None:
+    """`.metadata` and the common state parse (both small; read by every load)."""
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        FileSystemReader(directory).read_metadata()
+    except Exception as error:
+        return f"checkpoint {directory} is corrupt: .metadata cannot be read ({_one_line(error)})"
+    try:
+        common = dist_checkpointing.load_common_state_dict(directory)
+        missing = [key for key in ("args", "loop", "scheduler", "parallel_sizes") if key not in common]
+        if missing:
+            return f"checkpoint {directory} is corrupt: its common state lacks {', '.join(missing)}"
+    except Exception as error:
+        return f"checkpoint {directory} is corrupt: its common state cannot be read ({_one_line(error)})"
+    return None
+
+
+def check_complete(directory: str, log=print) -> None:
+    """Refuses a directory that is not a complete, intact checkpoint: missing, unfinished, truncated or
+    changed files (sizes and SHA-256 against the manifest), an unreadable `.metadata` or common state.
+    Collective in a distributed run (every rank calls it; each hashes its share, all agree on the verdict)."""
+    if not os.path.isdir(directory):
+        raise CheckpointError(f"checkpoint {directory} does not exist")
+    error = None
+    try:
+        files = read_manifest(directory, log=log)
+    except CheckpointError as refused:
+        error = str(refused)
+    if error is None:
+        error = _check_files(directory, files)
+    supervision.progress()
+    error = next((e for e in _gather(error) if e), None)
+    if error is None:
+        error = next((e for e in _gather(_check_readable(directory)) if e), None)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def iteration_dirs(root: str) -> list[int]:
@@ -230,24 +399,35 @@ def iteration_dirs(root: str) -> list[int]:
 
 
 def find_checkpoint(root: str, *, fallback: bool, log=print) -> int:
-    """The iteration to load from `root`: the tracker's, checked complete; with `fallback`, the newest
-    older complete one when it is not. Raises `CheckpointError` naming the directory otherwise."""
-    latest = read_tracker(root)
+    """The iteration to load from `root`: the tracker's, checked complete and intact (`check_complete`);
+    with `fallback`, the newest older one that verifies when it is not. Raises `CheckpointError` naming the
+    directory otherwise. Collective in a distributed run."""
+    try:
+        latest = read_tracker(root)
+    except CheckpointError as error:
+        if not fallback or not iteration_dirs(root):
+            raise
+        log(f" WARNING: {error}; falling back to the newest checkpoint that verifies")
+        latest = iteration_dirs(root)[0] + 1
     if latest is None:
         raise CheckpointError(f"--load {root}: no checkpoint there (no {TRACKER}); give the --save directory of "
                               f"an earlier run, or drop --load to start from scratch")
-    try:
-        check_complete(checkpoint_dir(root, latest))
-        return latest
-    except CheckpointError as error:
-        if not fallback:
-            raise CheckpointError(f"{error}; restore it, or pass --load-fallback-to-previous to load the newest "
-                                  f"complete older checkpoint") from None
-        log(f" WARNING: {error}; falling back to an older checkpoint")
+    if latest in iteration_dirs(root) or not fallback:
+        try:
+            started = time.perf_counter()
+            check_complete(checkpoint_dir(root, latest), log=log)
+            log(f" verified {checkpoint_dir(root, latest)} (sizes, {CHECKSUM}, .metadata, common state) in "
+                f"{time.perf_counter() - started:.3f} s")
+            return latest
+        except CheckpointError as error:
+            if not fallback:
+                raise CheckpointError(f"{error}; restore it, or pass --load-fallback-to-previous to load the newest "
+                                      f"complete older checkpoint") from None
+            log(f" WARNING: {error}; falling back to an older checkpoint")
     for iteration in iteration_dirs(root):
         if iteration < latest:
             try:
-                check_complete(checkpoint_dir(root, iteration))
+                check_complete(checkpoint_dir(root, iteration), log=log)
             except CheckpointError as error:
                 log(f" WARNING: {error}; skipped")
                 continue
@@ -272,12 +452,13 @@ def check_compatible(saved_args: dict, args: argparse.Namespace, directory: str)
 
 
 def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_optimizer=True, load_rng=True,
-                    log=print) -> LoopState:
+                    verify=True, log=print) -> LoopState:
     """Loads a complete checkpoint directory into the model (and optimizer, scheduler, RNG); returns the
-    loop state to continue from. Collective."""
+    loop state to continue from. Collective. `verify=False` for a directory `find_checkpoint` just checked."""
     from megatron.core import dist_checkpointing
 
-    check_complete(directory)
+    if verify:
+        check_complete(directory, log=log)
     try:
         common = dist_checkpointing.load_common_state_dict(directory)
     except Exception as error:

@@ -73,6 +73,10 @@ def ring_shift_start(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list[di
     return received, works
 
 
-def wait_all(works) -> None:
-    for work in works if isinstance(works, (list, tuple)) else [works]:
-        work.wait()
+def wait_all(works, what: str = "a CSBP collective", group=None) -> None:
+    """Waits for `works`, watched by the rank's watchdog (`supervision`) as `what` over `group`."""
+    from megatron_csbp import supervision
+
+    with supervision.watch((what, group) if group is not None else what):
+        for work in works if isinstance(works, (list, tuple)) else [works]:
+            work.wait()

@@ -170,3 +170,18 @@ def attention_forward_bytes(mode: str, seq_length: int, clean_shards: int, kv_he
     gathered_tokens = {"cp": 2 * seq_length, "csbp": seq_length, "bp": 0}[mode]
     return gathered_tokens // clean_shards * (clean_shards - 1) * kv_bytes_per_token(
         kv_heads_per_tp, head_dim, bytes_per_elem)
+
+
+def parameter_count(*, num_layers: int, hidden_size: int, num_attention_heads: int, padded_vocab_size: int,
+                    ffn_hidden_size: int = None, num_query_groups: int = None, kv_channels: int = None,
+                    swiglu: bool = False, add_bias_linear: bool = True, layernorm_bias: bool = True,
+                    untied_output: bool = False) -> int:
+    """Parameters of the GPT-style BDLM (what a checkpoint stores per weight copy or optimizer moment)."""
+    ffn, groups, kv = _shape(hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels,
+                             swiglu)
+    h, qkv, fc1 = hidden_size, (num_attention_heads + 2 * groups) * kv, ffn * (2 if swiglu else 1)
+    norm = 2 * h if layernorm_bias else h
+    layer = h * qkv + num_attention_heads * kv * h + h * fc1 + ffn * h + 2 * norm
+    if add_bias_linear:
+        layer += qkv + h + fc1 + h
+    return num_layers * layer + norm + padded_vocab_size * h * (2 if untied_output else 1)

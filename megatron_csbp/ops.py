@@ -119,7 +119,7 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
         noisy_part = kernels.block_diagonal_forward(q[:, :, :, :noisy], k[:, :, :noisy], v[:, :, :noisy],
                                                     layout.block_size, scale)
         if collective:
-            comm.wait_all(work or [])
+            comm.wait_all(work or [], "forward: clean K/V all-gather", ring)
             plan = _plan(kernels, layout, query.device)
             clean_k, clean_v = _unpack(gathered, rows.gathered_clean_rows)
             out, lse = kernels.prefix_forward(q, clean_k, clean_v, plan, scale)
@@ -133,7 +133,7 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
                 ctx.plans.append(plan)
                 shard_k, shard_v = _unpack(shard, rows.shard_clean_rows[member])
                 partials.append(kernels.prefix_forward(q, shard_k, shard_v, plan, scale))
-                comm.wait_all(works)
+                comm.wait_all(works, "forward: clean K/V ring shift", ring)
                 shard = received
             out, lse = merge_partials(partials)
 
@@ -163,7 +163,7 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
             d_gathered = _repack(dk_clean, dv_clean, rows.gathered_clean_rows, gathered.shape[0])
             d_sent, work = comm.reduce_scatter_start(d_gathered, ring) if ring is not None else (d_gathered, None)
             dq_noisy, dk_noisy, dv_noisy = noisy_backward()
-            comm.wait_all(work or [])
+            comm.wait_all(work or [], "backward: clean dK/dV reduce-scatter", ring)
         else:
             dq, d_sent = torch.zeros_like(q), None
             shard = _pack(k.permute(2, 0, 1, 3)[start:], v.permute(2, 0, 1, 3)[start:])
@@ -183,8 +183,8 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
                 else:
                     traveling = contribution if traveling is None else traveling + contribution
                     traveling, acc_works = comm.ring_shift_start(traveling, ring)
-                    comm.wait_all(acc_works)
-                comm.wait_all(kv_works)
+                    comm.wait_all(acc_works, "backward: clean dK/dV ring shift", ring)
+                comm.wait_all(kv_works, "backward: clean K/V ring shift", ring)
                 shard = received
             if traveling is not None:
                 d_sent = d_sent + traveling

@@ -7,6 +7,8 @@ group: the rings of `C` consecutive block ranks (one clean-sequence copy each) a
 clean-replica groups (same ring position, different rings).
 """
 
+import datetime
+
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
@@ -16,10 +18,12 @@ _groups = {}
 
 
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-                              context_block_parallel_size=1, clean_shards=None, **megatron_kwargs):
+                              context_block_parallel_size=1, clean_shards=None, distributed_timeout_minutes=30,
+                              **megatron_kwargs):
     """Megatron's `initialize_model_parallel` with CP size `P`, then the CSBP sub-groups.
 
-    `clean_shards` (`C`, default `P`) must divide `P`. Every world rank must call this.
+    `clean_shards` (`C`, default `P`) must divide `P`. Every world rank must call this. Every group, Megatron's
+    and ours, gets `distributed_timeout_minutes` (a float is fine; Megatron's own default is 30).
     """
     block_parallel_size = context_block_parallel_size
     clean_shards = block_parallel_size if clean_shards is None else clean_shards
@@ -31,11 +35,12 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
                          f"{block_parallel_size} (use C == P, or a divisor of P)")
     mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                   pipeline_model_parallel_size=pipeline_model_parallel_size,
-                                  context_parallel_size=block_parallel_size, **megatron_kwargs)
-    initialize_block_parallel_groups(clean_shards)
+                                  context_parallel_size=block_parallel_size,
+                                  distributed_timeout_minutes=distributed_timeout_minutes, **megatron_kwargs)
+    initialize_block_parallel_groups(clean_shards, distributed_timeout_minutes)
 
 
-def initialize_block_parallel_groups(clean_shards):
+def initialize_block_parallel_groups(clean_shards, distributed_timeout_minutes=30):
     """Builds the ring and clean-replica groups out of Megatron's existing CP groups.
 
     For callers (e.g. Megatron-LM's `pretrain`) that already initialised Megatron with
@@ -50,7 +55,8 @@ def initialize_block_parallel_groups(clean_shards):
     dist.all_gather_object(every_rank_lists, list(mpu.get_context_parallel_global_ranks()))
     block_parallel_ranks_lists = sorted({tuple(ranks) for ranks in every_rank_lists})
     groups = process_groups.new_block_parallel_groups([list(r) for r in block_parallel_ranks_lists],
-                                                      clean_shards, mpu.get_context_parallel_group())
+                                                      clean_shards, mpu.get_context_parallel_group(),
+                                                      timeout=datetime.timedelta(minutes=distributed_timeout_minutes))
     _groups.update(groups=groups, clean_shards=clean_shards)
 
 

@@ -21,11 +21,13 @@ class BlockParallelGroups:
 
 
 def new_block_parallel_groups(block_parallel_ranks: list[list[int]], clean_shards: int,
-                              block_parallel_group: dist.ProcessGroup | None = None) -> BlockParallelGroups:
+                              block_parallel_group: dist.ProcessGroup | None = None,
+                              timeout=None) -> BlockParallelGroups:
     """Builds the ring and clean-replica groups of every block-parallel group; every rank must call it.
 
     `block_parallel_ranks` lists the global ranks of each block-parallel group, in layout order.
     Pass `block_parallel_group` when it already exists (Megatron's CP group) to avoid making it again.
+    `timeout` (a `timedelta`; default torch's) bounds every collective of these groups.
     """
     me = dist.get_rank()
     mine = {"block_parallel": block_parallel_group, "ring": None, "clean_replica": None}
@@ -33,11 +35,12 @@ def new_block_parallel_groups(block_parallel_ranks: list[list[int]], clean_shard
         size = len(ranks)
         if size % clean_shards:
             raise ValueError(f"a block-parallel group of {size} ranks cannot hold rings of clean_shards={clean_shards}")
-        group = dist.new_group(ranks) if block_parallel_group is None else None
+        group = dist.new_group(ranks, timeout=timeout) if block_parallel_group is None else None
         rings = [ranks[i:i + clean_shards] for i in range(0, size, clean_shards)]
         replicas = [ranks[i::clean_shards] for i in range(clean_shards)]
-        ring_groups = [dist.new_group(ring) if 1 < clean_shards < size else None for ring in rings]
-        replica_groups = [dist.new_group(replica) if clean_shards < size else None for replica in replicas]
+        ring_groups = [dist.new_group(ring, timeout=timeout) if 1 < clean_shards < size else None for ring in rings]
+        replica_groups = [dist.new_group(replica, timeout=timeout) if clean_shards < size else None
+                          for replica in replicas]
         if me not in ranks:
             continue
         if block_parallel_group is None:

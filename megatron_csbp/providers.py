@@ -109,7 +109,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
             from megatron_csbp.arguments import transformer_config_from_args
             config = transformer_config_from_args(args)
     if not parallel_state.is_initialized():  # under Megatron-LM's pretrain(): add the CSBP sub-groups
-        parallel_state.initialize_block_parallel_groups(clean_shards(args))
+        parallel_state.initialize_block_parallel_groups(clean_shards(args), args.distributed_timeout_minutes)
     return bdlm_model.model_provider(
         pre_process, post_process, config=_for_bdlm(config), layout=layout_from_args(args),
         vocab_size=args.padded_vocab_size, mask_token_id=args.mask_token_id,

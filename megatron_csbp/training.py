@@ -14,6 +14,9 @@ What it adds to a plain loop, and why:
 * Numerical faults: a step whose loss or grad norm is not finite is skipped (the optimizer's step is
   split so it never applies it) and counted; `--max-consecutive-bad-steps` in a row stop the run with
   `TrainingError`, the last good checkpoint untouched.
+* One writer per `--save` (`save_lock`, taken before anything else) and a watchdog per rank
+  (`supervision`): an iteration phase, a save or a CSBP collective that does not complete within
+  `--distributed-timeout-minutes` ends the run, naming this rank, the operation and the silent ranks.
 * Validation: the per-token NELBO (and `exp` of it, a perplexity bound) over `--eval-iters` global batches
   of the validation split. As in Megatron-LM's `pretrain()`, every evaluation takes the next batches of the
   split (the consumed validation samples are checkpointed), so both loops report the same numbers.
@@ -22,7 +25,9 @@ Test hooks (environment variables, read once; unset in normal runs):
 `MEGATRON_CSBP_TEST_NAN_ITERATIONS=3,7` poisons the loss of those iterations with NaN;
 `MEGATRON_CSBP_TEST_INF_GRAD_ITERATIONS=4` makes a gradient of those iterations infinite (finite loss);
 `MEGATRON_CSBP_TEST_FAIL=RANK:ITERATION[:kill]` makes that rank raise (or SIGKILL itself) in that
-iteration's forward step; `checkpointing` reads `MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH`.
+iteration's forward step; `checkpointing` reads `MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH`;
+`MEGATRON_CSBP_TEST_TIMEOUT_SECONDS=12` replaces `--distributed-timeout-minutes` for the model-parallel
+groups and the watchdog (`supervision`), so a hang test need not wait a minute.
 """
 
 import functools
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_csbp import checkpointing, providers
+from megatron_csbp import checkpointing, providers, supervision
 from megatron_csbp.checkpointing import LoopState
 from megatron_csbp.device import default_device
 from megatron_csbp.progress import Progress
@@ -150,6 +155,8 @@ class Trainer:
             self.optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
             lr_warmup_steps=warmup_steps, lr_decay_steps=decay_steps,
             lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+            wsd_decay_steps=(getattr(args, "lr_wsd_decay_iters", None) or 0) * samples or None,
+            lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None),
             wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.ddp.no_sync
@@ -172,6 +179,10 @@ class Trainer:
         requeue = bool(args.save) and os.path.realpath(args.load) == os.path.realpath(args.save)
         empty = not os.path.isdir(args.load) or (checkpointing.read_tracker(args.load) is None
                                                  and not checkpointing.iteration_dirs(args.load))
+        if empty and args.exit_on_missing_checkpoint:
+            raise checkpointing.CheckpointError(f"--load {args.load}: no checkpoint there, and "
+                                                f"--exit-on-missing-checkpoint is set; give the --save directory "
+                                                f"of an earlier run, or drop --exit-on-missing-checkpoint")
         if requeue and empty:
             self.progress.print(f" no checkpoint in {args.load} yet (--load is --save, the requeue pattern): "
                                 f"starting from scratch")
@@ -179,14 +190,16 @@ class Trainer:
         if not os.path.isdir(args.load):
             raise checkpointing.CheckpointError(f"--load {args.load}: no such directory; give the --save "
                                                 f"directory of an earlier run, or drop --load")
-        iteration = checkpointing.find_checkpoint(args.load, fallback=args.load_fallback_to_previous,
-                                                  log=self.progress.print)
+        with supervision.watch(f"verifying the checkpoints in {args.load}"):
+            iteration = checkpointing.find_checkpoint(args.load, fallback=args.load_fallback_to_previous,
+                                                      log=self.progress.print)
         directory = checkpointing.checkpoint_dir(args.load, iteration)
         load_optimizer = not (args.no_load_optim or args.finetune)
-        state = checkpointing.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, args,
-                                              load_optimizer=load_optimizer,
-                                              load_rng=not (args.no_load_rng or args.finetune),
-                                              log=self.progress.print)
+        with supervision.watch(f"loading {directory}"):
+            state = checkpointing.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, args,
+                                                  load_optimizer=load_optimizer,
+                                                  load_rng=not (args.no_load_rng or args.finetune),
+                                                  verify=False, log=self.progress.print)
         if not args.finetune:
             self.state = state
             if os.path.realpath(args.load) == os.path.realpath(args.save or ""):
@@ -197,8 +210,9 @@ class Trainer:
         if not self.args.save or self.last_saved == self.state.iteration:
             return
         os.makedirs(self.args.save, exist_ok=True)
-        checkpointing.save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler,
-                                      self.args)
+        with supervision.watch(f"saving the checkpoint of iteration {self.state.iteration}"):
+            checkpointing.save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler,
+                                          self.args, log=self.progress.print)
         self.last_saved = self.state.iteration
         self.progress.print(f" saved checkpoint at iteration {self.state.iteration:7d} to {self.args.save}")
 
@@ -209,6 +223,7 @@ class Trainer:
         fails = hooks.fail_iteration == iteration and hooks.fail_rank == dist.get_rank()
 
         def forward_step(data_iterator, model):
+            supervision.progress()  # one mark per micro-batch: a long schedule is not a hang
             if fails:
                 if hooks.fail_by_kill:
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -299,13 +314,16 @@ class Trainer:
                 iteration = state.iteration + 1
                 self.ddp.zero_grad_buffer()
                 self.optimizer.zero_grad()
-                total = self._forward_backward(self._forward_step(iteration), data, self.num_micro_batches,
-                                               forward_only=False)
-                loss = None if total is None else (total[0] / total[1]).item()
-                bad_loss, stop_reason = self._stop_reason(signals, started, loss is None or math.isfinite(loss))
+                with supervision.watch(f"iteration {iteration}: forward/backward"):
+                    total = self._forward_backward(self._forward_step(iteration), data, self.num_micro_batches,
+                                                   forward_only=False)
+                    loss = None if total is None else (total[0] / total[1]).item()
+                with supervision.watch(f"iteration {iteration}: the stop-flag all-reduce"):
+                    bad_loss, stop_reason = self._stop_reason(signals, started, loss is None or math.isfinite(loss))
                 if iteration in self.hooks.inf_grad_iterations:
                     next(self.model.parameters()).main_grad.view(-1)[0] = float("inf")
-                updated, grad_norm, bad = self._guarded_step(not bad_loss)
+                with supervision.watch(f"iteration {iteration}: optimizer step (grad-norm all-reduce)"):
+                    updated, grad_norm, bad = self._guarded_step(not bad_loss)
                 state.iteration = iteration
                 state.consumed_train_samples += args.global_batch_size
                 if updated:
@@ -333,7 +351,8 @@ class Trainer:
                                            state.skipped_iterations, state.nan_iterations)
                     interval_start, interval_iterations = now, 0
                 if evaluates and iteration % args.eval_interval == 0:
-                    nelbo = self.evaluate(valid)
+                    with supervision.watch(f"iteration {iteration}: validation"):
+                        nelbo = self.evaluate(valid)
                     if nelbo is not None:
                         self.progress.validation(iteration, nelbo)
                     interval_start = time.time()
@@ -352,20 +371,55 @@ class Trainer:
             self.progress.close()
 
 
+def _lock_save_directory(args) -> str | None:
+    """Rank 0 takes `--save`'s writer lock before any work; every rank refuses alike when it is held."""
+    from megatron_csbp import save_lock
+
+    if not args.save:
+        return None
+    path, refusal = None, None
+    if dist.get_rank() == 0:
+        try:
+            path = save_lock.acquire(args.save)
+        except save_lock.ConfigError as error:
+            refusal = str(error)
+        except OSError as error:  # every rank must hear of it, or the others wait at the broadcast
+            refusal = f"--save {args.save}: cannot take its writer lock ({error}); give a writable directory"
+    verdict = [refusal]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise save_lock.ConfigError(verdict[0])
+    return path
+
+
 def train(args) -> LoopState:
     """Trains with validated `args` on the initialised default process group; returns the final loop state."""
+    from megatron_csbp import save_lock
+
+    lock = _lock_save_directory(args)
+    try:
+        return _train(args)
+    finally:
+        if lock is not None:
+            save_lock.release(lock)
+
+
+def _train(args) -> LoopState:
     from megatron_csbp import parallel_state
 
+    timeout = supervision.distributed_timeout_seconds(args)
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         context_block_parallel_size=args.context_parallel_size, clean_shards=providers.clean_shards(args),
         get_embedding_ranks=functools.partial(providers.get_embedding_ranks, args=args),
-        distributed_timeout_minutes=args.distributed_timeout_minutes)
+        distributed_timeout_minutes=timeout / 60)
     signals = _StopSignals(args.exit_signal_handler)  # from the start: a signal while loading is not lost
+    supervision.start_watchdog(timeout, dist.get_rank(), dist.get_world_size())
     try:
         trainer = Trainer(args)
         trainer.load()
         return trainer.run(signals)
     finally:
+        supervision.stop_watchdog()
         signals.restore()
         parallel_state.destroy_model_parallel()

@@ -56,12 +56,12 @@ def _single_process():
         dist.init_process_group(default_backend(), rank=0, world_size=1, timeout=datetime.timedelta(minutes=10))
     if dist.get_world_size() != 1:
         raise ConfigError("convert_hf.py runs on one process: launch it with python, not torchrun")
-    cpu_backend.enable()
-    parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1, clean_shards=1)
-    try:
-        yield
-    finally:
-        parallel_state.destroy_model_parallel()
+    with cpu_backend.active():
+        parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1, clean_shards=1)
+        try:
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
 
 
 def _uninitialised_model(args):

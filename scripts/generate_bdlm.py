@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from megatron_csbp import cpu_backend, parallel_state, sampling
-    from pretrain_bdlm import init_distributed
+    from megatron_csbp.loops import init_distributed
 
     try:
         init_distributed(args.distributed_timeout_minutes)

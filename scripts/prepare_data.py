@@ -12,6 +12,7 @@ is one document. A malformed line is reported as `file:line: why` and skipped (c
 """
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -129,8 +130,13 @@ def main(argv: list[str] | None = None) -> int:
             skipped.append(line)
             print(line, file=sys.stderr)
         texts = read_documents(inputs, args.json_key, args.on_bad_line, report)
-        stats = write_indexed_dataset((tokenizer.tokenize(text) + eod for text in texts if text), prefix,
-                                      tokenizer.vocab_size)
+        documents = (ids for ids in (tokenizer.tokenize(text) + eod for text in texts if text) if ids)
+        first = next(documents, None)
+        if first is None:  # nothing to write: say why, before any file is made
+            named = ", ".join(inputs) if len(inputs) <= 3 else f"{len(inputs)} input files"
+            why = f"all {len(skipped)} non-empty line(s) were skipped" if skipped else "the input is empty"
+            raise BadInput(f"{named}: no documents to write ({why}); give input with text in it")
+        stats = write_indexed_dataset(itertools.chain([first], documents), prefix, tokenizer.vocab_size)
     except (ConfigError, BadInput, OSError) as error:
         print(f"prepare_data: {error}", file=sys.stderr)
         return 1

@@ -27,24 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _FAILED_RANK_KEY = "megatron_csbp/failed_rank"
 
+from megatron_csbp.supervision import die_with_launcher  # noqa: E402
 
-def init_distributed(timeout_minutes: int) -> tuple[int, int]:
-    """The default process group from the launcher's environment (torchrun or srun); (rank, world size)."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_csbp.device import default_backend
-    from megatron_csbp.launch import free_port
-
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if torch.accelerator.is_available():
-        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")) % torch.accelerator.device_count())
-    dist.init_process_group(default_backend(), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(minutes=timeout_minutes))
-    return rank, world
+die_with_launcher()  # at import: a killed torchrun/srun takes its ranks, and their spawned helpers, with it
 
 
 def _announce_failure(rank: int, error: BaseException) -> str:
@@ -76,52 +61,14 @@ def _end_helper_processes() -> None:
             pass
 
 
-def _use_megatron_lm(loop: str) -> bool:
-    """Megatron-LM's `pretrain()` or our loop, as `--training-loop` asks (auto: Megatron-LM where importable)."""
-    from megatron_csbp import megatron_lm
-    from megatron_csbp.arguments import ConfigError
-
-    if loop == "megatron-core":
-        return False
-    found = megatron_lm.import_pretrain() is not None
-    if loop == "megatron-lm" and not found:
-        raise ConfigError("--training-loop megatron-lm: megatron.training cannot be imported; point MEGATRON_LM_PATH "
-                          "at a Megatron-LM checkout (tag core_v0.16.1) or use --training-loop megatron-core")
-    return found
-
-
-def _our_loop(argv: list[str], world: int):
-    """Our megatron-core loop: validated arguments now, the run (a thunk) once the refusals are past."""
-    from megatron_csbp.arguments import validate_args
-    from megatron_csbp.config import parse_args
-
-    args = validate_args(parse_args(argv), world)
-
-    def run():
-        from megatron_csbp import cpu_backend, training
-
-        init_distributed(args.distributed_timeout_minutes)
-        with cpu_backend.active():
-            training.train(args)
-    return run
-
-
-def _megatron_lm_loop(argv: list[str], world: int):
-    from megatron_csbp import megatron_lm
-
-    expanded, args = megatron_lm.parse_args(argv, world)
-    return lambda: megatron_lm.pretrain(expanded, args)
-
-
 def main(argv: list[str] | None = None) -> int:
+    from megatron_csbp import loops
     from megatron_csbp.arguments import ConfigError
-    from megatron_csbp.config import training_loop
 
     argv = sys.argv[1:] if argv is None else list(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:
-        loop = _megatron_lm_loop if _use_megatron_lm(training_loop(argv)) else _our_loop
-        run = loop(argv, world)
+        run = loops.prepare(argv, world)
     except ConfigError as error:
         if rank == 0:
             print(f"pretrain_bdlm.py: error: {error}", file=sys.stderr, flush=True)

@@ -47,6 +47,8 @@ MODULE_MARKERS = {
     "test_sampling": ("spawn", "slow"),
     "test_hf": ("spawn", "slow"),
     "test_suite_rules": (),
+    "test_refusals": (),
+    "test_torchrun": ("spawn", "slow"),
 }
 
 

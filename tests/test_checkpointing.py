@@ -2,6 +2,7 @@
 cannot be honoured is refused clearly, and Megatron-LM's exit conditions save before leaving."""
 
 import os
+import re
 import shutil
 
 import pytest
@@ -81,6 +82,9 @@ def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corp
     shutil.copytree(source, unreadable)
     metadata = unreadable / "iter_0000006" / ".metadata"
     metadata.write_bytes(b"\0" * metadata.stat().st_size)  # same size: the manifest cannot tell, loading can
+    damaged = tmp_path / "damaged"  # same size, changed bytes: only the checksum can tell
+    shutil.copytree(source, damaged)
+    _damage(damaged / "iter_0000006" / "__0_0.distcp")
     lost = tmp_path / "lost"
     shutil.copytree(source, lost)
     shutil.rmtree(lost / "iter_0000006")
@@ -95,10 +99,14 @@ def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corp
         ("truncated", validated_args(corpus, load=str(truncated), **settings)),
         ("fallback", validated_args(corpus, load=str(truncated), load_fallback_to_previous=True, **settings)),
         ("unreadable", validated_args(corpus, load=str(unreadable), **settings)),
+        ("damaged", validated_args(corpus, load=str(damaged), **settings)),
+        ("damaged_fallback", validated_args(corpus, load=str(damaged), load_fallback_to_previous=True, **settings)),
         ("lost", validated_args(corpus, load=str(lost), **settings)),
         ("shape", validated_args(corpus, load=str(source), hidden_size=32, **settings)),
         ("requeue", validated_args(corpus, load=str(empty), save=str(empty), train_iters=1, lr_warmup_iters=0,
                                     eval_iters=0)),
+        ("missing", validated_args(corpus, load=str(tmp_path / "missing"), save=str(tmp_path / "missing"),
+                                   exit_on_missing_checkpoint=True, **settings)),
     ]
     results = run_ranks(_train_cases, 1, cases, timeout=300)[0]
 
@@ -114,8 +122,17 @@ def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corp
     for iteration in (4, 5, 6):  # the fallback run trains on exactly as the original did
         assert f"iteration {iteration:8d}/       6" in output and f"lm loss: {resumed[iteration]:.6E}" in output
     status, message = results["unreadable"]
-    assert status == "error" and message.startswith(f"checkpoint {unreadable}/iter_0000006 "), message
-    assert "cannot be loaded" in message or "is corrupt" in message, message
+    assert status == "error" and message == (
+        f"checkpoint {unreadable}/iter_0000006 is corrupt: .metadata does not match its sha256 in "
+        f"csbp_manifest.json (damaged on disk or in transfer); restore it, or pass --load-fallback-to-previous to "
+        f"load the newest complete older checkpoint"), message
+    status, message = results["damaged"]
+    assert status == "error" and message.startswith(
+        f"checkpoint {damaged}/iter_0000006 is corrupt: __0_0.distcp does not match its sha256"), message
+    status, output = results["damaged_fallback"]
+    assert status == "ok" and f"loaded checkpoint from {damaged} at iteration 3" in output, output
+    for iteration in (4, 5, 6):
+        assert f"iteration {iteration:8d}/       6" in output and f"lm loss: {resumed[iteration]:.6E}" in output
     status, message = results["lost"]
     assert status == "error" and message.startswith(f"checkpoint {lost}/iter_0000006 does not exist"), message
     status, message = results["shape"]
@@ -126,6 +143,97 @@ def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corp
         status, output = results[name]  # Megatron-LM's exit conditions: save, then leave (exit status 0)
         assert status == "ok" and f"exiting at iteration {stop} on {why}" in output, output
         assert (exits[name] / "latest_checkpointed_iteration.txt").read_text() == str(stop)
+    status, message = results["missing"]  # Megatron-LM's --exit-on-missing-checkpoint: no silent fresh start
+    assert status == "error" and message == (
+        f"--load {tmp_path}/missing: no checkpoint there, and --exit-on-missing-checkpoint is set; give the --save "
+        f"directory of an earlier run, or drop --exit-on-missing-checkpoint")
     status, output = results["requeue"]
     assert status == "ok" and f"no checkpoint in {empty} yet (--load is --save, the requeue pattern)" in output
     assert (empty / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+
+def _damage(path, *, length=4096):
+    """Same-size damage: inverts up to `length` bytes in the middle of the file."""
+    data = bytearray(path.read_bytes())
+    start = len(data) // 2
+    for i in range(start, min(len(data), start + length)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _manifest_digit_changed(path):
+    """Same-size, still valid JSON: one hex digit of one recorded digest changed."""
+    text = path.read_text()
+    at = text.index('"sha256": "') + len('"sha256": "')
+    path.write_text(text[:at] + ("0" if text[at] != "0" else "1") + text[at + 1:])
+
+
+def test_same_size_damage_of_any_checkpoint_file_is_named_and_fallback_skips_it(interrupted, tmp_path):
+    """Every file of a checkpoint (each .distcp shard, .metadata, common.pt, metadata.json, the manifest)
+    damaged without changing its size: the load refuses naming the file, and the fallback takes iteration 3."""
+    from megatron_csbp.checkpointing import CheckpointError, find_checkpoint
+
+    source = interrupted["save"]
+    files = sorted(p.name for p in (source / "iter_0000006").iterdir())
+    assert {".metadata", "common.pt", "csbp_manifest.json"} <= set(files) and any(
+        name.endswith(".distcp") for name in files), files
+    damages = [(name, _damage) for name in files] + [("csbp_manifest.json", _manifest_digit_changed)]
+    for case, (name, damage) in enumerate(damages):
+        root = tmp_path / f"case{case}"
+        shutil.copytree(source, root)
+        victim = root / "iter_0000006" / name
+        size = victim.stat().st_size
+        damage(victim)
+        assert victim.stat().st_size == size
+        directory = root / "iter_0000006"
+        what = (f"{name} is damaged (unreadable, or not what was written)" if name == "csbp_manifest.json" else
+                f"{name} does not match its sha256 in csbp_manifest.json (damaged on disk or in transfer)")
+        with pytest.raises(CheckpointError) as refused:
+            find_checkpoint(str(root), fallback=False, log=lambda line: None)
+        assert str(refused.value) == (
+            f"checkpoint {directory} is corrupt: {what}; restore it, or pass --load-fallback-to-previous to load "
+            f"the newest complete older checkpoint"), name
+        warnings = []
+        assert find_checkpoint(str(root), fallback=True, log=warnings.append) == 3, name
+        assert warnings == [f" WARNING: checkpoint {directory} is corrupt: {what}; falling back to an older "
+                            f"checkpoint"], warnings
+    intact = tmp_path / "intact"  # negative control: the undamaged copy loads its latest
+    shutil.copytree(source, intact)
+    assert find_checkpoint(str(intact), fallback=False, log=lambda line: None) == 6
+
+
+def test_checksum_cost_is_logged_at_save(interrupted):
+    output = interrupted["resumed"].output
+    assert re.search(r"checksummed \d+ files \([0-9.]+ MiB\) in [0-9.]+ s \(sha256, 1 ranks sharing\)", output), \
+        output[-3000:]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2.6 MiB tmpfs: room for one tiny checkpoint (~1.6 MiB), not two. Needs root (mount)."""
+    import subprocess
+
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2600k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(corpus, small_disk):
+    from megatron_csbp.checkpointing import find_checkpoint
+
+    save = small_disk / "checkpoints"
+    result = run(1, base(corpus, save=save, save_interval=2, train_iters=4, eval_iters=0), expect=1, timeout=200)
+    assert "saved checkpoint at iteration       2" in result.output
+    assert "room for one checkpoint only" in result.output  # the up-front warning
+    match = re.search(rf"rank 0 failed: CheckpointSaveError: no space left on device writing {save}/iter_0000004.tmp "
+                      rf"under --save {save} \([0-9.]+ MiB free\); the previous checkpoint is intact: free space "
+                      rf"there or give another --save", result.output)
+    assert match, result.output[-3000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert find_checkpoint(str(save), fallback=False, log=lambda line: None) == 2

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from attention_reference import bdlm_mask
-from spawn import run_ranks
+from spawn import on_cpu_backend, run_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -112,17 +112,17 @@ def hf_reference(hf_dir, x_t, x0, mask_id, mean_of):
     return logits[:, :SEQ]
 
 
+@on_cpu_backend
 def _our_logits(rank, world, root, families, tp, cp, controls):
     """On each rank: our converted model's logits on its noisy rows (gathered over TP), per family."""
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_csbp import checkpointing, cpu_backend, parallel_state, providers
+    from megatron_csbp import checkpointing, parallel_state, providers
     from megatron_csbp.arguments import transformer_config_from_args, validate_args
     from megatron_csbp.config import parse_args
     from megatron_csbp.hf import split_qkv, Shape
 
-    cpu_backend.enable()
     results = {}
     for family in families:
         for control in ("none", *(control for control in controls if family in CONTROLS[control])):

@@ -58,3 +58,38 @@ def test_block_parallel_groups_on_four_ranks():
         assert seen["tp2_tp"] == ([0, 1] if rank < 2 else [2, 3])
         assert seen["tp2_block"] == [rank % 2, rank % 2 + 2]
         assert seen["tp2_ring"] == seen["tp2_block"]
+
+
+def _timeouts(rank, world_size):
+    """Rank 1 stays away from two collectives: on a group Megatron made (CP) and on one we made (clean
+    replicas, C = 1). Rank 0 must give up on each within the timeout given to initialize_model_parallel."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as mpu
+
+    from megatron_csbp import cpu_backend, parallel_state
+
+    cpu_backend.enable()
+    parallel_state.initialize_model_parallel(context_block_parallel_size=2, clean_shards=1,
+                                             distributed_timeout_minutes=3 / 60)
+    waited = {}
+    if rank == 0:
+        for name, group in (("ours", parallel_state.get_clean_replica_group()),
+                            ("megatron", mpu.get_context_parallel_group())):
+            started = time.time()
+            try:
+                dist.all_reduce(torch.ones(1), group=group)
+                waited[name] = None
+            except RuntimeError:
+                waited[name] = time.time() - started
+    else:
+        time.sleep(20)  # alive, connected, silent: only a timeout can end rank 0's wait
+    return waited
+
+
+def test_every_group_gets_the_distributed_timeout():
+    waited = run_ranks(_timeouts, 2, timeout=120)[0]
+    for name in ("ours", "megatron"):  # 3 s asked; Megatron's default would be 30 minutes
+        assert waited[name] is not None and 2 <= waited[name] < 10, waited

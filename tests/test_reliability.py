@@ -1,11 +1,13 @@
 """Failures never hang and never cost more than one iteration: preemption signals, NaN steps, dead ranks."""
 
+import json
 import math
 import os
 import re
 import signal
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -125,3 +127,137 @@ def test_a_non_finite_grad_norm_skips_the_step_with_a_finite_loss(corpus):
     counts = {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
         r"iteration\s+(\d+)/.*number of skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+)", output)}
     assert counts[3] == (0, 0) and counts[4] == (1, 1) and counts[6] == (1, 1)
+
+
+def _kill_tree(launched: subprocess.Popen) -> None:
+    """Kills a launched run and every process under it (their helpers hold its output pipe open)."""
+    try:
+        processes = [psutil.Process(launched.pid), *psutil.Process(launched.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        processes = []
+    for process in processes:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    launched.communicate()
+
+
+def test_a_second_run_on_the_same_save_is_refused_naming_the_first(corpus, tmp_path):
+    """Two runs writing one --save would mix their files into checkpoints that pass every check."""
+    import json
+
+    save = tmp_path / "shared"
+    first = subprocess.Popen(command(1, base(corpus, save=save, save_interval=4, train_iters=400, eval_iters=0)),
+                             cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for line in first.stdout:
+            if re.search(r"iteration\s+1/", line):
+                break
+        holder = json.loads((save / "csbp_writer.lock").read_text())
+        assert holder["pid"] == first.pid
+        second = run(1, base(corpus, save=save, eval_iters=0), expect=2, timeout=120)
+    finally:
+        _kill_tree(first)
+    assert "Traceback" not in second.output and "iteration" not in second.output
+    assert second.output.strip().splitlines()[-1] == (
+        f"pretrain_bdlm.py: error: --save {save} is in use by another run (host {holder['host']}, pid {first.pid}, "
+        f"since {holder['since']}): wait for it to end or give another --save; if that run is gone, delete "
+        f"{save}/csbp_writer.lock")
+
+
+def test_a_stale_lock_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch):
+    from megatron_csbp import save_lock
+    from megatron_csbp.arguments import ConfigError
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    me = save_lock.this_holder()
+    cases = {"dead": dict(me, pid=dead_pid), "reused pid": dict(me, pid=os.getppid(), process_start=1.0),
+             "live": dict(me, pid=os.getppid(), process_start=psutil.Process(os.getppid()).create_time()),
+             "other host": dict(me, host="elsewhere", pid=dead_pid),
+             "requeued": dict(me, host="elsewhere", slurm_job_id="77", slurm_restart_count="0"),
+             "same job step": dict(me, host="elsewhere", slurm_job_id="77", slurm_restart_count="1")}
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "1")
+    outcomes = {}
+    for name, holder in cases.items():
+        save = tmp_path / name.replace(" ", "_")
+        save.mkdir()
+        (save / "csbp_writer.lock").write_text(json.dumps(holder))
+        lines = []
+        try:
+            path = save_lock.acquire(str(save), log=lines.append)
+            assert json.loads(open(path).read())["pid"] == os.getpid()
+            save_lock.release(path)
+            assert not os.path.exists(path)
+            outcomes[name] = lines[0]
+        except ConfigError as error:
+            outcomes[name] = str(error)
+    lock = lambda name: f"{tmp_path}/{name}/csbp_writer.lock"  # noqa: E731
+    assert outcomes["dead"] == f" taking over the stale lock {lock('dead')} ({save_lock.describe(cases['dead'])}: " \
+                               f"process {dead_pid} is gone)"
+    assert outcomes["reused pid"].endswith("(its pid now belongs to another process))")
+    assert outcomes["requeued"].endswith(": Slurm job 77 was requeued)")
+    for refused in ("live", "other host", "same job step"):
+        assert outcomes[refused].startswith(f"--save {tmp_path}/{refused.replace(' ', '_')} is in use by another "
+                                            f"run ({save_lock.describe(cases[refused])})"), outcomes[refused]
+
+
+def test_killing_torchrun_takes_its_ranks_with_it(corpus, tmp_path):
+    """torchrun's ranks live in their own sessions: without a parent-death signal they would train on."""
+    settings = base(corpus, context_block_parallel=2, train_iters=400, eval_iters=0, save=tmp_path / "save",
+                    save_interval=1)  # saving: the ranks then have checkpoint-writer helpers too
+    launched = subprocess.Popen(command(2, settings),
+                                cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        for line in launched.stdout:
+            if re.search(r"saved checkpoint at iteration\s+2 ", line):
+                break
+        ranks = [_worker(launched.pid, rank) for rank in (0, 1)]
+        descendants = psutil.Process(launched.pid).children(recursive=True)
+        launched.kill()
+        launched.wait()
+        _, alive = psutil.wait_procs(descendants, timeout=20)
+    finally:
+        launched.kill()
+        for process in descendants:
+            try:
+                process.kill()
+            except psutil.NoSuchProcess:
+                pass
+        launched.communicate()
+    assert {p.pid for p in ranks} <= {p.pid for p in descendants} and len(descendants) > 2, descendants
+    assert alive == [], f"left running after torchrun was killed: pids {[p.pid for p in alive]}"
+
+
+def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(corpus):
+    """SIGSTOP on one rank: it never fails, so only the watchdog can end the job; the other rank names it."""
+    timeout = 15
+    launched = subprocess.Popen(command(2, base(corpus, context_block_parallel=2, train_iters=400, eval_iters=0)),
+                                cwd=REPO, env=environment({"MEGATRON_CSBP_TEST_TIMEOUT_SECONDS": str(timeout)}),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in launched.stdout:
+            lines.append(line)
+            if re.search(r"iteration\s+2/", line):
+                break
+        stopped = _worker(launched.pid, 1)
+        stopped.suspend()
+        started = time.time()
+        lines.append(launched.communicate(timeout=timeout + 90)[0])
+        elapsed = time.time() - started
+    finally:
+        _kill_tree(launched)
+    output = "".join(lines)
+    assert launched.returncode != 0
+    match = re.search(r"rank 0 watchdog: (.*) has not completed in (\d+) s \(distributed timeout 15 s, "
+                      r"--distributed-timeout-minutes\); silent \(stopped or dead\): rank 1 \(last heartbeat "
+                      r"([0-9.]+) s ago, in (.*)\); ending the run", output)
+    assert match, output[-4000:]
+    assert re.fullmatch(r"(.* over ranks \[0, 1\] \(in )?iteration \d+: .*", match.group(1)), match.group(1)
+    assert int(match.group(2)) <= timeout and float(match.group(3)) <= timeout + 5
+    assert elapsed < timeout + 60, elapsed  # the watchdog, then torchrun's teardown of the stopped rank

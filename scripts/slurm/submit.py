@@ -189,6 +189,8 @@ def submit(cli: argparse.Namespace) -> int:
         raise Refused(f"--config {cli.config}: no such file")
     if cli.signal_seconds < 1:
         raise Refused(f"--signal-seconds {cli.signal_seconds}: must be >= 1")
+    if cli.cpus_per_task is not None and cli.cpus_per_task < 1:
+        raise Refused(f"--cpus-per-task {cli.cpus_per_task}: must be >= 1 (or drop it for Slurm's default)")
     tasks = ranks_per_node(cli)
     refuse_own_checkpoint_flags(cli.overrides)
     check_topology(cli, cli.nodes * tasks)

@@ -1,0 +1,76 @@
+"""Which training loop a run takes, and its arguments checked before any rank does work.
+
+`prepare(argv, world_size)` reads `--training-loop` (auto: Megatron-LM's `pretrain()` where
+`megatron.training` imports, else our megatron-core loop), parses and validates the arguments with that
+loop's parser and the plugin's rules, and returns the run as a function to call on each rank. Refused input
+raises `ConfigError` here, before any process group exists: the training script and our torchrun launcher
+(which validates once, before starting ranks) call the same function.
+"""
+
+import datetime
+import os
+from typing import Callable
+
+from megatron_csbp.arguments import ConfigError
+
+
+def uses_megatron_lm(loop: str) -> bool:
+    """Megatron-LM's `pretrain()` or our loop, as `--training-loop` asks (auto: Megatron-LM where importable)."""
+    from megatron_csbp import megatron_lm
+
+    if loop == "megatron-core":
+        return False
+    found = megatron_lm.import_pretrain() is not None
+    if loop == "megatron-lm" and not found:
+        raise ConfigError("--training-loop megatron-lm: megatron.training cannot be imported; point MEGATRON_LM_PATH "
+                          "at a Megatron-LM checkout (tag core_v0.16.1) or use --training-loop megatron-core")
+    return found
+
+
+def init_distributed(timeout_minutes: float) -> tuple[int, int]:
+    """The default process group from the launcher's environment (torchrun or srun); (rank, world size)."""
+    import torch
+    import torch.distributed as dist
+
+    from megatron_csbp.device import default_backend
+    from megatron_csbp.launch import free_port
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if torch.accelerator.is_available():
+        torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")) % torch.accelerator.device_count())
+    dist.init_process_group(default_backend(), rank=rank, world_size=world,
+                            timeout=datetime.timedelta(minutes=timeout_minutes))
+    return rank, world
+
+
+def _megatron_core_loop(argv: list[str], world_size: int) -> Callable[[], None]:
+    from megatron_csbp.arguments import validate_args
+    from megatron_csbp.config import parse_args
+
+    args = validate_args(parse_args(argv), world_size)
+
+    def run():
+        from megatron_csbp import cpu_backend, training
+
+        init_distributed(args.distributed_timeout_minutes)
+        with cpu_backend.active():
+            training.train(args)
+    return run
+
+
+def _megatron_lm_loop(argv: list[str], world_size: int) -> Callable[[], None]:
+    from megatron_csbp import megatron_lm
+
+    expanded, args = megatron_lm.parse_args(argv, world_size)
+    return lambda: megatron_lm.pretrain(expanded, args)
+
+
+def prepare(argv: list[str], world_size: int) -> Callable[[], None]:
+    """The run `argv` asks for, validated for `world_size` ranks (`ConfigError` if refused)."""
+    from megatron_csbp.config import training_loop
+
+    loop = _megatron_lm_loop if uses_megatron_lm(training_loop(argv)) else _megatron_core_loop
+    return loop(argv, world_size)

@@ -1,0 +1,115 @@
+"""One writer per `--save` directory: a lock file naming its holder, taken before training starts.
+
+Two runs saving into one folder would interleave their files into checkpoints that pass every check
+(each file intact, but from different runs). So rank 0 creates `<save>/csbp_writer.lock` (`O_EXCL`: exactly
+one creator wins) holding its host, pid, process start time and Slurm job, and a second run refuses at
+once, naming the first. A lock outlives a killed run; it is stale, and taken over, when its holder is
+provably gone: on this host, no process with that pid and start time; under Slurm, the same job id with
+another restart count (a requeued job, whose earlier incarnation Slurm has ended). A lock held from
+another host by a live-looking run is never taken: the message says which file to delete if that run is
+gone.
+"""
+
+import datetime
+import json
+import os
+import socket
+
+from megatron_csbp.arguments import ConfigError
+
+LOCK = "csbp_writer.lock"
+
+
+def _process_start(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def this_holder() -> dict:
+    """Who this process is, as recorded in a lock."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "process_start": _process_start(os.getpid()),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "slurm_restart_count": os.environ.get("SLURM_RESTART_COUNT", "0"),
+            "since": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+
+
+def stale_reason(holder: dict, me: dict) -> str | None:
+    """Why the lock's holder is certainly gone, or None when it may still be writing."""
+    if holder.get("slurm_job_id") and holder["slurm_job_id"] == me["slurm_job_id"] and \
+            holder.get("slurm_restart_count") != me["slurm_restart_count"]:
+        return f"Slurm job {holder['slurm_job_id']} was requeued"
+    if holder.get("host") == me["host"]:
+        start = _process_start(int(holder.get("pid", -1)))
+        if start is None:
+            return f"process {holder.get('pid')} is gone"
+        if holder.get("process_start") is not None and abs(start - holder["process_start"]) > 1.0:
+            return f"process {holder.get('pid')} is gone (its pid now belongs to another process)"
+    return None
+
+
+def describe(holder: dict) -> str:
+    job = f", Slurm job {holder['slurm_job_id']}" if holder.get("slurm_job_id") else ""
+    return f"host {holder.get('host')}, pid {holder.get('pid')}{job}, since {holder.get('since')}"
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return {}
+
+
+def acquire(save: str, log=print) -> str:
+    """Takes `<save>/csbp_writer.lock` for this process (rank 0); returns its path. Refuses with
+    `ConfigError` naming the holder when another live run has it."""
+    os.makedirs(save, exist_ok=True)
+    path = os.path.join(save, LOCK)
+    me = this_holder()
+    for _ in range(5):  # a lock replaced under us, or one just being written, is looked at again
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            holder = _read(path)
+            if holder is None:
+                continue
+            if not holder:  # created but not yet written by its holder, or damaged
+                import time
+                time.sleep(0.5)
+                holder = _read(path)
+                if holder is None:
+                    continue
+                if not holder:
+                    raise ConfigError(f"--save {save}: {path} is unreadable (another run starting, or a damaged "
+                                      f"lock); if no other run uses --save {save}, delete {path}")
+            reason = stale_reason(holder, me)
+            if reason is None:
+                raise ConfigError(f"--save {save} is in use by another run ({describe(holder)}): wait for it to "
+                                  f"end or give another --save; if that run is gone, delete {path}")
+            try:  # atomic: of several runs taking over at once, one renames it away, the others retry
+                os.rename(path, f"{path}.stale.{os.getpid()}")
+                os.remove(f"{path}.stale.{os.getpid()}")
+            except FileNotFoundError:
+                continue
+            log(f" taking over the stale lock {path} ({describe(holder)}: {reason})")
+            continue
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            json.dump(me, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        return path
+    raise ConfigError(f"--save {save}: could not take {path} (other runs keep replacing it); make sure only one "
+                      f"run uses --save {save}")
+
+
+def release(path: str) -> None:
+    """Removes the lock if this process still holds it."""
+    holder = _read(path)
+    if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        os.remove(path)
