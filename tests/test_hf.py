@@ -322,6 +322,7 @@ def test_finetune_first_loss_is_the_huggingface_models(converted, llama_data, tm
     first = float(re.search(r"iteration\s+1/\s*2 \|.*?lm loss: ([-+0-9.eE]+)", output).group(1))
 
     args = validate_args(parse_args(["--config", config, *overrides]), 1)
+    providers.fill_vocabulary(args)
     train, _, _ = providers.train_valid_test_datasets_provider(args=args)
     x0 = torch.stack([train[i]["tokens"] for i in range(args.global_batch_size)])
     mask_id = args.mask_token_id
