@@ -19,6 +19,13 @@ read of the checkpoint from memory at ~0.9 GB/s per rank, divided over the ranks
 manifest and `.metadata` and the common state are read before any tensor is, so a damaged, truncated or
 missing file is one line naming it; with `fallback=True` the newest older checkpoint that verifies is
 used instead.
+
+Why Megatron-LM reads it, and we read Megatron-LM's: the common state has Megatron-LM's keys and meanings
+(`args` as a Namespace with the consumed samples, `iteration`, `checkpoint_version`, `opt_param_scheduler`,
+and `rng_state` as Megatron-LM's per-(PP, TP) list of RNG dicts), so a checkpoint saved by either loop
+resumes in the other at the same iteration, data position and schedule. Our own extras (`loop`: the skip
+counters; `parallel_sizes`) ride along. A Megatron-LM checkpoint has no manifest: it is verified by what
+dist_checkpointing itself records (`.metadata` and the common state must read), and said so.
 """
 
 import argparse
@@ -91,33 +98,67 @@ def _plain_args(args: argparse.Namespace) -> dict:
     return plain
 
 
-def _rng_state() -> dict:
+def _saved_arguments(args: argparse.Namespace, state: LoopState) -> argparse.Namespace:
+    """Megatron-LM's `args` entry: the arguments, with the data position Megatron-LM resumes from."""
+    return argparse.Namespace(**{**_plain_args(args), "consumed_train_samples": state.consumed_train_samples,
+                                 "consumed_valid_samples": state.consumed_valid_samples,
+                                 "skipped_train_samples": 0})
+
+
+def saved_args(common: dict) -> dict:
+    """A checkpoint's recorded arguments as a dict (a Namespace in ours and Megatron-LM's; a dict in v0.1's)."""
+    recorded = common.get("args")
+    return vars(recorded) if isinstance(recorded, argparse.Namespace) else dict(recorded or {})
+
+
+def _loop_state(common: dict) -> LoopState:
+    """Where to resume: our `loop` entry, or Megatron-LM's iteration and consumed samples."""
+    if "loop" in common:
+        return LoopState(**common["loop"])
+    recorded = saved_args(common)
+    return LoopState(iteration=common["iteration"], consumed_train_samples=recorded.get("consumed_train_samples", 0),
+                     consumed_valid_samples=recorded.get("consumed_valid_samples", 0))
+
+
+def _saved_parallel_sizes(common: dict) -> dict:
+    recorded = saved_args(common)
+    return common.get("parallel_sizes") or {name: recorded.get(name, 1) for name in
+                                            ("tensor_model_parallel_size", "pipeline_model_parallel_size")}
+
+
+def _rng_state() -> list:
+    """This rank's RNG states in Megatron-LM's layout (`cuda_rng_state`: the accelerator's, or the CPU's)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from megatron_csbp.device import default_device
 
     device = default_device()
-    numpy_state = np.random.get_state(legacy=False)
-    numpy_state["state"]["key"] = numpy_state["state"]["key"].tolist()
-    return {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state(),
-            "accelerator": None if device.type == "cpu" else torch.get_device_module(device).get_rng_state(),
-            "tracker": get_cuda_rng_tracker().get_states()}
+    accelerator = torch.get_rng_state() if device.type == "cpu" else torch.get_device_module(device).get_rng_state()
+    return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": accelerator,
+             "rng_tracker_states": get_cuda_rng_tracker().get_states()}]
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(states: list) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     from megatron_csbp.device import default_device
 
-    random.setstate(state["python"])
-    numpy_state = state["numpy"]
-    numpy_state["state"]["key"] = np.array(numpy_state["state"]["key"], dtype=np.uint32)
-    np.random.set_state(numpy_state)
-    torch.set_rng_state(state["torch"])
+    if isinstance(states, dict):  # v0.1's own layout
+        states = [{"random_rng_state": states["python"], "torch_rng_state": states["torch"],
+                   "np_rng_state": ("MT19937", np.array(states["numpy"]["state"]["key"], dtype=np.uint32),
+                                    states["numpy"]["state"]["pos"], states["numpy"]["has_gauss"],
+                                    states["numpy"]["gauss"]),
+                   "cuda_rng_state": states["accelerator"], "rng_tracker_states": states["tracker"]}]
+    state = states[0]
+    random.setstate(state["random_rng_state"])
+    np.random.set_state(state["np_rng_state"])
+    torch.set_rng_state(state["torch_rng_state"])
     device = default_device()
-    if state["accelerator"] is not None and device.type != "cpu":
-        torch.get_device_module(device).set_rng_state(state["accelerator"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
+    if device.type != "cpu":
+        torch.get_device_module(device).set_rng_state(state["cuda_rng_state"])
+    if state["rng_tracker_states"]:
+        get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
 def _rng_sharded_object(data):
@@ -296,8 +337,9 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
         dist.barrier()
         sharded = _sharded_state_dict(model, optimizer, is_loading=False, with_optimizer=optimizer is not None,
                                       rng=_rng_state())
-        sharded.update(loop=asdict(state), scheduler=None if scheduler is None else scheduler.state_dict(),
-                       args=_plain_args(args), parallel_sizes=_parallel_sizes())
+        sharded.update(args=_saved_arguments(args, state), checkpoint_version=3.0, iteration=state.iteration,
+                       opt_param_scheduler=None if scheduler is None else scheduler.state_dict(),
+                       num_floating_point_operations_so_far=0, loop=asdict(state), parallel_sizes=_parallel_sizes())
         dist_checkpointing.save(sharded, temporary)
         supervision.progress()  # each phase of a long save gets the whole timeout (as torch's barriers do)
         dist.barrier()
@@ -363,12 +405,24 @@ def _check_readable(directory: str) -> str | None:
         return f"checkpoint {directory} is corrupt: .metadata cannot be read ({_one_line(error)})"
     try:
         common = dist_checkpointing.load_common_state_dict(directory)
-        missing = [key for key in ("args", "loop", "scheduler", "parallel_sizes") if key not in common]
+        missing = [key for key in ("args", "iteration") if key not in common]
         if missing:
             return f"checkpoint {directory} is corrupt: its common state lacks {', '.join(missing)}"
     except Exception as error:
         return f"checkpoint {directory} is corrupt: its common state cannot be read ({_one_line(error)})"
     return None
+
+
+def _written_by_megatron_lm(directory: str) -> bool:
+    """A published checkpoint Megatron-LM's `pretrain()` saved: its common state has Megatron-LM's keys and not
+    our `loop` (ours always has it, and is never published without its manifest)."""
+    from megatron.core import dist_checkpointing
+
+    try:
+        common = dist_checkpointing.load_common_state_dict(directory)
+    except Exception:  # noqa: BLE001 - unreadable: not recognisably anyone's; check_complete says why
+        return False
+    return "checkpoint_version" in common and "iteration" in common and "loop" not in common
 
 
 def check_complete(directory: str, log=print) -> None:
@@ -378,10 +432,15 @@ def check_complete(directory: str, log=print) -> None:
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint {directory} does not exist")
     error = None
-    try:
-        files = read_manifest(directory, log=log)
-    except CheckpointError as refused:
-        error = str(refused)
+    if not os.path.isfile(os.path.join(directory, MANIFEST)) and _written_by_megatron_lm(directory):
+        log(f" WARNING: {directory} was written by Megatron-LM (no {MANIFEST}): checked through dist_checkpointing's "
+            f".metadata and common state only, no checksums")
+        files = {}
+    else:
+        try:
+            files = read_manifest(directory, log=log)
+        except CheckpointError as refused:
+            error = str(refused)
     if error is None:
         error = _check_files(directory, files)
     supervision.progress()
@@ -463,14 +522,16 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
         common = dist_checkpointing.load_common_state_dict(directory)
     except Exception as error:
         raise CheckpointError(f"checkpoint {directory} is corrupt: its common state cannot be read ({error})") from None
-    check_compatible(common["args"], args, directory)
-    if load_optimizer and common.get("scheduler") is None:
+    check_compatible(saved_args(common), args, directory)
+    scheduler_state = common.get("opt_param_scheduler", common.get("scheduler"))
+    if load_optimizer and scheduler_state is None:
         raise CheckpointError(f"checkpoint {directory} holds a model only (no optimizer state, e.g. a converted "
                               f"model): load it with --finetune (or --no-load-optim)")
-    load_rng = load_rng and common["parallel_sizes"] == _parallel_sizes()
-    if not load_rng:
-        log(f" not restoring RNG states from {directory} (saved with {common['parallel_sizes']}, running with "
+    saved_sizes = _saved_parallel_sizes(common)
+    if load_rng and saved_sizes != _parallel_sizes():
+        log(f" not restoring RNG states from {directory} (saved with {saved_sizes}, running with "
             f"{_parallel_sizes()})")
+    load_rng = load_rng and saved_sizes == _parallel_sizes()
     sharded = _sharded_state_dict(model, optimizer, is_loading=True, with_optimizer=load_optimizer,
                                   rng=_rng_state() if load_rng else None)
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
@@ -483,7 +544,7 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
     model.load_state_dict(loaded["model"])
     if load_optimizer:
         optimizer.load_state_dict(loaded["optimizer"])
-        scheduler.load_state_dict(common["scheduler"])
+        scheduler.load_state_dict(scheduler_state)
     if load_rng:
         _set_rng_state(loaded["rng_state"])
-    return LoopState(**common["loop"])
+    return _loop_state(common)

@@ -267,7 +267,7 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, lo
     iteration = checkpointing.find_checkpoint(load, fallback=False, log=log)
     directory = checkpointing.checkpoint_dir(load, iteration)
     saved = dist_checkpointing.load_common_state_dict(directory)
-    args = _single_rank(argparse.Namespace(**saved["args"]))
+    args = _single_rank(argparse.Namespace(**checkpointing.saved_args(saved)))
     hf_side = None
     if args.tokenizer_type == "HuggingFaceTokenizer":
         for candidate in (args.tokenizer_model, os.path.join(load, HF_SIDE, "tokenizer.json")):

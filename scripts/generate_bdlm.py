@@ -80,7 +80,7 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
 
     checkpointing.check_complete(directory)
     try:
-        saved = dist_checkpointing.load_common_state_dict(directory).get("args")
+        saved = checkpointing.saved_args(dist_checkpointing.load_common_state_dict(directory))
     except Exception as error:
         raise ConfigError(f"checkpoint {directory} is corrupt: its common state cannot be read ({error})") from None
     if not saved:

@@ -82,7 +82,8 @@ def command(nproc: int, settings: dict, *extra: str) -> list[str]:
 
 def environment(extra: dict | None = None) -> dict:
     env = {key: value for key, value in os.environ.items() if not key.startswith("MEGATRON_CSBP_TEST")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(extra or {}))
+    # megatron-core's "Transformer Engine and Apex are not installed" warnings would bury a failure's output.
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore::UserWarning", **(extra or {}))
     return env
 
 

@@ -144,3 +144,40 @@ def test_a_refusal_under_megatron_lm_is_one_line_and_exit_2_before_any_work(corp
     assert errors == ["pretrain_bdlm.py: error: --attention-dropout must be 0: the CSBP attention kernel has no "
                       "attention-probability dropout (hidden dropout is unaffected)"], done.stderr[-3000:]
     assert "initializ" not in done.stdout  # Megatron-LM never started
+
+
+def _resume_from(root, iteration, target):
+    """A --load directory holding `root`'s checkpoint of `iteration` only, as if it were the latest."""
+    from pretrain_runs import copy_checkpoint
+
+    return copy_checkpoint(str(root), iteration, str(target))
+
+
+def test_a_checkpoint_of_either_loop_resumes_in_the_other(corpus, tmp_path):
+    """Saved at iteration 2 by one loop, resumed to 4 by the other: the same next losses, grad norms and
+    validation as the uninterrupted run (Megatron-LM's second line after its start is, as always, the mean of
+    its first two)."""
+    overrides = _overrides(corpus, context_block_parallel=2, save_interval=2)
+    ours = _launch("megatron-core", 2, overrides + [f"save={tmp_path / 'ours'}"])
+    megatron = _launch("megatron-lm", 2, overrides + [f"save={tmp_path / 'megatron'}"])
+    _assert_same_numbers(ours, megatron)
+    ours_steps, ours_validation = _logged(ours)
+
+    ours_from_megatron = _launch("megatron-core", 2, overrides + [
+        f"load={_resume_from(tmp_path / 'megatron', 2, tmp_path / 'load_megatron')}"])
+    assert "loaded checkpoint from" in ours_from_megatron.output and "written by Megatron-LM" in ours_from_megatron.output
+    steps, validation = _logged(ours_from_megatron)
+    assert sorted(steps) == [3, 4]
+    for iteration in (3, 4):
+        assert steps[iteration][1] == ours_steps[iteration][1], iteration
+        assert steps[iteration][0] == pytest.approx(ours_steps[iteration][0], rel=2e-6, abs=0), iteration
+    assert float(validation[4]) == pytest.approx(float(ours_validation[4]), rel=2e-6, abs=0)
+
+    megatron_from_ours = _launch("megatron-lm", 2, overrides + [
+        f"load={_resume_from(tmp_path / 'ours', 2, tmp_path / 'load_ours')}"])
+    assert "successfully loaded checkpoint from" in megatron_from_ours.output
+    steps, validation = _logged(megatron_from_ours)
+    assert sorted(steps) == [3, 4] and [steps[i][1] for i in (3, 4)] == [ours_steps[i][1] for i in (3, 4)]
+    assert steps[3][0] == pytest.approx(ours_steps[3][0], rel=2e-6, abs=0)
+    assert steps[4][0] == pytest.approx((ours_steps[3][0] + ours_steps[4][0]) / 2, rel=2e-6, abs=0)
+    assert float(validation[4]) == pytest.approx(float(ours_validation[4]), rel=2e-6, abs=0)
