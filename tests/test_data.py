@@ -46,14 +46,16 @@ def test_byte_tokenizer_and_padded_vocabulary():
     args = parse_args(["tensor-model-parallel-size=1"])
     tokenizer = data.build_tokenizer(args)
     assert tokenizer.tokenize("hé") == [104, 195, 169] and tokenizer.detokenize([104, 195, 169, 256]) == "hé"
-    assert (tokenizer.eod, tokenizer.vocab_size, args.mask_token_id, args.padded_vocab_size) == (256, 257, 257, 384)
+    assert (tokenizer.eod, tokenizer.vocab_size) == (256, 257) and data.vocabulary(args, tokenizer) == (257, 384)
     args = parse_args(["tensor-model-parallel-size=4"])
-    data.build_tokenizer(args)
-    assert args.padded_vocab_size == 512
+    assert data.vocabulary(args, data.build_tokenizer(args))[1] == 512
     args = parse_args(["vocab-size=383"])
-    assert data.build_tokenizer(args).eod == 383 and (args.mask_token_id, args.padded_vocab_size) == (384, 512)
+    tokenizer = data.build_tokenizer(args)
+    assert tokenizer.eod == 383 and data.vocabulary(args, tokenizer) == (384, 512)
     with pytest.raises(ConfigError, match="--vocab-size 100: the byte tokenizer needs at least 256"):
         data.build_tokenizer(parse_args(["vocab-size=100"]))
+    null = data.build_tokenizer(parse_args(["tokenizer-type=NullTokenizer", "vocab-size=256"]))
+    assert (null.eod, null.vocab_size) == (256, 257) and null.tokenize("104 195") == [104, 195]
 
 
 def _fake_tokenizers(vocabulary):
@@ -79,11 +81,11 @@ def test_huggingface_tokenizer_is_optional_and_local(tmp_path, monkeypatch):
     vocabulary = {f"w{i}": i for i in range(1000)} | {"</s>": 1000}
     monkeypatch.setitem(sys.modules, "tokenizers", _fake_tokenizers(vocabulary))
     tokenizer = data.build_tokenizer(args)
-    assert (tokenizer.eod, tokenizer.vocab_size, args.mask_token_id, args.padded_vocab_size) == (1000, 1001, 1001, 1024)
+    assert (tokenizer.eod, tokenizer.vocab_size, *data.vocabulary(args, tokenizer)) == (1000, 1001, 1001, 1024)
     assert tokenizer.tokenize("w5 w7") == [5, 7]
     monkeypatch.setitem(sys.modules, "tokenizers", _fake_tokenizers({f"w{i}": i for i in range(1024)}))
     tokenizer = data.build_tokenizer(args)
-    assert (tokenizer.eod, args.mask_token_id, args.padded_vocab_size) == (1024, 1025, 1152)
+    assert (tokenizer.eod, *data.vocabulary(args, tokenizer)) == (1024, 1025, 1152)
     with pytest.raises(ConfigError, match="--tokenizer-model .*missing.json: no such file"):
         data.build_tokenizer(parse_args(["tokenizer-type=HuggingFaceTokenizer",
                                          f"tokenizer-model={tmp_path / 'missing.json'}"]))

@@ -368,13 +368,11 @@ def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
     from megatron_csbp.config import parse_args
 
     args = parse_args([])
-    data.build_tokenizer(args)
-    assert (args.mask_token_id, args.padded_vocab_size) == (257, 384)  # the default: right after the tokenizer's
+    assert data.vocabulary(args, data.build_tokenizer(args)) == (257, 384)  # the default: right after the tokenizer's
     args = parse_args(["bdlm-mask-token-id=400"])
-    data.build_tokenizer(args)
-    assert (args.mask_token_id, args.padded_vocab_size) == (400, 512)
+    assert data.vocabulary(args, data.build_tokenizer(args)) == (400, 512)
     args = parse_args(["bdlm-mask-token-id=100"])
-    data.build_tokenizer(args)
+    args.mask_token_id, args.padded_vocab_size = data.vocabulary(args, data.build_tokenizer(args))
     assert (args.mask_token_id, args.padded_vocab_size) == (100, 384)
     with pytest.raises(CheckpointError, match="--bdlm-mask-token-id 257, this run has --bdlm-mask-token-id 100"):
         check_compatible({"mask_token_id": 257}, args, "ckpt")

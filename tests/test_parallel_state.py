@@ -60,6 +60,7 @@ def test_block_parallel_groups_on_four_ranks():
         assert seen["tp2_ring"] == seen["tp2_block"]
 
 
+@on_cpu_backend
 def _timeouts(rank, world_size):
     """Rank 1 stays away from two collectives: on a group Megatron made (CP) and on one we made (clean
     replicas, C = 1). Rank 0 must give up on each within the timeout given to initialize_model_parallel."""
@@ -69,9 +70,8 @@ def _timeouts(rank, world_size):
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import cpu_backend, parallel_state
+    from megatron_csbp import parallel_state
 
-    cpu_backend.enable()
     parallel_state.initialize_model_parallel(context_block_parallel_size=2, clean_shards=1,
                                              distributed_timeout_minutes=3 / 60)
     waited = {}

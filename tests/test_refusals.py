@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from megatron_csbp.arguments import ConfigError, build_parser, checkpoint_bytes, validate_args
+from spawn import on_cpu_backend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
@@ -153,11 +154,11 @@ def test_checkpoint_size_estimate_matches_a_real_checkpoint(tmp_path):
     assert 0.9 * actual <= estimate <= 1.1 * actual, (estimate, actual)
 
 
+@on_cpu_backend
 def _save_once(rank, world, args, save):
     """Builds the tiny model and optimizer, steps once, saves one checkpoint; returns its .distcp bytes."""
-    from megatron_csbp import checkpointing, cpu_backend, parallel_state, training
+    from megatron_csbp import checkpointing, parallel_state, training
 
-    cpu_backend.enable()
     args.vocab_size, args.tokenizer_type = 256, "ByteLevelTokenizer"
     parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1)
     try:
