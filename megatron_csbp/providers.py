@@ -86,7 +86,7 @@ def layer_spec_from_args(args: argparse.Namespace):
         from megatron.core.transformer.spec_utils import import_module
         try:
             return import_module(tuple(args.spec))
-        except (ImportError, AttributeError) as error:
+        except (ImportError, AttributeError, KeyError) as error:
             raise ConfigError(f"--spec {' '.join(args.spec)}: cannot be imported ({error}); give a module and the "
                               f"name of a ModuleSpec in it, e.g. --spec megatron_csbp.spec csbp_layer_spec") from None
     return None

@@ -47,6 +47,40 @@ def test_spec_swaps_only_the_core_attention():
         spec.get_csbp_layer_spec(multi_latent_attention=True)
 
 
+def test_a_given_layer_spec_is_honoured_with_csbp_core_attention():
+    """`--spec MODULE NAME`: the named spec is the start, copied (never changed in place), with CSBP's core
+    attention as its leaf; a spec that cannot be imported is refused naming the flag."""
+    import argparse
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    from megatron_csbp import providers, spec
+    from megatron_csbp.arguments import ConfigError
+
+    given = get_gpt_layer_local_spec(qk_layernorm=True)
+    given.submodules.self_attention.submodules.core_attention = DotProductAttention
+    built = spec.get_csbp_layer_spec(base_spec=given)
+    assert built.submodules.self_attention.submodules.core_attention.module is spec.CSBPCoreAttention
+    assert given.submodules.self_attention.submodules.core_attention is DotProductAttention
+    assert built.submodules.self_attention.submodules.q_layernorm is not None
+    found = providers.layer_spec_from_args(argparse.Namespace(spec=["megatron_csbp.spec", "csbp_layer_spec"]))
+    assert found is spec.csbp_layer_spec
+    assert providers.layer_spec_from_args(argparse.Namespace(spec=None)) is None
+    with pytest.raises(ConfigError, match="--spec megatron_csbp.spec no_such_spec: cannot be imported"):
+        providers.layer_spec_from_args(argparse.Namespace(spec=["megatron_csbp.spec", "no_such_spec"]))
+
+
+def test_forward_step_refuses_the_megatron_arguments_it_cannot_honour():
+    from megatron_csbp import providers
+    from megatron_csbp.arguments import ConfigError
+
+    with pytest.raises(ConfigError, match="--num-microbatches-with-partial-activation-checkpoints"):
+        providers.forward_step(iter([]), None, True, args=object())
+    with pytest.raises(ConfigError, match="schedule plans"):
+        providers.forward_step(iter([]), None, return_schedule_plan=True, args=object())
+
+
 @pytest.mark.parametrize("field, value, flag", [
     ("calculate_per_token_loss", False, "--calculate-per-token-loss"),
     ("context_parallel_size", 2, "--context-parallel-size"),
