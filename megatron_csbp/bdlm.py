@@ -255,20 +255,23 @@ def checked_loss_func(loss_weights, num_tokens, output_tensor, *, check_results=
 
 def batch_on_this_rank(data_iterator):
     """This micro-batch's `tokens` and `sample_index`: read at TP rank 0, broadcast to the other TP ranks (as
-    `pretrain_gpt.py`'s `get_batch_on_this_tp_rank`: only TP rank 0 builds the datasets)."""
+    `pretrain_gpt.py`'s `get_batch_on_this_tp_rank`: only TP rank 0 builds the datasets). Without tensor
+    parallelism (or Megatron's groups) the rank reads its own."""
+    import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import broadcast_data
 
-    if mpu.get_tensor_model_parallel_world_size() == 1:
+    tp_group = mpu.get_tensor_model_parallel_group(check_initialized=False)
+    if tp_group is None or dist.get_world_size(tp_group) == 1:
         return next(data_iterator)
     batch = None
-    if mpu.get_tensor_model_parallel_rank() == 0:
+    if dist.get_rank(tp_group) == 0:
         batch = next(data_iterator)
         _sample_index(batch)
         _require("loss_mask" not in batch, "a batch 'loss_mask' is not broadcast over tensor-parallel ranks; "
                                            "drop it or use --tensor-model-parallel-size 1")
         batch = {key: torch.as_tensor(batch[key]).long() for key in ("tokens", "sample_index")}
-    return broadcast_data(["tokens", "sample_index"], batch, torch.int64)
+    return broadcast_data(["tokens", "sample_index"], batch, torch.int64, tp_group=tp_group)
 
 
 class BDLMForwardStep:
