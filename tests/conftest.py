@@ -38,6 +38,7 @@ MODULE_MARKERS = {
     "test_parallel_state": ("spawn", "slow"),
     "test_megatron_composition": ("spawn", "slow"),
     "test_bench": ("spawn", "slow"),
+    "test_recompute": ("spawn", "slow"),
     "test_gpu_check": ("spawn", "slow"),
     "test_training": ("spawn", "slow"),
     "test_checkpointing": ("spawn", "slow"),
