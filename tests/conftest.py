@@ -28,6 +28,7 @@ MODULE_MARKERS = {
     "test_config": (),
     "test_cpu_backend": (),
     "test_flops": (),
+    "test_comm": (),
     "test_kernels": (),
     "test_layout": (),
     "test_plan": (),
