@@ -497,7 +497,61 @@ def paper_check(gpu: GPU, out=sys.stdout):
             trend.append(f"{seq_length // 1024}K {best['csbp'].tokens_per_s / best['cp'].tokens_per_s:.3f}x")
     print(f"  14B predicted speedup by context: {', '.join(trend)} (published DiffusionGemma: 1.25x at 64K -> "
           "1.61x at 512K)", file=out)
+    target = PAPER_SPEEDUP_RANGE[0]
+    print(f"  what would have to change to reach {target:.2f}x at 256K (one term at a time):", file=out)
+    for (name, shape, _, _), record in zip(PAPER_SETTINGS, records):
+        model = Model(seq_length=262144, block_size=32, swiglu=True, recompute="full", **shape)
+        gap = paper_gap(model, cluster, target)
+        record.update(gap)
+        print(f"    {name:<23} CP's masked attention kernel at {gap['cp_kernel_efficiency']:.0%} of CSBP's efficiency; "
+              f"or every link x{gap['link_scale']:.3f} (CP's exposed attention comm {gap['cp_exposed_needed_s']:.1f} s "
+              f"instead of {gap['cp_exposed_s']:.2f} s of its {gap['cp_step_s']:.1f} s step); memory "
+              f"{'does not force' if gap['cp_fits_at_csbp_layout'] else 'forces'} CP off CSBP's layout", file=out)
     return records
+
+
+def _speedup(model: Model, cluster: Cluster) -> float:
+    best = best_by_mode(plan(model, cluster))
+    if best["cp"] is None:
+        return float("inf")
+    return best["csbp"].tokens_per_s / best["cp"].tokens_per_s
+
+
+def _solve(speedup_at, target: float, low: float, high: float, steps: int = 30) -> float:
+    """The least `x` in [low, high] (geometric bisection) with `speedup_at(x) >= target`, for a speedup that
+    grows with `x`; NaN when even `high` falls short."""
+    if speedup_at(low) >= target:
+        return low
+    if speedup_at(high) < target:
+        return float("nan")
+    for _ in range(steps):
+        middle = (low * high) ** 0.5
+        low, high = (low, middle) if speedup_at(middle) >= target else (middle, high)
+    return high
+
+
+def paper_gap(model: Model, cluster: Cluster, target: float) -> dict:
+    """How far each term of the model would have to move for the best CSBP / best CP to reach `target`:
+    * `cp_kernel_efficiency`: the CP baseline's attention kernel at this fraction of CSBP's efficiency;
+    * `link_scale`: every link (NVLink and inter-node) at this fraction of its bandwidth;
+    * the exposed attention communication CP would then show, beside what the model predicts;
+    * memory: whether CP's best layout is forced by memory (it is when CSBP's best does not fit as CP)."""
+    gpu = cluster.gpu
+    attention = gpu.attention_fraction or gpu.achievable_fraction
+    with_cp_kernel = lambda k: dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, cp_attention_fraction=k * attention))
+    with_links = lambda f: dataclasses.replace(cluster, gpu=dataclasses.replace(
+        gpu, nvlink_gb_s=gpu.nvlink_gb_s * f, internode_gb_s=gpu.internode_gb_s * f))
+    kernel = _solve(lambda k: _speedup(model, with_cp_kernel(1 / k)), target, 1.0, 100.0)
+    links = _solve(lambda f: _speedup(model, with_links(1 / f)), target, 1.0, 1e5)
+    best = best_by_mode(plan(model, cluster))
+    slow = best_by_mode(plan(model, with_links(1 / links))) if links == links else None
+    same_layout_cp = dataclasses.replace(best["csbp"].topology, mode="cp", c=best["csbp"].topology.p)
+    cp_there = predict(model, cluster, same_layout_cp) if topology_problem(model, cluster, same_layout_cp) is None \
+        else None
+    return {"cp_kernel_efficiency": 1 / kernel, "link_scale": 1 / links,
+            "cp_exposed_s": best["cp"].exposed_attention_s, "cp_step_s": best["cp"].step_time_s,
+            "cp_exposed_needed_s": slow["cp"].exposed_attention_s if slow and slow["cp"] else float("nan"),
+            "cp_fits_at_csbp_layout": bool(cp_there and cp_there.fits)}
 
 
 # --- command line -------------------------------------------------------------------------------

@@ -12,9 +12,12 @@ import dataclasses
 
 import torch
 
+from pretrain_runs import base, run, significant
 from spawn import on_cpu_backend, run_ranks
 from test_megatron_composition import (MICRO_BATCH, SEQ, TOLERANCE, Topology, _as_numpy, _batches, _build_model,
                                        _config, _full, _global_name, _relative)
+
+pytest_plugins = ["pretrain_runs"]  # corpus, reference_runs
 
 TOPOLOGIES = [Topology("csbp P=C=2", block_parallel=2, clean_shards=2),
               Topology("cp baseline 2", mode="cp", block_parallel=2, clean_shards=2)]
@@ -110,3 +113,11 @@ def test_selective_recompute_passes_validation():
                                    check_paths=False)
     config = arguments.transformer_config_from_args(args)
     assert config.recompute_granularity == "selective" and config.recompute_modules == ["core_attn"]
+
+
+def test_training_with_selective_recompute_on_a_simulated_link_logs_the_reference_losses(corpus, reference_runs):
+    """scripts/pretrain_bdlm.py on 2 CSBP ranks with `--recompute-granularity selective --link-gbps 1`: the flags
+    reach the run (recompute and the slow link change no number) and the losses are the 1-rank run's."""
+    done = run(2, base(corpus, context_block_parallel=2, recompute_granularity="selective", link_gbps=1.0))
+    expected = {i: significant(v) for i, v in reference_runs["1 rank"].losses.items()}
+    assert expected and {i: significant(v) for i, v in done.losses.items()} == expected, done.output
