@@ -16,8 +16,8 @@ In the same ranks, after the backend's own link: every `--link-gbps` value as a 
 where the compute waits, so overlap works as on a real link), and with `--overlap-check` the backend's
 link with every collective waited for at once (`comm.serialised`), which shows what the overlap hides.
 `--predict` calibrates the planner on this machine (the model's matmuls, the attention kernel on the
-BDLM mask and the backend's all-gather, timed in `--nproc` concurrent ranks at each length) and prints
-its prediction beside every measured step. `--kernel-check` also times the CPU attention kernel on the
+BDLM mask and the backend's all-gather, timed in each run's ranks just before its steps, so under the
+same load) and prints its prediction beside every measured step. `--kernel-check` also times the CPU attention kernel on the
 BDLM mask against a dense matmul.
 """
 
@@ -126,7 +126,9 @@ def _rank_run(rank, world_size, args, mode, seq_length):
     from megatron_csbp import cpu_backend
 
     with cpu_backend.active():
-        return _rank_record(rank, world_size, args, mode, seq_length)
+        calibration = _calibration_rank(rank, world_size, args, seq_length) if args.predict else None
+        records = _rank_record(rank, world_size, args, mode, seq_length)
+    return [dict(record, calibration=calibration) for record in records]
 
 
 def conditions(args):
@@ -231,6 +233,8 @@ def summarise(per_rank):
                     "saved_activation_bytes", "rows_per_rank", "attention_pairs_per_rank"):
             record[key] = max(r[key] for r in conditions_of_ranks)
         record["exposed_share"] = record["exposed_comm_s"] / record["step_time_s"]
+        if first.get("calibration"):
+            record["calibration"] = combine_calibrations([r["calibration"] for r in conditions_of_ranks])
         record["tokens_per_s"] = min(r["tokens_per_s"] for r in conditions_of_ranks)
         records.append(record)
     return records
@@ -284,7 +288,7 @@ def _timed(function, repeats):
 
 
 def _calibration_rank(rank, world_size, args, seq_length, repeats=4):
-    """This rank's rates at `seq_length`, measured while every other rank measures too (as in the bench):
+    """This rank's rates at `seq_length`, measured in the bench's own ranks just before their steps (same load):
     the model's linear layers (forward+backward, FLOP/s), the attention kernel on a one-rank BDLM mask with
     as many rows as a CSBP rank holds, and the backend's all-gather of CSBP's forward K/V alone."""
     from megatron_csbp import comm, flops
@@ -320,16 +324,13 @@ def _calibration_rank(rank, world_size, args, seq_length, repeats=4):
                 gather_bytes=gather_bytes, gather_s=gather_s, latency_s=latency_s)
 
 
-def calibrate(args, seq_length):
-    """The machine as the planner sees it at `seq_length`: the slowest rank's rates, the backend's link."""
-    from megatron_csbp.launch import run_ranks
-
-    per_rank = run_ranks(_calibration_rank, args.nproc, args, seq_length)
+def combine_calibrations(per_rank):
+    """The machine as the planner sees it: the slowest rank's rates, the backend's link as the ranks saw it."""
     slowest = lambda key: min(r[key] for r in per_rank)
     gather_s = max(r["gather_s"] for r in per_rank)
     latency_s = max(r["latency_s"] for r in per_rank)
-    return dict(seq_length=seq_length, linear_gflops=slowest("linear_gflops"),
-                attention_gflops=slowest("attention_gflops"), gather_s=gather_s, latency_s=latency_s,
+    return dict(linear_gflops=slowest("linear_gflops"), attention_gflops=slowest("attention_gflops"),
+                gather_s=gather_s, latency_s=latency_s,
                 backend_gb_s=per_rank[0]["gather_bytes"] / max(gather_s - latency_s, 1e-9) / 1e9)
 
 
@@ -434,6 +435,18 @@ def print_overlap(records, out=None):
         print(f"  {r['mode']:<5} L={r['seq_length']:<6} {r['exposed_comm_s']:7.3f} | {s['exposed_comm_s']:7.3f} | "
               f"{hidden:7.3f} s ({hidden / max(s['exposed_comm_s'], 1e-12):.0%} of the collectives' time); step "
               f"{r['step_time_s']:.3f} s vs {s['step_time_s']:.3f} s serialised", file=out)
+
+
+def print_calibrations(records, out=None):
+    """Each spawned run's calibration (measured in its ranks just before its steps)."""
+    out = out or sys.stdout
+    print("\ncalibration (in each run's ranks, best of 4): linear GFLOP/s, attention kernel GFLOP/s, backend "
+          "all-gather GB/s + latency", file=out)
+    for r in records:
+        c = r.get("calibration")
+        if c and r["link_gbps"] is None and r["overlap"]:
+            print(f"  {r['mode']:<5} L={r['seq_length']:<6} {c['linear_gflops']:6.1f} {c['attention_gflops']:6.1f} "
+                  f"{c['backend_gb_s']:6.2f} + {c['latency_s'] * 1e6:.0f} us", file=out)
 
 
 def print_predictions(records, predictions, out=None):
@@ -554,19 +567,12 @@ def main(argv=None):
     print_link_sweep(records)
     print_overlap(records)
     if args.predict:
-        calibrations = {}
-        for seq_length in args.seq_lengths:
-            calibrations[seq_length] = calibrate(args, seq_length)
-            c = calibrations[seq_length]
-            print(f"calibration L={seq_length}: linear {c['linear_gflops']:.1f} GFLOP/s, attention kernel "
-                  f"{c['attention_gflops']:.1f} GFLOP/s, backend all-gather {c['backend_gb_s']:.2f} GB/s "
-                  f"+ {c['latency_s'] * 1e6:.0f} us", file=sys.stderr)
-        measured = [r for r in records if r["mode"] in MODES and r["overlap"]]  # the planner models overlap
-        predictions = [predict_record(args, r, calibrations[r["seq_length"]]) for r in measured]
+        measured = [r for r in records if r["overlap"]]  # the planner models the overlapped ops
+        predictions = [predict_record(args, r, r["calibration"]) for r in measured]
         for r, q in zip(measured, predictions):
             r["predicted_step_time_s"], r["predicted_exposed_comm_s"] = q.step_time_s, q.exposed_attention_s
+        print_calibrations(records)
         print_predictions(measured, predictions)
-        records += [dict(mode="calibration", nproc=args.nproc, **c) for c in calibrations.values()]
     if args.kernel_check:
         efficiency = kernel_efficiency(max(args.seq_lengths), args.block_size)
         records.append(dict(mode="kernel", nproc=1, **efficiency))
