@@ -176,9 +176,10 @@ def _rank_record(rank, world_size, args, mode, seq_length):
     def step(saved):
         torch.distributed.barrier()
         start = time.perf_counter()
-        with comm.count_bytes() as counter, _saved_bytes_hooks(saved):
-            output, loss_func = forward_step(iter([batch]), model)
-            loss_sum, num_tokens, _ = loss_func(output)
+        with comm.count_bytes() as counter:
+            with _saved_bytes_hooks(saved):  # what the forward keeps for backward (not what recompute re-saves)
+                output, loss_func = forward_step(iter([batch]), model)
+                loss_sum, num_tokens, _ = loss_func(output)
             (loss_sum / num_tokens.clamp(min=1)).backward()
         if device.type != "cpu":
             torch.accelerator.synchronize()
