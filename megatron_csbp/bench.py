@@ -62,6 +62,8 @@ def parse_args(argv=None):
     parser.add_argument("--predict", action="store_true",
                         help="calibrate the planner on this machine and print its prediction beside each step")
     parser.add_argument("--link-plot", help="write step time against the simulated link speed to this PNG")
+    parser.add_argument("--run-timeout", type=float, default=3600,
+                        help="seconds one (mode, length) run may take before its ranks are stopped")
     parser.add_argument("--kernel-check", action="store_true",
                         help="also time the CPU attention kernel at the longest length against dense matmul")
     parser.add_argument("--json", help="write the records to this file")
@@ -218,7 +220,7 @@ def _rank_record(rank, world_size, args, mode, seq_length):
 def _spawn_run(args, mode, seq_length):
     from megatron_csbp.launch import run_ranks
 
-    return run_ranks(_rank_run, args.nproc, args, mode, seq_length)
+    return run_ranks(_rank_run, args.nproc, args, mode, seq_length, timeout=args.run_timeout)
 
 
 def summarise(per_rank):
@@ -550,6 +552,9 @@ def main(argv=None):
     for seq_length in args.seq_lengths:
         for mode in args.modes:
             records += summarise(_spawn_run(args, mode, seq_length))
+            if args.json:  # kept up to date, so a long sweep cut short keeps what it measured
+                with open(args.json, "w") as handle:
+                    json.dump(records, handle, indent=2)
             print(f"measured {mode} L={seq_length}: " + ", ".join(
                 f"{_link_label(r)} {r['step_time_s']:.3f} s/step" for r in records[-len(conditions(args)):]),
                 file=sys.stderr)
