@@ -63,6 +63,9 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "[x_t ; x_0] (baseline); bp: pure block parallelism (C = 1, clean prefix replicated).")
     group.add_argument("--csbp-transport", choices=("collective", "streaming"), default="collective",
                        help="All-gather the clean K/V (collective) or pass shards around the ring (bounded memory).")
+    group.add_argument("--link-gbps", type=float, default=None, metavar="GBPS",
+                       help="Simulate a link this slow for the attention collectives (comm.simulated_link).")
+    group.add_argument("--link-latency-us", type=float, default=10.0, help="Latency of each simulated transfer.")
     group.add_argument("--csbp-block-schedule", choices=("dual_end", "contiguous"), default="dual_end",
                        help="How noisy blocks are dealt to ranks (contiguous is an ablation).")
     group.add_argument("--csbp-clean-layout", choices=("zigzag", "contiguous"), default="zigzag",
@@ -463,6 +466,9 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
     for flag in ("bdlm_block_size", "context_parallel_size", "max_consecutive_bad_steps"):
         value = getattr(args, flag)
         _require(value >= 1, f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+    _require(args.link_gbps is None or (args.link_gbps > 0 and args.link_latency_us >= 0),
+             f"--link-gbps {args.link_gbps} / --link-latency-us {args.link_latency_us}: a simulated link needs "
+             f"a speed > 0 and a latency >= 0 (or drop --link-gbps)")
     P = args.context_block_parallel or args.context_parallel_size
     _require(P == args.context_parallel_size,
              f"--context-block-parallel {P} contradicts --context-parallel-size {args.context_parallel_size}: "

@@ -1,11 +1,20 @@
-"""The collectives the attention ops issue, each counting the bytes this rank sends.
+"""The collectives the attention ops issue, each counting the bytes this rank sends and the time the
+compute path waits for it.
 
 Counts follow the bandwidth-optimal ring algorithms every backend uses for these collectives, so they
 do not depend on the backend: an all-gather of `n` bytes per rank sends `(C-1)·n`, a reduce-scatter
 of `n` bytes in total sends `(C-1)/C·n`, a point-to-point send sends its tensor. Benchmarks and tests
-read them with `count_bytes()`.
+read them with `count_bytes()`, beside `wait_s`: the seconds spent blocked in the handles' `wait()`,
+i.e. the communication the compute did not hide (exposed communication).
+
+`simulated_link(gbps, latency_us)` makes every collective last at least `latency + bytes / bandwidth`
+from its start, on one link per rank that carries one transfer at a time: the delay is taken in the
+handle's `wait()`, so compute issued between start and wait hides it as on a real link, and nothing
+sleeps before a collective is issued. `serialised()` waits for each collective as soon as it starts
+(no overlap), to measure what the overlap hides.
 """
 
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -15,9 +24,38 @@ import torch.distributed as dist
 
 @dataclass
 class TrafficCounter:
-    """Bytes this rank sent through the ops' collectives while the counter was active."""
+    """Bytes this rank sent through the ops' collectives while the counter was active, and the seconds the
+    caller spent waiting for them to complete."""
 
     bytes_sent: int = 0
+    wait_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class SimulatedLink:
+    """A link of `gbps` gigabits per second each way with `latency_us` microseconds per transfer."""
+
+    gbps: float
+    latency_us: float = 0.0
+
+    def __post_init__(self):
+        if not self.gbps > 0 or self.latency_us < 0:
+            raise ValueError(f"a simulated link needs gbps > 0 and latency_us >= 0; got {self.gbps}, "
+                             f"{self.latency_us} (--link-gbps, --link-latency-us)")
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.latency_us * 1e-6 + nbytes * 8 / (self.gbps * 1e9)
+
+
+@dataclass
+class _Settings:
+    link: SimulatedLink | None = None
+    link_free_at: float = 0.0  # when this rank's simulated link finishes its last transfer
+    overlap: bool = True
+
+
+_settings = _Settings()
+_clock, _sleep = time.perf_counter, time.sleep  # one place, so tests can drive a fake clock
 
 
 _active: list[TrafficCounter] = []
@@ -34,43 +72,96 @@ def count_bytes():
         _active.remove(counter)
 
 
-def _record(nbytes: int) -> None:
+@contextmanager
+def simulated_link(gbps: float, latency_us: float = 0.0):
+    """Within the block, collectives take at least `latency + bytes / bandwidth` (see the module docstring)."""
+    previous = _settings.link
+    set_link(SimulatedLink(gbps, latency_us))
+    try:
+        yield _settings.link
+    finally:
+        set_link(previous)
+
+
+def set_link(link: SimulatedLink | None) -> None:
+    """The simulated link of the rest of the run (None: the backend's own speed)."""
+    _settings.link, _settings.link_free_at = link, 0.0
+
+
+@contextmanager
+def serialised():
+    """Within the block every collective is waited for as soon as it starts: nothing overlaps it."""
+    previous, _settings.overlap = _settings.overlap, False
+    try:
+        yield
+    finally:
+        _settings.overlap = previous
+
+
+class _Work:
+    """A collective's handle: `wait()` returns once the backend is done and the simulated link (if any) has
+    carried the bytes, and adds the time it blocked to the active counters."""
+
+    def __init__(self, works, done_at: float):
+        self._works, self._done_at, self._waited = works, done_at, False
+
+    def wait(self, timeout=None) -> bool:
+        if self._waited:
+            return True
+        start = _clock()
+        for work in self._works:
+            work.wait() if timeout is None else work.wait(timeout)
+        now = _clock()
+        if self._done_at > now:
+            _sleep(self._done_at - now)
+        self._waited = True
+        for counter in _active:
+            counter.wait_s += _clock() - start
+        return True
+
+
+def _issued(works, nbytes: int) -> _Work:
+    """Counts a started collective of `nbytes` sent bytes and returns its handle."""
     for counter in _active:
         counter.bytes_sent += nbytes
+    done_at = 0.0
+    if _settings.link is not None:
+        begin = max(_clock(), _settings.link_free_at)
+        done_at = _settings.link_free_at = begin + _settings.link.transfer_s(nbytes)
+    handle = _Work(works if isinstance(works, (list, tuple)) else [works], done_at)
+    if not _settings.overlap:
+        handle.wait()
+    return handle
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def all_gather_start(shard: torch.Tensor, group) -> tuple[torch.Tensor, dist.Work]:
+def all_gather_start(shard: torch.Tensor, group) -> tuple[torch.Tensor, _Work]:
     """Starts gathering every rank's `shard` along dim 0, in group order; wait on the handle before use."""
     size = dist.get_world_size(group)
     gathered = shard.new_empty((size * shard.shape[0],) + tuple(shard.shape[1:]))
     work = dist.all_gather_single(gathered, shard.contiguous(), group=group, async_op=True)
-    _record((size - 1) * _nbytes(shard))
-    return gathered, work
+    return gathered, _issued(work, (size - 1) * _nbytes(shard))
 
 
-def reduce_scatter_start(full: torch.Tensor, group) -> tuple[torch.Tensor, dist.Work]:
+def reduce_scatter_start(full: torch.Tensor, group) -> tuple[torch.Tensor, _Work]:
     """Starts summing `full` over the group and handing each rank its slice of dim 0, in group order."""
     size = dist.get_world_size(group)
     shard = full.new_empty((full.shape[0] // size,) + tuple(full.shape[1:]))
     work = dist.reduce_scatter_single(shard, full.contiguous(), op=dist.ReduceOp.SUM, group=group,
                                       async_op=True)
-    _record((size - 1) * _nbytes(full) // size)
-    return shard, work
+    return shard, _issued(work, (size - 1) * _nbytes(full) // size)
 
 
-def ring_shift_start(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list[dist.Work]]:
+def ring_shift_start(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:
     """Starts sending `tensor` to the next rank of the ring and receiving the previous rank's."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
     received = torch.empty_like(tensor)
     operations = [dist.P2POp(dist.isend, tensor.contiguous(), dist.get_global_rank(group, (me + 1) % size), group),
                   dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (me - 1) % size), group)]
-    works = dist.batch_isend_irecv(operations)
-    _record(_nbytes(tensor))
-    return received, works
+    return received, [_issued(dist.batch_isend_irecv(operations), _nbytes(tensor))]
 
 
 def wait_all(works, what: str = "a CSBP collective", group=None) -> None:

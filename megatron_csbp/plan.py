@@ -7,11 +7,15 @@ layout, and (`--json FILE`) the same as records. `--paper-check` compares with t
 
 The model, in one place so it can be argued with:
 * compute: exact per-rank FLOPs (`flops.py` rules; CP and CSBP work is balanced by their zigzag and
-  dual-end layouts, BP replicates the clean rows) at `peak × achievable_fraction`;
+  dual-end layouts, BP replicates the clean rows), the linear layers and LM head at
+  `peak × achievable_fraction`, the attention pairs at `peak × attention_fraction` (the CP baseline's at
+  `cp_attention_fraction`: its kernel may be less efficient on the BDLM mask);
 * attention traffic: csbp-algorithm.md §6, on NVLink when a ring stays inside a node, else on the
-  inter-node network (rank order tp-cp-dp-pp, as Megatron); CSBP hides its gather behind the local
-  noisy→noisy attention and its dK/dV reduce-scatter behind the local noisy backward; our CP
-  baseline gathers before its one masked kernel, so nothing hides it;
+  inter-node network (rank order tp-cp-dp-pp, as Megatron), each collective `link_latency_us` plus
+  bytes / bandwidth; the gather hides behind the local noisy→noisy attention and the dK/dV
+  reduce-scatter behind the local noisy backward, for CSBP and for our CP baseline alike (ops.py runs
+  both through the same op; CP moves twice the bytes behind the same local work). Recompute of the
+  core attention (full or selective) runs the gather and the attention a second time;
 * TP (sequence parallel: 4 all-gather/reduce-scatter per layer per pass) and PP point-to-point are
   exposed; the distributed optimizer's gradient reduce-scatter and parameter all-gather over the
   DP×P group hide behind one micro-batch of compute; the 1F1B bubble is `(PP-1)` micro-batch times;
@@ -46,6 +50,17 @@ class GPU:
     nvlink_gb_s: float
     internode_gb_s: float
     usable_memory_fraction: float = 0.9
+    attention_fraction: float = None     # attention kernel's fraction of peak (default: achievable_fraction)
+    cp_attention_fraction: float = None  # the CP baseline's kernel (default: attention_fraction)
+    link_latency_us: float = 0.0         # per collective
+
+    def rates(self, mode: str) -> tuple[float, float]:
+        """(linear, attention) FLOP/s of `mode`."""
+        peak = self.bf16_tflops * 1e12
+        attention = self.attention_fraction or self.achievable_fraction
+        if mode == "cp" and self.cp_attention_fraction:
+            attention = self.cp_attention_fraction
+        return peak * self.achievable_fraction, peak * attention
 
 
 # Dense bf16 peak from the data sheets; 45% of it is a typical Megatron dense-model figure;
@@ -274,13 +289,13 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     mbs = model.micro_batch_size
     global_batch = model.global_batch_size or dp * mbs
     microbatches = global_batch // (mbs * dp)
-    rate = gpu.bf16_tflops * 1e12 * gpu.achievable_fraction
+    rate, attention_rate = gpu.rates(mode)
 
     parts = flops.bdlm_attention_pair_parts(L, model.block_size)
     if mode == "cp":
         noisy_rows, clean_rows = L // c, L // c
         pairs = sum(parts.values()) / c
-        local_pairs = 0.0
+        local_pairs = parts["noisy_noisy"] / c
     else:
         noisy_rows, clean_rows = L // p, L // c
         pairs = (parts["noisy_noisy"] + parts["noisy_clean"]) / p + parts["clean_clean"] / c
@@ -292,28 +307,33 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     vocab = model.padded_vocab_size(tp)
     layers = model.num_layers // pp
     passes = 4 if model.full_recompute else 3
+    attention_passes = 4 if model.recompute else 3  # selective recompute redoes the core attention
 
     per_pair = flops.attention_flops_per_pair(heads_tp, model.kv_channels)
-    layer_forward = (rows * flops.linear_flops_per_row(h, model.ffn_hidden_size, model.num_attention_heads,
+    linear_forward = rows * flops.linear_flops_per_row(h, model.ffn_hidden_size, model.num_attention_heads,
                                                        groups, model.kv_channels, model.swiglu) / tp
-                     + pairs * per_pair)
+    attention_forward = pairs * per_pair
     head_forward = noisy_rows * flops.lm_head_flops_per_row(h, vocab) / tp
-    microbatch_flops = mbs * (passes * layers * layer_forward + 3 * head_forward)
-    compute_s = microbatch_flops / rate
+    microbatch_flops = mbs * (layers * (passes * linear_forward + attention_passes * attention_forward)
+                              + 3 * head_forward)
+    compute_s = mbs * (layers * (passes * linear_forward / rate + attention_passes * attention_forward
+                                 / attention_rate) + 3 * head_forward / rate)
 
     # Attention traffic of one layer, forward (gather) and backward parts, on the ring's link.
     crossings = _ring_crossings(cluster, topo)
     ring_bw = (gpu.internode_gb_s if crossings else gpu.nvlink_gb_s) * 1e9
+    forward_runs = 2 if model.recompute else 1
     layer_bytes = mbs * flops.attention_traffic_bytes(
-        mode, L, c, kv_heads_tp, model.kv_channels, e, model.transport, model.full_recompute)
+        mode, L, c, kv_heads_tp, model.kv_channels, e, model.transport, forward_runs == 2)
     forward_bytes = mbs * flops.attention_forward_bytes(mode, L, c, kv_heads_tp, model.kv_channels, e)
-    backward_bytes = layer_bytes - forward_bytes * (2 if model.full_recompute else 1)
-    if model.transport == "streaming":
-        hide_forward = mbs * pairs * per_pair / rate
-    else:
-        hide_forward = mbs * local_pairs * per_pair / rate
-    exposed_layer = ((2 if model.full_recompute else 1) * max(0.0, forward_bytes / ring_bw - hide_forward)
-                     + max(0.0, backward_bytes / ring_bw - 2 * hide_forward))
+    backward_bytes = layer_bytes - forward_bytes * forward_runs
+    streaming = model.transport == "streaming"
+    latency = gpu.link_latency_us * 1e-6 if c > 1 else 0.0
+    forward_link_s = (c - 1 if streaming else 1) * latency + forward_bytes / ring_bw
+    backward_link_s = (2 * (c - 1) if streaming else 1) * latency + backward_bytes / ring_bw
+    hide_forward = mbs * (pairs if streaming else local_pairs) * per_pair / attention_rate
+    exposed_layer = (forward_runs * max(0.0, forward_link_s - hide_forward)
+                     + max(0.0, backward_link_s - 2 * hide_forward)) if c > 1 else 0.0
     exposed_attention_s = layers * exposed_layer
     attention_bytes = microbatches * layers * layer_bytes
     inter_fraction = crossings / c if c > 1 else 0.0
@@ -377,7 +397,7 @@ def _reason(pred: Prediction, cp_same_c: Prediction = None) -> str:
     elif topo.mode == "bp":
         said.append("no attention traffic, every rank recomputes the clean prefix")
     elif topo.c > 1:
-        said.append("gathers K/V of all 2L rows, nothing hides it")
+        said.append("gathers K/V of all 2L rows behind the same local noisy attention")
     else:
         said.append("no sequence sharding")
     if pred.ring_link != "none":
@@ -477,7 +497,61 @@ def paper_check(gpu: GPU, out=sys.stdout):
             trend.append(f"{seq_length // 1024}K {best['csbp'].tokens_per_s / best['cp'].tokens_per_s:.3f}x")
     print(f"  14B predicted speedup by context: {', '.join(trend)} (published DiffusionGemma: 1.25x at 64K -> "
           "1.61x at 512K)", file=out)
+    target = PAPER_SPEEDUP_RANGE[0]
+    print(f"  what would have to change to reach {target:.2f}x at 256K (one term at a time):", file=out)
+    for (name, shape, _, _), record in zip(PAPER_SETTINGS, records):
+        model = Model(seq_length=262144, block_size=32, swiglu=True, recompute="full", **shape)
+        gap = paper_gap(model, cluster, target)
+        record.update(gap)
+        print(f"    {name:<23} CP's masked attention kernel at {gap['cp_kernel_efficiency']:.0%} of CSBP's efficiency; "
+              f"or every link x{gap['link_scale']:.3f} (CP's exposed attention comm {gap['cp_exposed_needed_s']:.1f} s "
+              f"instead of {gap['cp_exposed_s']:.2f} s of its {gap['cp_step_s']:.1f} s step); memory "
+              f"{'does not force' if gap['cp_fits_at_csbp_layout'] else 'forces'} CP off CSBP's layout", file=out)
     return records
+
+
+def _speedup(model: Model, cluster: Cluster) -> float:
+    best = best_by_mode(plan(model, cluster))
+    if best["cp"] is None:
+        return float("inf")
+    return best["csbp"].tokens_per_s / best["cp"].tokens_per_s
+
+
+def _solve(speedup_at, target: float, low: float, high: float, steps: int = 30) -> float:
+    """The least `x` in [low, high] (geometric bisection) with `speedup_at(x) >= target`, for a speedup that
+    grows with `x`; NaN when even `high` falls short."""
+    if speedup_at(low) >= target:
+        return low
+    if speedup_at(high) < target:
+        return float("nan")
+    for _ in range(steps):
+        middle = (low * high) ** 0.5
+        low, high = (low, middle) if speedup_at(middle) >= target else (middle, high)
+    return high
+
+
+def paper_gap(model: Model, cluster: Cluster, target: float) -> dict:
+    """How far each term of the model would have to move for the best CSBP / best CP to reach `target`:
+    * `cp_kernel_efficiency`: the CP baseline's attention kernel at this fraction of CSBP's efficiency;
+    * `link_scale`: every link (NVLink and inter-node) at this fraction of its bandwidth;
+    * the exposed attention communication CP would then show, beside what the model predicts;
+    * memory: whether CP's best layout is forced by memory (it is when CSBP's best does not fit as CP)."""
+    gpu = cluster.gpu
+    attention = gpu.attention_fraction or gpu.achievable_fraction
+    with_cp_kernel = lambda k: dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, cp_attention_fraction=k * attention))
+    with_links = lambda f: dataclasses.replace(cluster, gpu=dataclasses.replace(
+        gpu, nvlink_gb_s=gpu.nvlink_gb_s * f, internode_gb_s=gpu.internode_gb_s * f))
+    kernel = _solve(lambda k: _speedup(model, with_cp_kernel(1 / k)), target, 1.0, 100.0)
+    links = _solve(lambda f: _speedup(model, with_links(1 / f)), target, 1.0, 1e5)
+    best = best_by_mode(plan(model, cluster))
+    slow = best_by_mode(plan(model, with_links(1 / links))) if links == links else None
+    same_layout_cp = dataclasses.replace(best["csbp"].topology, mode="cp", c=best["csbp"].topology.p)
+    cp_there = predict(model, cluster, same_layout_cp) if topology_problem(model, cluster, same_layout_cp) is None \
+        else None
+    return {"cp_kernel_efficiency": 1 / kernel, "link_scale": 1 / links,
+            "cp_exposed_s": best["cp"].exposed_attention_s, "cp_step_s": best["cp"].step_time_s,
+            "cp_exposed_needed_s": slow["cp"].exposed_attention_s if slow and slow["cp"] else float("nan"),
+            "cp_fits_at_csbp_layout": bool(cp_there and cp_there.fits)}
 
 
 # --- command line -------------------------------------------------------------------------------

@@ -95,8 +95,8 @@ def layer_spec_from_args(args: argparse.Namespace):
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None, *,
                    args=None, **unused):
     """This rank's `BDLMGPTModel` (Megatron-LM's `model_provider` contract)."""
+    from megatron_csbp import comm, parallel_state
     from megatron_csbp import model as bdlm_model
-    from megatron_csbp import parallel_state
 
     megatron_lm = args is None
     args = args or _megatron_lm_args()
@@ -110,6 +110,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
             config = transformer_config_from_args(args)
     if not parallel_state.is_initialized():  # under Megatron-LM's pretrain(): add the CSBP sub-groups
         parallel_state.initialize_block_parallel_groups(clean_shards(args), args.distributed_timeout_minutes)
+    comm.set_link(comm.SimulatedLink(args.link_gbps, args.link_latency_us) if args.link_gbps else None)
     return bdlm_model.model_provider(
         pre_process, post_process, config=_for_bdlm(config), layout=layout_from_args(args),
         vocab_size=args.padded_vocab_size, mask_token_id=args.mask_token_id,

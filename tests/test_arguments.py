@@ -183,3 +183,11 @@ def test_config_error_is_one_line_without_traceback():
     assert done.stderr.strip().splitlines() == [
         "--seq-length 100 is not a multiple of --bdlm-block-size 8; use --seq-length 96 or a block size dividing 100"]
     assert isinstance(ConfigError("x"), ValueError)
+
+
+def test_simulated_link_flags():
+    args = validate("--link-gbps", "2.5", "--link-latency-us", "20")
+    assert (args.link_gbps, args.link_latency_us) == (2.5, 20.0)
+    assert validate().link_gbps is None
+    with pytest.raises(ConfigError, match="--link-gbps"):
+        validate("--link-gbps", "0")

@@ -42,3 +42,54 @@ def test_three_modes_side_by_side(tmp_path):
     assert records["csbp"]["saved_activation_bytes"] < records["cp"]["saved_activation_bytes"]
     assert records["bp"]["rows_per_rank"] > records["csbp"]["rows_per_rank"] == records["cp"]["rows_per_rank"]
     assert out_png.stat().st_size > 10_000
+
+
+def test_exposed_communication_link_sweep_overlap_check_and_planner(tmp_path, capsys):
+    """Every condition of one run reports exposed communication with its share; a simulated link changes the
+    time, never the bytes; the serialised run and the calibrated planner appear beside the measurements."""
+    out_json, link_png = tmp_path / "bench.json", tmp_path / "link.png"
+    bench.main(["--modes", "csbp,cp", "--seq-lengths", "128", "--block-size", "16", "--num-layers", "1",
+                "--hidden-size", "64", "--steps", "1", "--warmup", "0", "--link-gbps", "10,0.5",
+                "--overlap-check", "--predict", "--json", str(out_json), "--link-plot", str(link_png)])
+    text = capsys.readouterr().out
+    records = json.loads(out_json.read_text())
+    measured = [r for r in records if r["mode"] in ("csbp", "cp")]
+    assert [(r["link_gbps"], r["overlap"]) for r in measured] == [(None, True), (10.0, True), (0.5, True),
+                                                                (None, False)] * 2
+    for r in measured:
+        assert 0 <= r["exposed_comm_s"] and r["exposed_share"] == r["exposed_comm_s"] / r["step_time_s"]
+        assert 0 < r["best_step_time_s"] <= r["step_time_s"]
+        if r["overlap"]:
+            assert r["predicted_step_time_s"] > 0 and r["predicted_exposed_comm_s"] >= 0
+    for mode in ("csbp", "cp"):
+        assert len({r["bytes_sent_per_rank"] for r in measured if r["mode"] == mode}) == 1
+    for r in measured:
+        assert r["calibration"]["linear_gflops"] > 0 and r["calibration"]["attention_gflops"] > 0
+        assert r["calibration"]["backend_gb_s"] > 0
+    assert "exposed (s)" in text and "share" in text
+    sweep = text.split("simulated link sweep")[1].split("\n\n")[0]
+    assert "0.5 Gb/s" in sweep and "10 Gb/s" in sweep and "CSBP/CP" in sweep
+    assert "overlap check" in text and "serialised" in text and "calibration (in each run's ranks" in text
+    planner = text.split("planner (calibrated on this machine) vs bench")[1]
+    assert planner.count("0.5 Gb/s") == 2 and "serialised" not in planner and "largest |error|" in planner
+    assert link_png.stat().st_size > 10_000
+
+
+def test_recompute_in_the_bench_sends_the_forward_twice(tmp_path):
+    out_json = tmp_path / "bench.json"
+    bench.main(["--modes", "csbp", "--seq-lengths", "128", "--block-size", "16", "--num-layers", "2",
+                "--hidden-size", "64", "--steps", "1", "--warmup", "0", "--recompute-granularity", "full",
+                "--json", str(out_json)])
+    record, = json.loads(out_json.read_text())
+    beta = 2 * 2 * (64 // 4) * 4
+    assert record["recompute"] == "full"
+    assert record["bytes_sent_per_rank"] == 2 * 3 * 128 // 2 * beta  # 2 layers x (gather twice + reduce-scatter)
+
+
+def test_link_flags_are_checked(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--link-gbps", "10,fast"])
+    assert "--link-gbps" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--link-gbps", "0"])
+    assert "--link-gbps" in capsys.readouterr().err

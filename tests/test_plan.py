@@ -139,3 +139,22 @@ def test_shipped_configs_plan_with_their_sections(name):
     path = pathlib.Path(__file__).parent.parent / "configs" / f"{name}.yaml"
     args = plan.parse_args(["--config", str(path), "--gpus", "16", "--gpus-per-node", "8"])
     assert args.bdlm_block_size == 16 and args.context_block_parallel >= 2
+
+
+def test_paper_gap_names_how_far_each_term_must_move():
+    """The solved CP kernel efficiency and link slowdown each reach the target speedup, and just short of them
+    the model stays below it."""
+    import dataclasses
+
+    model = plan.Model(seq_length=262144, block_size=32, swiglu=True, recompute="full", **plan.PAPER_SETTINGS[0][1])
+    cluster = plan.Cluster(16, 8, plan.GPU_PRESETS["h200"])
+    gap = plan.paper_gap(model, cluster, 1.18)
+    assert 0 < gap["cp_kernel_efficiency"] < 1 and 0 < gap["link_scale"] < 1
+    gpu = cluster.gpu
+    kernel = lambda k: dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, cp_attention_fraction=k * 0.45))
+    assert plan._speedup(model, kernel(gap["cp_kernel_efficiency"])) >= 1.18
+    assert plan._speedup(model, kernel(gap["cp_kernel_efficiency"] * 1.01)) < 1.18
+    links = lambda f: dataclasses.replace(cluster, gpu=dataclasses.replace(
+        gpu, nvlink_gb_s=gpu.nvlink_gb_s * f, internode_gb_s=gpu.internode_gb_s * f))
+    assert plan._speedup(model, links(gap["link_scale"])) >= 1.18 > plan._speedup(model, links(gap["link_scale"] * 1.01))
+    assert gap["cp_exposed_needed_s"] > gap["cp_exposed_s"]
