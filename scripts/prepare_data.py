@@ -137,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
             why = f"all {len(skipped)} non-empty line(s) were skipped" if skipped else "the input is empty"
             raise BadInput(f"{named}: no documents to write ({why}); give input with text in it")
         stats = write_indexed_dataset(itertools.chain([first], documents), prefix, tokenizer.vocab_size)
-    except (ConfigError, BadInput, OSError) as error:
+    except (ConfigError, BadInput) as error:  # refused input: one line, exit 2 (as every entry of ours)
+        print(f"prepare_data: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
         print(f"prepare_data: {error}", file=sys.stderr)
         return 1
     print(f"wrote {prefix}.bin/.idx: {stats.num_documents} documents, {stats.num_tokens} tokens (verified)"

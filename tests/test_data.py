@@ -102,7 +102,7 @@ def test_prepare_data_reports_bad_jsonl_lines(tmp_path, capsys, mode):
     code = prepare_data.main(["--input", str(source), "--output-prefix", prefix, "--on-bad-line", mode])
     out, err = capsys.readouterr()
     if mode == "error":
-        assert code == 1
+        assert code == 2
         assert f"{source}:2: not valid JSON" in err and "--on-bad-line skip" in err and len(err.splitlines()) == 1
         assert sorted(os.listdir(tmp_path)) == ["in.jsonl"]  # no half dataset, no temporary files
         return

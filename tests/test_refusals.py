@@ -181,7 +181,7 @@ def test_prepare_data_on_empty_input_is_one_line(tmp_path):
                                (skipped, "all 2 non-empty line(s) were skipped", ["--on-bad-line", "skip"])):
         done = subprocess.run([sys.executable, script, "--input", str(source), "--output-prefix",
                                str(tmp_path / "out"), *extra], capture_output=True, text=True, timeout=120)
-        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.strip().splitlines()[-1] == (
             f"prepare_data: {source}: no documents to write ({why}); give input with text in it")
         assert not list(tmp_path.glob("out*")), list(tmp_path.glob("out*"))
