@@ -109,6 +109,14 @@ def bdlm_defaults() -> dict:
                 **({} if has_te or has_apex_wgrad else {"gradient_accumulation_fusion": False}))
 
 
+def null_as_byte_tokenizer(args: argparse.Namespace) -> argparse.Namespace:
+    """The inverse of `byte_tokenizer_as_null`, for a checkpoint Megatron-LM saved: NullTokenizer over 256 ids
+    reads back as the byte tokenizer (text in and out), which numbers exactly alike."""
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size == 256:
+        args.tokenizer_type = BYTE_TOKENIZER
+    return args
+
+
 def byte_tokenizer_as_null(argv: list[str]) -> list[str]:
     """Megatron-LM has no byte tokenizer, but its NullTokenizer over 256 ids is ours exactly (ids 0..255 are
     the bytes, EOD is 256): under `pretrain()` the plugin's `--tokenizer-type ByteLevelTokenizer` becomes that."""
@@ -398,16 +406,17 @@ def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
     return parameters * per_parameter, parameters, per_parameter
 
 
-def check_output_paths(args: argparse.Namespace) -> None:
-    """--save, --load, --tensorboard-dir, --data-cache-path usable as directories, and room at --save for a
-    checkpoint (refused when one does not fit, a warning when a second would not), before any work."""
+def check_output_paths(args: argparse.Namespace, free_space: bool = True) -> None:
+    """--save, --load, --tensorboard-dir, --data-cache-path usable as directories, and (`free_space`, our loop's
+    validated arguments) room at --save for a checkpoint (refused when one does not fit, a warning when a
+    second would not), before any work."""
     for flag, name, written in (("--save", "save", True), ("--load", "load", False),
                                 ("--tensorboard-dir", "tensorboard_dir", True),
                                 ("--data-cache-path", "data_cache_path", True)):
         path = getattr(args, name, None)
         if path:
             _check_directory(flag, path, written=written)
-    if not args.save:
+    if not (args.save and free_space):
         return
     need, parameters, per_parameter = checkpoint_bytes(args)
     free = shutil.disk_usage(_existing_ancestor(args.save)).free

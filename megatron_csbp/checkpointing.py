@@ -54,6 +54,7 @@ _ITERATION_DIR = re.compile(r"iter_(\d{7})")
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                     "kv_channels", "padded_vocab_size", "swiglu", "normalization", "add_bias_linear",
                     "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "mask_token_id")
+_ACCELERATOR_RNG_KEY = "cuda_rng_state"  # Megatron-LM's name for the accelerator's RNG state (the CPU's here)
 _TEST_CRASH_BEFORE_PUBLISH = "MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH"  # iteration: fail after writing, pre-rename
 
 
@@ -135,7 +136,7 @@ def _rng_state() -> list:
     device = default_device()
     accelerator = torch.get_rng_state() if device.type == "cpu" else torch.get_device_module(device).get_rng_state()
     return [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
-             "torch_rng_state": torch.get_rng_state(), "cuda_rng_state": accelerator,
+             "torch_rng_state": torch.get_rng_state(), _ACCELERATOR_RNG_KEY: accelerator,
              "rng_tracker_states": get_cuda_rng_tracker().get_states()}]
 
 
@@ -149,14 +150,14 @@ def _set_rng_state(states: list) -> None:
                    "np_rng_state": ("MT19937", np.array(states["numpy"]["state"]["key"], dtype=np.uint32),
                                     states["numpy"]["state"]["pos"], states["numpy"]["has_gauss"],
                                     states["numpy"]["gauss"]),
-                   "cuda_rng_state": states["accelerator"], "rng_tracker_states": states["tracker"]}]
+                   _ACCELERATOR_RNG_KEY: states["accelerator"], "rng_tracker_states": states["tracker"]}]
     state = states[0]
     random.setstate(state["random_rng_state"])
     np.random.set_state(state["np_rng_state"])
     torch.set_rng_state(state["torch_rng_state"])
     device = default_device()
     if device.type != "cpu":
-        torch.get_device_module(device).set_rng_state(state["cuda_rng_state"])
+        torch.get_device_module(device).set_rng_state(state[_ACCELERATOR_RNG_KEY])
     if state["rng_tracker_states"]:
         get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 

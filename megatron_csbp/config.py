@@ -243,7 +243,9 @@ def training_loop(argv: list[str]) -> str:
         except (OSError, UnicodeDecodeError, yaml.YAMLError):
             mapping = None  # load_config reports it with the rest of the file
         if isinstance(mapping, dict):
-            value = next((v for k, v in mapping.items() if _canonical(k) == "training-loop"), None)
+            sections = [v for k, v in mapping.items() if _canonical(k) in SECTION_PREFIXES and isinstance(v, dict)]
+            value = next((v for table in (mapping, *sections) for k, v in table.items()
+                          if _canonical(k) == "training-loop"), None)
     value = "auto" if value is None else str(value)
     if value not in TRAINING_LOOPS:
         raise ConfigError(f"--training-loop {value!r}: choose one of {', '.join(TRAINING_LOOPS)}")

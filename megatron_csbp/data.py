@@ -52,7 +52,10 @@ class NullTokenizer(ByteTokenizer):
         self.unique_identifiers = OrderedDict(class_name=type(self).__name__, vocab_size=self.vocab_size)
 
     def tokenize(self, text: str) -> list[int]:
-        return [int(token) for token in text.split()]
+        try:
+            return [int(token) for token in text.split()]
+        except ValueError:
+            raise ConfigError(f"NullTokenizer takes space-separated token ids as text, got {text[:40]!r}") from None
 
     def detokenize(self, ids) -> str:
         return " ".join(str(int(i)) for i in ids)

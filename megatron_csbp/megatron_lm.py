@@ -21,7 +21,8 @@ import importlib.util
 import os
 import sys
 
-from megatron_csbp.arguments import ConfigError, add_csbp_args, byte_tokenizer_as_null, validate_plugin_args
+from megatron_csbp.arguments import (ConfigError, add_csbp_args, byte_tokenizer_as_null, check_data_prefixes,
+                                     check_output_paths, check_ranges, parse_data_path, validate_plugin_args)
 from megatron_csbp.config import expand_argv
 
 
@@ -58,7 +59,12 @@ def parse_args(argv: list[str], world_size: int) -> tuple[list[str], argparse.Na
     """(expanded argv, namespace with the plugin's rules applied): what `pretrain()` will re-parse."""
     parser = build_parser()
     expanded = byte_tokenizer_as_null(expand_argv(argv, parser))
-    return expanded, validate_plugin_args(parser.parse_args(expanded), world_size)
+    args = validate_plugin_args(parser.parse_args(expanded), world_size)
+    check_ranges(args)  # the numeric flags both parsers share; Megatron-LM validates the rest itself
+    if args.data_path:
+        check_data_prefixes(parse_data_path(args.data_path)[0])
+    check_output_paths(args, free_space=False)  # the size estimate needs our loop's filled-in arguments
+    return expanded, args
 
 
 @contextlib.contextmanager

@@ -116,10 +116,15 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         vocab_size=args.padded_vocab_size, mask_token_id=args.mask_token_id,
         group=parallel_state.get_block_parallel_groups(), transport=args.csbp_transport, vp_stage=vp_stage,
         use_transformer_engine=args.transformer_impl == "transformer_engine", base_spec=layer_spec_from_args(args),
-        pg_collection=pg_collection, share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent, rope_scaling=getattr(args, "use_rope_scaling", False),
-        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0))
+        pg_collection=pg_collection, **gpt_model_kwargs(args))
+
+
+def gpt_model_kwargs(args: argparse.Namespace) -> dict:
+    """The `GPTModel` keywords the flags decide (embeddings, RoPE): training's model and the sampler's alike."""
+    return dict(share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
+                rotary_percent=args.rotary_percent, rope_scaling=getattr(args, "use_rope_scaling", False),
+                rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0))
 
 
 def embedding_ranks(pp_ranks: list[int], tied: bool) -> list[int]:

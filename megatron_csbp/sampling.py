@@ -139,7 +139,7 @@ def sampling_model(config, vocab_size: int, block_size: int, **gpt_kwargs):
              "sampling runs one pipeline stage without context/block parallelism: use "
              "--tensor-model-parallel-size only")
     _require(not config.sequence_parallel, "sampling does not use sequence parallelism: drop --sequence-parallel")
-    layer = csbp_spec.get_csbp_layer_spec()
+    layer = csbp_spec.get_csbp_layer_spec(qk_layernorm=config.qk_layernorm)  # as training's (model.model_provider)
     layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=BlockCausalAttention, params={"block_size": block_size})
     layers = TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers,

@@ -75,6 +75,7 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
 
     from megatron_csbp import checkpointing
     from megatron_csbp.arguments import build_parser as training_parser
+    from megatron_csbp.arguments import null_as_byte_tokenizer
     from megatron_csbp.config import parse_args
     from megatron_csbp.data import build_tokenizer
 
@@ -92,7 +93,7 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
         defaults, given = vars(parse_args([])), vars(parse_args(["--config", config]))
         vars(args).update({key: value for key, value in given.items() if value != defaults.get(key)})
     args.tensor_model_parallel_size = tensor_parallel
-    args.tokenizer = build_tokenizer(args)
+    args.tokenizer = build_tokenizer(null_as_byte_tokenizer(args))
     # The MASK id and the padded vocabulary are the checkpoint's, whatever the TP size now.
     args.mask_token_id, args.padded_vocab_size = saved["mask_token_id"], saved["padded_vocab_size"]
     args.pipeline_model_parallel_size = args.context_parallel_size = 1
@@ -161,18 +162,16 @@ def build_model(args, directory: str | None):
     freshly initialised, an untrained model)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_csbp import checkpointing, parallel_state, sampling
+    from megatron_csbp import checkpointing, parallel_state, providers, sampling
     from megatron_csbp.arguments import transformer_config_from_args
     from megatron_csbp.device import default_device
 
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1, context_block_parallel_size=1,
-                                             clean_shards=1)
+                                             clean_shards=1, distributed_timeout_minutes=args.distributed_timeout_minutes)
     model_parallel_cuda_manual_seed(args.seed)
     model = sampling.sampling_model(  # the GPTModel keywords providers.model_provider gives the training model
         transformer_config_from_args(args), args.padded_vocab_size, args.bdlm_block_size,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent).to(default_device())
+        **providers.gpt_model_kwargs(args)).to(default_device())
     if directory is not None:
         checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,
                                       log=lambda *_: None)
