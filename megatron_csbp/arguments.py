@@ -622,8 +622,8 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
     if check_paths:
         check_data_prefixes(args.data_prefixes)
         if args.tokenizer_model is not None:
-            _require(os.path.isfile(args.tokenizer_model),
-                     f"--tokenizer-model {args.tokenizer_model}: no such file (a local tokenizer.json is needed)")
+            from megatron_csbp.data import tokenizer_file
+            tokenizer_file(args.tokenizer_model)
         check_output_paths(args)
     return args
 

@@ -61,6 +61,16 @@ class NullTokenizer(ByteTokenizer):
         return " ".join(str(int(i)) for i in ids)
 
 
+def tokenizer_file(path: str) -> str:
+    """`--tokenizer-model`: a tokenizer.json, or a Hugging Face directory holding one (what Megatron-LM's
+    HuggingFaceTokenizer takes), so one config serves both loops."""
+    found = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+    if not os.path.isfile(found):
+        raise ConfigError(f"--tokenizer-model {path}: no such file (a local tokenizer.json, or a directory "
+                          f"holding one, is needed)")
+    return found
+
+
 class HuggingFaceTokenizer:
     """A local `tokenizer.json` through the `tokenizers` package (optional); EOD is its end-of-text token."""
 
@@ -70,8 +80,7 @@ class HuggingFaceTokenizer:
         except ImportError:
             raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs the 'tokenizers' package: "
                               "pip install tokenizers (or use the default ByteLevelTokenizer)") from None
-        if not os.path.isfile(path):
-            raise ConfigError(f"--tokenizer-model {path}: no such file (a local tokenizer.json is needed)")
+        path = tokenizer_file(path)
         try:
             self._tokenizer = Tokenizer.from_file(path)
         except Exception as error:
@@ -300,6 +309,23 @@ def check_split(prefixes: list[str], split: str) -> None:
                                   f"documents, a zero share, or use more data")
 
 
+class _Unpadded:
+    """The tokenizer as GPTDataset sees it: BDLM samples are never padded, and GPTDataset rewrites every token
+    equal to `tokenizer.pad` to 0 (a tokenizer whose pad is its EOS would lose every EOD) and fails on a
+    `pad` of None (Megatron-LM's HuggingFaceTokenizer without a pad token). So the pad is megatron-core's own
+    "none" value, -1, which no token id equals."""
+
+    pad = -1
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        if name == "_tokenizer":  # during unpickling (DataLoader workers), before __init__'s state is back
+            raise AttributeError(name)
+        return getattr(self._tokenizer, name)
+
+
 def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: Callable[[], bool] | None = None,
                    sizes: list[int] | None = None):
     """(train, valid, test) GPTDatasets of `L`-token samples (`None` for an empty split) from `--data-path`.
@@ -328,7 +354,7 @@ def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: C
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=(prefixes, weights),
         split=split, path_to_cache=cache,
-        tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        tokenizer=_Unpadded(tokenizer), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
         create_attention_mask=False, add_extra_token_to_sequence=False, mmap_bin_files=True,
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)

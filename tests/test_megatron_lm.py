@@ -181,3 +181,19 @@ def test_a_checkpoint_of_either_loop_resumes_in_the_other(corpus, tmp_path):
     assert steps[3][0] == pytest.approx(ours_steps[3][0], rel=2e-6, abs=0)
     assert steps[4][0] == pytest.approx((ours_steps[3][0] + ours_steps[4][0]) / 2, rel=2e-6, abs=0)
     assert float(validation[4]) == pytest.approx(float(ours_validation[4]), rel=2e-6, abs=0)
+
+
+def test_a_hugging_face_tokenizer_gives_the_same_numbers_in_both_loops(corpus, tmp_path):
+    """Megatron-LM's HuggingFaceTokenizer (a directory, through transformers) and ours (its tokenizer.json)
+    number alike: same losses, grad norms and validation; GPTDataset never takes a real id as padding."""
+    hf_dir, data = tmp_path / "hf", tmp_path / "data" / "text"
+    for script, argv in (("make_tiny_hf_model.py", ["--family", "llama", "--output", str(hf_dir)]),
+                         ("prepare_data.py", ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model",
+                                              str(hf_dir / "tokenizer.json"), "--output-prefix", str(data),
+                                              "--max-bytes", "300000"])):
+        done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", script), *argv], cwd=REPO,
+                              env=environment(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+    overrides = _overrides(str(data), context_block_parallel=2, tokenizer_type="HuggingFaceTokenizer",
+                           tokenizer_model=str(hf_dir), split="80,20,0")
+    _assert_same_numbers(_launch("megatron-core", 2, overrides), _launch("megatron-lm", 2, overrides))
