@@ -18,7 +18,8 @@ link with every collective waited for at once (`comm.serialised`), which shows w
 `--predict` calibrates the planner on this machine (the model's matmuls, the attention kernel on the
 BDLM mask and the backend's all-gather, timed in each run's ranks just before its steps, so under the
 same load) and prints its prediction beside every measured step. `--kernel-check` also times the CPU attention kernel on the
-BDLM mask against a dense matmul.
+BDLM mask against a dense matmul, and every rank's kernels of CSBP and CP on that rank's own rows and plan in
+one process, paired (does one layout's plan cost more per pair than the other's?).
 """
 
 import argparse
@@ -276,6 +277,69 @@ def kernel_efficiency(seq_length, block_size, heads=8, head_dim=64, repeats=2):
     return dict(seq_length=seq_length, block_size=block_size, threads=torch.get_num_threads(),
                 matmul_gflops=matmul, attention_forward_gflops=forward, attention_train_gflops=both,
                 forward_fraction=forward / matmul, train_fraction=both / matmul)
+
+
+def kernel_plans_check(seq_length, block_size, nproc, heads=4, groups=2, head_dim=32, repeats=3):
+    """The attention kernels of every rank of every mode on that rank's own rows and plan, timed in ONE process,
+    modes alternating in each repeat (paired, best of `repeats`), so a load burst cannot favour one mode.
+
+    It answers whether a layout's plan costs more per pair than another's: CSBP and CP compute the same real
+    pairs per rank but cut them into different row groups (fewer, larger kernel calls for CSBP)."""
+    from megatron_csbp import flops, ops
+    from megatron_csbp.kernels import CPUKernels
+
+    kernels, device, threads = CPUKernels(), torch.device("cpu"), torch.get_num_threads()
+    torch.set_num_threads(1)  # as each bench rank computes
+    cases = []
+    for mode in ("csbp", "cp"):
+        for rank in range(nproc):
+            layout = layout_of(mode, seq_length, block_size, nproc, rank)
+            plan = ops._plan(kernels, layout, device)
+            noisy = layout.num_noisy_rows
+            q = torch.randn(1, groups, heads // groups, layout.num_rows, head_dim)
+            k, v = torch.randn(1, groups, seq_length, head_dim), torch.randn(1, groups, seq_length, head_dim)
+            out, lse = kernels.prefix_forward(q, k, v, plan, 0.1)
+            cases.append(dict(mode=mode, rank=rank, layout=layout, plan=plan, q=q, k=k, v=v, out=out, lse=lse,
+                              dout=torch.randn_like(out), noisy_k=k[:, :, :noisy], noisy_v=v[:, :, :noisy],
+                              forward_s=math.inf, backward_s=math.inf))
+
+    def forward(c):
+        kernels.prefix_forward(c["q"], c["k"], c["v"], c["plan"], 0.1)
+        kernels.block_diagonal_forward(c["q"][..., :c["noisy_k"].shape[2], :], c["noisy_k"], c["noisy_v"],
+                                       block_size, 0.1)
+
+    def backward(c):
+        kernels.prefix_backward(c["dout"], c["q"], c["k"], c["v"], c["out"], c["lse"], c["plan"], 0.1)
+
+    for _ in range(repeats):
+        for c in cases:
+            for key, function in (("forward_s", forward), ("backward_s", backward)):
+                start = time.perf_counter()
+                function(c)
+                c[key] = min(c[key], time.perf_counter() - start)
+    torch.set_num_threads(threads)
+    results = []
+    for c in cases:
+        real = rank_attention_pairs(c["layout"])
+        seconds = c["forward_s"] + c["backward_s"]
+        results.append(dict(mode=c["mode"], rank=c["rank"], seq_length=seq_length, rows=c["layout"].num_rows,
+                            row_groups=len(c["plan"].groups), real_pairs=real, padded_pairs=c["plan"].pairs,
+                            forward_s=c["forward_s"], backward_s=c["backward_s"],
+                            gflops=3 * real * flops.attention_flops_per_pair(heads, head_dim) / seconds / 1e9))
+    return results
+
+
+def print_kernel_plans(results, out=None):
+    cp = {(r["rank"]): r for r in results if r["mode"] == "cp"}
+    print("| mode | L | rank | rows | row groups | real pairs/head | padded pairs/head | forward (s) | backward (s) "
+          "| GFLOP/s (real pairs) | time vs CP's same rank |", file=out)
+    print("|---|---|---|---|---|---|---|---|---|---|---|", file=out)
+    for r in results:
+        both = r["forward_s"] + r["backward_s"]
+        versus = both / (cp[r["rank"]]["forward_s"] + cp[r["rank"]]["backward_s"])
+        print(f"| {r['mode']} | {r['seq_length']} | {r['rank']} | {r['rows']} | {r['row_groups']} | {r['real_pairs']:,} "
+              f"| {r['padded_pairs']:,} | {r['forward_s']:.3f} | {r['backward_s']:.3f} | {r['gflops']:.1f} "
+              f"| {versus:.2f} |", file=out)
 
 
 def _timed(function, repeats):
@@ -586,6 +650,10 @@ def main(argv=None):
               f"{efficiency['attention_forward_gflops']:.1f} GFLOP/s = {efficiency['forward_fraction']:.0%} of dense "
               f"matmul {efficiency['matmul_gflops']:.1f} GFLOP/s; forward+backward "
               f"{efficiency['attention_train_gflops']:.1f} GFLOP/s = {efficiency['train_fraction']:.0%}")
+        plans = kernel_plans_check(max(args.seq_lengths), args.block_size, args.nproc, args.num_attention_heads,
+                                   args.num_query_groups, args.hidden_size // args.num_attention_heads)
+        records += [dict(r, mode=f"kernel-{r['mode']}") for r in plans]
+        print_kernel_plans(plans)
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(records, handle, indent=2)

@@ -15,6 +15,21 @@ def test_rank_attention_pairs_sum_to_the_bdlm_mask():
     assert len(set(per_rank)) == 1  # dual-end blocks + zigzag clean shards: equal work per rank
 
 
+def test_kernel_plans_check_times_each_mode_on_its_own_rows():
+    """CSBP and CP give a rank the same real and padded pairs, cut into different row groups (hand-derived at
+    L=2048, B=64, P=2, key tiles of 512: CSBP rank 0 holds positions 0-511 and 1536-2047, whose limits end in
+    tiles 0, 2 and 3; CP rank 0 holds noisy 0-1023 and clean 1024-2047, limits ending in all 4 tiles)."""
+    results = bench.kernel_plans_check(2048, 64, 2, repeats=1)
+    by_case = {(r["mode"], r["rank"]): r for r in results}
+    assert sorted(by_case) == [("cp", 0), ("cp", 1), ("csbp", 0), ("csbp", 1)]
+    for rank in range(2):
+        csbp, cp = by_case["csbp", rank], by_case["cp", rank]
+        assert csbp["real_pairs"] == cp["real_pairs"] == (2048 * 2048 + 2048 * 64) // 2
+        assert csbp["padded_pairs"] == cp["padded_pairs"] >= csbp["real_pairs"]
+        assert csbp["forward_s"] > 0 and cp["backward_s"] > 0
+    assert by_case["csbp", 0]["row_groups"] == 3 and by_case["cp", 0]["row_groups"] == 4
+
+
 def test_bad_flags_are_refused(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--modes", "csbp,ring"])
