@@ -66,6 +66,29 @@ def _read(path: str) -> dict | None:
         return {}
 
 
+def _take_over(path: str, stale: dict) -> bool:
+    """Removes the lock at `path` if it is still the `stale` one we judged; False when it was not.
+
+    Between reading the stale lock and removing it, another run may have taken it over and written its own:
+    renaming blindly would delete that run's live lock and let two runs write. So the lock is renamed to a
+    private name (atomic: one run gets each file), read there, and removed only if it is the stale holder's;
+    a live lock caught this way is linked back (`link` never replaces a lock a third run made meanwhile)."""
+    private = f"{path}.stale.{os.getpid()}"
+    try:
+        os.rename(path, private)
+    except FileNotFoundError:
+        return False
+    if _read(private) == stale:
+        os.remove(private)
+        return True
+    try:
+        os.link(private, path)
+    except FileExistsError:
+        pass
+    os.remove(private)
+    return False
+
+
 def acquire(save: str, log=print) -> str:
     """Takes `<save>/csbp_writer.lock` for this process (rank 0); returns its path. Refuses with
     `ConfigError` naming the holder when another live run has it."""
@@ -92,12 +115,8 @@ def acquire(save: str, log=print) -> str:
             if reason is None:
                 raise ConfigError(f"--save {save} is in use by another run ({describe(holder)}): wait for it to "
                                   f"end or give another --save; if that run is gone, delete {path}")
-            try:  # atomic: of several runs taking over at once, one renames it away, the others retry
-                os.rename(path, f"{path}.stale.{os.getpid()}")
-                os.remove(f"{path}.stale.{os.getpid()}")
-            except FileNotFoundError:
-                continue
-            log(f" taking over the stale lock {path} ({describe(holder)}: {reason})")
+            if _take_over(path, holder):
+                log(f" taking over the stale lock {path} ({describe(holder)}: {reason})")
             continue
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             json.dump(me, handle)

@@ -205,6 +205,37 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch
                                             f"run ({save_lock.describe(cases[refused])})"), outcomes[refused]
 
 
+def test_a_take_over_never_removes_the_lock_another_run_just_took(tmp_path, monkeypatch):
+    """Two runs find the same stale lock; the other one takes it over first and writes its own lock between our
+    read and our rename. We must then refuse, naming that run, and leave its lock in place."""
+    from megatron_csbp import save_lock
+    from megatron_csbp.arguments import ConfigError
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    me = save_lock.this_holder()
+    stale = dict(me, pid=int(gone.stdout))
+    winner = dict(me, pid=os.getppid(), process_start=psutil.Process(os.getppid()).create_time())
+    lock = tmp_path / "csbp_writer.lock"
+    lock.write_text(json.dumps(stale))
+    rename = os.rename
+
+    def the_other_run_wins_first(source, target):
+        if source == str(lock) and json.loads(lock.read_text()) == stale:
+            lock.write_text(json.dumps(winner))  # it took the stale lock over and wrote its own
+        rename(source, target)
+
+    monkeypatch.setattr(save_lock.os, "rename", the_other_run_wins_first)
+    with pytest.raises(ConfigError, match=r"is in use by another run \(" + re.escape(save_lock.describe(winner))):
+        save_lock.acquire(str(tmp_path), log=lambda line: None)
+    assert json.loads(lock.read_text()) == winner
+    assert sorted(os.listdir(tmp_path)) == ["csbp_writer.lock"]
+    monkeypatch.setattr(save_lock.os, "rename", rename)  # control: without the race, the stale lock is taken over
+    lock.write_text(json.dumps(stale))
+    save_lock.release(save_lock.acquire(str(tmp_path), log=lambda line: None))
+    assert os.listdir(tmp_path) == []
+
+
 def test_killing_torchrun_takes_its_ranks_with_it(corpus, tmp_path):
     """torchrun's ranks live in their own sessions: without a parent-death signal they would train on."""
     settings = base(corpus, context_block_parallel=2, train_iters=400, eval_iters=0, save=tmp_path / "save",
