@@ -52,8 +52,18 @@ def read_config(hf_dir: str) -> dict:
     if not os.path.isfile(path):
         raise ConfigError(f"--hf-dir {hf_dir}: no config.json (a local Hugging Face model directory is needed; "
                           f"nothing is downloaded)")
-    with open(path, encoding="utf-8") as handle:
-        return json.load(handle)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            config = json.load(handle)
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"--hf-dir {hf_dir}: {path} cannot be read ({error})") from None
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"--hf-dir {hf_dir}: {path} is not valid JSON (line {error.lineno}, column "
+                          f"{error.colno}: {error.msg}); restore the model's config.json") from None
+    if not isinstance(config, dict):
+        raise ConfigError(f"--hf-dir {hf_dir}: {path} holds a JSON {type(config).__name__}, not the object of a "
+                          f"Hugging Face model config; restore the model's config.json")
+    return config
 
 
 # Llama 3.x RoPE scaling as megatron-core implements it (`--use-rope-scaling`): only its factor is free.

@@ -360,6 +360,21 @@ def test_import_refuses_what_the_mapping_cannot_express(converted, tmp_path, cap
     assert not os.path.exists(tmp_path / "ckpt" / "iter_0000000")
 
 
+@pytest.mark.parametrize("text, message", [
+    ('{"architectures": ["LlamaForCausalLM"],', "is not valid JSON (line 1, column 40: Expecting property name"),
+    ('["LlamaForCausalLM"]', "holds a JSON list, not the object of a Hugging Face model config"),
+])
+def test_a_damaged_config_json_is_one_line_exit_2(tmp_path, capsys, text, message):
+    hf_dir = tmp_path / "model"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(text)
+    code = _script("convert_hf").main(["import", "--hf-dir", str(hf_dir), "--save", str(tmp_path / "ckpt")])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and len(error.splitlines()) == 1, error
+    assert error.startswith(f"convert_hf.py: error: --hf-dir {hf_dir}: {hf_dir}/config.json ") and message in error
+    assert not os.path.exists(tmp_path / "ckpt")
+
+
 def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
     """`--bdlm-mask-token-id`: a new id further on grows the vocabulary; an existing id does not."""
     from megatron_csbp import data
