@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from attention_reference import bdlm_mask
+from pretrain_runs import TORCHRUN
 from spawn import on_cpu_backend, run_ranks
 
 pytest.importorskip("transformers")
@@ -281,8 +282,7 @@ def _finetune_config(converted, tmp_path):
 
 
 def _pretrain(nproc, config, *overrides):
-    launcher = [sys.executable] if nproc == 1 else [os.path.join(os.path.dirname(sys.executable), "torchrun"),
-                                                    "--standalone", "--nproc-per-node", str(nproc)]
+    launcher = [sys.executable] if nproc == 1 else [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
     done = subprocess.run([*launcher, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), "--config", config,
                            *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from spawn import run_ranks
+from pretrain_runs import TORCHRUN
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEQ, BLOCK, VOCAB, MASK = 32, 4, 32, 31
@@ -296,7 +297,7 @@ def test_a_briefly_trained_model_completes_its_corpus_and_an_untrained_one_does_
 
 
 def test_generate_script_under_tp2_gives_the_one_rank_tokens(alphabet_checkpoints):
-    output = _run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--standalone", "--nproc-per-node", "2",
+    output = _run([TORCHRUN, "--standalone", "--nproc-per-node", "2",
                    os.path.join(REPO, "scripts", "generate_bdlm.py"), "--load", str(alphabet_checkpoints / "trained"),
                    "--tensor-model-parallel-size", "2", *_prompt_flags()])
     print(output.splitlines()[-1])
