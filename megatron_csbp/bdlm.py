@@ -116,7 +116,7 @@ class BDLMObjective:
     @property
     def views_per_sample(self) -> int:
         """Model batch rows per clean sample: Fast-dLLM v2 scores each sample under a mask and its complement."""
-        return 2 if self.objective == "fast-dllm-v2" else 1
+        return rules.views_per_sample(self.objective)
 
     def noise(self, sample_index, seq_length: int) -> Noise:
         """Noise times and MASK positions of the samples `sample_index`, built on the CPU."""

@@ -229,6 +229,11 @@ def loss_weighting_problem(objective: str, loss_weighting: str | None) -> str | 
             "drop --bdlm-loss-weighting or set it to unit")
 
 
+def views_per_sample(objective: str) -> int:
+    """Model batch rows per clean sample: Fast-dLLM v2 scores each sample under a mask and its complement."""
+    return 2 if objective == "fast-dllm-v2" else 1
+
+
 def noise_range_problem(t_min: float, t_max: float) -> str | None:
     """Noise times are masking probabilities, and `1/t` weights need `t > 0`."""
     if 0 < t_min <= t_max <= 1:
