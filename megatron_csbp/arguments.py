@@ -309,9 +309,7 @@ def _require(condition: bool, message: str) -> None:
 
 
 def _refuse(problem: str | None) -> None:
-    """Raises the problem one of `rules` found, if any."""
-    if problem:
-        raise ConfigError(problem)
+    rules.refuse(problem, ConfigError)
 
 
 def _on_accelerator() -> bool:

@@ -58,11 +58,6 @@ def _require(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _refuse(problem: str | None) -> None:
-    if problem:
-        raise ValueError(problem)
-
-
 def _generator(seed: int, stream: str, index: int) -> torch.Generator:
     """A CPU generator that depends on `(seed, stream, index)` only, never on any global RNG state."""
     digest = hashlib.blake2b(f"{seed}/{stream}/{index}".encode(), digest_size=8).digest()
@@ -101,13 +96,13 @@ class BDLMObjective:
         _require(isinstance(self.mask_token_id, int) and self.mask_token_id >= 0,
                  f"--bdlm-mask-token-id={self.mask_token_id!r} must be a non-negative vocabulary id "
                  f"(an extra id the data never uses, e.g. the tokenizer's vocabulary size)")
-        _refuse(rules.loss_weighting_problem(self.objective, self.loss_weighting))
+        rules.refuse(rules.loss_weighting_problem(self.objective, self.loss_weighting))
         weighting = self.loss_weighting or rules.default_loss_weighting(self.objective)
         object.__setattr__(self, "loss_weighting", weighting)
         _require(len(self.noise_range) == 2, f"--bdlm-noise-range={self.noise_range!r} takes two numbers: T_MIN T_MAX")
         t_min, t_max = (float(t) for t in self.noise_range)
         object.__setattr__(self, "noise_range", (t_min, t_max))
-        _refuse(rules.noise_range_problem(t_min, t_max))
+        rules.refuse(rules.noise_range_problem(t_min, t_max))
         _require(isinstance(self.antithetic_group, int) and self.antithetic_group >= 1,
                  f"antithetic_group={self.antithetic_group!r} must be a positive integer: the samples sharing one "
                  f"stratified draw (the training loop sets it to --global-batch-size)")
@@ -120,7 +115,7 @@ class BDLMObjective:
 
     def noise(self, sample_index, seq_length: int) -> Noise:
         """Noise times and MASK positions of the samples `sample_index`, built on the CPU."""
-        _refuse(rules.whole_blocks_problem(seq_length, self.block_size))
+        rules.refuse(rules.whole_blocks_problem(seq_length, self.block_size))
         num_blocks = seq_length // self.block_size
         group = self.antithetic_group
         strata = torch.arange(num_blocks, dtype=torch.float64)

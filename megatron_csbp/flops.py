@@ -17,13 +17,8 @@ Plain Python integers throughout, so every count is exact. No torch, no Megatron
 from megatron_csbp import rules
 
 
-def _refuse(problem: str | None) -> None:
-    if problem:
-        raise ValueError(problem)
-
-
 def _check_blocks(seq_length: int, block_size: int) -> int:
-    _refuse(rules.whole_blocks_problem(seq_length, block_size))
+    rules.refuse(rules.whole_blocks_problem(seq_length, block_size))
     return seq_length // block_size
 
 
@@ -75,9 +70,9 @@ def _shape(hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, 
         ffn_hidden_size = rules.default_ffn_hidden_size(hidden_size, swiglu)
     num_query_groups = num_attention_heads if num_query_groups is None else num_query_groups
     if kv_channels is None:
-        _refuse(rules.kv_channels_problem(hidden_size, num_attention_heads))
+        rules.refuse(rules.kv_channels_problem(hidden_size, num_attention_heads))
         kv_channels = hidden_size // num_attention_heads
-    _refuse(rules.query_groups_problem(num_attention_heads, num_query_groups))
+    rules.refuse(rules.query_groups_problem(num_attention_heads, num_query_groups))
     return ffn_hidden_size, num_query_groups, kv_channels
 
 
@@ -145,7 +140,7 @@ def attention_traffic_bytes(mode: str, seq_length: int, clean_shards: int, kv_he
       (`3L(C-1)/C·beta`), streaming `6L`/`3L` (`8L`/`4L`), BP 0.
     """
     forward = attention_forward_bytes(mode, seq_length, clean_shards, kv_heads_per_tp, head_dim, bytes_per_elem)
-    _refuse(rules.choice_problem("--csbp-transport", transport, rules.TRANSPORTS))
+    rules.refuse(rules.choice_problem("--csbp-transport", transport, rules.TRANSPORTS))
     backward = forward * (2 if transport == "streaming" else 1)
     return forward * (2 if recompute else 1) + backward
 
@@ -153,7 +148,7 @@ def attention_traffic_bytes(mode: str, seq_length: int, clean_shards: int, kv_he
 def attention_forward_bytes(mode: str, seq_length: int, clean_shards: int, kv_heads_per_tp: int,
                             head_dim: int, bytes_per_elem: int = 2) -> int:
     """Bytes one rank sends in one layer's forward: the `(C-1)/C` share of the gathered K/V it owns."""
-    _refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
+    rules.refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
     if clean_shards < 1 or seq_length % clean_shards:
         raise ValueError(f"clean_shards ({clean_shards}) must be a positive divisor of seq_length ({seq_length})")
     gathered_tokens = {"cp": 2 * seq_length, "csbp": seq_length, "bp": 0}[mode]

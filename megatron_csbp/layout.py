@@ -87,11 +87,6 @@ class _Rows:
                           torch.ones(self.num_clean_rows, dtype=torch.bool)])
 
 
-def _refuse(problem: str | None) -> None:
-    if problem:
-        raise ValueError(problem)
-
-
 @dataclass(frozen=True)
 class CSBPLayout(_Rows):
     """Rows of block-parallel rank `rank` of `P`: owned noisy blocks, then its ring's clean shard.
@@ -109,8 +104,8 @@ class CSBPLayout(_Rows):
     clean_layout: str = "zigzag"
 
     def __post_init__(self):
-        _refuse(rules.layout_problem("csbp", self.seq_length, self.block_size, self.block_parallel_size,
-                                     self.clean_shards, self.schedule, self.clean_layout))
+        rules.refuse(rules.layout_problem("csbp", self.seq_length, self.block_size, self.block_parallel_size,
+                                          self.clean_shards, self.schedule, self.clean_layout))
         if not 0 <= self.rank < self.block_parallel_size:
             raise ValueError(f"rank={self.rank} is outside block_parallel_size={self.block_parallel_size}")
 
@@ -176,7 +171,7 @@ class CPLayout(_Rows):
     rank: int = 0
 
     def __post_init__(self):
-        _refuse(rules.layout_problem("cp", self.seq_length, self.block_size, self.context_parallel_size))
+        rules.refuse(rules.layout_problem("cp", self.seq_length, self.block_size, self.context_parallel_size))
         if not 0 <= self.rank < self.context_parallel_size:
             raise ValueError(f"rank={self.rank} is outside context_parallel_size={self.context_parallel_size}")
 
@@ -219,7 +214,7 @@ class CPLayout(_Rows):
 def layout_for(mode: str, seq_length: int, block_size: int, parallel_size: int, clean_shards: int | None = None,
                rank: int = 0, **options) -> CSBPLayout | CPLayout:
     """The layout of `mode` ("csbp", "cp" or "bp"), so one model can be compared across all three."""
-    _refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
+    rules.refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
     if mode == "cp":
         return CPLayout(seq_length, block_size, parallel_size, rank)
     return CSBPLayout(seq_length, block_size, parallel_size, rules.clean_shards(mode, parallel_size, clean_shards),

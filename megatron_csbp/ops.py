@@ -211,9 +211,7 @@ def context_sharded_block_attention(query, key, value, layout, group=None, softm
     layout has several rings. The same call runs the conventional-CP baseline for a `CPLayout` and pure
     block parallelism for a layout with `clean_shards == 1`.
     """
-    problem = rules.choice_problem("--csbp-transport", transport, rules.TRANSPORTS)
-    if problem:
-        raise ValueError(problem)
+    rules.refuse(rules.choice_problem("--csbp-transport", transport, rules.TRANSPORTS))
     if query.shape[0] != layout.num_rows or key.shape[0] != layout.num_rows or value.shape != key.shape:
         raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must "
                          f"hold this rank's {layout.num_rows} rows ([s, b, heads, d]) of the layout")

@@ -30,18 +30,12 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     if "context_parallel_size" in megatron_kwargs:
         raise ValueError("pass context_block_parallel_size=P, not context_parallel_size: the "
                          "block-parallel dimension occupies Megatron's CP slot")
-    _refuse_clean_shards(block_parallel_size, clean_shards)
+    rules.refuse(rules.clean_shards_problem("csbp", block_parallel_size, clean_shards))
     mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                   pipeline_model_parallel_size=pipeline_model_parallel_size,
                                   context_parallel_size=block_parallel_size,
                                   distributed_timeout_minutes=distributed_timeout_minutes, **megatron_kwargs)
     initialize_block_parallel_groups(clean_shards, distributed_timeout_minutes)
-
-
-def _refuse_clean_shards(block_parallel_size: int, clean_shards: int) -> None:
-    problem = rules.clean_shards_problem("csbp", block_parallel_size, clean_shards)
-    if problem:
-        raise ValueError(problem)
 
 
 def initialize_block_parallel_groups(clean_shards, distributed_timeout_minutes=30):
@@ -52,7 +46,7 @@ def initialize_block_parallel_groups(clean_shards, distributed_timeout_minutes=3
     same order.
     """
     block_parallel_size = mpu.get_context_parallel_world_size()
-    _refuse_clean_shards(block_parallel_size, clean_shards)
+    rules.refuse(rules.clean_shards_problem("csbp", block_parallel_size, clean_shards))
     every_rank_lists = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_lists, list(mpu.get_context_parallel_global_ranks()))
     block_parallel_ranks_lists = sorted({tuple(ranks) for ranks in every_rank_lists})

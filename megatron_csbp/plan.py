@@ -124,9 +124,7 @@ class Model:
                     rules.choice_problem("--recompute-granularity", self.recompute, rules.RECOMPUTE_GRANULARITIES)
                     if self.recompute is not None else None,
                     rules.choice_problem("--csbp-transport", self.transport, rules.TRANSPORTS)]
-        problem = next(filter(None, problems), None)
-        if problem:
-            raise ValueError(problem)
+        rules.refuse(next(filter(None, problems), None))
         if self.kv_channels is None:
             fill("kv_channels", self.hidden_size // self.num_attention_heads)
 
@@ -423,9 +421,7 @@ def best_by_mode(preds):
 
 def requested_topologies(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c: int):
     """The user's layout in each mode: CP over the same P ranks, CSBP (P, C), BP (P, 1)."""
-    problem = rules.world_size_problem(tp, pp, p, cluster.gpus)
-    if problem:
-        raise ValueError(problem)
+    rules.refuse(rules.world_size_problem(tp, pp, p, cluster.gpus))
     dp = cluster.gpus // (tp * pp * p)
     return [Topology(mode, tp, pp, p, rules.clean_shards(mode, p, c), dp) for mode in MODES]
 

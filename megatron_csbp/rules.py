@@ -56,6 +56,12 @@ class Flags:
 FLAGS = Flags()
 
 
+def refuse(problem: str | None, error: type = ValueError) -> None:
+    """Raises `error(problem)` when a rule found a problem."""
+    if problem:
+        raise error(problem)
+
+
 def choice_problem(flag: str, value, choices) -> str | None:
     if value in choices:
         return None

@@ -4,12 +4,11 @@ trainer refuses in the trainer's own words, and the rule book runs on the standa
 import ast
 import copy
 import glob
-import json
 import os
-import subprocess
 import sys
 
 import pytest
+from test_suite_rules import _modules_added_by
 
 from megatron_csbp import plan, rules
 from megatron_csbp.arguments import ConfigError, validate_args
@@ -138,20 +137,12 @@ def _imported_modules(source: str) -> set:
     return found
 
 
-def _loaded_by(module: str) -> list:
-    code = ("import sys, json; before = set(sys.modules); import " + module
-            + "; print(json.dumps(sorted({m.split('.')[0] for m in set(sys.modules) - before})))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=REPO))
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def test_rules_import_nothing_but_the_standard_library():
     with open(rules.__file__, encoding="utf-8") as handle:
         imported = _imported_modules(handle.read())
     assert imported <= set(sys.stdlib_module_names), imported
-    assert set(_loaded_by("megatron_csbp.rules")) - set(sys.stdlib_module_names) == {"megatron_csbp"}
+    loaded = _modules_added_by(["megatron_csbp.rules"], after=None)
+    assert set(loaded) - set(sys.stdlib_module_names) == {"megatron_csbp"}, loaded
     # Negative controls: both checks see a module that is not the standard library.
     assert _imported_modules("import torch\nfrom yaml import safe_load\n") == {"torch", "yaml"}
-    assert "torch" in _loaded_by("megatron_csbp.layout")
+    assert "torch" in _modules_added_by(["megatron_csbp.layout"], after=None)
