@@ -398,10 +398,10 @@ def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
     from megatron_csbp.flops import parameter_count
 
     ids = (args.vocab_size or 256) + 1 + 1  # the tokenizer's ids, EOD, MASK (the data module has the exact count)
+    padded = rules.padded_vocab_size(ids, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     parameters = parameter_count(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        padded_vocab_size=rules.padded_vocab_size(ids, args.make_vocab_size_divisible_by,
-                                                  args.tensor_model_parallel_size), ffn_hidden_size=args.ffn_hidden_size,
+        padded_vocab_size=padded, ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, swiglu=args.swiglu,
         add_bias_linear=args.add_bias_linear, layernorm_bias=args.normalization == "LayerNorm",
         untied_output=args.untie_embeddings_and_output_weights)

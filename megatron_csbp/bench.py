@@ -278,8 +278,8 @@ def kernel_efficiency(seq_length, block_size, heads=8, head_dim=64, repeats=2):
         out.sum().backward()
         forward_time += middle - start
         backward_time += time.perf_counter() - middle
-    forward_flops = repeats * flops.bdlm_attention_pairs(seq_length, block_size) * flops.attention_flops_per_pair(
-        heads, head_dim)
+    pairs = flops.bdlm_attention_pairs(seq_length, block_size)
+    forward_flops = repeats * pairs * flops.attention_flops_per_pair(heads, head_dim)
     forward = forward_flops / forward_time / 1e9
     both = rules.step_passes() * forward_flops / (forward_time + backward_time) / 1e9
     return dict(seq_length=seq_length, block_size=block_size, threads=torch.get_num_threads(),

@@ -294,8 +294,9 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     kv_heads_tp = groups // tp
     vocab = model.padded_vocab_size(tp)
     layers = model.num_layers // pp
-    passes = 4 if model.full_recompute else 3
-    attention_passes = 4 if model.recompute else 3  # selective recompute redoes the core attention
+    passes = rules.step_passes(model.full_recompute)
+    attention_passes = rules.step_passes(model.recompute)  # selective recompute redoes the core attention
+    head_passes = rules.step_passes()
 
     per_pair = flops.attention_flops_per_pair(heads_tp, model.kv_channels)
     linear_forward = rows * flops.linear_flops_per_row(h, model.ffn_hidden_size, model.num_attention_heads,
@@ -303,9 +304,9 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     attention_forward = pairs * per_pair
     head_forward = noisy_rows * flops.lm_head_flops_per_row(h, vocab) / tp
     microbatch_flops = mbs * (layers * (passes * linear_forward + attention_passes * attention_forward)
-                              + 3 * head_forward)
+                              + head_passes * head_forward)
     compute_s = mbs * (layers * (passes * linear_forward / rate + attention_passes * attention_forward
-                                 / attention_rate) + 3 * head_forward / rate)
+                                 / attention_rate) + head_passes * head_forward / rate)
 
     # Attention traffic of one layer, forward (gather) and backward parts, on the ring's link.
     crossings = _ring_crossings(cluster, topo)
