@@ -39,6 +39,7 @@ class Flags:
     clean_shards: str = "--context-block-parallel-clean-shards"
     mode: str = "--bdlm-parallel-mode"
     clean_layout: str = "--csbp-clean-layout"
+    schedule: str = "--csbp-block-schedule"
     tensor_parallel: str = "--tensor-model-parallel-size"
     pipeline_parallel: str = "--pipeline-model-parallel-size"
     num_layers: str = "--num-layers"
@@ -145,7 +146,7 @@ def layout_problem(mode: str, seq_length: int, block_size: int, parallel_size: i
                    schedule: str = "dual_end", clean_layout: str = "zigzag", flags: Flags = FLAGS) -> str | None:
     """Everything a layout of `mode` needs: its clean shards, its schedule and its geometry."""
     return (clean_shards_problem(mode, parallel_size, given_clean_shards, flags)
-            or choice_problem("--csbp-block-schedule", schedule, SCHEDULES)
+            or choice_problem(flags.schedule, schedule, SCHEDULES)
             or sequence_problem(mode, seq_length, block_size, parallel_size,
                                 clean_shards(mode, parallel_size, given_clean_shards), clean_layout, flags))
 
