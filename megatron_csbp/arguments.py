@@ -16,10 +16,10 @@ import re
 import shutil
 import sys
 
-PARALLEL_MODES = ("csbp", "cp", "bp")
+from megatron_csbp import rules
+from megatron_csbp.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS
+
 TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
-BYTE_TOKENIZER = "ByteLevelTokenizer"
-TOKENIZERS = (BYTE_TOKENIZER, "HuggingFaceTokenizer", "NullTokenizer")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
 
@@ -49,26 +49,26 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--context-block-parallel-clean-shards", type=int, default=None, metavar="C",
                        help="Ranks the clean sequence is sharded over (a ring); divides P. Default: P.")
     group.add_argument("--bdlm-block-size", type=int, default=16, metavar="B", help="Diffusion block size B.")
-    group.add_argument("--bdlm-objective", choices=("bd3lm", "fast-dllm-v2"), default="bd3lm",
+    group.add_argument("--bdlm-objective", choices=rules.OBJECTIVES, default="bd3lm",
                        help="BD3-LM NELBO, or Fast-dLLM v2 (complementary masks, shifted labels, unit weights).")
-    group.add_argument("--bdlm-loss-weighting", choices=("inverse-t", "unit"), default=None,
+    group.add_argument("--bdlm-loss-weighting", choices=rules.LOSS_WEIGHTINGS, default=None,
                        help="Per-block loss weight 1/t (the NELBO) or 1. Default: inverse-t for bd3lm, unit for "
                             "fast-dllm-v2.")
     group.add_argument("--bdlm-noise-range", type=float, nargs=2, default=[1e-3, 1.0], metavar=("T_MIN", "T_MAX"),
                        help="Noise times are drawn in [T_MIN, T_MAX], inside (0, 1].")
-    group.add_argument("--bdlm-noise-sampling", choices=("antithetic", "iid"), default="antithetic",
+    group.add_argument("--bdlm-noise-sampling", choices=rules.NOISE_SAMPLINGS, default="antithetic",
                        help="Stratified noise times over the (sample, block) pairs of a batch, or i.i.d. uniform.")
     group.add_argument("--bdlm-parallel-mode", choices=PARALLEL_MODES, default="csbp",
                        help="csbp: context-sharded block parallelism; cp: conventional context parallelism over "
                             "[x_t ; x_0] (baseline); bp: pure block parallelism (C = 1, clean prefix replicated).")
-    group.add_argument("--csbp-transport", choices=("collective", "streaming"), default="collective",
+    group.add_argument("--csbp-transport", choices=rules.TRANSPORTS, default="collective",
                        help="All-gather the clean K/V (collective) or pass shards around the ring (bounded memory).")
     group.add_argument("--link-gbps", type=float, default=None, metavar="GBPS",
                        help="Simulate a link this slow for the attention collectives (comm.simulated_link).")
     group.add_argument("--link-latency-us", type=float, default=10.0, help="Latency of each simulated transfer.")
-    group.add_argument("--csbp-block-schedule", choices=("dual_end", "contiguous"), default="dual_end",
+    group.add_argument("--csbp-block-schedule", choices=rules.SCHEDULES, default="dual_end",
                        help="How noisy blocks are dealt to ranks (contiguous is an ablation).")
-    group.add_argument("--csbp-clean-layout", choices=("zigzag", "contiguous"), default="zigzag",
+    group.add_argument("--csbp-clean-layout", choices=rules.CLEAN_LAYOUTS, default="zigzag",
                        help="How the clean sequence is sharded over a ring (contiguous is an ablation).")
     group.add_argument("--bdlm-mask-token-id", type=int, default=None, metavar="ID",
                        help="The MASK id: a new id right after the tokenizer's (the default), or an existing id "
@@ -167,7 +167,7 @@ def _add_model_args(parser):
                             "Default: transformer_engine where it is installed, else local.")
     group.add_argument("--spec", nargs=2, default=None, metavar=("MODULE", "NAME"),
                        help="A layer ModuleSpec to start from (its core attention becomes CSBP's).")
-    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=rules.MAKE_VOCAB_SIZE_DIVISIBLE_BY,
                        help="Pad the vocabulary (data ids + MASK) to a multiple of this x TP.")
 
 
@@ -203,7 +203,7 @@ def _add_training_args(parser):
                        help="Always on here (Megatron-LM's default is off): the BDLM loss is a per-token NELBO over "
                             "the global batch, which sharded rows only reproduce with per-token normalisation.")
     group.add_argument("--use-cpu-initialization", action="store_true", default=None)
-    group.add_argument("--recompute-granularity", choices=("full", "selective"), default=None)
+    group.add_argument("--recompute-granularity", choices=rules.RECOMPUTE_GRANULARITIES, default=None)
     group.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     group.add_argument("--recompute-num-layers", type=int, default=None)
     group.add_argument("--exit-duration-in-mins", type=int, default=None)
@@ -308,6 +308,10 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def _refuse(problem: str | None) -> None:
+    rules.refuse(problem, ConfigError)
+
+
 def _on_accelerator() -> bool:
     from megatron_csbp.device import default_device
     return default_device().type != "cpu"
@@ -394,10 +398,10 @@ def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
     from megatron_csbp.flops import parameter_count
 
     ids = (args.vocab_size or 256) + 1 + 1  # the tokenizer's ids, EOD, MASK (the data module has the exact count)
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    padded = rules.padded_vocab_size(ids, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
     parameters = parameter_count(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        padded_vocab_size=-(-ids // multiple) * multiple, ffn_hidden_size=args.ffn_hidden_size,
+        padded_vocab_size=padded, ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, swiglu=args.swiglu,
         add_bias_linear=args.add_bias_linear, layernorm_bias=args.normalization == "LayerNorm",
         untied_output=args.untie_embeddings_and_output_weights)
@@ -457,12 +461,8 @@ def refused_features(settings) -> list[str]:
 
 def clean_shards(args: argparse.Namespace) -> int:
     """`C`: the clean shards of the run's mode (1 for pure BP, `P` for the CP baseline, else the flag or `P`)."""
-    P = args.context_block_parallel or args.context_parallel_size
-    if args.bdlm_parallel_mode == "bp":
-        return 1
-    if args.bdlm_parallel_mode == "cp":
-        return P
-    return args.context_block_parallel_clean_shards or P
+    return rules.clean_shards(args.bdlm_parallel_mode, args.context_block_parallel or args.context_parallel_size,
+                              args.context_block_parallel_clean_shards)
 
 
 def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -473,8 +473,7 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
     `context_block_parallel_clean_shards` (C) and `bdlm_loss_weighting` where they are left to defaults.
     """
     for flag in ("bdlm_block_size", "context_parallel_size", "max_consecutive_bad_steps"):
-        value = getattr(args, flag)
-        _require(value >= 1, f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+        _refuse(rules.at_least(f"--{flag.replace('_', '-')}", getattr(args, flag)))
     _require(args.link_gbps is None or (args.link_gbps > 0 and args.link_latency_us >= 0),
              f"--link-gbps {args.link_gbps} / --link-latency-us {args.link_latency_us}: a simulated link needs "
              f"a speed > 0 and a latency >= 0 (or drop --link-gbps)")
@@ -482,46 +481,14 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
     _require(P == args.context_parallel_size,
              f"--context-block-parallel {P} contradicts --context-parallel-size {args.context_parallel_size}: "
              f"the block-parallel dimension lives in Megatron's CP slot; give only --context-block-parallel")
-    mode, C = args.bdlm_parallel_mode, args.context_block_parallel_clean_shards
-    _require(mode != "bp" or C in (None, 1), f"--bdlm-parallel-mode bp replicates the clean sequence (one clean "
-                                             f"shard); drop --context-block-parallel-clean-shards {C} or use "
-                                             f"--bdlm-parallel-mode csbp")
-    _require(mode != "cp" or C in (None, P), f"--bdlm-parallel-mode cp shards both copies over all {P} ranks; drop "
-                                             f"--context-block-parallel-clean-shards {C}")
+    mode = args.bdlm_parallel_mode
+    _refuse(rules.clean_shards_problem(mode, P, args.context_block_parallel_clean_shards))
     C = clean_shards(args)
-    _require(C >= 1 and P % C == 0, f"--context-block-parallel {P} is not a multiple of "
-                                     f"--context-block-parallel-clean-shards {C}; use a divisor of {P} (default {P})")
     args.context_block_parallel, args.context_block_parallel_clean_shards = P, C
-
     TP, PP = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    model_parallel = TP * PP * P
-    _require(world_size % model_parallel == 0,
-             f"--tensor-model-parallel-size {TP} x --pipeline-model-parallel-size {PP} x --context-block-parallel "
-             f"{P} = {model_parallel} does not divide the world size {world_size}; launch a multiple of "
-             f"{model_parallel} ranks or shrink the parallel sizes")
-
-    L, B = args.seq_length, args.bdlm_block_size
-    _require(L is not None, "--seq-length is required")
-    _require(L % B == 0, f"--seq-length {L} is not a multiple of --bdlm-block-size {B}; use --seq-length "
-                         f"{max(L - L % B, B)} or a block size dividing {L}")
-    _require(L // B >= P, f"--seq-length {L} has {L // B} blocks of {B}, too few for --context-block-parallel {P} "
-                          f"(every rank needs a block); use --seq-length >= {P * B} or a smaller block size")
-    if mode == "cp":
-        _require(L % (P * B) == 0, f"--bdlm-parallel-mode cp cuts [x_t ; x_0] into {2 * P} chunks of whole blocks: "
-                                   f"--seq-length {L} must be a multiple of {P * B} (--context-block-parallel x "
-                                   f"--bdlm-block-size)")
-    else:
-        chunks = 2 * C if args.csbp_clean_layout == "zigzag" else C
-        _require(L % chunks == 0, f"--seq-length {L} cannot be cut into {chunks} equal clean chunks "
-                                  f"(--csbp-clean-layout {args.csbp_clean_layout}, "
-                                  f"--context-block-parallel-clean-shards {C}); use a multiple of {chunks}")
-    from megatron_csbp.layout import layout_for
-    try:
-        layout_for(mode, L, B, P, C, 0, **({} if mode == "cp" else
-                                           {"schedule": args.csbp_block_schedule,
-                                            "clean_layout": args.csbp_clean_layout}))
-    except ValueError as error:
-        raise ConfigError(f"--seq-length/--bdlm-block-size/--context-block-parallel: {error}") from None
+    _refuse(rules.world_size_problem(TP, PP, P, world_size))
+    _require(args.seq_length is not None, "--seq-length is required")
+    _refuse(rules.sequence_problem(mode, args.seq_length, args.bdlm_block_size, P, C, args.csbp_clean_layout))
 
     for message in refused_features(args):
         raise ConfigError(message)
@@ -533,11 +500,9 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
         _require(importlib.util.find_spec("transformer_engine") is not None,
                  "--transformer-impl transformer_engine needs Transformer Engine (pip install -e '.[gpu]' on a GPU "
                  "machine); use --transformer-impl local")
-    t_min, t_max = args.bdlm_noise_range
-    _require(0 < t_min <= t_max <= 1, f"--bdlm-noise-range {t_min} {t_max} must satisfy 0 < T_MIN <= T_MAX <= 1 "
-                                      f"(default 0.001 1)")
-    if args.bdlm_loss_weighting is None:
-        args.bdlm_loss_weighting = "unit" if args.bdlm_objective == "fast-dllm-v2" else "inverse-t"
+    _refuse(rules.noise_range_problem(*args.bdlm_noise_range))
+    _refuse(rules.loss_weighting_problem(args.bdlm_objective, args.bdlm_loss_weighting))
+    args.bdlm_loss_weighting = args.bdlm_loss_weighting or rules.default_loss_weighting(args.bdlm_objective)
     return args
 
 
@@ -557,8 +522,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "tensor_model_parallel_size", "pipeline_model_parallel_size", "distributed_timeout_minutes",
                  "log_interval", "eval_interval"):
-        value = getattr(args, flag)
-        _require(value >= 1, f"--{flag.replace('_', '-')} must be >= 1; got {value}")
+        _refuse(rules.at_least(f"--{flag.replace('_', '-')}", getattr(args, flag)))
     _require(args.train_iters >= 0, f"--train-iters must be >= 0; got {args.train_iters}")
     _require(args.eval_iters >= 0, f"--eval-iters must be >= 0; got {args.eval_iters}")
     validate_plugin_args(args, world_size)
@@ -573,30 +537,20 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
 
     heads = args.num_attention_heads
     groups = args.num_query_groups if args.group_query_attention else heads
-    _require(groups >= 1 and heads % groups == 0,
-             f"--num-attention-heads {heads} is not a multiple of --num-query-groups {groups}")
-    _require(heads % TP == 0, f"--tensor-model-parallel-size {TP} does not divide --num-attention-heads {heads}; "
-                              f"use a TP size dividing {heads}")
-    _require(groups % TP == 0, f"--tensor-model-parallel-size {TP} does not divide --num-query-groups {groups}; "
-                               f"use a TP size dividing {groups} or more query groups")
+    _refuse(rules.query_groups_problem(heads, groups) or rules.tensor_parallel_problem(heads, groups, TP)
+            or rules.pipeline_problem(args.num_layers, PP))
     args.num_query_groups = groups
-    _require(args.num_layers % PP == 0, f"--pipeline-model-parallel-size {PP} does not divide --num-layers "
-                                        f"{args.num_layers}")
     if args.kv_channels is None:
-        _require(args.hidden_size % heads == 0, f"--hidden-size {args.hidden_size} is not a multiple of "
-                                                f"--num-attention-heads {heads}; set --kv-channels")
+        _refuse(rules.kv_channels_problem(args.hidden_size, heads))
         args.kv_channels = args.hidden_size // heads
     if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = (int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu
-                                else 4 * args.hidden_size)
+        args.ffn_hidden_size = rules.default_ffn_hidden_size(args.hidden_size, args.swiglu)
     if TP == 1:
         args.sequence_parallel = False
 
     micro, dp = args.micro_batch_size, args.data_parallel_size
     args.global_batch_size = args.global_batch_size or micro * dp
-    _require(args.global_batch_size % (micro * dp) == 0,
-             f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size {micro} x "
-             f"data-parallel size {dp}; use a multiple of {micro * dp}")
+    _refuse(rules.batch_problem(args.global_batch_size, micro, dp))
 
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; choose one")
     for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16),

@@ -49,10 +49,8 @@ from typing import NamedTuple
 
 import torch
 
+from megatron_csbp import rules
 from megatron_csbp.device import default_device
-
-OBJECTIVES = ("bd3lm", "fast-dllm-v2")
-LOSS_WEIGHTINGS = ("inverse-t", "unit")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -98,20 +96,13 @@ class BDLMObjective:
         _require(isinstance(self.mask_token_id, int) and self.mask_token_id >= 0,
                  f"--bdlm-mask-token-id={self.mask_token_id!r} must be a non-negative vocabulary id "
                  f"(an extra id the data never uses, e.g. the tokenizer's vocabulary size)")
-        _require(self.objective in OBJECTIVES, f"--bdlm-objective={self.objective!r}: choose one of {OBJECTIVES}")
-        weighting = self.loss_weighting or ("unit" if self.objective == "fast-dllm-v2" else "inverse-t")
+        rules.refuse(rules.loss_weighting_problem(self.objective, self.loss_weighting))
+        weighting = self.loss_weighting or rules.default_loss_weighting(self.objective)
         object.__setattr__(self, "loss_weighting", weighting)
-        _require(weighting in LOSS_WEIGHTINGS,
-                 f"--bdlm-loss-weighting={weighting!r}: choose one of {LOSS_WEIGHTINGS}")
-        _require(not (self.objective == "fast-dllm-v2" and weighting != "unit"),
-                 "--bdlm-loss-weighting=inverse-t does not go with --bdlm-objective=fast-dllm-v2, which uses "
-                 "unit weights: drop --bdlm-loss-weighting or set it to unit")
         _require(len(self.noise_range) == 2, f"--bdlm-noise-range={self.noise_range!r} takes two numbers: T_MIN T_MAX")
         t_min, t_max = (float(t) for t in self.noise_range)
         object.__setattr__(self, "noise_range", (t_min, t_max))
-        _require(0.0 < t_min <= t_max <= 1.0,
-                 f"--bdlm-noise-range={t_min} {t_max} must satisfy 0 < T_MIN <= T_MAX <= 1 "
-                 f"(a masking probability; 1/t weights need t > 0), e.g. --bdlm-noise-range 1e-3 1")
+        rules.refuse(rules.noise_range_problem(t_min, t_max))
         _require(isinstance(self.antithetic_group, int) and self.antithetic_group >= 1,
                  f"antithetic_group={self.antithetic_group!r} must be a positive integer: the samples sharing one "
                  f"stratified draw (the training loop sets it to --global-batch-size)")
@@ -120,12 +111,11 @@ class BDLMObjective:
     @property
     def views_per_sample(self) -> int:
         """Model batch rows per clean sample: Fast-dLLM v2 scores each sample under a mask and its complement."""
-        return 2 if self.objective == "fast-dllm-v2" else 1
+        return rules.views_per_sample(self.objective)
 
     def noise(self, sample_index, seq_length: int) -> Noise:
         """Noise times and MASK positions of the samples `sample_index`, built on the CPU."""
-        _require(seq_length % self.block_size == 0,
-                 f"--seq-length={seq_length} is not a multiple of --bdlm-block-size={self.block_size}")
+        rules.refuse(rules.whole_blocks_problem(seq_length, self.block_size))
         num_blocks = seq_length // self.block_size
         group = self.antithetic_group
         strata = torch.arange(num_blocks, dtype=torch.float64)

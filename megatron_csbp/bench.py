@@ -34,7 +34,12 @@ import time
 
 import torch
 
-MODES = ("csbp", "cp", "bp")
+from megatron_csbp import rules
+from megatron_csbp.rules import PARALLEL_MODES as MODES
+
+# The trainer's rules (megatron_csbp.rules), told the bench's flag names.
+FLAGS = rules.FLAGS.renamed(seq_length="--seq-lengths", block_size="--block-size", parallel_size="--nproc",
+                            clean_shards="clean shards", mode="--modes", clean_layout="clean layout")
 
 
 def parse_args(argv=None):
@@ -43,7 +48,7 @@ def parse_args(argv=None):
     parser.add_argument("--seq-lengths", default="1024,4096,16384", help="clean context lengths L, comma-separated")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (the block-parallel / CP size)")
     parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--csbp-transport", default="collective", choices=("collective", "streaming"))
+    parser.add_argument("--csbp-transport", default="collective", choices=rules.TRANSPORTS)
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-attention-heads", type=int, default=4)
@@ -58,7 +63,7 @@ def parse_args(argv=None):
     parser.add_argument("--link-latency-us", type=float, default=10.0, help="latency of each simulated transfer")
     parser.add_argument("--overlap-check", action="store_true",
                         help="also measure with every collective waited for at issue (no overlap)")
-    parser.add_argument("--recompute-granularity", choices=("full", "selective"), default=None,
+    parser.add_argument("--recompute-granularity", choices=rules.RECOMPUTE_GRANULARITIES, default=None,
                         help="megatron-core activation recomputation (full: every layer, uniform)")
     parser.add_argument("--predict", action="store_true",
                         help="calibrate the planner on this machine and print its prediction beside each step")
@@ -81,19 +86,20 @@ def parse_args(argv=None):
     unknown = set(args.modes) - set(MODES)
     if unknown:
         parser.error(f"--modes: {sorted(unknown)} unknown; choose from {','.join(MODES)}")
-    for length in args.seq_lengths:
-        if length % (2 * args.nproc * args.block_size):
-            parser.error(f"--seq-lengths: {length} must be a multiple of 2 x nproc x block size = "
-                         f"{2 * args.nproc * args.block_size} so every mode's layout can take it")
-    if args.num_attention_heads % args.num_query_groups:
-        parser.error("--num-attention-heads must be a multiple of --num-query-groups")
+    problem = next(filter(None, (
+        rules.sequence_problem(mode, length, args.block_size, args.nproc, rules.clean_shards(mode, args.nproc),
+                               flags=FLAGS) for length in args.seq_lengths for mode in args.modes)), None)
+    problem = problem or rules.query_groups_problem(args.num_attention_heads, args.num_query_groups)
+    if problem:
+        parser.error(problem)
+    args.ffn_hidden_size = args.ffn_hidden_size or rules.default_ffn_hidden_size(args.hidden_size, swiglu=False)
     return args
 
 
 def layout_of(mode, seq_length, block_size, nproc, rank):
     from megatron_csbp.layout import layout_for
 
-    return layout_for(mode, seq_length, block_size, nproc, rank=rank)  # C: P for csbp and cp, 1 for bp
+    return layout_for(mode, seq_length, block_size, nproc, rank=rank)  # C: rules.clean_shards(mode, nproc)
 
 
 def rank_attention_pairs(layout) -> int:
@@ -161,7 +167,7 @@ def _rank_record(rank, world_size, args, mode, seq_length):
         if args.recompute_granularity == "full" else dict(recompute_granularity=args.recompute_granularity)
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
+        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
         context_parallel_size=world_size, normalization="RMSNorm", use_cpu_initialization=True,
         calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0, **recompute)
     mask_token = args.vocab_size - 1
@@ -245,7 +251,9 @@ def summarise(per_rank):
 
 
 def kernel_efficiency(seq_length, block_size, heads=8, head_dim=64, repeats=2):
-    """GFLOP/s of the CPU kernel on the full BDLM mask (real pairs only) and of a dense fp32 matmul."""
+    """GFLOP/s of the CPU kernel on the full BDLM mask (real pairs only, model FLOPs: `rules.step_passes`) and of
+    a dense fp32 matmul."""
+    from megatron_csbp import flops
     from megatron_csbp.layout import CSBPLayout
     from megatron_csbp.ops import context_sharded_block_attention
 
@@ -262,7 +270,6 @@ def kernel_efficiency(seq_length, block_size, heads=8, head_dim=64, repeats=2):
     q = torch.randn(rows, 1, heads, head_dim, requires_grad=True)
     k = torch.randn(rows, 1, heads // 2, head_dim, requires_grad=True)
     v = torch.randn(rows, 1, heads // 2, head_dim, requires_grad=True)
-    pairs = (seq_length ** 2 + seq_length * block_size) * heads
     context_sharded_block_attention(q, k, v, layout).sum().backward()  # warm-up: plans, caches, allocator
     forward_time = backward_time = 0.0
     for _ in range(repeats):
@@ -272,8 +279,10 @@ def kernel_efficiency(seq_length, block_size, heads=8, head_dim=64, repeats=2):
         out.sum().backward()
         forward_time += middle - start
         backward_time += time.perf_counter() - middle
-    forward = 4 * head_dim * pairs * repeats / forward_time / 1e9
-    both = 14 * head_dim * pairs * repeats / (forward_time + backward_time) / 1e9
+    pairs = flops.bdlm_attention_pairs(seq_length, block_size)
+    forward_flops = repeats * pairs * flops.attention_flops_per_pair(heads, head_dim)
+    forward = forward_flops / forward_time / 1e9
+    both = rules.step_passes() * forward_flops / (forward_time + backward_time) / 1e9
     return dict(seq_length=seq_length, block_size=block_size, threads=torch.get_num_threads(),
                 matmul_gflops=matmul, attention_forward_gflops=forward, attention_train_gflops=both,
                 forward_fraction=forward / matmul, train_fraction=both / matmul)
@@ -363,7 +372,7 @@ def _calibration_rank(rank, world_size, args, seq_length, repeats=4):
     from megatron_csbp.ops import context_sharded_block_attention
 
     h, heads, groups = args.hidden_size, args.num_attention_heads, args.num_query_groups
-    d, ffn, rows = h // heads, args.ffn_hidden_size or 4 * h, seq_length
+    d, ffn, rows = h // heads, args.ffn_hidden_size, seq_length
     shapes = [(h, (heads + 2 * groups) * d), (heads * d, h), (h, ffn), (ffn, h)]
     weights = [torch.randn(n_out, n_in, requires_grad=True) for n_in, n_out in shapes]
     inputs = [torch.randn(rows, n_in, requires_grad=True) for n_in, _ in shapes]
@@ -371,13 +380,13 @@ def _calibration_rank(rank, world_size, args, seq_length, repeats=4):
     def linear():
         sum(torch.nn.functional.linear(x, w).sum() for x, w in zip(inputs, weights)).backward()
 
-    linear_flops = 3 * rows * flops.linear_flops_per_row(h, ffn, heads, groups, d, False)
+    linear_flops = rules.step_passes() * rows * flops.linear_flops_per_row(h, ffn, heads, groups, d, False)
     linear_s = _timed(linear, repeats)
 
     layout = CSBPLayout(seq_length // 2, args.block_size, 1, 1)
     q = torch.randn(layout.num_rows, 1, heads, d, requires_grad=True)
     k, v = (torch.randn(layout.num_rows, 1, groups, d, requires_grad=True) for _ in range(2))
-    attention_flops = 3 * flops.bdlm_attention_pairs(seq_length // 2, args.block_size) \
+    attention_flops = rules.step_passes() * flops.bdlm_attention_pairs(seq_length // 2, args.block_size) \
         * flops.attention_flops_per_pair(heads, d)
     attention_s = _timed(lambda: context_sharded_block_attention(q, k, v, layout).sum().backward(), repeats)
 
@@ -420,12 +429,12 @@ def predict_record(args, record, calibration):
 
     model = plan.Model(num_layers=args.num_layers, hidden_size=args.hidden_size,
                        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
-                       ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size, vocab_size=args.vocab_size,
+                       ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size,
                        seq_length=record["seq_length"], block_size=args.block_size, bytes_per_elem=4,
                        recompute=None if record["recompute"] == "none" else record["recompute"],
                        micro_batch_size=args.micro_batch_size, transport=args.csbp_transport)
     nproc, mode = record["nproc"], record["mode"]
-    clean_shards = {"csbp": nproc, "cp": nproc, "bp": 1}[mode]
+    clean_shards = rules.clean_shards(mode, nproc)
     cluster = plan.Cluster(nproc, nproc, machine(calibration, record["link_gbps"], record["link_latency_us"] or 0))
     return plan.predict(model, cluster, plan.Topology(mode, 1, 1, nproc, clean_shards, 1))
 

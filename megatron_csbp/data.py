@@ -20,6 +20,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
+from megatron_csbp import rules
 from megatron_csbp.arguments import MEGATRON_SPLIT_DEFAULT, ConfigError, check_data_prefixes, parse_data_path
 
 _HF_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -103,12 +104,6 @@ class HuggingFaceTokenizer:
         return self._tokenizer.decode(list(ids))
 
 
-def padded_vocab_size(num_ids: int, divisible_by: int, tensor_parallel_size: int) -> int:
-    """Megatron's padding: the smallest multiple of `divisible_by x TP` holding `num_ids`."""
-    multiple = divisible_by * tensor_parallel_size
-    return -(-num_ids // multiple) * multiple
-
-
 def build_tokenizer(args: argparse.Namespace):
     """The tokenizer of `--tokenizer-type` (the MASK id and padded vocabulary: `providers.fill_vocabulary`)."""
     if args.tokenizer_type == "HuggingFaceTokenizer":
@@ -132,8 +127,8 @@ def vocabulary(args: argparse.Namespace, tokenizer) -> tuple[int, int]:
     if mask is not None and mask < 0:
         raise ConfigError(f"--bdlm-mask-token-id {mask} must be a non-negative id")
     mask = tokenizer.vocab_size if mask is None else mask
-    return mask, padded_vocab_size(max(tokenizer.vocab_size, mask + 1), args.make_vocab_size_divisible_by,
-                                   args.tensor_model_parallel_size)
+    return mask, rules.padded_vocab_size(max(tokenizer.vocab_size, mask + 1), args.make_vocab_size_divisible_by,
+                                         args.tensor_model_parallel_size)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ Megatron's logger assumes causal attention over every row. A BDLM sees `2L` rows
 under the block mask of csbp-algorithm.md §2, and its LM head runs over the `L` noisy rows only;
 counting Megatron's way overstates the work, so the training logger counts here.
 
-Counting rules (a multiply-add is 2 FLOPs; backward is twice the forward):
+Counting rules (a multiply-add is 2 FLOPs; backward is twice the forward: `rules.BACKWARD_FLOPS_PER_FORWARD`):
 * every linear layer runs over all `2L` rows: QKV (GQA), output projection, MLP (SwiGLU: 3 matrices);
 * attention costs `4 · heads · head_dim` per allowed (query, key) pair: `Q·Kᵀ` and `P·V`;
 * the LM head runs over the `L` noisy rows;
@@ -14,16 +14,11 @@ Norms, softmax, RoPE and the embedding lookup are not counted (the usual convent
 Plain Python integers throughout, so every count is exact. No torch, no Megatron.
 """
 
-ATTENTION_MODES = ("cp", "csbp", "bp")
-TRANSPORTS = ("collective", "streaming")
+from megatron_csbp import rules
 
 
 def _check_blocks(seq_length: int, block_size: int) -> int:
-    if seq_length <= 0 or block_size <= 0:
-        raise ValueError(f"seq_length ({seq_length}) and block_size ({block_size}) must be positive")
-    if seq_length % block_size:
-        raise ValueError(f"seq_length ({seq_length}) must be a multiple of block_size ({block_size}): "
-                         "choose --bdlm-block-size dividing --seq-length")
+    rules.refuse(rules.whole_blocks_problem(seq_length, block_size))
     return seq_length // block_size
 
 
@@ -70,23 +65,14 @@ def lm_head_flops_per_row(hidden_size: int, padded_vocab_size: int) -> int:
     return 2 * hidden_size * padded_vocab_size
 
 
-def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
-    """Megatron-LM's default: `4h`, or `8h/3` rounded down to a multiple of 64 with SwiGLU."""
-    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
-
-
 def _shape(hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, swiglu):
     if ffn_hidden_size is None:
-        ffn_hidden_size = default_ffn_hidden_size(hidden_size, swiglu)
+        ffn_hidden_size = rules.default_ffn_hidden_size(hidden_size, swiglu)
     num_query_groups = num_attention_heads if num_query_groups is None else num_query_groups
     if kv_channels is None:
-        if hidden_size % num_attention_heads:
-            raise ValueError(f"hidden_size ({hidden_size}) is not a multiple of num_attention_heads "
-                             f"({num_attention_heads}): pass kv_channels explicitly")
+        rules.refuse(rules.kv_channels_problem(hidden_size, num_attention_heads))
         kv_channels = hidden_size // num_attention_heads
-    if num_attention_heads % num_query_groups:
-        raise ValueError(f"num_attention_heads ({num_attention_heads}) must be a multiple of "
-                         f"num_query_groups ({num_query_groups})")
+    rules.refuse(rules.query_groups_problem(num_attention_heads, num_query_groups))
     return ffn_hidden_size, num_query_groups, kv_channels
 
 
@@ -111,8 +97,8 @@ def bdlm_step_flops(*, num_layers: int, hidden_size: int, num_attention_heads: i
                      + bdlm_attention_pairs(seq_length, block_size)
                      * attention_flops_per_pair(num_attention_heads, kv_channels))
     head_forward = seq_length * lm_head_flops_per_row(hidden_size, padded_vocab_size)
-    layer_passes = 4 if recompute else 3
-    return batch_size * (layer_passes * num_layers * layer_forward + 3 * head_forward)
+    return batch_size * (rules.step_passes(recompute) * num_layers * layer_forward
+                         + rules.step_passes() * head_forward)
 
 
 def megatron_causal_flops(*, num_layers: int, hidden_size: int, num_attention_heads: int,
@@ -132,7 +118,7 @@ def megatron_causal_flops(*, num_layers: int, hidden_size: int, num_attention_he
                                                  num_query_groups, kv_channels, swiglu)
                      + rows * rows // 2 * attention_flops_per_pair(num_attention_heads, kv_channels))
     head_forward = rows * lm_head_flops_per_row(hidden_size, padded_vocab_size)
-    return batch_size * 3 * (num_layers * layer_forward + head_forward)
+    return batch_size * rules.step_passes() * (num_layers * layer_forward + head_forward)
 
 
 def kv_bytes_per_token(kv_heads_per_tp: int, head_dim: int, bytes_per_elem: int = 2) -> int:
@@ -154,8 +140,7 @@ def attention_traffic_bytes(mode: str, seq_length: int, clean_shards: int, kv_he
       (`3L(C-1)/C·beta`), streaming `6L`/`3L` (`8L`/`4L`), BP 0.
     """
     forward = attention_forward_bytes(mode, seq_length, clean_shards, kv_heads_per_tp, head_dim, bytes_per_elem)
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport {transport!r} is not one of {TRANSPORTS}")
+    rules.refuse(rules.choice_problem("--csbp-transport", transport, rules.TRANSPORTS))
     backward = forward * (2 if transport == "streaming" else 1)
     return forward * (2 if recompute else 1) + backward
 
@@ -163,8 +148,7 @@ def attention_traffic_bytes(mode: str, seq_length: int, clean_shards: int, kv_he
 def attention_forward_bytes(mode: str, seq_length: int, clean_shards: int, kv_heads_per_tp: int,
                             head_dim: int, bytes_per_elem: int = 2) -> int:
     """Bytes one rank sends in one layer's forward: the `(C-1)/C` share of the gathered K/V it owns."""
-    if mode not in ATTENTION_MODES:
-        raise ValueError(f"mode {mode!r} is not one of {ATTENTION_MODES}")
+    rules.refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
     if clean_shards < 1 or seq_length % clean_shards:
         raise ValueError(f"clean_shards ({clean_shards}) must be a positive divisor of seq_length ({seq_length})")
     gathered_tokens = {"cp": 2 * seq_length, "csbp": seq_length, "bp": 0}[mode]

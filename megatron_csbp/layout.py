@@ -14,9 +14,7 @@ from functools import cached_property
 
 import torch
 
-SCHEDULES = ("dual_end", "contiguous")
-CLEAN_LAYOUTS = ("zigzag", "contiguous")
-PARALLEL_MODES = ("csbp", "cp", "bp")
+from megatron_csbp import rules
 
 
 def block_cost(block: int) -> int:
@@ -89,11 +87,6 @@ class _Rows:
                           torch.ones(self.num_clean_rows, dtype=torch.bool)])
 
 
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
-
-
 @dataclass(frozen=True)
 class CSBPLayout(_Rows):
     """Rows of block-parallel rank `rank` of `P`: owned noisy blocks, then its ring's clean shard.
@@ -111,22 +104,10 @@ class CSBPLayout(_Rows):
     clean_layout: str = "zigzag"
 
     def __post_init__(self):
-        L, B, P, C = self.seq_length, self.block_size, self.block_parallel_size, self.clean_shards
-        _require(B >= 1 and L >= B, f"block_size={B} must be in [1, seq_length={L}]")
-        _require(L % B == 0, f"seq_length={L} is not a multiple of block_size={B}; "
-                             f"use seq_length={L - L % B or B} or a block size dividing {L}")
-        _require(P >= 1 and L // B >= P, f"seq_length/block_size = {L // B} blocks cannot feed "
-                                          f"block_parallel_size={P}; every rank needs a block: use "
-                                          f"block_parallel_size <= {L // B} or a smaller block size")
-        _require(C >= 1 and P % C == 0, f"block_parallel_size={P} is not a multiple of clean_shards={C}; "
-                                        f"use clean_shards={P} (one ring) or a divisor of {P}")
-        _require(self.schedule in SCHEDULES, f"schedule={self.schedule!r}: choose one of {SCHEDULES}")
-        _require(self.clean_layout in CLEAN_LAYOUTS,
-                 f"clean_layout={self.clean_layout!r}: choose one of {CLEAN_LAYOUTS}")
-        chunks = 2 * C if self.clean_layout == "zigzag" else C
-        _require(L % chunks == 0, f"clean_layout={self.clean_layout!r} cuts seq_length={L} into {chunks} "
-                                  f"equal chunks; use a seq_length divisible by {chunks}")
-        _require(0 <= self.rank < P, f"rank={self.rank} is outside block_parallel_size={P}")
+        rules.refuse(rules.layout_problem("csbp", self.seq_length, self.block_size, self.block_parallel_size,
+                                          self.clean_shards, self.schedule, self.clean_layout))
+        if not 0 <= self.rank < self.block_parallel_size:
+            raise ValueError(f"rank={self.rank} is outside block_parallel_size={self.block_parallel_size}")
 
     @property
     def num_rings(self) -> int:
@@ -190,12 +171,9 @@ class CPLayout(_Rows):
     rank: int = 0
 
     def __post_init__(self):
-        L, B, C = self.seq_length, self.block_size, self.context_parallel_size
-        _require(B >= 1 and L % B == 0, f"seq_length={L} is not a multiple of block_size={B}")
-        _require(C >= 1 and L % (C * B) == 0,
-                 f"conventional CP cuts [x_t ; x_0] into {2 * C} chunks of seq_length/{C} rows, which must be "
-                 f"whole blocks: use a seq_length divisible by {C * B} (context_parallel_size x block_size)")
-        _require(0 <= self.rank < C, f"rank={self.rank} is outside context_parallel_size={C}")
+        rules.refuse(rules.layout_problem("cp", self.seq_length, self.block_size, self.context_parallel_size))
+        if not 0 <= self.rank < self.context_parallel_size:
+            raise ValueError(f"rank={self.rank} is outside context_parallel_size={self.context_parallel_size}")
 
     @property
     def clean_shards(self) -> int:
@@ -236,10 +214,8 @@ class CPLayout(_Rows):
 def layout_for(mode: str, seq_length: int, block_size: int, parallel_size: int, clean_shards: int | None = None,
                rank: int = 0, **options) -> CSBPLayout | CPLayout:
     """The layout of `mode` ("csbp", "cp" or "bp"), so one model can be compared across all three."""
-    if mode == "csbp":
-        return CSBPLayout(seq_length, block_size, parallel_size, clean_shards or parallel_size, rank, **options)
-    if mode == "bp":
-        return CSBPLayout(seq_length, block_size, parallel_size, 1, rank, **options)
+    rules.refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
     if mode == "cp":
         return CPLayout(seq_length, block_size, parallel_size, rank)
-    raise ValueError(f"parallel mode {mode!r} is unknown: choose one of {PARALLEL_MODES}")
+    return CSBPLayout(seq_length, block_size, parallel_size, rules.clean_shards(mode, parallel_size, clean_shards),
+                      rank, **options)

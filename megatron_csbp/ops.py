@@ -18,12 +18,11 @@ from functools import lru_cache
 
 import torch
 
-from megatron_csbp import comm
+from megatron_csbp import comm, rules
 from megatron_csbp.kernels import default_kernels, default_scale, merge_partials
 from megatron_csbp.layout import CPLayout
 from megatron_csbp.process_groups import ring_group_of
 
-TRANSPORTS = ("collective", "streaming")
 
 
 @dataclass(frozen=True)
@@ -212,8 +211,7 @@ def context_sharded_block_attention(query, key, value, layout, group=None, softm
     layout has several rings. The same call runs the conventional-CP baseline for a `CPLayout` and pure
     block parallelism for a layout with `clean_shards == 1`.
     """
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport={transport!r} is unknown: choose one of {TRANSPORTS} (--csbp-transport)")
+    rules.refuse(rules.choice_problem("--csbp-transport", transport, rules.TRANSPORTS))
     if query.shape[0] != layout.num_rows or key.shape[0] != layout.num_rows or value.shape != key.shape:
         raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must "
                          f"hold this rank's {layout.num_rows} rows ([s, b, heads, d]) of the layout")

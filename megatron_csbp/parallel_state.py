@@ -12,7 +12,7 @@ import datetime
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from megatron_csbp import process_groups
+from megatron_csbp import process_groups, rules
 
 _groups = {}
 
@@ -30,9 +30,7 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
     if "context_parallel_size" in megatron_kwargs:
         raise ValueError("pass context_block_parallel_size=P, not context_parallel_size: the "
                          "block-parallel dimension occupies Megatron's CP slot")
-    if clean_shards < 1 or block_parallel_size % clean_shards:
-        raise ValueError(f"clean_shards={clean_shards} must divide context_block_parallel_size="
-                         f"{block_parallel_size} (use C == P, or a divisor of P)")
+    rules.refuse(rules.clean_shards_problem("csbp", block_parallel_size, clean_shards))
     mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                   pipeline_model_parallel_size=pipeline_model_parallel_size,
                                   context_parallel_size=block_parallel_size,
@@ -48,9 +46,7 @@ def initialize_block_parallel_groups(clean_shards, distributed_timeout_minutes=3
     same order.
     """
     block_parallel_size = mpu.get_context_parallel_world_size()
-    if clean_shards < 1 or block_parallel_size % clean_shards:
-        raise ValueError(f"clean_shards={clean_shards} must divide the block-parallel (CP) size "
-                         f"{block_parallel_size}")
+    rules.refuse(rules.clean_shards_problem("csbp", block_parallel_size, clean_shards))
     every_rank_lists = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_lists, list(mpu.get_context_parallel_global_ranks()))
     block_parallel_ranks_lists = sorted({tuple(ranks) for ranks in every_rank_lists})

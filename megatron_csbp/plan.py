@@ -34,10 +34,10 @@ import sys
 
 import yaml
 
-from megatron_csbp import flops
+from megatron_csbp import flops, rules
 
 GIB = 2 ** 30
-MODES = ("cp", "csbp", "bp")
+MODES = ("cp",) + tuple(mode for mode in rules.PARALLEL_MODES if mode != "cp")  # the baseline first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,24 +114,19 @@ class Model:
     def __post_init__(self):
         fill = lambda name, value: object.__setattr__(self, name, value)
         if self.ffn_hidden_size is None:
-            fill("ffn_hidden_size", flops.default_ffn_hidden_size(self.hidden_size, self.swiglu))
+            fill("ffn_hidden_size", rules.default_ffn_hidden_size(self.hidden_size, self.swiglu))
         if self.num_query_groups is None:
             fill("num_query_groups", self.num_attention_heads)
+        problems = [rules.whole_blocks_problem(self.seq_length, self.block_size),
+                    rules.query_groups_problem(self.num_attention_heads, self.num_query_groups),
+                    rules.kv_channels_problem(self.hidden_size, self.num_attention_heads)
+                    if self.kv_channels is None else None,
+                    rules.choice_problem("--recompute-granularity", self.recompute, rules.RECOMPUTE_GRANULARITIES)
+                    if self.recompute is not None else None,
+                    rules.choice_problem("--csbp-transport", self.transport, rules.TRANSPORTS)]
+        rules.refuse(next(filter(None, problems), None))
         if self.kv_channels is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError("--hidden-size must be a multiple of --num-attention-heads, "
-                                 "or pass --kv-channels")
             fill("kv_channels", self.hidden_size // self.num_attention_heads)
-        if self.num_attention_heads % self.num_query_groups:
-            raise ValueError(f"--num-attention-heads ({self.num_attention_heads}) must be a multiple "
-                             f"of --num-query-groups ({self.num_query_groups})")
-        if self.seq_length % self.block_size:
-            raise ValueError(f"--seq-length ({self.seq_length}) must be a multiple of "
-                             f"--bdlm-block-size ({self.block_size})")
-        if self.recompute not in (None, "full", "selective"):
-            raise ValueError(f"--recompute-granularity must be full or selective, not {self.recompute!r}")
-        if self.transport not in flops.TRANSPORTS:
-            raise ValueError(f"--csbp-transport must be one of {flops.TRANSPORTS}")
 
     @property
     def num_blocks(self) -> int:
@@ -142,9 +137,8 @@ class Model:
         return self.recompute == "full"
 
     def padded_vocab_size(self, tp: int) -> int:
-        """Megatron pads the vocabulary to a multiple of 128 · TP."""
-        multiple = 128 * tp
-        return -(-self.vocab_size // multiple) * multiple
+        """Megatron's padding at its default multiple (`--make-vocab-size-divisible-by` x TP)."""
+        return rules.padded_vocab_size(self.vocab_size, rules.MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
 
     def layer_params(self) -> int:
         query, kv = self.num_attention_heads * self.kv_channels, self.num_query_groups * self.kv_channels
@@ -175,48 +169,42 @@ def _divisors(n: int):
 
 
 def topology_problem(model: Model, cluster: Cluster, topo: Topology):
-    """Why `topo` cannot run `model` on `cluster` (a short sentence), or None when it can."""
-    L = model.seq_length
+    """Why `topo` cannot run `model` on `cluster`, or None when it can.
+
+    The trainer's rules (`megatron_csbp.rules`, in the order `arguments.validate_args` asks them, so a refusal
+    reads as the trainer's own), for the trainer's flags of this layout (`--context-block-parallel p
+    --context-block-parallel-clean-shards c`, the dual-end schedule, the zigzag clean layout), and two of the
+    planner's own: DP is what the cluster leaves, and a TP group stays inside a node.
+    """
+    L, B, heads, groups = model.seq_length, model.block_size, model.num_attention_heads, model.num_query_groups
+    mode, tp, pp, p, c = topo.mode, topo.tp, topo.pp, topo.p, topo.c
     if topo.gpus != cluster.gpus:
         return f"TP·PP·P·DP = {topo.gpus} is not the {cluster.gpus} GPUs"
-    if model.num_attention_heads % topo.tp:
-        return f"TP{topo.tp} does not divide {model.num_attention_heads} attention heads"
-    if model.num_query_groups % topo.tp and topo.tp % model.num_query_groups:
-        return f"TP{topo.tp} and {model.num_query_groups} query groups do not divide one another"
-    if topo.tp > cluster.gpus_per_node or cluster.gpus_per_node % topo.tp:
-        return f"TP{topo.tp} would leave the node"
-    if model.num_layers % topo.pp:
-        return f"PP{topo.pp} does not divide {model.num_layers} layers"
-    if model.global_batch_size is not None and model.global_batch_size % (model.micro_batch_size * topo.dp):
-        return f"DP{topo.dp} × micro-batch does not divide the global batch {model.global_batch_size}"
-    if topo.mode == "cp":
-        if topo.c != topo.p:
-            return "CP shards over all its ranks (C must equal P)"
-        if L % topo.c:
-            return f"CP{topo.c} does not divide seq_length {L}"
-        return None
-    if topo.p < 2:
-        return f"{topo.mode} needs P >= 2"
-    if topo.p % topo.c:
-        return f"C{topo.c} does not divide P{topo.p}"
-    if model.num_blocks < topo.p:
-        return f"NB = {model.num_blocks} blocks < P{topo.p}"
-    if topo.mode == "bp" and topo.c != 1:
-        return "pure BP has C = 1"
-    if topo.mode == "csbp" and (topo.c < 2 or L % (2 * topo.c)):
-        return f"CSBP needs C >= 2 with 2C dividing seq_length {L}"
+    problem = (rules.clean_shards_problem(mode, p, c)
+               or rules.world_size_problem(tp, pp, p, cluster.gpus)
+               or rules.sequence_problem(mode, L, B, p, rules.clean_shards(mode, p, c))
+               or rules.query_groups_problem(heads, groups) or rules.tensor_parallel_problem(heads, groups, tp)
+               or rules.pipeline_problem(model.num_layers, pp))
+    if problem:
+        return problem
+    if tp > cluster.gpus_per_node or cluster.gpus_per_node % tp:
+        return f"TP{tp} would leave the node"
+    if model.global_batch_size is not None:
+        return rules.batch_problem(model.global_batch_size, model.micro_batch_size, topo.dp)
     return None
 
 
 def candidate_topologies(cluster: Cluster):
-    """Every (mode, TP, PP, P, C, DP) that multiplies to the cluster size, valid or not."""
+    """Every (mode, TP, PP, P, C, DP) that multiplies to the cluster size, valid or not: CP and pure BP at every
+    P, CSBP at every C > 1 dividing P (CSBP with C = 1 is pure BP, and at P = 1 all three are the same run)."""
     n = cluster.gpus
     for tp in _divisors(n):
         for pp in _divisors(n // tp):
             for p in _divisors(n // (tp * pp)):
                 dp = n // (tp * pp * p)
-                yield Topology("cp", tp, pp, p, p, dp)
-                yield Topology("bp", tp, pp, p, 1, dp)
+                yield Topology("cp", tp, pp, p, rules.clean_shards("cp", p), dp)
+                if p > 1:
+                    yield Topology("bp", tp, pp, p, rules.clean_shards("bp", p), dp)
                 for c in _divisors(p):
                     if c > 1:
                         yield Topology("csbp", tp, pp, p, c, dp)
@@ -302,12 +290,13 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
         local_pairs = parts["noisy_noisy"] / p
     rows = noisy_rows + clean_rows
     heads_tp = model.num_attention_heads // tp
-    groups = max(model.num_query_groups, tp)
+    groups = model.num_query_groups
     kv_heads_tp = groups // tp
     vocab = model.padded_vocab_size(tp)
     layers = model.num_layers // pp
-    passes = 4 if model.full_recompute else 3
-    attention_passes = 4 if model.recompute else 3  # selective recompute redoes the core attention
+    passes = rules.step_passes(model.full_recompute)
+    attention_passes = rules.step_passes(model.recompute)  # selective recompute redoes the core attention
+    head_passes = rules.step_passes()
 
     per_pair = flops.attention_flops_per_pair(heads_tp, model.kv_channels)
     linear_forward = rows * flops.linear_flops_per_row(h, model.ffn_hidden_size, model.num_attention_heads,
@@ -315,9 +304,9 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     attention_forward = pairs * per_pair
     head_forward = noisy_rows * flops.lm_head_flops_per_row(h, vocab) / tp
     microbatch_flops = mbs * (layers * (passes * linear_forward + attention_passes * attention_forward)
-                              + 3 * head_forward)
+                              + head_passes * head_forward)
     compute_s = mbs * (layers * (passes * linear_forward / rate + attention_passes * attention_forward
-                                 / attention_rate) + 3 * head_forward / rate)
+                                 / attention_rate) + head_passes * head_forward / rate)
 
     # Attention traffic of one layer, forward (gather) and backward parts, on the ring's link.
     crossings = _ring_crossings(cluster, topo)
@@ -433,11 +422,9 @@ def best_by_mode(preds):
 
 def requested_topologies(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c: int):
     """The user's layout in each mode: CP over the same P ranks, CSBP (P, C), BP (P, 1)."""
-    if cluster.gpus % (tp * pp * p):
-        raise ValueError(f"--gpus ({cluster.gpus}) is not a multiple of TP·PP·--context-block-parallel "
-                         f"({tp * pp * p})")
+    rules.refuse(rules.world_size_problem(tp, pp, p, cluster.gpus))
     dp = cluster.gpus // (tp * pp * p)
-    return [Topology("cp", tp, pp, p, p, dp), Topology("csbp", tp, pp, p, c, dp), Topology("bp", tp, pp, p, 1, dp)]
+    return [Topology(mode, tp, pp, p, rules.clean_shards(mode, p, c), dp) for mode in MODES]
 
 
 # The paper's 16×H200, 256K settings (csbp-algorithm.md §8). The 14B's 40 layers, 8 KV heads and head
@@ -574,10 +561,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bdlm-block-size", type=int)
     add("--micro-batch-size", type=int, default=1)
     add("--global-batch-size", type=int, help="default: one micro-batch per data-parallel replica")
-    add("--recompute-granularity", choices=["full", "selective"])
+    add("--recompute-granularity", choices=rules.RECOMPUTE_GRANULARITIES)
     add("--bf16", action="store_true")
     add("--fp16", action="store_true")
-    add("--csbp-transport", choices=list(flops.TRANSPORTS), default="collective")
+    add("--csbp-transport", choices=rules.TRANSPORTS, default="collective")
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--context-block-parallel", type=int, help="your block-parallel size P (its traffic is printed)")

@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from megatron_csbp import rules
 from megatron_csbp.device import default_device
 from megatron_csbp.flops import bdlm_step_flops
 
@@ -24,7 +25,7 @@ def step_flops(args) -> int:
     return bdlm_step_flops(num_layers=args.num_layers, hidden_size=args.hidden_size,
                            num_attention_heads=args.num_attention_heads, padded_vocab_size=args.padded_vocab_size,
                            seq_length=args.seq_length, block_size=args.bdlm_block_size,
-                           batch_size=args.global_batch_size * (2 if args.bdlm_objective == "fast-dllm-v2" else 1),
+                           batch_size=args.global_batch_size * rules.views_per_sample(args.bdlm_objective),
                            ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
                            kv_channels=args.kv_channels, swiglu=args.swiglu)
 

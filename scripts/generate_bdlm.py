@@ -77,6 +77,7 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
     from megatron_csbp.arguments import build_parser as training_parser
     from megatron_csbp.arguments import null_as_byte_tokenizer
     from megatron_csbp.config import parse_args
+    from megatron_csbp import rules
     from megatron_csbp.data import build_tokenizer
 
     checkpointing.check_complete(directory)
@@ -99,12 +100,12 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
     args.pipeline_model_parallel_size = args.context_parallel_size = 1
     args.context_block_parallel = 1
     args.sequence_parallel = False
-    for name, size in (("--num-attention-heads", args.num_attention_heads),
-                       ("--num-query-groups", args.num_query_groups),
-                       ("the padded vocabulary", args.padded_vocab_size)):
-        if size % tensor_parallel:
-            raise ConfigError(f"--tensor-model-parallel-size {tensor_parallel} does not divide {name} ({size}) of "
-                              f"checkpoint {directory}; use a TP size dividing it")
+    problem = rules.tensor_parallel_problem(args.num_attention_heads, args.num_query_groups, tensor_parallel)
+    if problem is None and args.padded_vocab_size % tensor_parallel:  # padded for the TP size it was trained at
+        problem = (f"--tensor-model-parallel-size {tensor_parallel} does not divide the padded vocabulary "
+                   f"{args.padded_vocab_size}; use a TP size dividing it")
+    if problem:
+        raise ConfigError(f"checkpoint {directory}: {problem}")
     return args
 
 

@@ -34,12 +34,23 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_csbp import rules  # noqa: E402
 from megatron_csbp.device import default_device  # noqa: E402
 
 SECTIONS = ("correctness", "throughput", "train")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SPECS = ("auto", "te", "local")
 NEGATIVE_CONTROL_FACTOR = 10  # the causal-mask control must be at least this many tolerances away
+
+# The trainer's rules (megatron_csbp.rules) on one rank's layout (P = C = 1), told this script's flag names.
+_ONE_RANK = dict(parallel_size="ranks", clean_shards="clean shards", clean_layout="clean layout", kv_channels=None)
+CHECK_FLAGS = rules.FLAGS.renamed(seq_length="--check-seq-lengths", block_size="--check-block-size",
+                                  heads="--check-heads", query_groups="--check-kv-heads", **_ONE_RANK)
+BENCH_FLAGS = rules.FLAGS.renamed(seq_length="--bench-seq-length", block_size="--bench-block-size",
+                                  heads="--bench-heads", query_groups="--bench-kv-heads", **_ONE_RANK)
+TRAIN_FLAGS = rules.FLAGS.renamed(seq_length="--train-seq-length", block_size="--train-block-size",
+                                  heads="--train-heads", query_groups="--train-query-groups",
+                                  hidden_size="--train-hidden-size", **_ONE_RANK)
 
 
 def _ints(text):
@@ -96,18 +107,17 @@ def parse_args(argv=None):
         parser.error(f"--sections={','.join(args.sections)}: choose from {','.join(SECTIONS)}")
     if not args.check_dtypes or set(args.check_dtypes) - set(DTYPES):
         parser.error(f"--check-dtypes={','.join(args.check_dtypes)}: choose from {','.join(DTYPES)}")
-    for flag, length, block in [("--check-seq-lengths", n, args.check_block_size) for n in args.check_seq_lengths] + [
-            ("--bench-seq-length", args.bench_seq_length, args.bench_block_size),
-            ("--train-seq-length", args.train_seq_length, args.train_block_size)]:
-        if block < 1 or length < 2 * block or length % (2 * block):
-            parser.error(f"{flag}: {length} must be a multiple of 2 x its block size ({block}) and at least that")
-    for flag, heads, groups in [("--check-heads/--check-kv-heads", args.check_heads, args.check_kv_heads),
-                                ("--bench-heads/--bench-kv-heads", args.bench_heads, args.bench_kv_heads),
-                                ("--train-heads/--train-query-groups", args.train_heads, args.train_query_groups)]:
-        if groups < 1 or heads % groups:
-            parser.error(f"{flag}: {heads} query heads cannot share {groups} K/V heads; use a divisor")
-    if args.train_hidden_size % args.train_heads:
-        parser.error(f"--train-hidden-size={args.train_hidden_size} is not a multiple of --train-heads")
+    problem = next(filter(None, [
+        *(rules.sequence_problem("csbp", n, args.check_block_size, 1, 1, flags=CHECK_FLAGS)
+          for n in args.check_seq_lengths),
+        rules.sequence_problem("csbp", args.bench_seq_length, args.bench_block_size, 1, 1, flags=BENCH_FLAGS),
+        rules.sequence_problem("csbp", args.train_seq_length, args.train_block_size, 1, 1, flags=TRAIN_FLAGS),
+        rules.query_groups_problem(args.check_heads, args.check_kv_heads, CHECK_FLAGS),
+        rules.query_groups_problem(args.bench_heads, args.bench_kv_heads, BENCH_FLAGS),
+        rules.query_groups_problem(args.train_heads, args.train_query_groups, TRAIN_FLAGS),
+        rules.kv_channels_problem(args.train_hidden_size, args.train_heads, TRAIN_FLAGS)]), None)
+    if problem:
+        parser.error(problem)
     if args.train_vocab_size < 2:
         parser.error("--train-vocab-size must leave room for data ids and the MASK id (at least 2)")
     return args
@@ -276,9 +286,13 @@ def _correctness_line(r):
 
 
 def attention_flops(pairs_per_head, heads, head_dim, batch):
-    """(forward, backward) FLOPs: `4·d` and `10·d` per (query, key) pair of every head (flash convention)."""
-    pairs = pairs_per_head * heads * batch
-    return 4 * head_dim * pairs, 10 * head_dim * pairs
+    """(forward, backward) model FLOPs of the (query, key) pairs of every head: `flops.attention_flops_per_pair`
+    forward, `rules.BACKWARD_FLOPS_PER_FORWARD` times that backward (a flash kernel's recomputed scores are not
+    counted, as in the trainer's TFLOP/s)."""
+    from megatron_csbp.flops import attention_flops_per_pair
+
+    forward = pairs_per_head * batch * attention_flops_per_pair(heads, head_dim)
+    return forward, rules.BACKWARD_FLOPS_PER_FORWARD * forward
 
 
 def causal_pairs(rows: int) -> int:

@@ -87,6 +87,8 @@ def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_csbp.rules import BYTE_TOKENIZER, TEXT_TOKENIZERS
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--input", nargs="+", default=None,
                         help="JSONL (.jsonl/.json) or text files. Default: the Python standard library's sources.")
@@ -97,8 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="A malformed JSONL line (or undecodable text file) is fatal (default) or skipped.")
     parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
                         help="End every document with the EOD id (default on).")
-    parser.add_argument("--tokenizer-type", choices=("ByteLevelTokenizer", "HuggingFaceTokenizer"),
-                        default="ByteLevelTokenizer")
+    parser.add_argument("--tokenizer-type", choices=TEXT_TOKENIZERS, default=BYTE_TOKENIZER)
     parser.add_argument("--tokenizer-model", default=None, help="Local tokenizer.json (HuggingFaceTokenizer).")
     parser.add_argument("--vocab-size", type=int, default=None, help="Tokenizer ids before EOD (as in training).")
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,

@@ -32,6 +32,7 @@ MODULE_MARKERS = {
     "test_kernels": (),
     "test_layout": (),
     "test_plan": (),
+    "test_rules": (),
     "test_attention": ("spawn",),
     "test_bdlm_forward_step": ("spawn",),
     "test_data": ("spawn",),

@@ -316,7 +316,7 @@ def test_objective_refusals_name_the_flag(kwargs, flag):
 
 
 def test_noise_refuses_a_length_that_is_not_whole_blocks():
-    with pytest.raises(ValueError, match="--bdlm-block-size=4"):
+    with pytest.raises(ValueError, match="--bdlm-block-size 4"):
         BDLMObjective(block_size=4, mask_token_id=MASK).noise(torch.tensor([0]), 10)
 
 

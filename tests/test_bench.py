@@ -36,7 +36,12 @@ def test_bad_flags_are_refused(capsys):
     assert "--modes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         bench.parse_args(["--seq-lengths", "100", "--block-size", "16"])
-    assert "multiple of 2 x nproc x block size = 64" in capsys.readouterr().err
+    assert "--seq-lengths 100 is not a multiple of --block-size 16; use --seq-lengths 96" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # CP's 2 x nproc chunks of [x_t ; x_0] hold whole blocks: the trainer's rule
+        bench.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "cp"])
+    assert "--seq-lengths 80 must be a multiple of 32 (--nproc x --block-size)" in capsys.readouterr().err
+    args = bench.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "csbp,bp"])  # 5 blocks: fine
+    assert args.seq_lengths == [80] and args.ffn_hidden_size == 4 * args.hidden_size
 
 
 def test_three_modes_side_by_side(tmp_path):

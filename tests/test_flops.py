@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_csbp import flops
+from megatron_csbp import flops, rules
 
 SHAPES = [(6, 1), (8, 2), (12, 3), (16, 4), (16, 16), (32, 8), (40, 5)]
 
@@ -33,7 +33,7 @@ def test_pairs_equal_brute_force(seq_length, block_size):
 
 
 def test_bad_block_size_is_named():
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="--seq-length 10 is not a multiple of --bdlm-block-size 4"):
         flops.bdlm_attention_pairs(10, 4)
 
 
@@ -85,7 +85,7 @@ def test_defaults_follow_megatron():
                                      kv_channels=16)
     assert explicit == flops.bdlm_step_flops(num_layers=1, hidden_size=64, num_attention_heads=4,
                                              padded_vocab_size=128, seq_length=32, block_size=4)
-    assert flops.default_ffn_hidden_size(4096, swiglu=True) == 10880
+    assert rules.default_ffn_hidden_size(4096, swiglu=True) == 10880
 
 
 # Multiples of L(C-1)/C·beta per layer per rank, csbp-algorithm.md §6 (second number: full recompute).

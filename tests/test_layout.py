@@ -69,14 +69,18 @@ def test_conventional_cp_layout_is_zigzag_over_both_copies():
     assert layout_for("bp", L, B, 4, rank=2) == CSBPLayout(L, B, 4, 1, 2)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(seq_length=60, block_size=8, block_parallel_size=2, clean_shards=2), "not a multiple of block_size"),
-    (dict(seq_length=64, block_size=32, block_parallel_size=4, clean_shards=4), "use block_parallel_size <= 2"),
-    (dict(seq_length=64, block_size=8, block_parallel_size=4, clean_shards=3), "use clean_shards=4"),
-    (dict(seq_length=64, block_size=16, block_parallel_size=8, clean_shards=8), "4 blocks cannot feed"),
-    (dict(seq_length=40, block_size=4, block_parallel_size=3, clean_shards=3), "divisible by 6"),
+@pytest.mark.parametrize("kwargs, message", [  # the trainer's messages (megatron_csbp.rules): flag and fix
+    (dict(seq_length=60, block_size=8, block_parallel_size=2, clean_shards=2),
+     "--seq-length 60 is not a multiple of --bdlm-block-size 8; use --seq-length 56"),
+    (dict(seq_length=64, block_size=32, block_parallel_size=4, clean_shards=4),
+     "too few for --context-block-parallel 4 .* use --seq-length >= 128"),
+    (dict(seq_length=64, block_size=8, block_parallel_size=4, clean_shards=3),
+     "--context-block-parallel 4 is not a multiple of --context-block-parallel-clean-shards 3; use a divisor of 4"),
+    (dict(seq_length=64, block_size=16, block_parallel_size=8, clean_shards=8), "has 4 blocks of 16, too few"),
+    (dict(seq_length=40, block_size=4, block_parallel_size=3, clean_shards=3), "cannot be cut into 6 equal clean chunks"),
     (dict(seq_length=64, block_size=8, block_parallel_size=2, clean_shards=2, schedule="random"), "dual_end"),
     (dict(seq_length=64, block_size=8, block_parallel_size=2, clean_shards=2, clean_layout="x"), "zigzag"),
+    (dict(seq_length=64, block_size=8, block_parallel_size=2, clean_shards=0), "clean-shards 0"),
 ])
 def test_invalid_layouts_are_refused_with_a_valid_alternative(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -84,7 +88,7 @@ def test_invalid_layouts_are_refused_with_a_valid_alternative(kwargs, message):
 
 
 def test_invalid_cp_layout_and_mode_are_refused():
-    with pytest.raises(ValueError, match="divisible by 32"):
+    with pytest.raises(ValueError, match="must be a multiple of 32"):
         CPLayout(48, 8, 4)
     with pytest.raises(ValueError, match="csbp"):
         layout_for("ring", 64, 8, 2)

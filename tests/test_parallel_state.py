@@ -37,7 +37,8 @@ def _groups_on_four_ranks(rank, world_size):
     seen["tp2_tp"] = ranks_of(mpu.get_tensor_model_parallel_group())
     parallel_state.destroy_model_parallel()
 
-    for bad, message in [(dict(context_block_parallel_size=4, clean_shards=3), "clean_shards=3 must divide"),
+    for bad, message in [(dict(context_block_parallel_size=4, clean_shards=3),
+                          "--context-block-parallel 4 is not a multiple of --context-block-parallel-clean-shards 3"),
                          (dict(context_parallel_size=4), "context_block_parallel_size")]:
         with pytest.raises(ValueError, match=message):
             parallel_state.initialize_model_parallel(**bad)

@@ -65,21 +65,31 @@ def test_records_fields_and_halving():
 
 
 def test_invalid_topologies_excluded():
+    """The planner refuses with the trainer's rules and words (megatron_csbp.rules); tests/test_rules.py checks
+    that the two agree on every shipped config."""
     model = plan.Model(num_layers=6, hidden_size=96, num_attention_heads=12, num_query_groups=4, seq_length=64,
                        block_size=16)
     cluster = plan.Cluster(8, 8, plan.GPU_PRESETS["h100"])
     problem = lambda *t: plan.topology_problem(model, cluster, plan.Topology(*t))
-    assert "heads" in problem("cp", 8, 1, 1, 1, 1)
+    assert "does not divide --num-attention-heads 12" in problem("cp", 8, 1, 1, 1, 1)
     assert "GPUs" in problem("csbp", 1, 1, 3, 3, 2)
-    assert "NB" in problem("csbp", 1, 1, 8, 8, 1) and "NB" in problem("bp", 1, 1, 8, 1, 1)
-    assert problem("cp", 1, 1, 8, 8, 1) is None
-    assert "layers" in problem("cp", 1, 4, 2, 2, 1)
-    assert "C3" in problem("csbp", 1, 1, 4, 3, 2) or "GPUs" in problem("csbp", 1, 1, 4, 3, 2)
+    too_few = "--seq-length 64 has 4 blocks of 16, too few for --context-block-parallel 8"
+    assert too_few in problem("csbp", 1, 1, 8, 8, 1) and too_few in problem("bp", 1, 1, 8, 1, 1)
+    assert too_few in problem("cp", 1, 1, 8, 8, 1)  # CP's chunks are whole blocks too
+    assert problem("cp", 1, 1, 4, 4, 2) is None
+    assert "--pipeline-model-parallel-size 4 does not divide --num-layers 6" in problem("cp", 1, 4, 2, 2, 1)
+    assert "is not a multiple of --context-block-parallel-clean-shards 3" in problem("csbp", 1, 1, 4, 3, 2)
+    gqa = plan.Model(num_layers=6, hidden_size=128, num_attention_heads=16, num_query_groups=4, seq_length=64,
+                     block_size=16)  # megatron-core splits the K/V heads over TP; it does not replicate them
+    assert "does not divide --num-query-groups 4" in plan.topology_problem(gqa, cluster,
+                                                                          plan.Topology("cp", 8, 1, 1, 1, 1))
+    assert "--bdlm-parallel-mode bp replicates" in problem("bp", 1, 1, 4, 2, 2)
+    assert "--bdlm-parallel-mode cp shards both copies" in problem("cp", 1, 1, 4, 2, 2)
     valid = plan.valid_topologies(model, cluster)
     assert valid and all(plan.topology_problem(model, cluster, t) is None for t in valid)
-    assert not any(t.tp == 8 or (t.mode != "cp" and t.p > model.num_blocks) for t in valid)
+    assert not any(t.tp == 8 or t.p > model.num_blocks for t in valid)
     assert {t.mode for t in valid} == set(plan.MODES)
-    with pytest.raises(ValueError, match="NB"):
+    with pytest.raises(ValueError, match=too_few):
         plan.predict(model, cluster, plan.Topology("csbp", 1, 1, 8, 8, 1))
 
 

@@ -58,9 +58,9 @@ def test_subprocesses_use_the_suites_interpreter():
     assert _bare_interpreters("subprocess.run([sys.executable, 'x.py'])") == []
 
 
-def _modules_added_by(imports: list[str]) -> list[str]:
-    """Top-level modules that importing `imports` loads beyond what `import torch` alone loads."""
-    code = ("import sys, json; import torch; before = set(sys.modules); "
+def _modules_added_by(imports: list[str], after: str | None = "torch") -> list[str]:
+    """Top-level modules that importing `imports` loads beyond what `import torch` (`after`) alone loads."""
+    code = (f"import sys, json; {f'import {after}; ' if after else ''}before = set(sys.modules); "
             + "; ".join(f"import {name}" for name in imports)
             + "; print(json.dumps(sorted({m.split('.')[0] for m in set(sys.modules) - before})))")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,

@@ -1,0 +1,261 @@
+"""Every rule a BDLM run must satisfy, and every choice list, in one place.
+
+The trainer's validation (`arguments`, both entry paths), the layouts, the planner, the bench, the FLOP
+counter, the objective, the parallel state and `scripts/gpu_check.py` ask here, so a topology the planner
+proposes is one the trainer accepts, and a refusal reads the same wherever it is met.
+
+A rule returns None when it holds, else one line naming the flag and a valid alternative; the caller
+raises it as its own kind of error (`arguments.ConfigError` at the entry paths, `ValueError` in the
+library, `parser.error` in the tools). Messages name the trainer's flags (`FLAGS`); a tool whose flags
+are named otherwise passes its own names (`FLAGS.renamed(seq_length="--seq-lengths", ...)`).
+
+Standard library only: the planner, the FLOP counter and config checks run without torch or Megatron.
+"""
+
+import dataclasses
+
+# --- choice lists ----------------------------------------------------------------------------------
+
+PARALLEL_MODES = ("csbp", "cp", "bp")  # CSBP; conventional CP over [x_t ; x_0] (baseline); pure BP (C = 1)
+TRANSPORTS = ("collective", "streaming")  # all-gather the clean K/V, or pass shards around the ring
+SCHEDULES = ("dual_end", "contiguous")  # how noisy blocks are dealt to ranks (contiguous: an ablation)
+CLEAN_LAYOUTS = ("zigzag", "contiguous")  # how a ring shards the clean sequence (contiguous: an ablation)
+OBJECTIVES = ("bd3lm", "fast-dllm-v2")
+LOSS_WEIGHTINGS = ("inverse-t", "unit")
+NOISE_SAMPLINGS = ("antithetic", "iid")
+RECOMPUTE_GRANULARITIES = ("full", "selective")
+BYTE_TOKENIZER = "ByteLevelTokenizer"
+TEXT_TOKENIZERS = (BYTE_TOKENIZER, "HuggingFaceTokenizer")  # those that turn text into ids
+TOKENIZERS = TEXT_TOKENIZERS + ("NullTokenizer",)
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default
+
+
+@dataclasses.dataclass(frozen=True)
+class Flags:
+    """The flag each message names: the trainer's by default (`FLAGS`)."""
+    seq_length: str = "--seq-length"
+    block_size: str = "--bdlm-block-size"
+    parallel_size: str = "--context-block-parallel"
+    clean_shards: str = "--context-block-parallel-clean-shards"
+    mode: str = "--bdlm-parallel-mode"
+    clean_layout: str = "--csbp-clean-layout"
+    schedule: str = "--csbp-block-schedule"
+    tensor_parallel: str = "--tensor-model-parallel-size"
+    pipeline_parallel: str = "--pipeline-model-parallel-size"
+    num_layers: str = "--num-layers"
+    hidden_size: str = "--hidden-size"
+    heads: str = "--num-attention-heads"
+    query_groups: str = "--num-query-groups"
+    kv_channels: str | None = "--kv-channels"  # None: the tool has no such flag
+    global_batch: str = "--global-batch-size"
+    micro_batch: str = "--micro-batch-size"
+
+    def renamed(self, **names) -> "Flags":
+        return dataclasses.replace(self, **names)
+
+
+FLAGS = Flags()
+
+
+def refuse(problem: str | None, error: type = ValueError) -> None:
+    """Raises `error(problem)` when a rule found a problem."""
+    if problem:
+        raise error(problem)
+
+
+def choice_problem(flag: str, value, choices) -> str | None:
+    if value in choices:
+        return None
+    return f"{flag} {value!r}: choose one of {', '.join(choices)}"
+
+
+def at_least(flag: str, value, minimum=1) -> str | None:
+    if value >= minimum:
+        return None
+    return f"{flag} must be >= {minimum}; got {value}"
+
+
+# --- how many clean shards, and the layout's geometry ----------------------------------------------
+
+def clean_shards(mode: str, parallel_size: int, given: int | None = None) -> int:
+    """`C` of `mode`: 1 for pure BP, `P` for the CP baseline (one ring shards both copies), else `given` or `P`."""
+    if mode == "bp":
+        return 1
+    if mode == "cp":
+        return parallel_size
+    return parallel_size if given is None else given
+
+
+def clean_shards_problem(mode: str, parallel_size: int, given: int | None = None, flags: Flags = FLAGS) -> str | None:
+    """`given` (the clean-shards flag, None when unset) must suit `mode`, and `C` must divide `P`."""
+    P, C = parallel_size, given
+    problem = choice_problem(flags.mode, mode, PARALLEL_MODES)
+    if problem:
+        return problem
+    if mode == "bp" and C not in (None, 1):
+        return (f"{flags.mode} bp replicates the clean sequence (one clean shard); drop {flags.clean_shards} {C} or use "
+                f"{flags.mode} csbp")
+    if mode == "cp" and C not in (None, P):
+        return f"{flags.mode} cp shards both copies over all {P} ranks; drop {flags.clean_shards} {C}"
+    C = clean_shards(mode, P, C)
+    if not (C >= 1 and P % C == 0):
+        return (f"{flags.parallel_size} {P} is not a multiple of {flags.clean_shards} {C}; use a divisor of {P} "
+                f"(default {P})")
+    return None
+
+
+def whole_blocks_problem(seq_length: int, block_size: int, flags: Flags = FLAGS) -> str | None:
+    """`L` is a whole number of diffusion blocks."""
+    L, B = seq_length, block_size
+    problem = at_least(flags.block_size, B) or at_least(flags.seq_length, L)
+    if problem or L % B == 0:
+        return problem
+    return (f"{flags.seq_length} {L} is not a multiple of {flags.block_size} {B}; use {flags.seq_length} "
+            f"{max(L - L % B, B)} or a block size dividing {L}")
+
+
+def sequence_problem(mode: str, seq_length: int, block_size: int, parallel_size: int, clean_shards: int,
+                     clean_layout: str = "zigzag", flags: Flags = FLAGS) -> str | None:
+    """The layout geometry of `mode` over `P` ranks with `C` clean shards (csbp-algorithm.md §3, §4):
+
+    whole blocks; a noisy block for every rank; conventional CP's `2P` zigzag chunks of `[x_t ; x_0]` hold
+    whole blocks (a noisy block never straddles two ranks); CSBP's clean sequence cuts into the equal
+    chunks of its clean layout (`2C` zigzag, `C` contiguous).
+    """
+    L, B, P, C = seq_length, block_size, parallel_size, clean_shards
+    problem = (whole_blocks_problem(L, B, flags) or at_least(flags.parallel_size, P)
+               or at_least(flags.clean_shards, C) or choice_problem(flags.clean_layout, clean_layout, CLEAN_LAYOUTS))
+    if problem:
+        return problem
+    if L // B < P:
+        return (f"{flags.seq_length} {L} has {L // B} blocks of {B}, too few for {flags.parallel_size} {P} (every rank "
+                f"needs a block); use {flags.seq_length} >= {P * B} or a smaller block size")
+    if mode == "cp":
+        if L % (P * B):
+            return (f"{flags.mode} cp cuts [x_t ; x_0] into {2 * P} chunks of whole blocks: {flags.seq_length} {L} "
+                    f"must be a multiple of {P * B} ({flags.parallel_size} x {flags.block_size})")
+        return None
+    chunks = 2 * C if clean_layout == "zigzag" else C
+    if L % chunks:
+        return (f"{flags.seq_length} {L} cannot be cut into {chunks} equal clean chunks ({flags.clean_layout} "
+                f"{clean_layout}, {flags.clean_shards} {C}); use a multiple of {chunks}")
+    return None
+
+
+def layout_problem(mode: str, seq_length: int, block_size: int, parallel_size: int, given_clean_shards=None,
+                   schedule: str = "dual_end", clean_layout: str = "zigzag", flags: Flags = FLAGS) -> str | None:
+    """Everything a layout of `mode` needs: its clean shards, its schedule and its geometry."""
+    return (clean_shards_problem(mode, parallel_size, given_clean_shards, flags)
+            or choice_problem(flags.schedule, schedule, SCHEDULES)
+            or sequence_problem(mode, seq_length, block_size, parallel_size,
+                                clean_shards(mode, parallel_size, given_clean_shards), clean_layout, flags))
+
+
+# --- model and parallel sizes ----------------------------------------------------------------------
+
+def world_size_problem(tensor_parallel: int, pipeline_parallel: int, parallel_size: int, world_size: int,
+                       flags: Flags = FLAGS) -> str | None:
+    """Data parallelism is what is left of the world: TP x PP x P must divide it."""
+    model_parallel = tensor_parallel * pipeline_parallel * parallel_size
+    if world_size % model_parallel == 0:
+        return None
+    return (f"{flags.tensor_parallel} {tensor_parallel} x {flags.pipeline_parallel} {pipeline_parallel} x "
+            f"{flags.parallel_size} {parallel_size} = {model_parallel} does not divide the world size {world_size}; "
+            f"launch a multiple of {model_parallel} ranks or shrink the parallel sizes")
+
+
+def query_groups_problem(heads: int, query_groups: int, flags: Flags = FLAGS) -> str | None:
+    """GQA: every K/V head serves the same number of query heads."""
+    if query_groups >= 1 and heads % query_groups == 0:
+        return None
+    return (f"{flags.heads} {heads} is not a multiple of {flags.query_groups} {query_groups}; use a number of query "
+            f"groups dividing {heads}")
+
+
+def tensor_parallel_problem(heads: int, query_groups: int, tensor_parallel: int, flags: Flags = FLAGS) -> str | None:
+    """megatron-core splits the query heads and the K/V heads (query groups) evenly over TP ranks."""
+    TP = tensor_parallel
+    if heads % TP:
+        return f"{flags.tensor_parallel} {TP} does not divide {flags.heads} {heads}; use a TP size dividing {heads}"
+    if query_groups % TP:
+        return (f"{flags.tensor_parallel} {TP} does not divide {flags.query_groups} {query_groups}; use a TP size "
+                f"dividing {query_groups} or more query groups")
+    return None
+
+
+def pipeline_problem(num_layers: int, pipeline_parallel: int, flags: Flags = FLAGS) -> str | None:
+    if num_layers % pipeline_parallel == 0:
+        return None
+    return (f"{flags.pipeline_parallel} {pipeline_parallel} does not divide {flags.num_layers} {num_layers}; use a PP "
+            f"size dividing {num_layers}")
+
+
+def kv_channels_problem(hidden_size: int, heads: int, flags: Flags = FLAGS) -> str | None:
+    """The default head size, `hidden / heads`, must be whole."""
+    if hidden_size % heads == 0:
+        return None
+    fix = f"set {flags.kv_channels}" if flags.kv_channels else f"use a multiple of {heads}"
+    return f"{flags.hidden_size} {hidden_size} is not a multiple of {flags.heads} {heads}; {fix}"
+
+
+def batch_problem(global_batch_size: int, micro_batch_size: int, data_parallel_size: int,
+                  flags: Flags = FLAGS) -> str | None:
+    """A step is whole micro-batches on every data-parallel replica."""
+    step = micro_batch_size * data_parallel_size
+    if global_batch_size % step == 0:
+        return None
+    return (f"{flags.global_batch} {global_batch_size} is not a multiple of {flags.micro_batch} {micro_batch_size} x "
+            f"data-parallel size {data_parallel_size}; use a multiple of {step}")
+
+
+def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
+    """Megatron-LM's default: `4h`, or `8h/3` rounded down to a multiple of 64 with SwiGLU."""
+    return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size
+
+
+def padded_vocab_size(num_ids: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY, tensor_parallel: int = 1) -> int:
+    """Megatron's padding: the smallest multiple of `divisible_by x TP` holding `num_ids`."""
+    multiple = divisible_by * tensor_parallel
+    return -(-num_ids // multiple) * multiple
+
+
+# --- the objective ---------------------------------------------------------------------------------
+
+def default_loss_weighting(objective: str) -> str:
+    """The NELBO's `1/t` for BD3-LM; Fast-dLLM v2 trains with unit weights."""
+    return "unit" if objective == "fast-dllm-v2" else "inverse-t"
+
+
+def loss_weighting_problem(objective: str, loss_weighting: str | None) -> str | None:
+    weighting = loss_weighting or default_loss_weighting(objective)
+    problem = (choice_problem("--bdlm-objective", objective, OBJECTIVES)
+               or choice_problem("--bdlm-loss-weighting", weighting, LOSS_WEIGHTINGS))
+    if problem or not (objective == "fast-dllm-v2" and weighting != "unit"):
+        return problem
+    return ("--bdlm-loss-weighting=inverse-t does not go with --bdlm-objective=fast-dllm-v2, which uses unit weights: "
+            "drop --bdlm-loss-weighting or set it to unit")
+
+
+def views_per_sample(objective: str) -> int:
+    """Model batch rows per clean sample: Fast-dLLM v2 scores each sample under a mask and its complement."""
+    return 2 if objective == "fast-dllm-v2" else 1
+
+
+def noise_range_problem(t_min: float, t_max: float) -> str | None:
+    """Noise times are masking probabilities, and `1/t` weights need `t > 0`."""
+    if 0 < t_min <= t_max <= 1:
+        return None
+    return f"--bdlm-noise-range {t_min} {t_max} must satisfy 0 < T_MIN <= T_MAX <= 1 (default 0.001 1)"
+
+
+# --- the FLOP convention ---------------------------------------------------------------------------
+
+# Model FLOPs, as Megatron-LM and MFU count them: the backward of every matmul is twice its forward (dX and
+# dW; for attention dQ, dK, dV and dP from the saved scores), and a flash kernel's recomputation of the scores
+# in its backward is not counted. A training step is then this many forwards, plus one with recompute.
+BACKWARD_FLOPS_PER_FORWARD = 2
+
+
+def step_passes(recompute: bool = False) -> int:
+    """Forward-equivalents of FLOPs in one training step: forward, backward, and a recomputed forward."""
+    return 1 + BACKWARD_FLOPS_PER_FORWARD + int(bool(recompute))

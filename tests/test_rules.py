@@ -1,0 +1,148 @@
+"""One rule book (megatron_csbp.rules): the planner proposes only what the trainer accepts, refuses what the
+trainer refuses in the trainer's own words, and the rule book runs on the standard library alone."""
+
+import ast
+import copy
+import glob
+import os
+import sys
+
+import pytest
+from test_suite_rules import _modules_added_by
+
+from megatron_csbp import plan, rules
+from megatron_csbp.arguments import ConfigError, validate_args
+from megatron_csbp.config import load_config, parse_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+# A recipe without a model shape is fine-tuned from an import, whose model.yaml is put in front of it (README,
+# "From an autoregressive checkpoint"): here the shape scripts/make_tiny_hf_model.py builds and imports.
+TINY_IMPORT = ("num-layers: 2\nhidden-size: 64\nffn-hidden-size: 96\nnum-attention-heads: 4\n"
+               "group-query-attention: true\nnum-query-groups: 2\nkv-channels: 16\nswiglu: true\n"
+               "normalization: RMSNorm\ndisable-bias-linear: true\n")
+
+
+def _with_model_shape(path, tmp_path):
+    if "num-layers" in load_config(path):
+        return path
+    whole = tmp_path / os.path.basename(path)
+    with open(path, encoding="utf-8") as recipe:
+        whole.write_text(TINY_IMPORT + recipe.read())
+    return str(whole)
+
+
+def _trainer_problem(parsed, topo, world):
+    """What the trainer's validation says about `topo` (None: accepted): the config's args with the layout's
+    flags, as `--tensor-model-parallel-size TP --pipeline-model-parallel-size PP --context-block-parallel P
+    --context-block-parallel-clean-shards C --bdlm-parallel-mode MODE` would set them."""
+    args = copy.deepcopy(parsed)
+    args.tensor_model_parallel_size, args.pipeline_model_parallel_size = topo.tp, topo.pp
+    args.context_block_parallel = args.context_parallel_size = topo.p
+    args.context_block_parallel_clean_shards, args.bdlm_parallel_mode = topo.c, topo.mode
+    try:
+        validate_args(args, world, on_accelerator=True, check_paths=False)
+    except ConfigError as refusal:
+        return str(refusal)
+    return None
+
+
+def _planner(path, gpus, *extra):
+    args = plan.parse_args(["--config", path, "--gpus", str(gpus), "--gpus-per-node", str(gpus), *extra])
+    return plan._model(args), plan.Cluster(gpus, gpus, plan.GPU_PRESETS["h200"])
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+@pytest.mark.parametrize("gpus", [8, 16])
+def test_the_planner_and_the_trainer_agree_on_every_layout_of_the_shipped_configs(path, gpus, tmp_path):
+    """Every layout the planner considers, for every shipped config: it proposes exactly those the trainer's
+    validation accepts, and refuses the others with the trainer's message. (One node of `gpus`, so the planner's
+    own rule that TP stays in a node never applies.)"""
+    path = _with_model_shape(path, tmp_path)
+    model, cluster = _planner(path, gpus)
+    parsed = parse_args(["--config", path])
+    proposed = plan.valid_topologies(model, cluster)
+    assert proposed, "the planner proposes nothing for a shipped config"
+    refused = 0
+    for topo in plan.candidate_topologies(cluster):
+        trainer = _trainer_problem(parsed, topo, gpus)
+        assert plan.topology_problem(model, cluster, topo) == trainer, topo
+        refused += trainer is not None
+    assert len(proposed) + refused == len(list(plan.candidate_topologies(cluster)))
+
+
+TINY = os.path.join(REPO, "configs", "tiny_cpu.yaml")  # L 512, B 16, 4 layers, 4 heads, 2 query groups
+FOURTEEN_B = os.path.join(REPO, "configs", "nemotron_diffusion_14b_256k.yaml")  # 40 heads, 8 query groups
+
+
+@pytest.mark.parametrize("path, extra, topology, message", [
+    (FOURTEEN_B, ["--num-query-groups", "4"], ("csbp", 8, 1, 2, 2, 1),
+     "--tensor-model-parallel-size 8 does not divide --num-query-groups 4; use a TP size dividing 4 or more query "
+     "groups"),
+    (TINY, ["--seq-length", "400"], ("cp", 1, 1, 8, 8, 1),
+     "--bdlm-parallel-mode cp cuts [x_t ; x_0] into 16 chunks of whole blocks: --seq-length 400 must be a multiple "
+     "of 128 (--context-block-parallel x --bdlm-block-size)"),
+    (TINY, ["--seq-length", "64"], ("csbp", 1, 1, 8, 8, 1),
+     "--seq-length 64 has 4 blocks of 16, too few for --context-block-parallel 8 (every rank needs a block); use "
+     "--seq-length >= 128 or a smaller block size"),
+    (TINY, ["--seq-length", "18", "--bdlm-block-size", "3"], ("csbp", 1, 1, 2, 2, 1),
+     "--seq-length 18 cannot be cut into 4 equal clean chunks (--csbp-clean-layout zigzag, "
+     "--context-block-parallel-clean-shards 2); use a multiple of 4"),
+    (TINY, [], ("csbp", 1, 1, 4, 3, 1),
+     "--context-block-parallel 4 is not a multiple of --context-block-parallel-clean-shards 3; use a divisor of 4 "
+     "(default 4)"),
+    (TINY, [], ("bp", 1, 1, 4, 2, 1),
+     "--bdlm-parallel-mode bp replicates the clean sequence (one clean shard); drop "
+     "--context-block-parallel-clean-shards 2 or use --bdlm-parallel-mode csbp"),
+    (TINY, [], ("cp", 1, 1, 4, 2, 1),
+     "--bdlm-parallel-mode cp shards both copies over all 4 ranks; drop --context-block-parallel-clean-shards 2"),
+    (TINY, [], ("cp", 8, 1, 1, 1, 1),
+     "--tensor-model-parallel-size 8 does not divide --num-attention-heads 4; use a TP size dividing 4"),
+    (TINY, [], ("csbp", 1, 3, 2, 2, 1),
+     "--pipeline-model-parallel-size 3 does not divide --num-layers 4; use a PP size dividing 4"),
+    (TINY, [], ("csbp", 1, 1, 2, 2, 4),
+     "--global-batch-size 4 is not a multiple of --micro-batch-size 2 x data-parallel size 4; use a multiple of 8"),
+])
+def test_the_planner_refuses_what_the_trainer_refuses_with_its_message(path, extra, topology, message):
+    topo = plan.Topology(*topology)
+    model, cluster = _planner(path, topo.gpus, *extra)
+    assert _trainer_problem(parse_args(["--config", path, *extra]), topo, topo.gpus) == message
+    assert plan.topology_problem(model, cluster, topo) == message
+    assert topo not in plan.valid_topologies(model, cluster)
+
+
+def test_one_clean_shard_rule_for_every_mode_and_a_tools_own_flag_names():
+    assert [rules.clean_shards(mode, 8) for mode in rules.PARALLEL_MODES] == [8, 8, 1]
+    assert [rules.clean_shards(mode, 8, 4) for mode in rules.PARALLEL_MODES] == [4, 8, 1]
+    assert rules.clean_shards_problem("csbp", 8, 4) is None and rules.clean_shards_problem("bp", 8, 1) is None
+    assert "choose one of csbp, cp, bp" in rules.clean_shards_problem("ring", 8)
+    assert rules.sequence_problem("csbp", 48, 16, 3, 3) is None  # 3 blocks for 3 ranks, 6 clean chunks of 8
+    bench_flags = rules.FLAGS.renamed(parallel_size="--nproc")  # the bench calls P --nproc
+    assert "too few for --nproc 4" in rules.sequence_problem("csbp", 48, 16, 4, 4, flags=bench_flags)
+
+
+def test_the_flop_convention_is_model_flops():
+    """Backward = 2 x forward, as flops.py, the planner, the bench and gpu_check all count."""
+    assert rules.BACKWARD_FLOPS_PER_FORWARD == 2
+    assert (rules.step_passes(), rules.step_passes(recompute=True)) == (3, 4)
+
+
+def _imported_modules(source: str) -> set:
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            found.add("." if node.level else node.module.split(".")[0])
+    return found
+
+
+def test_rules_import_nothing_but_the_standard_library():
+    with open(rules.__file__, encoding="utf-8") as handle:
+        imported = _imported_modules(handle.read())
+    assert imported <= set(sys.stdlib_module_names), imported
+    loaded = _modules_added_by(["megatron_csbp.rules"], after=None)
+    assert set(loaded) - set(sys.stdlib_module_names) == {"megatron_csbp"}, loaded
+    # Negative controls: both checks see a module that is not the standard library.
+    assert _imported_modules("import torch\nfrom yaml import safe_load\n") == {"torch", "yaml"}
+    assert "torch" in _modules_added_by(["megatron_csbp.layout"], after=None)
