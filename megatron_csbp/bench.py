@@ -334,7 +334,7 @@ def kernel_plans_check(seq_length, block_size, nproc, heads=4, groups=2, head_di
         results.append(dict(mode=c["mode"], rank=c["rank"], seq_length=seq_length, rows=c["layout"].num_rows,
                             row_groups=len(c["plan"].groups), real_pairs=real, padded_pairs=c["plan"].pairs,
                             forward_s=c["forward_s"], backward_s=c["backward_s"],
-                            gflops=3 * real * flops.attention_flops_per_pair(heads, head_dim) / seconds / 1e9))
+                            gflops=rules.step_passes() * real * flops.attention_flops_per_pair(heads, head_dim) / seconds / 1e9))
     return results
 
 
