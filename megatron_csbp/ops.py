@@ -44,6 +44,7 @@ class RingPlan:
     query_limits: torch.Tensor         # per local row: clean keys below this position are visible
     shard_clean_rows: tuple            # per ring member: indices of its clean rows in its shard, by position
     gathered_clean_rows: torch.Tensor  # indices into the all-gathered buffer of all clean rows, by position
+    # (None where they are all the buffer's rows in order: then the buffer is read in place, not copied)
     gathered: object                   # the kernels' plan against all clean keys (collective)
     members: tuple                     # the kernels' plan against each member's clean keys (streaming)
 
@@ -63,16 +64,22 @@ def ring_plan(layout, device, kernels=None) -> RingPlan:
         positions, clean = member.row_positions[first:], member.row_is_clean[first:]
         clean_rows = torch.nonzero(clean).flatten()
         order = torch.argsort(positions[clean_rows], stable=True)
-        shard_rows.append(clean_rows[order].to(device))
+        shard_rows.append(_indices_or_all(clean_rows[order], positions.numel(), device))
         shard_positions.append(positions[clean_rows][order].to(device))
         gathered_rows.append(clean_rows + offset)
         gathered_positions.append(positions[clean_rows])
         offset += positions.numel()
     gathered_rows, gathered_positions = torch.cat(gathered_rows), torch.cat(gathered_positions)
     order = torch.argsort(gathered_positions, stable=True)
-    return RingPlan(layout, device, kernels, limits, tuple(shard_rows), gathered_rows[order].to(device),
+    return RingPlan(layout, device, kernels, limits, tuple(shard_rows),
+                    _indices_or_all(gathered_rows[order], offset, device),
                     kernels.plan(limits, gathered_positions[order].to(device)),
                     tuple(kernels.plan(limits, positions) for positions in shard_positions))
+
+
+def _indices_or_all(rows, total, device):
+    """`rows` on `device`, or None where they are `0..total-1` in order (a CSBP shard: clean rows only, sorted)."""
+    return None if torch.equal(rows, torch.arange(total)) else rows.to(device)
 
 
 _plans: "OrderedDict[tuple, RingPlan]" = OrderedDict()
@@ -110,16 +117,17 @@ def _sent(k, v, layout):
 
 
 def _unpack(packed, rows):
-    """Rows `rows` of a packed buffer -> K and V as `[b, kv_heads, n, d]`."""
-    picked = packed.index_select(0, rows)
+    """Rows `rows` (None: all, in order, read in place) of a packed buffer -> K and V as `[b, kv_heads, n, d]`."""
+    picked = packed if rows is None else packed.index_select(0, rows)
     return picked[:, 0].permute(1, 2, 0, 3), picked[:, 1].permute(1, 2, 0, 3)
 
 
 def _repack(dk, dv, rows, total):
-    """Gradients of K and V for `rows` of a packed buffer, scattered into a zero buffer of `total` rows."""
-    packed = dk.new_zeros((total, 2) + tuple(dk.permute(2, 0, 1, 3).shape[1:]))
-    packed.index_copy_(0, rows, torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1))
-    return packed
+    """Gradients of K and V for `rows` (None: all, in order) of a packed buffer of `total` rows, zero elsewhere."""
+    stacked = torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1)
+    if rows is None:
+        return stacked
+    return stacked.new_zeros((total,) + stacked.shape[1:]).index_copy_(0, rows, stacked)
 
 
 def _ring_order(layout):
@@ -212,7 +220,7 @@ def streaming_backward(dout, q, k, v, out, lse, saved, ring, plan, scale):
     """K/V go around the ring again; each step's dK/dV travel one step behind, accumulated, so that after the
     last shift every owner holds the full sum for its shard -> `(dq, dk, dv)`."""
     members = _ring_order(plan.layout)
-    dq, d_sent, traveling = torch.zeros_like(q), None, None
+    dq = d_sent = traveling = None  # each a fresh tensor of ours once set, so summed into in place
     shard = _sent(k, v, plan.layout)
     for step, member in enumerate(members):
         last = step == len(members) - 1
@@ -221,18 +229,21 @@ def streaming_backward(dout, q, k, v, out, lse, saved, ring, plan, scale):
         shard_k, shard_v = _unpack(shard, shard_rows)
         part_dq, part_dk, part_dv = plan.kernels.prefix_backward(dout, q, shard_k, shard_v, out, lse,
                                                                  plan.members[member], scale)
-        dq += part_dq
+        del shard_k, shard_v
+        dq = part_dq if dq is None else dq.add_(part_dq)
         contribution = _repack(part_dk, part_dv, shard_rows, shard.shape[0])
+        del part_dq, part_dk, part_dv
         if step == 0:
             d_sent = contribution
         else:
-            traveling = contribution if traveling is None else traveling + contribution
+            traveling = contribution if traveling is None else traveling.add_(contribution)
+            del contribution
             traveling, acc_works = comm.ring_shift_start(traveling, ring)
             comm.wait_all(acc_works, "backward: clean dK/dV ring shift", ring)
         comm.wait_all(kv_works, "backward: clean K/V ring shift", ring)
         shard = received
     if traveling is not None:
-        d_sent = d_sent + traveling
+        d_sent.add_(traveling)
     noisy_grads = _noisy_backward(plan, dout, q, k, v, out, lse, scale)
     return _local_grads(dq, noisy_grads, d_sent, k, v, plan.layout)
 

@@ -22,20 +22,22 @@ def finite_lse(lse):
 def merge_partials(parts):
     """Online-softmax merge of partial `(o, lse)` results over disjoint key sets; rows nobody sees stay 0/-inf.
 
-    The sum runs in at least fp32; the output keeps the parts' dtype, the LSE stays in fp32 (or fp64).
+    The sum runs in at least fp32; the output keeps the parts' dtype, the LSE stays in fp32 (or fp64). The
+    parts are left as they are; the merge holds one running result (`merge_into`), not a product per part.
     """
     if len(parts) == 1:
         return parts[0]
-    out_dtype, acc = parts[0][0].dtype, accumulation_dtype(parts[0][0].dtype)
-    lse = torch.logsumexp(torch.stack([part_lse.to(acc) for _, part_lse in parts]), dim=0)
-    finite = finite_lse(lse)
-    out = sum(part_out.to(acc) * torch.exp(part_lse.to(acc) - finite).unsqueeze(-1) for part_out, part_lse in parts)
-    return out.to(out_dtype), lse
+    (first_out, first_lse), acc = parts[0], accumulation_dtype(parts[0][0].dtype)
+    running = running_merge((first_out.to(acc, copy=True), first_lse.to(acc, copy=True)))
+    for part in parts[1:]:
+        merge_into(running, part)
+    out, lse = running
+    return out.to(first_out.dtype), lse
 
 
 def running_merge(part):
     """A running result started from its first part: output and LSE in the accumulation dtype, owned by the
-    caller (the part's own tensors where they already are, since a kernel's fresh output is not shared)."""
+    caller (the part's own tensors where they already are that dtype: pass a fresh result, or a copy)."""
     out, lse = part
     acc = accumulation_dtype(out.dtype)
     return out.to(acc), lse.to(acc)
