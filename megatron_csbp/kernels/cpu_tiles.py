@@ -8,7 +8,7 @@ every block as a separate batch entry of one kernel call.
 
 import torch
 
-from megatron_csbp.kernels.merge import accumulation_dtype, merge_partials
+from megatron_csbp.kernels.merge import accumulation_dtype, merge_into, running_merge
 
 _flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -56,7 +56,8 @@ class PrefixPlan:
             rows = torch.nonzero(last_tile == j).flatten().to(query_limits.device)
             lo, hi = j * tile, min((j + 1) * tile, key_positions.numel())
             visible_in_tile = key_positions[lo:hi].unsqueeze(0) < query_limits[rows].unsqueeze(1)
-            self.groups.append((rows, lo, hi, visible_in_tile))
+            for start in range(0, rows.numel(), tile):  # query tiles: one call's temporaries stay bounded
+                self.groups.append((rows[start:start + tile], lo, hi, visible_in_tile[start:start + tile]))
         self._masks = {}
 
     def additive_mask(self, group_index, dtype, query_group):
@@ -101,10 +102,12 @@ class CPUKernels:
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
         for index, (rows, lo, hi, _) in enumerate(plan.groups):
             q_rows = _fold(q.index_select(3, rows))
-            parts = [_flash_forward(q_rows, k[:, :, :lo], v[:, :, :lo], scale=scale)] if lo else []
-            parts.append(_flash_forward(q_rows, k[:, :, lo:hi], v[:, :, lo:hi], scale=scale,
-                                        attn_mask=plan.additive_mask(index, q.dtype, g)))
-            rows_out, rows_lse = merge_partials(parts)
+            tile_part = _flash_forward(q_rows, k[:, :, lo:hi], v[:, :, lo:hi], scale=scale,
+                                       attn_mask=plan.additive_mask(index, q.dtype, g))[:2]
+            rows_out, rows_lse = running_merge(tile_part)  # the kernel's fresh output, summed into in place
+            if lo:
+                unmasked = _flash_forward(q_rows, k[:, :, :lo], v[:, :, :lo], scale=scale)
+                merge_into((rows_out, rows_lse), unmasked[:2])
             out[:, :, :, rows] = rows_out.view(b, h, g, rows.numel(), d)
             lse[:, :, :, rows] = rows_lse.view(b, h, g, rows.numel())
         return out, lse
