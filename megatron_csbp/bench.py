@@ -19,6 +19,9 @@ link with every collective waited for at once (`comm.serialised`), which shows w
 BDLM mask and the backend's all-gather, timed in each run's ranks just before its steps, so under the
 same load) and prints its prediction beside every measured step. `--kernel-check` also times the CPU attention kernel on the
 BDLM mask against a dense matmul.
+`--transport-memory` also measures, in the same ranks, the peak tensor memory of a step and of the attention
+op alone under each transport (collective, streaming): exact tensor bytes (torch's profiler on the CPU,
+the allocator's peak on accelerators), for the modes with a ring.
 """
 
 import argparse

@@ -44,7 +44,7 @@ class RingPlan:
     query_limits: torch.Tensor         # per local row: clean keys below this position are visible
     shard_clean_rows: tuple            # per ring member: indices of its clean rows in its shard, by position
     gathered_clean_rows: torch.Tensor  # indices into the all-gathered buffer of all clean rows, by position
-    # (None where they are all the buffer's rows in order: then the buffer is read in place, not copied)
+    # (either is None where its rows are all the buffer's, in order: the buffer is then read in place)
     gathered: object                   # the kernels' plan against all clean keys (collective)
     members: tuple                     # the kernels' plan against each member's clean keys (streaming)
 

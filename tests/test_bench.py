@@ -93,3 +93,14 @@ def test_link_flags_are_checked(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--link-gbps", "0"])
     assert "--link-gbps" in capsys.readouterr().err
+
+
+def test_transport_memory_reports_both_transports(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    bench.main(["--modes", "csbp,bp", "--seq-lengths", "128", "--block-size", "16", "--num-layers", "1",
+                "--hidden-size", "64", "--steps", "1", "--warmup", "0", "--transport-memory", "--json", str(out_json)])
+    records = {r["mode"]: r for r in json.loads(out_json.read_text())}
+    assert all(records["csbp"][key] > 0 for key in bench.TRANSPORT_MEMORY_KEYS)
+    assert not set(bench.TRANSPORT_MEMORY_KEYS) & set(records["bp"])  # no ring, nothing to compare
+    table = capsys.readouterr().out.split("transport memory")[1]
+    assert "collective" in table and "streaming" in table
