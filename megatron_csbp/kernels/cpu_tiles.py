@@ -108,7 +108,7 @@ class CPUKernels:
             if lo:
                 unmasked = _flash_forward(q_rows, k[:, :, :lo], v[:, :, :lo], scale=scale)
                 merge_into((rows_out, rows_lse), unmasked[:2])
-            out[:, :, :, rows] = rows_out.view(b, h, g, rows.numel(), d)
+            out[:, :, :, rows] = rows_out.view(b, h, g, rows.numel(), d).to(out.dtype)
             lse[:, :, :, rows] = rows_lse.view(b, h, g, rows.numel())
         return out, lse
 
