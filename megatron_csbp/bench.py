@@ -20,6 +20,9 @@ BDLM mask and the backend's all-gather, timed in each run's ranks just before it
 same load) and prints its prediction beside every measured step. `--kernel-check` also times the CPU attention kernel on the
 BDLM mask against a dense matmul, and every rank's kernels of CSBP and CP on that rank's own rows and plan in
 one process, paired (does one layout's plan cost more per pair than the other's?).
+`--transport-memory` also measures, in the same ranks, the peak tensor memory of a step and of the attention
+op alone under each transport (collective, streaming): exact tensor bytes (torch's profiler on the CPU,
+the allocator's peak on accelerators), for the modes with a ring.
 """
 
 import argparse
@@ -40,6 +43,8 @@ from megatron_csbp.rules import PARALLEL_MODES as MODES
 # The trainer's rules (megatron_csbp.rules), told the bench's flag names.
 FLAGS = rules.FLAGS.renamed(seq_length="--seq-lengths", block_size="--block-size", parallel_size="--nproc",
                             clean_shards="clean shards", mode="--modes", clean_layout="clean layout")
+TRANSPORT_MEMORY_KEYS = tuple(f"{transport}_{part}_peak_bytes" for transport in rules.TRANSPORTS
+                              for part in ("step", "attention_forward", "attention"))
 
 
 def parse_args(argv=None):
@@ -49,6 +54,9 @@ def parse_args(argv=None):
     parser.add_argument("--nproc", type=int, default=2, help="ranks (the block-parallel / CP size)")
     parser.add_argument("--block-size", type=int, default=64)
     parser.add_argument("--csbp-transport", default="collective", choices=rules.TRANSPORTS)
+    parser.add_argument("--transport-memory", action="store_true",
+                        help="also measure, in the same ranks, the peak tensor memory of a step and of the attention "
+                             "op alone under each transport (collective, streaming), for the modes with a ring")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--hidden-size", type=int, default=128)
     parser.add_argument("--num-attention-heads", type=int, default=4)
@@ -130,6 +138,79 @@ def _peak_memory(device, baseline_rss):
     return max(peak_rss - baseline_rss, 0)
 
 
+@contextlib.contextmanager
+def peak_tensor_memory(device):
+    """`with peak_tensor_memory(device) as peak: ...`, then `peak.bytes`: the most bytes of tensors alive at
+    once inside the block beyond those alive when it began (frees of older tensors count). On an accelerator
+    the allocator's peak; on the CPU the allocations and frees torch's profiler records, in order: exact
+    tensor bytes, unlike the process's RSS, which the allocator's caching and the model's setup blur."""
+    peak = argparse.Namespace(bytes=0)
+    if device.type != "cpu":
+        module = torch.get_device_module(device)
+        module.synchronize(device)
+        module.reset_peak_memory_stats(device)
+        start = module.memory_allocated(device)
+        yield peak
+        module.synchronize(device)
+        peak.bytes = module.max_memory_allocated(device) - start
+        return
+    from torch._C._profiler import _EventType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        yield peak
+    allocations, pending = [], list(profiler.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation:
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size))
+    alive = 0
+    for _, size in sorted(allocations):
+        alive += size
+        peak.bytes = max(peak.bytes, alive)
+
+
+def transport_memory(build_model, forward_step, batch, layout, group, config, micro_batch_size, device):
+    """Peak tensor bytes under each transport, in this rank: of one training step of the model `build_model(
+    transport)` returns (after a warm-up step), and of the attention op alone on this rank's rows of one layer
+    (forward, and forward+backward). Keys `<transport>_step_peak_bytes`, `<transport>_attention_forward_peak_bytes`,
+    `<transport>_attention_peak_bytes`."""
+    from megatron_csbp.ops import context_sharded_block_attention, ring_plan
+    from megatron_csbp.rules import TRANSPORTS
+
+    head_dim, plan = config.kv_channels, ring_plan(layout, device)
+    q = torch.randn(layout.num_rows, micro_batch_size, config.num_attention_heads, head_dim, device=device)
+    k, v = (torch.randn(layout.num_rows, micro_batch_size, config.num_query_groups, head_dim, device=device)
+            for _ in range(2))
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    peaks = {}
+    for transport in TRANSPORTS:
+        model = build_model(transport)
+
+        def train_step():
+            output, loss_func = forward_step(iter([batch]), model)
+            loss_sum, num_tokens, _ = loss_func(output)
+            (loss_sum / num_tokens.clamp(min=1)).backward()
+            model.zero_grad(set_to_none=True)
+
+        def attention(backward):
+            out = context_sharded_block_attention(q, k, v, layout, group, transport=transport, plan=plan)
+            if backward:
+                out.sum().backward()
+                q.grad = k.grad = v.grad = None
+
+        for name, run in [("step", train_step), ("attention_forward", lambda: attention(False)),
+                          ("attention", lambda: attention(True))]:
+            run()  # warm-up: plans, masks, first-call allocations
+            torch.distributed.barrier()
+            with peak_tensor_memory(device) as peak:
+                run()
+            peaks[f"{transport}_{name}_peak_bytes"] = peak.bytes
+        del model
+    return peaks
+
+
 def _rank_run(rank, world_size, args, mode, seq_length):
     """One (mode, length) on this rank, inside the CPU backend (a no-op on accelerators); returns its record."""
     from megatron_csbp import cpu_backend
@@ -160,8 +241,6 @@ def _rank_record(rank, world_size, args, mode, seq_length):
     device = default_device()
     clean_shards = layout_of(mode, seq_length, args.block_size, world_size, 0).clean_shards
     parallel_state.initialize_model_parallel(context_block_parallel_size=world_size, clean_shards=clean_shards)
-    torch.manual_seed(1234)
-    model_parallel_cuda_manual_seed(1234)
     layout = layout_of(mode, seq_length, args.block_size, world_size, mpu.get_context_parallel_rank())
     recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
         if args.recompute_granularity == "full" else dict(recompute_granularity=args.recompute_granularity)
@@ -171,8 +250,14 @@ def _rank_record(rank, world_size, args, mode, seq_length):
         context_parallel_size=world_size, normalization="RMSNorm", use_cpu_initialization=True,
         calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0, **recompute)
     mask_token = args.vocab_size - 1
-    model = model_provider(config=config, layout=layout, vocab_size=args.vocab_size, mask_token_id=mask_token,
-                           group=parallel_state.get_block_parallel_groups(), transport=args.csbp_transport).to(device)
+
+    def build_model(transport):
+        torch.manual_seed(1234)
+        model_parallel_cuda_manual_seed(1234)
+        return model_provider(config=config, layout=layout, vocab_size=args.vocab_size, mask_token_id=mask_token,
+                              group=parallel_state.get_block_parallel_groups(), transport=transport).to(device)
+
+    model = build_model(args.csbp_transport)
     forward_step = BDLMForwardStep(BDLMObjective(block_size=args.block_size, mask_token_id=mask_token, seed=7),
                                    layout)
     generator = torch.Generator().manual_seed(42)
@@ -220,6 +305,11 @@ def _rank_record(rank, world_size, args, mode, seq_length):
             attention_pairs_per_rank=rank_attention_pairs(layout) * config.num_attention_heads
             * config.num_layers * args.micro_batch_size,
             tokens_per_s=args.micro_batch_size * seq_length / step_time))
+    if args.transport_memory and clean_shards > 1:
+        del model
+        memory = transport_memory(build_model, forward_step, batch, layout, parallel_state.get_block_parallel_groups(),
+                                  config, args.micro_batch_size, device)
+        records = [dict(record, **memory) for record in records]
     parallel_state.destroy_model_parallel()
     return records
 
@@ -242,6 +332,9 @@ def summarise(per_rank):
                     "best_exposed_comm_s", "peak_memory_bytes",
                     "saved_activation_bytes", "rows_per_rank", "attention_pairs_per_rank"):
             record[key] = max(r[key] for r in conditions_of_ranks)
+        for key in TRANSPORT_MEMORY_KEYS:
+            if key in first:
+                record[key] = max(r[key] for r in conditions_of_ranks)
         record["exposed_share"] = record["exposed_comm_s"] / record["step_time_s"]
         if first.get("calibration"):
             record["calibration"] = combine_calibrations([r["calibration"] for r in conditions_of_ranks])
@@ -293,7 +386,7 @@ def kernel_plans_check(seq_length, block_size, nproc, heads=4, groups=2, head_di
     modes alternating in each repeat (paired, best of `repeats`), so a load burst cannot favour one mode.
 
     It answers whether a layout's plan costs more per pair than another's: CSBP and CP compute the same real
-    pairs per rank but cut them into different row groups (fewer, larger kernel calls for CSBP)."""
+    pairs per rank but cut them into different row groups (kernel calls of other shapes)."""
     from megatron_csbp import flops, ops
     from megatron_csbp.kernels import CPUKernels
 
@@ -303,7 +396,7 @@ def kernel_plans_check(seq_length, block_size, nproc, heads=4, groups=2, head_di
     for mode in ("csbp", "cp"):
         for rank in range(nproc):
             layout = layout_of(mode, seq_length, block_size, nproc, rank)
-            plan = ops._plan(kernels, layout, device)
+            plan = ops.ring_plan(layout, device, kernels).gathered
             noisy = layout.num_noisy_rows
             q = torch.randn(1, groups, heads // groups, layout.num_rows, head_dim)
             k, v = torch.randn(1, groups, seq_length, head_dim), torch.randn(1, groups, seq_length, head_dim)
@@ -467,6 +560,26 @@ def print_table(records, out=None):
               f"{r['exposed_share']:>6.1%} {r['peak_memory_bytes'] / 2**20:>14.1f} "
               f"{r['saved_activation_bytes'] / 2**20:>15.1f} {r['attention_pairs_per_rank']:>12,} "
               f"{r['tokens_per_s']:>9.0f}", file=out)
+
+
+def print_transport_memory(records, out=None):
+    """Peak tensor memory per rank under each transport (`--transport-memory`), the largest rank's."""
+    out = out or sys.stdout
+    rows = [r for r in records if TRANSPORT_MEMORY_KEYS[0] in r]
+    if not rows:
+        return
+    print("\ntransport memory: peak tensor MiB per rank (largest rank), collective / streaming", file=out)
+    header = (f"{'mode':<5} {'L':>7} {'ranks':>5} {'C':>3} {'transport':<10} {'step':>9} {'attention fwd':>13} "
+              f"{'attention fwd+bwd':>17}")
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for r in rows:
+        for transport in ("collective", "streaming"):
+            step, forward, both = (r[f"{transport}_{part}_peak_bytes"] / 2**20
+                                   for part in ("step", "attention_forward", "attention"))
+            clean_shards = layout_of(r["mode"], r["seq_length"], r["block_size"], r["nproc"], 0).clean_shards
+            print(f"{r['mode']:<5} {r['seq_length']:>7} {r['nproc']:>5} {clean_shards:>3} {transport:<10} "
+                  f"{step:>9.1f} {forward:>13.1f} {both:>17.1f}", file=out)
 
 
 def print_link_sweep(records, out=None):
@@ -643,6 +756,7 @@ def main(argv=None):
                   f"saved activations {csbp['saved_activation_bytes'] / cp['saved_activation_bytes']:.3f}, "
                   f"peak memory {csbp['peak_memory_bytes'] / max(cp['peak_memory_bytes'], 1):.3f}")
     print_scaling(main_records)
+    print_transport_memory(main_records)
     print_link_sweep(records)
     print_overlap(records)
     if args.predict:

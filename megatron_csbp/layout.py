@@ -60,6 +60,14 @@ def _blocks_to_positions(blocks, block_size: int) -> torch.Tensor:
 class _Rows:
     """What both layouts derive from `noisy_positions` and `clean_positions`."""
 
+    transports_noisy_rows = False  # whether the noisy rows' K/V travel the ring too (conventional CP)
+
+    @property
+    def first_transported_row(self) -> int:
+        """This rank's rows `[first_transported_row:]` are the ones whose K/V the ring carries: the clean rows,
+        or every row where the noisy ones travel too."""
+        return 0 if self.transports_noisy_rows else self.num_noisy_rows
+
     @property
     def num_blocks(self) -> int:
         return self.seq_length // self.block_size
@@ -182,6 +190,7 @@ class CPLayout(_Rows):
 
     block_parallel_size = clean_shards
     num_rings = 1
+    transports_noisy_rows = True  # ring-CP moves the K/V of both copies
 
     @property
     def ring_rank(self) -> int:

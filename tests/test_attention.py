@@ -223,3 +223,22 @@ def test_bad_calls_are_refused():
         context_sharded_block_attention(q, k, k, layout)
     with pytest.raises(ValueError, match="64 rows"):
         context_sharded_block_attention(q[:32], q[:32], q[:32], layout)
+
+
+def test_a_plan_is_built_once_and_must_match_the_layout():
+    from megatron_csbp import ops
+    from megatron_csbp.layout import CSBPLayout
+
+    layout = CSBPLayout(32, 8, 1, 1)
+    q = torch.randn(64, 1, 4, 8)
+    plan = ops.ring_plan(layout, q.device)
+    assert torch.equal(ops.context_sharded_block_attention(q, q, q, layout, plan=plan),
+                       ops.context_sharded_block_attention(q, q, q, layout))
+    with pytest.raises(ValueError, match="plan was built for"):
+        ops.context_sharded_block_attention(q, q, q, layout, plan=ops.ring_plan(CSBPLayout(32, 4, 1, 1), q.device))
+    layouts = [CSBPLayout(32, block, 1, 1, schedule=schedule) for block in (1, 2, 4, 8, 16, 32)
+               for schedule in ("dual_end", "contiguous")]
+    assert len(layouts) > ops.PLAN_CACHE_SIZE
+    for other in layouts:  # without a plan the op caches plans, but only the last few
+        ops.context_sharded_block_attention(q, q, q, other)
+    assert len(ops._plans) == ops.PLAN_CACHE_SIZE and (layouts[-1], q.device) in ops._plans

@@ -16,9 +16,10 @@ def test_rank_attention_pairs_sum_to_the_bdlm_mask():
 
 
 def test_kernel_plans_check_times_each_mode_on_its_own_rows():
-    """CSBP and CP give a rank the same real and padded pairs, cut into different row groups (hand-derived at
-    L=2048, B=64, P=2, key tiles of 512: CSBP rank 0 holds positions 0-511 and 1536-2047, whose limits end in
-    tiles 0, 2 and 3; CP rank 0 holds noisy 0-1023 and clean 1024-2047, limits ending in all 4 tiles)."""
+    """CSBP and CP give a rank the same real and padded pairs, cut into different row groups. Hand-derived at
+    L=2048, B=64, P=2, tiles of 512 keys and at most 512 rows: CSBP rank 0 holds positions 0-511 and 1536-2047;
+    its visible rows' limits end in key tile 0 (960 rows: 2 groups), 2 (64 rows) and 3 (960 rows: 2 groups).
+    CP rank 0 holds noisy 0-1023 and clean 1024-2047: limits ending in tiles 0-3, 512, 448, 448, 512 rows."""
     results = bench.kernel_plans_check(2048, 64, 2, repeats=1)
     by_case = {(r["mode"], r["rank"]): r for r in results}
     assert sorted(by_case) == [("cp", 0), ("cp", 1), ("csbp", 0), ("csbp", 1)]
@@ -27,7 +28,7 @@ def test_kernel_plans_check_times_each_mode_on_its_own_rows():
         assert csbp["real_pairs"] == cp["real_pairs"] == (2048 * 2048 + 2048 * 64) // 2
         assert csbp["padded_pairs"] == cp["padded_pairs"] >= csbp["real_pairs"]
         assert csbp["forward_s"] > 0 and cp["backward_s"] > 0
-    assert by_case["csbp", 0]["row_groups"] == 3 and by_case["cp", 0]["row_groups"] == 4
+    assert by_case["csbp", 0]["row_groups"] == 5 and by_case["cp", 0]["row_groups"] == 4
 
 
 def test_bad_flags_are_refused(capsys):
@@ -113,3 +114,14 @@ def test_link_flags_are_checked(capsys):
     with pytest.raises(SystemExit):
         bench.parse_args(["--link-gbps", "0"])
     assert "--link-gbps" in capsys.readouterr().err
+
+
+def test_transport_memory_reports_both_transports(tmp_path, capsys):
+    out_json = tmp_path / "bench.json"
+    bench.main(["--modes", "csbp,bp", "--seq-lengths", "128", "--block-size", "16", "--num-layers", "1",
+                "--hidden-size", "64", "--steps", "1", "--warmup", "0", "--transport-memory", "--json", str(out_json)])
+    records = {r["mode"]: r for r in json.loads(out_json.read_text())}
+    assert all(records["csbp"][key] > 0 for key in bench.TRANSPORT_MEMORY_KEYS)
+    assert not set(bench.TRANSPORT_MEMORY_KEYS) & set(records["bp"])  # no ring, nothing to compare
+    table = capsys.readouterr().out.split("transport memory")[1]
+    assert "collective" in table and "streaming" in table

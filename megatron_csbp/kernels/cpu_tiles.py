@@ -1,0 +1,132 @@
+"""The CPU kernels: torch's flash kernel (`_scaled_dot_product_flash_attention_for_cpu`, tiled, returns LSE).
+
+The prefix part is cut into key tiles: rows whose visible keys end in tile `j` attend to tiles `< j`
+unmasked and to tile `j` with a mask, so no hidden tile is ever computed and no fully hidden row is
+passed to the kernel. `PrefixPlan` holds that cut, once per (rows, keys). The block-diagonal part runs
+every block as a separate batch entry of one kernel call.
+"""
+
+import torch
+
+from megatron_csbp.kernels.merge import accumulation_dtype, merge_into, running_merge
+
+_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+DEFAULT_TILE = 512
+
+
+def _fold(q):
+    """`[b, h, g, n, d]` -> `[b, h, g·n, d]`: a group's query heads become extra rows of its K/V head."""
+    b, h, g, n, d = q.shape
+    return q.reshape(b, h, g * n, d)
+
+
+def _queries_by_block(x, block_size):
+    """`[b, h, g, nb·B, d]` -> `[b·nb, h, g·B, d]`: each block a separate attention problem."""
+    b, h, g, n, d = x.shape
+    nb = n // block_size
+    return x.reshape(b, h, g, nb, block_size, d).permute(0, 3, 1, 2, 4, 5).reshape(b * nb, h, g * block_size, d)
+
+
+def _queries_from_blocks(x, shape):
+    b, h, g, n, d = shape
+    block = x.shape[2] // g
+    return x.reshape(b, n // block, h, g, block, d).permute(0, 2, 3, 1, 4, 5).reshape(shape)
+
+
+def _keys_by_block(x, block_size):
+    b, h, n, d = x.shape
+    return x.reshape(b, h, n // block_size, block_size, d).transpose(1, 2).reshape(-1, h, block_size, d)
+
+
+def _keys_from_blocks(x, shape):
+    b, h, n, d = shape
+    return x.reshape(b, n // x.shape[2], h, x.shape[2], d).transpose(1, 2).reshape(shape)
+
+
+class PrefixPlan:
+    """Which query rows attend to which key tiles; built once per layout and shared by every layer and the
+    backward, with the masks of the partly visible tiles."""
+
+    def __init__(self, query_limits, key_positions, tile):
+        visible = torch.searchsorted(key_positions, query_limits)  # keys with position < limit
+        last_tile = torch.div(visible - 1, tile, rounding_mode="floor")
+        self.groups = []
+        for j in torch.unique(last_tile[visible > 0]).tolist():
+            rows = torch.nonzero(last_tile == j).flatten().to(query_limits.device)
+            lo, hi = j * tile, min((j + 1) * tile, key_positions.numel())
+            visible_in_tile = key_positions[lo:hi].unsqueeze(0) < query_limits[rows].unsqueeze(1)
+            for start in range(0, rows.numel(), tile):  # query tiles: one call's temporaries stay bounded
+                self.groups.append((rows[start:start + tile], lo, hi, visible_in_tile[start:start + tile]))
+        self._masks = {}
+
+    def additive_mask(self, group_index, dtype, query_group):
+        """Group `group_index`'s mask for its last key tile, as the flash kernel takes it; built once per plan."""
+        key = (group_index, dtype, query_group)
+        if key not in self._masks:
+            visible = self.groups[group_index][3]
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            self._masks[key] = mask.masked_fill(~visible, float("-inf")).repeat(query_group, 1)
+        return self._masks[key]
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs the plan computes (per head and sample), counting the tile padding."""
+        return sum(rows.numel() * hi for rows, lo, hi, _ in self.groups)
+
+
+class CPUKernels:
+    """Torch's CPU flash-attention kernel, used tile by tile."""
+
+    def __init__(self, tile: int = DEFAULT_TILE):
+        self.tile = tile
+
+    def block_diagonal_forward(self, q, k, v, block_size, scale):
+        out, lse = _flash_forward(_queries_by_block(q, block_size), _keys_by_block(k, block_size),
+                                  _keys_by_block(v, block_size), scale=scale)
+        return _queries_from_blocks(out, q.shape), _queries_from_blocks(lse.unsqueeze(-1), q.shape[:-1] + (1,))[..., 0]
+
+    def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale):
+        lse_blocks = _queries_by_block(lse.unsqueeze(-1), block_size)[..., 0]
+        dq, dk, dv = _flash_backward(_queries_by_block(dout, block_size), _queries_by_block(q, block_size),
+                                     _keys_by_block(k, block_size), _keys_by_block(v, block_size),
+                                     _queries_by_block(out, block_size), lse_blocks, 0.0, False, scale=scale)
+        return _queries_from_blocks(dq, q.shape), _keys_from_blocks(dk, k.shape), _keys_from_blocks(dv, k.shape)
+
+    def plan(self, query_limits, key_positions):
+        return PrefixPlan(query_limits, key_positions, self.tile)
+
+    def prefix_forward(self, q, k, v, plan, scale):
+        b, h, g, n, d = q.shape
+        out = q.new_zeros(q.shape)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
+        for index, (rows, lo, hi, _) in enumerate(plan.groups):
+            q_rows = _fold(q.index_select(3, rows))
+            tile_part = _flash_forward(q_rows, k[:, :, lo:hi], v[:, :, lo:hi], scale=scale,
+                                       attn_mask=plan.additive_mask(index, q.dtype, g))[:2]
+            rows_out, rows_lse = running_merge(tile_part)  # the kernel's fresh output, summed into in place
+            if lo:
+                unmasked = _flash_forward(q_rows, k[:, :, :lo], v[:, :, :lo], scale=scale)
+                merge_into((rows_out, rows_lse), unmasked[:2])
+            out[:, :, :, rows] = rows_out.view(b, h, g, rows.numel(), d).to(out.dtype)
+            lse[:, :, :, rows] = rows_lse.view(b, h, g, rows.numel())
+        return out, lse
+
+    def prefix_backward(self, dout, q, k, v, out, lse, plan, scale):
+        b, h, g, n, d = q.shape
+        acc = accumulation_dtype(q.dtype)
+        dq, dk, dv = (torch.zeros_like(x, dtype=acc) for x in (q, k, v))
+        for index, (rows, lo, hi, _) in enumerate(plan.groups):
+            picked = [_fold(x.index_select(3, rows)) for x in (dout, q, out)]
+            rows_lse = lse.index_select(3, rows).reshape(b, h, -1)
+            rows_dq = 0
+            spans = ([(0, lo, None)] if lo else []) + [(lo, hi, plan.additive_mask(index, q.dtype, g))]
+            for start, stop, mask in spans:
+                part_dq, part_dk, part_dv = _flash_backward(
+                    picked[0], picked[1], k[:, :, start:stop], v[:, :, start:stop], picked[2], rows_lse,
+                    0.0, False, attn_mask=mask, scale=scale)
+                rows_dq = rows_dq + part_dq
+                dk[:, :, start:stop] += part_dk
+                dv[:, :, start:stop] += part_dv
+            dq.index_add_(3, rows, rows_dq.view(b, h, g, rows.numel(), d).to(acc))
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,93 @@
+"""The GPU kernels: flex attention with block masks, one call per part; backward recomputes each part under
+autograd (flex has no CPU backward)."""
+
+import torch
+
+from megatron_csbp.kernels.merge import accumulation_dtype, finite_lse
+
+
+class FlexKernels:
+    """Flex attention (GPU): one call per part, hidden tiles skipped by its block mask.
+
+    Query heads stay grouped under their K/V head (`enable_gqa`), so masks are `n × n_k`, built
+    compiled (never a dense bool matrix) and cached: per shape for the block-diagonal part, per plan
+    (one per layout, reused by every layer and the backward) for the prefix part.
+    """
+
+    RECOMPILE_LIMIT = 64  # forward and recompute graphs per part, shape and dtype
+
+    def __init__(self, compile: bool = True):
+        from torch.nn.attention import flex_attention as flex
+
+        if compile:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, self.RECOMPILE_LIMIT)
+        self._flex = torch.compile(flex.flex_attention, dynamic=False) if compile else flex.flex_attention
+        self._create_block_mask = flex.create_block_mask
+        self._compile_masks = compile
+        self._aux = flex.AuxRequest(lse=True)
+        self._block_masks = {}
+
+    def _attend(self, q, k, v, scale, block_mask):
+        b, h, g, n, d = q.shape
+        out, aux = self._flex(q.reshape(b, h * g, n, d), k, v, block_mask=block_mask, scale=scale,
+                              enable_gqa=True, return_aux=self._aux)
+        return out.view(q.shape), aux.lse.view(q.shape[:-1])
+
+    def _mask(self, mask_mod, n, n_keys, device):
+        return self._create_block_mask(mask_mod, None, None, n, n_keys, device=device, _compile=self._compile_masks)
+
+    def _block_diagonal_mask(self, q, k, block_size):
+        key = (q.shape[3], k.shape[2], block_size, q.device)
+        if key not in self._block_masks:
+            def same_block(b, h, q_idx, kv_idx):
+                return q_idx // block_size == kv_idx // block_size
+
+            self._block_masks[key] = self._mask(same_block, q.shape[3], k.shape[2], q.device)
+        return self._block_masks[key]
+
+    def plan(self, query_limits, key_positions):
+        return FlexPrefixPlan(query_limits, key_positions)
+
+    def _prefix_mask(self, q, k, plan):
+        if plan.block_mask is None:
+            query_limits, key_positions = plan.query_limits, plan.key_positions
+
+            def below_limit(b, h, q_idx, kv_idx):
+                return key_positions[kv_idx] < query_limits[q_idx]
+
+            plan.block_mask = self._mask(below_limit, q.shape[3], k.shape[2], q.device)
+        return plan.block_mask
+
+    def block_diagonal_forward(self, q, k, v, block_size, scale):
+        return self._attend(q, k, v, scale, self._block_diagonal_mask(q, k, block_size))
+
+    def prefix_forward(self, q, k, v, plan, scale):
+        out, lse = self._attend(q, k, v, scale, self._prefix_mask(q, k, plan))
+        hidden = torch.isinf(lse)
+        return out.masked_fill(hidden.unsqueeze(-1), 0.0), lse
+
+    def _recompute_backward(self, dout, q, k, v, out, lse, scale, block_mask):
+        """Gradient of one part of a merged result: upstream `w·dO` on its output and `w·(dO·(o−O))` on its LSE."""
+        with torch.enable_grad():
+            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+            part_out, part_lse = self._attend(q, k, v, scale, block_mask)
+            acc = accumulation_dtype(q.dtype)
+            visible_lse = part_lse.detach().to(acc)
+            weight = torch.exp(visible_lse - finite_lse(lse).to(acc))
+            weight = torch.where(torch.isinf(visible_lse), torch.zeros_like(weight), weight)
+            grad_out = (weight.unsqueeze(-1) * dout.to(acc)).to(part_out.dtype)
+            grad_lse = (weight * (dout.to(acc) * (part_out.detach().to(acc) - out.to(acc))).sum(-1)).to(part_lse.dtype)
+            return torch.autograd.grad((part_out, part_lse), (q, k, v), (grad_out, grad_lse))
+
+    def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale):
+        return self._recompute_backward(dout, q, k, v, out, lse, scale, self._block_diagonal_mask(q, k, block_size))
+
+    def prefix_backward(self, dout, q, k, v, out, lse, plan, scale):
+        return self._recompute_backward(dout, q, k, v, out, lse, scale, self._prefix_mask(q, k, plan))
+
+
+class FlexPrefixPlan:
+    """Flex's prefix plan: the limits and positions, and the block mask once built for them."""
+
+    def __init__(self, query_limits, key_positions):
+        self.query_limits, self.key_positions, self.block_mask = query_limits, key_positions, None
