@@ -114,15 +114,17 @@ def test_providers_read_megatron_lm_globals_when_given_no_args(monkeypatch, corp
     fake.get_tokenizer = lambda: NullTokenizer(256)
     monkeypatch.setitem(sys.modules, "megatron.training", fake)
     monkeypatch.setattr(providers, "is_dataset_built_on_rank", lambda vp_stage=None: True)
-    train, valid, test = providers.train_valid_test_datasets_provider([16, 8, 0])
+    run_providers = providers.RunProviders()
+    train, valid, test = run_providers.train_valid_test_datasets_provider([16, 8, 0])
     assert test is None and len(train) >= 16 and len(valid) >= 1
     sample = train[5]
     assert sample["tokens"].shape == (64,) and int(sample["sample_index"]) == 5
-    providers.fill_vocabulary(megatron_args, megatron_lm=True)
-    assert int(sample["tokens"].max()) < megatron_args.mask_token_id == 257
-    objective = providers.objective_from_args(megatron_args)
+    assert isinstance(run_providers.vocabulary.tokenizer, NullTokenizer)  # Megatron-LM's, not one of ours
+    assert int(sample["tokens"].max()) < run_providers.vocabulary.mask_token_id == 257
+    objective = providers.objective_from_args(megatron_args, run_providers.vocabulary.mask_token_id)
     assert (objective.block_size, objective.mask_token_id, objective.antithetic_group) == (8, 257, 4)
-    assert megatron_args.padded_vocab_size == 384
+    # Megatron-LM's args are what its checkpoints save: they record the model's vocabulary.
+    assert (megatron_args.mask_token_id, megatron_args.padded_vocab_size) == (257, 384)
 
 
 def _spans(*ranges):
