@@ -365,7 +365,8 @@ def build_datasets(args: argparse.Namespace, vocabulary: Vocabulary | None = Non
     if not prefixes:
         raise ConfigError("--data-path is required (scripts/prepare_data.py builds the default dataset)")
     check_data_prefixes(prefixes)
-    check_vocabulary(prefixes, vocabulary.mask_token_id, vocabulary.padded_vocab_size, vocabulary.tokenizer.vocab_size)
+    check_vocabulary(prefixes, vocabulary.mask_token_id, vocabulary.padded_vocab_size,
+                     vocabulary.tokenizer.vocab_size)
     split, sizes = args.split or MEGATRON_SPLIT_DEFAULT, sizes or split_sizes(args)
     check_split(prefixes, split)
     cache_root = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")

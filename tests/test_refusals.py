@@ -199,18 +199,3 @@ def test_submit_refuses_a_non_positive_cpus_per_task():
         else:  # negative control: a valid count is written into the batch script
             assert done.returncode == 0 and "--cpus-per-task=2" in done.stdout, done.stderr
 
-
-def test_a_refusal_in_a_library_call_is_an_ordinary_value_error():
-    """A library function refuses with `ConfigError`, a `ValueError` that `except Exception` sees, never a
-    `SystemExit` that would end the caller's process; the entries turn it into one line, exit 2."""
-    import argparse
-
-    from megatron_csbp.data import build_tokenizer
-
-    assert issubclass(ConfigError, ValueError) and not issubclass(ConfigError, SystemExit)
-    try:
-        build_tokenizer(argparse.Namespace(tokenizer_type="NullTokenizer", vocab_size=None, tokenizer_model=None))
-    except Exception as error:  # noqa: BLE001 - the point: an ordinary exception handler catches it
-        caught = error
-    assert isinstance(caught, ConfigError) and not isinstance(caught, SystemExit)
-    assert str(caught) == "--tokenizer-type NullTokenizer needs --vocab-size (the ids before EOD)"
