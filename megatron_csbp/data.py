@@ -376,7 +376,8 @@ def build_datasets(args: argparse.Namespace, vocabulary: Vocabulary | None = Non
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=(prefixes, weights),
         split=split, path_to_cache=cache,
-        tokenizer=_Unpadded(vocabulary.tokenizer), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        tokenizer=_Unpadded(vocabulary.tokenizer), reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False,
         create_attention_mask=False, add_extra_token_to_sequence=False, mmap_bin_files=True,
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
