@@ -24,8 +24,10 @@ TRANSFORMER_IMPLS = ("local", "transformer_engine")
 MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
 
 
-class ConfigError(SystemExit, ValueError):
-    """A refused argument or input file: one line, no traceback when uncaught, still a `ValueError`."""
+class ConfigError(ValueError):
+    """A refused argument or input file. An ordinary exception, raised wherever the refusal is found; each
+    entry (`scripts/*.py`, `python -m megatron_csbp.torchrun`, `plan`) catches it once and prints it as one
+    line, exit status 2."""
 
 
 class _ContextBlockParallel(argparse.Action):

@@ -15,6 +15,7 @@ API (what the model, the training loop and the tests use)::
         -> (loss_sum, num_tokens, {"lm loss": tensor([loss_sum, num_tokens])})
     forward_step = BDLMForwardStep(objective, layout)   # layout: this rank's CSBPLayout / CPLayout
     forward_step(data_iterator, model) -> (per_token_ce, partial(loss_func, loss_weights, num_tokens))
+                                           # each model checked against the step on its first micro-batch
 
 The batch that `data_iterator` yields is a dict with `tokens [b, L]` (clean `x0`), `sample_index [b]`
 (global sample indices, e.g. the `idx` a GPTDataset was asked for) and optionally `loss_mask [b, L]`
@@ -269,7 +270,8 @@ class BDLMForwardStep:
 
     First and last pipeline stages take one micro-batch (the first needs the rows, the last the labels
     and weights; TP rank 0 reads it, the other TP ranks receive it); middle stages read nothing and only
-    pass the row positions.
+    pass the row positions. A model (each chunk under virtual pipelining) is checked against the step once,
+    on its first micro-batch: the layout, the MASK id and the per-token loss a model is built with stay.
     """
 
     def __init__(self, objective: BDLMObjective, layout, *, check_results: bool = False,
@@ -279,14 +281,23 @@ class BDLMForwardStep:
         self.objective = objective
         self.layout = layout
         self.loss_func = partial(checked_loss_func, check_results=check_results, check_spiky_loss=check_spiky_loss)
+        self._checked_models = []  # held: a freed model's identity can never pass for a new model's
 
-    def __call__(self, data_iterator, model):
-        from megatron.core.utils import get_attr_wrapped_model, get_model_config
+    def _check_once(self, model) -> None:
+        from megatron.core.utils import get_model_config
 
+        if any(model is checked for checked in self._checked_models):
+            return
         _require(get_model_config(model).calculate_per_token_loss,
                  "BDLM needs --calculate-per-token-loss (TransformerConfig.calculate_per_token_loss=True): the loss "
                  "is normalised by the token count of the whole global batch, not averaged per rank")
         _check_model_matches(self.objective, self.layout, model)
+        self._checked_models.append(model)
+
+    def __call__(self, data_iterator, model):
+        from megatron.core.utils import get_attr_wrapped_model
+
+        self._check_once(model)
         first_stage = get_attr_wrapped_model(model, "pre_process")
         last_stage = get_attr_wrapped_model(model, "post_process")
         if not (first_stage or last_stage):

@@ -16,7 +16,7 @@ import math
 import os
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import numpy as np
 
@@ -105,7 +105,7 @@ class HuggingFaceTokenizer:
 
 
 def build_tokenizer(args: argparse.Namespace):
-    """The tokenizer of `--tokenizer-type` (the MASK id and padded vocabulary: `providers.fill_vocabulary`)."""
+    """The tokenizer of `--tokenizer-type` (with the MASK id and padded vocabulary: `Vocabulary.from_args`)."""
     if args.tokenizer_type == "HuggingFaceTokenizer":
         if args.tokenizer_model is None:
             raise ConfigError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model path/to/tokenizer.json")
@@ -129,6 +129,27 @@ def vocabulary(args: argparse.Namespace, tokenizer) -> tuple[int, int]:
     mask = tokenizer.vocab_size if mask is None else mask
     return mask, rules.padded_vocab_size(max(tokenizer.vocab_size, mask + 1), args.make_vocab_size_divisible_by,
                                          args.tensor_model_parallel_size)
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    """A run's tokenizer, its MASK id and the model's padded vocabulary size, worked out once per run."""
+
+    tokenizer: Any
+    mask_token_id: int
+    padded_vocab_size: int
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, tokenizer=None) -> "Vocabulary":
+        """From the flags (`vocabulary`), with `tokenizer` (Megatron-LM's, under `pretrain()`) or the plugin's."""
+        tokenizer = build_tokenizer(args) if tokenizer is None else tokenizer
+        return cls(tokenizer, *vocabulary(args, tokenizer))
+
+    def recorded(self, args: argparse.Namespace) -> argparse.Namespace:
+        """A copy of `args` with `mask_token_id` and `padded_vocab_size` added: the arguments a checkpoint records
+        and checks (a checkpoint's vocabulary must be the model's) and the FLOPs count reads. `args` is untouched."""
+        return argparse.Namespace(**{**vars(args), "mask_token_id": self.mask_token_id,
+                                     "padded_vocab_size": self.padded_vocab_size})
 
 
 @dataclass(frozen=True)
@@ -321,8 +342,8 @@ class _Unpadded:
         return getattr(self._tokenizer, name)
 
 
-def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: Callable[[], bool] | None = None,
-                   sizes: list[int] | None = None):
+def build_datasets(args: argparse.Namespace, vocabulary: Vocabulary | None = None,
+                   is_built_on_rank: Callable[[], bool] | None = None, sizes: list[int] | None = None):
     """(train, valid, test) GPTDatasets of `L`-token samples (`None` for an empty split) from `--data-path`.
 
     Checks paths and vocabulary first. Collective when torch.distributed is initialised (megatron-core builds
@@ -334,12 +355,13 @@ def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: C
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    tokenizer = tokenizer or build_tokenizer(args)
+    vocabulary = vocabulary or Vocabulary.from_args(args)
     prefixes, weights = parse_data_path(args.data_path)
     if not prefixes:
         raise ConfigError("--data-path is required (scripts/prepare_data.py builds the default dataset)")
     check_data_prefixes(prefixes)
-    check_vocabulary(prefixes, *vocabulary(args, tokenizer), tokenizer.vocab_size)
+    check_vocabulary(prefixes, vocabulary.mask_token_id, vocabulary.padded_vocab_size,
+                     vocabulary.tokenizer.vocab_size)
     split, sizes = args.split or MEGATRON_SPLIT_DEFAULT, sizes or split_sizes(args)
     check_split(prefixes, split)
     cache_root = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
@@ -349,7 +371,8 @@ def build_datasets(args: argparse.Namespace, tokenizer=None, is_built_on_rank: C
     config = GPTDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=(prefixes, weights),
         split=split, path_to_cache=cache,
-        tokenizer=_Unpadded(tokenizer), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
+        tokenizer=_Unpadded(vocabulary.tokenizer), reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False,
         create_attention_mask=False, add_extra_token_to_sequence=False, mmap_bin_files=True,
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)

@@ -11,8 +11,13 @@ A run here:
    (`add_csbp_args`), so any Megatron-LM flag and value can stand in a YAML;
 2. applies the plugin's rules (`arguments.validate_plugin_args`) to that namespace before any work: the
    same one-line refusals as our own loop;
-3. calls `pretrain()` with the plugin's providers, `args_defaults` for the BDLM defaults Megatron-LM keeps
-   as None, inside `cpu_backend.active()` (which does nothing where an accelerator exists).
+3. calls `pretrain()` with the plugin's providers (the bound methods of one `providers.RunProviders()`,
+   which builds the run from Megatron-LM's parsed arguments on the first provider call), `args_defaults`
+   for the BDLM defaults Megatron-LM keeps as None, inside `cpu_backend.active()` (which does nothing where
+   an accelerator exists).
+
+A refusal a provider raises inside `pretrain()` (`ConfigError`) comes out of this `pretrain` unchanged: the
+training script catches it, one line, exit 2.
 """
 
 import argparse
@@ -94,8 +99,9 @@ def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
     if "--distributed-backend" not in expanded:  # Megatron-LM's default is nccl, which needs a GPU
         expanded = [*expanded, "--distributed-backend", default_backend()]
     sys.argv = [sys.argv[0], *expanded]
+    run_providers = providers.RunProviders()  # Megatron-LM's args: parsed by pretrain(), read on first call
     with cpu_backend.active(), _built_dataset_helpers_kept():
-        megatron_pretrain(providers.train_valid_test_datasets_provider, providers.model_provider,
-                          ModelType.encoder_or_decoder, providers.forward_step, extra_args_provider=add_csbp_args,
-                          args_defaults={"max_position_embeddings": args.seq_length},
-                          get_embedding_ranks=providers.get_embedding_ranks)
+        megatron_pretrain(run_providers.train_valid_test_datasets_provider, run_providers.model_provider,
+                          ModelType.encoder_or_decoder, run_providers.forward_step,
+                          extra_args_provider=add_csbp_args, args_defaults={"max_position_embeddings": args.seq_length},
+                          get_embedding_ranks=run_providers.get_embedding_ranks)

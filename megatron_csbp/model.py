@@ -1,9 +1,10 @@
 """The BDLM GPT model: a megatron-core `GPTModel` over this rank's `[noisy ; clean]` CSBP rows.
 
 What differs from a plain `GPTModel`, and why:
-* RoPE takes each row's global position from the layout (`row_positions`), so a token's noisy and
-  clean copy share one position, on every pipeline stage; Megatron's RoPE would number the local rows
-  `0..rows*cp` and zigzag-slice them by CP rank, which is wrong for CSBP rows.
+* RoPE takes each row's global position from the batch's `position_ids` (the forward step ships the
+  layout's `row_positions`, on every pipeline stage), so a token's noisy and clean copy share one
+  position; Megatron's RoPE would number the local rows `0..rows*cp` and zigzag-slice them by CP rank,
+  which is wrong for CSBP rows. The positions are one source: what the batch gives is what RoPE uses.
 * The LM head runs over noisy rows only (clean rows carry no loss: half the head FLOPs saved), with
   the MASK logit set to -inf on the TP rank that owns that vocabulary column.
 * Under sequence parallelism the row count is padded to a multiple of TP; padded rows have position
@@ -12,6 +13,8 @@ What differs from a plain `GPTModel`, and why:
 Contract with `megatron_csbp.bdlm`: `model(input_ids [b, rows], position_ids [b, rows],
 attention_mask=None, labels=x0 of noisy rows [b, n_noisy])` returns per-token cross-entropy
 `[b, n_noisy]` on the last pipeline stage, or the logits `[b, n_noisy, V/tp]` when `labels` is None.
+The samples of a micro-batch share one row layout, so RoPE reads the positions of its first sample: one
+`[rows, 1, 1, dim]` table for the batch, the shape Megatron's (and Transformer Engine's fused) RoPE takes.
 """
 
 import torch
@@ -52,23 +55,20 @@ def validate_config(config, layout, vocab_size=None, mask_token_id=None) -> None
                 f"needs its own id, so make --vocab-size (or the padded vocabulary) at least {mask_token_id + 1}")
 
 
-class RowPositionRotaryEmbedding(torch.nn.Module):
-    """Megatron's RoPE table, indexed by the global position of each local row."""
+class PositionTableRotaryEmbedding(torch.nn.Module):
+    """Megatron's RoPE table over every position of the sequence, neither numbered by local row nor sliced by
+    CP rank: `BDLMGPTModel` indexes it with the batch's `position_ids`."""
 
-    def __init__(self, rotary, row_positions: torch.Tensor, padded_rows: int):
+    def __init__(self, rotary, seq_length: int):
         super().__init__()
         self.rotary = rotary
-        positions = torch.zeros(padded_rows, dtype=torch.long)
-        positions[: row_positions.numel()] = row_positions
-        self.register_buffer("row_positions", positions, persistent=False)
-        self.table_length = int(positions.max()) + 1  # known here, so forward never syncs with the device
+        self.seq_length = seq_length  # known here, so forward never syncs with the device
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
-        return self.row_positions.numel()
+        return self.seq_length
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
-        table = self.rotary.get_emb(self.table_length)  # [positions, 1, 1, dim]
-        return table[self.row_positions.to(table.device)]
+        return self.rotary.get_emb(self.seq_length)  # [positions, 1, 1, dim]
 
 
 class BDLMGPTModel(GPTModel):
@@ -85,8 +85,7 @@ class BDLMGPTModel(GPTModel):
         self.mask_token_id = mask_token_id
         self.padded_rows = padded_row_count(layout, self.config)
         if self.position_embedding_type == "rope":
-            self.rotary_pos_emb = RowPositionRotaryEmbedding(self.rotary_pos_emb, layout.row_positions,
-                                                             self.padded_rows)
+            self.rotary_pos_emb = PositionTableRotaryEmbedding(self.rotary_pos_emb, layout.seq_length)
 
     def _pad_rows(self, ids):
         if ids is None or ids.shape[1] == self.padded_rows:
@@ -100,8 +99,19 @@ class BDLMGPTModel(GPTModel):
         if packed_seq_params is not None:
             raise ValueError("packed_seq_params (THD packed sequences) cannot be used with BDLM/CSBP rows: "
                              "give one sample per row set")
+        if position_ids is None:
+            raise ValueError("position_ids are needed: each row's global position ([b, rows], the layout's "
+                             "row_positions), which RoPE takes")
         return super().forward(self._pad_rows(input_ids), self._pad_rows(position_ids), attention_mask,
                                decoder_input=decoder_input, labels=labels, **kwargs)
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        """Megatron's preprocessing, with RoPE at the batch's positions (first sample: see the module doc)."""
+        output = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        if self.position_embedding_type != "rope":
+            return output
+        table = output[1]
+        return (output[0], table[position_ids[0].to(table.device)], *output[2:])
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         """LM head over the noisy rows only (replaces `GPTModel._postprocess`)."""
@@ -137,15 +147,19 @@ class BDLMGPTModel(GPTModel):
         return logits.masked_fill(hidden, float("-inf"))
 
 
-def model_provider(pre_process=True, post_process=True, *, config, layout, vocab_size, mask_token_id=None,
-                   group=None, transport="collective", use_transformer_engine=False, vp_stage=None, base_spec=None,
-                   **gpt_kwargs) -> BDLMGPTModel:
+def model_provider(pre_process=True, post_process=True, *, config, vocab_size, layout=None, mask_token_id=None,
+                   group=None, transport="collective", context=None, use_transformer_engine=False, vp_stage=None,
+                   base_spec=None, **gpt_kwargs) -> BDLMGPTModel:
     """Builds this rank's `BDLMGPTModel` (the `model_provider` Megatron's `get_model` expects, once
     `config`, `layout` and the rest are bound with `functools.partial`).
 
-    `group`: the block-parallel group(s) the attention uses (`parallel_state.get_block_parallel_groups()`).
+    `context`: the attention context to bind (the run's, `providers.BDLMRun.attention`); without one it is
+    made of `layout`, `group` (the block-parallel group(s), `parallel_state.get_block_parallel_groups()`) and
+    `transport`.
     """
-    context = csbp_spec.AttentionContext(layout=layout, group=group, transport=transport)
+    if context is None:
+        context = csbp_spec.AttentionContext(layout=layout, group=group, transport=transport)
+    layout = context.layout
     layer_spec = csbp_spec.get_csbp_layer_spec(use_transformer_engine=use_transformer_engine, context=context,
                                                base_spec=base_spec, qk_layernorm=config.qk_layernorm)
     if not use_transformer_engine:  # the final norm too must accept sequence parallelism

@@ -720,4 +720,10 @@ def main(argv=None, out=sys.stdout) -> list:
 
 
 if __name__ == "__main__":
-    main()
+    from megatron_csbp.arguments import ConfigError
+
+    try:
+        main()
+    except ConfigError as error:  # e.g. a --config it cannot read: one line, exit 2, as every entry of ours
+        print(f"python -m megatron_csbp.plan: error: {error}", file=sys.stderr)
+        sys.exit(2)

@@ -1,48 +1,42 @@
 """The providers a Megatron pretraining run is built from: model, datasets, forward step, embedding ranks.
 
-Both loops call these very functions, with the contracts of Megatron-LM's `pretrain_gpt.py` (tag
-`core_v0.16.1`): under Megatron-LM's `pretrain()` they read its global `args` (`megatron.training.get_args()`),
-its tokenizer and `core_transformer_config_from_args`; our own loop (`megatron_csbp.training`) binds its
-validated `args` with `functools.partial(..., args=args)` and builds the config with
-`arguments.transformer_config_from_args`. Everything that depends on this rank's place in the
-block-parallel dimension (the row layout) is worked out when a provider is called, after Megatron's
-parallel state exists.
+Both loops call the same providers, with the contracts of Megatron-LM's `pretrain_gpt.py` (tag
+`core_v0.16.1`): they are the bound methods of one `RunProviders`, made at the loop's entry. Our own loop
+(`megatron_csbp.training`) makes `RunProviders(args)` with its validated `args` (the config comes from
+`arguments.transformer_config_from_args`); Megatron-LM's `pretrain()`, which parses its arguments itself, is
+given the methods of a `RunProviders()`, which reads Megatron-LM's global `args`, tokenizer and
+`core_transformer_config_from_args` when first called.
+
+The run is built once. The first provider call that needs it assembles the `BDLMRun` of this rank, after
+Megatron's parallel state exists (the row layout depends on this rank's place in the block-parallel
+dimension): the vocabulary and MASK id, the layout, the objective, the attention context, the
+`TransformerConfig` and the forward step. The model and the forward step are both made from it, so nothing
+downstream rebuilds or cross-checks any of it.
 
 As in `pretrain_gpt.py`, the datasets are built only on the first and last pipeline stages at TP rank 0
 (`is_dataset_built_on_rank`); the forward step broadcasts each micro-batch over the TP group.
 """
 
 import argparse
+from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 
 from megatron_csbp.arguments import ConfigError, clean_shards
 from megatron_csbp.bdlm import BDLMForwardStep, BDLMObjective
+from megatron_csbp.data import Vocabulary
+
+if TYPE_CHECKING:
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_csbp.spec import AttentionContext
 
 
 def _megatron_lm_args() -> argparse.Namespace:
     from megatron.training import get_args
     return get_args()
-
-
-def _tokenizer(args: argparse.Namespace, megatron_lm: bool):
-    """Megatron-LM's global tokenizer under `pretrain()`, else the plugin's (`data.build_tokenizer`)."""
-    if megatron_lm:
-        from megatron.training import get_tokenizer
-        return get_tokenizer()
-    from megatron_csbp.data import build_tokenizer
-    return build_tokenizer(args)
-
-
-def fill_vocabulary(args: argparse.Namespace, megatron_lm: bool = False) -> None:
-    """Fills `args.mask_token_id` / `args.padded_vocab_size` from the run's tokenizer (`data.vocabulary`)."""
-    if getattr(args, "bdlm_vocabulary_filled", False):
-        return
-    from megatron_csbp.data import vocabulary
-
-    args.mask_token_id, args.padded_vocab_size = vocabulary(args, _tokenizer(args, megatron_lm))
-    args.bdlm_vocabulary_filled = True
 
 
 def layout_from_args(args: argparse.Namespace, block_parallel_rank: int | None = None):
@@ -57,17 +51,17 @@ def layout_from_args(args: argparse.Namespace, block_parallel_rank: int | None =
                       clean_shards(args), rank, **options)
 
 
-def objective_from_args(args: argparse.Namespace) -> BDLMObjective:
+def objective_from_args(args: argparse.Namespace, mask_token_id: int) -> BDLMObjective:
     """The BDLM objective; noise times are stratified over each global batch (`antithetic_group`)."""
     weighting = args.bdlm_loss_weighting or ("unit" if args.bdlm_objective == "fast-dllm-v2" else "inverse-t")
     return BDLMObjective(
-        block_size=args.bdlm_block_size, mask_token_id=args.mask_token_id, objective=args.bdlm_objective,
+        block_size=args.bdlm_block_size, mask_token_id=mask_token_id, objective=args.bdlm_objective,
         loss_weighting=weighting, noise_range=tuple(args.bdlm_noise_range),
         antithetic=args.bdlm_noise_sampling == "antithetic", antithetic_group=args.global_batch_size,
         seed=args.seed)
 
 
-def _for_bdlm(config):
+def for_bdlm(config):
     """What every BDLM model config needs, whichever loop built it."""
     if config.pipeline_model_parallel_size > 1:
         # Pipeline stages exchange this rank's CSBP rows (|owned noisy| + L/C, uneven when the blocks do not
@@ -92,33 +86,6 @@ def layer_spec_from_args(args: argparse.Namespace):
     return None
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None, *,
-                   args=None, **unused):
-    """This rank's `BDLMGPTModel` (Megatron-LM's `model_provider` contract)."""
-    from megatron_csbp import comm, parallel_state
-    from megatron_csbp import model as bdlm_model
-
-    megatron_lm = args is None
-    args = args or _megatron_lm_args()
-    fill_vocabulary(args, megatron_lm)
-    if config is None:
-        if megatron_lm:
-            from megatron.training.arguments import core_transformer_config_from_args
-            config = core_transformer_config_from_args(args)
-        else:
-            from megatron_csbp.arguments import transformer_config_from_args
-            config = transformer_config_from_args(args)
-    if not parallel_state.is_initialized():  # under Megatron-LM's pretrain(): add the CSBP sub-groups
-        parallel_state.initialize_block_parallel_groups(clean_shards(args), args.distributed_timeout_minutes)
-    comm.set_link(comm.SimulatedLink(args.link_gbps, args.link_latency_us) if args.link_gbps else None)
-    return bdlm_model.model_provider(
-        pre_process, post_process, config=_for_bdlm(config), layout=layout_from_args(args),
-        vocab_size=args.padded_vocab_size, mask_token_id=args.mask_token_id,
-        group=parallel_state.get_block_parallel_groups(), transport=args.csbp_transport, vp_stage=vp_stage,
-        use_transformer_engine=args.transformer_impl == "transformer_engine", base_spec=layer_spec_from_args(args),
-        pg_collection=pg_collection, **gpt_model_kwargs(args))
-
-
 def gpt_model_kwargs(args: argparse.Namespace) -> dict:
     """The `GPTModel` keywords the flags decide (embeddings, RoPE): training's model and the sampler's alike."""
     return dict(share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
@@ -130,12 +97,6 @@ def gpt_model_kwargs(args: argparse.Namespace) -> dict:
 def embedding_ranks(pp_ranks: list[int], tied: bool) -> list[int]:
     """The ranks holding word embeddings: the first stage, and the last where the output layer shares them."""
     return sorted({pp_ranks[0], *([pp_ranks[-1]] if tied else [])})
-
-
-def get_embedding_ranks(pp_ranks: list[int], *, args=None) -> list[int]:
-    """Megatron's `get_embedding_ranks` hook: untied embeddings under PP need no first/last-stage group."""
-    args = args or _megatron_lm_args()
-    return embedding_ranks(list(pp_ranks), not args.untie_embeddings_and_output_weights)
 
 
 def is_dataset_built_on_rank(vp_stage=None) -> bool:
@@ -160,46 +121,136 @@ class SampleIndexed(torch.utils.data.Dataset):
         return {"tokens": torch.as_tensor(self.dataset[index]["tokens"]), "sample_index": torch.tensor(index)}
 
 
-def train_valid_test_datasets_provider(train_val_test_num_samples=None, vp_stage=None, *, args=None):
-    """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
-    built on this rank), sized by Megatron-LM's sample counts."""
-    from megatron_csbp.data import build_datasets, split_sizes
+@dataclass(frozen=True)
+class BDLMRun:
+    """One run on this rank, assembled once (`build_run`) and handed to the model and the forward step."""
 
-    megatron_lm = args is None
-    args = args or _megatron_lm_args()
-    sizes = list(train_val_test_num_samples) if train_val_test_num_samples is not None else split_sizes(args)
-    datasets = build_datasets(args, _tokenizer(args, megatron_lm), sizes=sizes,
-                              is_built_on_rank=partial(is_dataset_built_on_rank, vp_stage))
-    return tuple(None if dataset is None else SampleIndexed(dataset) for dataset in datasets)
+    vocabulary: Vocabulary  # the tokenizer, the MASK id, the padded vocabulary
+    attention: "AttentionContext"  # this rank's layout, the block-parallel groups, the K/V transport
+    config: "TransformerConfig"  # the model's (`for_bdlm` applied); the schedule reads it off the model
+    forward_step: BDLMForwardStep  # the objective and this rank's layout
 
+    @property
+    def layout(self):
+        return self.attention.layout
 
-train_valid_test_datasets_provider.is_distributed = True  # Megatron-LM: every rank calls it
-
-
-_forward_steps = {}  # id(args) -> (args, step): a run's layout and objective are fixed, so build them once
-
-
-def bdlm_forward_step(args: argparse.Namespace, megatron_lm: bool = False) -> BDLMForwardStep:
-    """This run's BDLM forward step (objective and this rank's layout), built on first use."""
-    if id(args) not in _forward_steps:
-        fill_vocabulary(args, megatron_lm)
-        step = BDLMForwardStep(objective_from_args(args), layout_from_args(args),
-                               check_results=getattr(args, "check_for_nan_in_loss_and_grad", False),
-                               check_spiky_loss=getattr(args, "check_for_spiky_loss", False))
-        _forward_steps[id(args)] = (args, step)
-    return _forward_steps[id(args)][1]
+    @property
+    def objective(self) -> BDLMObjective:
+        return self.forward_step.objective
 
 
-def forward_step(data_iterator, model, checkpoint_activations_microbatch=None, return_schedule_plan=False, *,
-                 args=None):
-    """Megatron's `forward_step(data_iterator, model) -> (output, loss_func)` for the BDLM objective.
+def build_run(args: argparse.Namespace, vocabulary: Vocabulary, config: "TransformerConfig") -> BDLMRun:
+    """This rank's run from validated `args`, once Megatron's parallel state (with the CSBP sub-groups) exists."""
+    from megatron_csbp import parallel_state
+    from megatron_csbp.spec import AttentionContext
 
-    Takes the extra arguments Megatron-LM's schedules may pass, refusing those the BDLM step cannot honour.
+    layout = layout_from_args(args)
+    step = BDLMForwardStep(objective_from_args(args, vocabulary.mask_token_id), layout,
+                           check_results=getattr(args, "check_for_nan_in_loss_and_grad", False),
+                           check_spiky_loss=getattr(args, "check_for_spiky_loss", False))
+    attention = AttentionContext(layout=layout, group=parallel_state.get_block_parallel_groups(),
+                                 transport=args.csbp_transport)
+    return BDLMRun(vocabulary, attention, for_bdlm(config), step)
+
+
+class RunProviders:
+    """One run's providers, as bound methods (Megatron-LM's `model_provider`, `forward_step`,
+    `train_valid_test_datasets_provider`, `get_embedding_ranks`).
+
+    `args`: our loop's validated arguments; None under Megatron-LM's `pretrain()`, whose global `args` and
+    tokenizer are read once it has parsed them. `vocabulary`: a vocabulary already fixed (a checkpoint's, on
+    another TP size), else worked out from the tokenizer, once. The run (`run`) is built on first use.
     """
-    if checkpoint_activations_microbatch is not None:
-        raise ConfigError("--num-microbatches-with-partial-activation-checkpoints is not supported by the BDLM "
-                          "forward step; use --recompute-granularity full (all micro-batches) or drop it")
-    if return_schedule_plan:
-        raise ConfigError("--overlap-moe-expert-parallel-comm (schedule plans) is not supported with BDLM; drop it")
-    megatron_lm = args is None
-    return bdlm_forward_step(args or _megatron_lm_args(), megatron_lm)(data_iterator, model)
+
+    def __init__(self, args: argparse.Namespace | None = None, vocabulary: Vocabulary | None = None):
+        self._args = args
+        self._vocabulary = vocabulary
+        self._run = None
+
+    @property
+    def megatron_lm(self) -> bool:
+        return self._args is None
+
+    @property
+    def args(self) -> argparse.Namespace:
+        return _megatron_lm_args() if self.megatron_lm else self._args
+
+    @property
+    def vocabulary(self) -> Vocabulary:
+        """The run's tokenizer (Megatron-LM's under `pretrain()`, else `data.build_tokenizer`'s), MASK id and
+        padded vocabulary: needs no parallel state, so the datasets provider may come first."""
+        if self._vocabulary is None:
+            if self.megatron_lm:
+                from megatron.training import get_tokenizer
+
+                args = self.args
+                self._vocabulary = Vocabulary.from_args(args, get_tokenizer())
+                # Megatron-LM's args are its checkpoints' record and its FLOPs count's input: they hold the
+                # model's vocabulary (MASK included), as our loop's checkpoints do (`Vocabulary.recorded`).
+                args.mask_token_id = self._vocabulary.mask_token_id
+                args.padded_vocab_size = self._vocabulary.padded_vocab_size
+            else:
+                self._vocabulary = Vocabulary.from_args(self.args)
+        return self._vocabulary
+
+    @property
+    def run(self) -> BDLMRun:
+        if self._run is None:
+            self._run = self._build_run()
+        return self._run
+
+    def _build_run(self) -> BDLMRun:
+        from megatron_csbp import comm, parallel_state
+
+        args = self.args
+        if not parallel_state.is_initialized():  # under Megatron-LM's pretrain(): add the CSBP sub-groups
+            parallel_state.initialize_block_parallel_groups(clean_shards(args), args.distributed_timeout_minutes)
+        comm.set_link(comm.SimulatedLink(args.link_gbps, args.link_latency_us) if args.link_gbps else None)
+        if self.megatron_lm:
+            from megatron.training.arguments import core_transformer_config_from_args as config_from_args
+        else:
+            from megatron_csbp.arguments import transformer_config_from_args as config_from_args
+        return build_run(args, self.vocabulary, config_from_args(args))
+
+    def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
+                       **unused):
+        """This rank's `BDLMGPTModel`, on the run's config unless Megatron-LM gives one (`get_model(config=)`)."""
+        from megatron_csbp import model as bdlm_model
+
+        args, run = self.args, self.run
+        return bdlm_model.model_provider(
+            pre_process, post_process, config=run.config if config is None else for_bdlm(config),
+            context=run.attention, vocab_size=run.vocabulary.padded_vocab_size,
+            mask_token_id=run.vocabulary.mask_token_id, vp_stage=vp_stage,
+            use_transformer_engine=args.transformer_impl == "transformer_engine",
+            base_spec=layer_spec_from_args(args), pg_collection=pg_collection, **gpt_model_kwargs(args))
+
+    def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
+        """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
+        built on this rank), sized by Megatron-LM's sample counts."""
+        from megatron_csbp.data import build_datasets, split_sizes
+
+        args = self.args
+        sizes = list(train_val_test_num_samples) if train_val_test_num_samples is not None else split_sizes(args)
+        datasets = build_datasets(args, self.vocabulary, sizes=sizes,
+                                  is_built_on_rank=partial(is_dataset_built_on_rank, vp_stage))
+        return tuple(None if dataset is None else SampleIndexed(dataset) for dataset in datasets)
+
+    train_valid_test_datasets_provider.is_distributed = True  # Megatron-LM: every rank calls it
+
+    def forward_step(self, data_iterator, model, checkpoint_activations_microbatch=None, return_schedule_plan=False):
+        """Megatron's `forward_step(data_iterator, model) -> (output, loss_func)`: the run's BDLM forward step.
+
+        Takes the extra arguments Megatron-LM's schedules may pass, refusing those the BDLM step cannot honour.
+        """
+        if checkpoint_activations_microbatch is not None:
+            raise ConfigError("--num-microbatches-with-partial-activation-checkpoints is not supported by the BDLM "
+                              "forward step; use --recompute-granularity full (all micro-batches) or drop it")
+        if return_schedule_plan:
+            raise ConfigError("--overlap-moe-expert-parallel-comm (schedule plans) is not supported with BDLM; "
+                              "drop it")
+        return self.run.forward_step(data_iterator, model)
+
+    def get_embedding_ranks(self, pp_ranks: list[int]) -> list[int]:
+        """Megatron's `get_embedding_ranks` hook: untied embeddings under PP need no first/last-stage group."""
+        return embedding_ranks(list(pp_ranks), not self.args.untie_embeddings_and_output_weights)

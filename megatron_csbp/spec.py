@@ -3,9 +3,9 @@
 `CSBPCoreAttention` honours Megatron's core-attention contract (constructor keywords from
 `build_module`, `forward(query, key, value, attention_mask, ...)` with un-expanded GQA heads, output
 `[s, b, heads/tp * d]`) and calls the CSBP op with this rank's row layout. The layout and groups come
-from an `AttentionContext`, bound into the spec by `get_csbp_layer_spec(context=...)`, or, for the
-module-level specs (`--spec megatron_csbp.spec csbp_layer_spec`), set once per run with
-`set_attention_context`.
+from an `AttentionContext` (the run's, `providers.BDLMRun.attention`), bound into the spec by
+`get_csbp_layer_spec(context=...)`. The module-level specs (`--spec megatron_csbp.spec csbp_layer_spec`)
+carry none: they are a starting point the model provider copies and binds the run's context into.
 """
 
 import copy
@@ -34,14 +34,6 @@ class AttentionContext:
     transport: str = "collective"
 
 
-_run_context = {}
-
-
-def set_attention_context(context: AttentionContext | None) -> None:
-    """The context used by core attentions built without one (the module-level specs)."""
-    _run_context["context"] = context
-
-
 class CSBPCoreAttention(MegatronModule):
     """Block-diffusion attention over this rank's `[noisy ; clean]` rows through the CSBP op.
 
@@ -66,6 +58,10 @@ class CSBPCoreAttention(MegatronModule):
         if config.window_size is not None:
             raise ValueError("window_size (sliding-window attention) is not supported with the BDLM mask; "
                              "unset --window-size")
+        if context is None:
+            raise RuntimeError("CSBPCoreAttention has no attention context (layout, groups): build the layer spec "
+                               "with get_csbp_layer_spec(context=AttentionContext(...)), as megatron_csbp's model "
+                               "provider does")
         self.layer_number = layer_number
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.context = context
@@ -77,11 +73,7 @@ class CSBPCoreAttention(MegatronModule):
                              "laid out by the CSBP layout; feed one sample per row set (bshd)")
         if attention_bias is not None:
             raise ValueError("attention_bias is not supported by the CSBP attention")
-        context = self.context or _run_context.get("context")
-        if context is None:
-            raise RuntimeError("CSBPCoreAttention has no layout: build the spec with "
-                               "get_csbp_layer_spec(context=AttentionContext(...)) or call "
-                               "megatron_csbp.spec.set_attention_context(...) before the forward pass")
+        context = self.context
         rows = context.layout.num_rows
         padded_rows = query.shape[0]
         out = context_sharded_block_attention(query[:rows], key[:rows], value[:rows], context.layout,

@@ -1,7 +1,8 @@
 """Our pretraining loop, built from megatron-core parts, for where Megatron-LM's `pretrain()` cannot run.
 
 DDP, `get_megatron_optimizer`, `OptimizerParamScheduler`, `get_forward_backward_func` and
-`dist_checkpointing`, around the very providers `pretrain()` is given (`megatron_csbp.providers`).
+`dist_checkpointing`, around the very providers `pretrain()` is given (`megatron_csbp.providers`): one
+`RunProviders(args)` per run, whose run (vocabulary, layout, objective, config, forward step) is built once.
 
 What it adds to a plain loop, and why:
 * Exact resumption: a checkpoint holds model, optimizer, scheduler, RNG and the consumed samples; the
@@ -30,7 +31,6 @@ iteration's forward step; `checkpointing` reads `MEGATRON_CSBP_TEST_CRASH_BEFORE
 groups and the watchdog (`supervision`), so a hang test need not wait a minute.
 """
 
-import functools
 import math
 import os
 import signal
@@ -124,26 +124,30 @@ def _micro_batches(dataset, first_sample: int, args, dp_rank: int, dp_size: int)
 
 
 class Trainer:
-    """One run: model, optimizer, scheduler and data on this rank; `run()` trains and returns the state."""
+    """One run: model, optimizer, scheduler and data on this rank; `run()` trains and returns the state.
 
-    def __init__(self, args):
+    `run_providers`: the run's `providers.RunProviders` (with its validated `args`)."""
+
+    def __init__(self, run_providers: providers.RunProviders):
         from megatron.core import parallel_state as mpu
         from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
                                                finalize_model_grads)
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_csbp.arguments import lr_schedule_steps, optimizer_config_from_args, transformer_config_from_args
+        from megatron_csbp.arguments import lr_schedule_steps, optimizer_config_from_args
         from megatron_csbp.model import pipeline_seq_length
 
-        self.args = args
+        self.providers = run_providers
+        run = run_providers.run  # built here, once
+        # What checkpoints record and the FLOPs count read: the arguments with the run's vocabulary.
+        self.args = args = run.vocabulary.recorded(run_providers.args)
         self.hooks = _TestHooks.from_environment()
-        providers.fill_vocabulary(args)
         self.progress = Progress(args, enabled=dist.get_rank() == dist.get_world_size() - 1)
         _set_seed(args.seed)
-        self.config = transformer_config_from_args(args)
-        self.model = providers.model_provider(mpu.is_pipeline_first_stage(), mpu.is_pipeline_last_stage(),
-                                              args=args, config=self.config).to(default_device())
+        self.config = run.config
+        self.model = run_providers.model_provider(mpu.is_pipeline_first_stage(),
+                                                  mpu.is_pipeline_last_stage()).to(default_device())
         self.ddp = DistributedDataParallel(
             self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
                                                        use_distributed_optimizer=args.use_distributed_optimizer),
@@ -161,10 +165,10 @@ class Trainer:
         self.config.finalize_model_grads_func = finalize_model_grads
         self.config.no_sync_func = self.ddp.no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
-        self.forward_step = providers.bdlm_forward_step(args)
-        self.layout = self.forward_step.layout
+        self.forward_step = run.forward_step
+        self.layout = run.layout
         self.seq_length = pipeline_seq_length(self.layout, self.config)
-        self.micro_batch_rows = args.micro_batch_size * self.forward_step.objective.views_per_sample
+        self.micro_batch_rows = args.micro_batch_size * run.objective.views_per_sample
         self.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
         self.dp_rank = mpu.get_data_parallel_rank()
         self.last_stage = mpu.is_pipeline_last_stage()
@@ -300,7 +304,7 @@ class Trainer:
     def run(self, signals: "_StopSignals") -> LoopState:
         args, state = self.args, self.state
         started = time.time()
-        train, valid, _ = providers.train_valid_test_datasets_provider(args=args)
+        train, valid, _ = self.providers.train_valid_test_datasets_provider()
         data = micro_batches(train, state.consumed_train_samples, args, self.dp_rank, args.data_parallel_size)
         has_valid = torch.tensor([valid is not None], dtype=torch.int32)  # the split is built on some ranks only
         dist.all_reduce(has_valid, op=dist.ReduceOp.MAX)
@@ -407,16 +411,16 @@ def train(args) -> LoopState:
 def _train(args) -> LoopState:
     from megatron_csbp import parallel_state
 
+    run_providers = providers.RunProviders(args)
     timeout = supervision.distributed_timeout_seconds(args)
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         context_block_parallel_size=args.context_parallel_size, clean_shards=providers.clean_shards(args),
-        get_embedding_ranks=functools.partial(providers.get_embedding_ranks, args=args),
-        distributed_timeout_minutes=timeout / 60)
+        get_embedding_ranks=run_providers.get_embedding_ranks, distributed_timeout_minutes=timeout / 60)
     signals = _StopSignals(args.exit_signal_handler)  # from the start: a signal while loading is not lost
     supervision.start_watchdog(timeout, dist.get_rank(), dist.get_world_size())
     try:
-        trainer = Trainer(args)
+        trainer = Trainer(run_providers)
         trainer.load()
         return trainer.run(signals)
     finally:

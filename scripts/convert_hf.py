@@ -64,14 +64,14 @@ def _single_process():
             parallel_state.destroy_model_parallel()
 
 
-def _uninitialised_model(args):
-    """Our model for `args` on this one rank, its weights allocated but not initialised (they are overwritten)."""
+def _uninitialised_model(args, vocabulary):
+    """Our model for `args` and `vocabulary` (training's, whatever the TP size here) on this one rank, its
+    weights allocated but not initialised (they are overwritten)."""
     from megatron_csbp import providers
-    from megatron_csbp.arguments import transformer_config_from_args
 
-    config = transformer_config_from_args(args)
-    config.perform_initialization = False
-    return providers.model_provider(True, True, args=args, config=config)
+    run_providers = providers.RunProviders(args, vocabulary)
+    run_providers.run.config.perform_initialization = False
+    return run_providers.model_provider(True, True)
 
 
 def _single_rank(args):
@@ -84,14 +84,9 @@ def _single_rank(args):
     return args
 
 
-def _vocabulary_rows(args) -> int:
+def _vocabulary_rows(vocabulary) -> int:
     """Ids the model's tokenizer side has: the tokenizer's (MASK included) and MASK's; rows an export writes."""
-    from megatron_csbp.data import build_tokenizer
-
-    probe = argparse.Namespace(**vars(args))
-    probe.bdlm_mask_token_id = args.mask_token_id
-    tokenizer = build_tokenizer(probe)
-    return max(tokenizer.vocab_size, args.mask_token_id + 1)
+    return max(vocabulary.tokenizer.vocab_size, vocabulary.mask_token_id + 1)
 
 
 # ------------------------------------------------------------------------------------------------ import
@@ -146,10 +141,10 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
     import torch
     import yaml
 
-    from megatron_csbp import checkpointing, hf, providers
+    from megatron_csbp import checkpointing, hf
     from megatron_csbp.arguments import validate_args
     from megatron_csbp.config import parse_args
-    from megatron_csbp.data import HuggingFaceTokenizer
+    from megatron_csbp.data import HuggingFaceTokenizer, Vocabulary
 
     config = hf.read_config(hf_dir)
     flags = hf.model_flags(config)  # refuses what the mapping cannot express, before any work
@@ -191,17 +186,17 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
                        "train-iters=1", "lr=0", "data-path=unused", "finetune=true",
                        f"tensor-model-parallel-size={tensor_model_parallel_size}"])
     args = validate_args(args, tensor_model_parallel_size, on_accelerator=False, check_paths=False)
-    providers.fill_vocabulary(args)
-    vocab = hf.Vocabulary(hf_rows=hf_rows, padded=args.padded_vocab_size, mask_id=mask_id, new_mask=new_mask,
-                          mean_of=min(original_ids, hf_rows), rows=_vocabulary_rows(args))
+    vocabulary = Vocabulary.from_args(args)  # at training's TP size: it fixes the padding
+    vocab = hf.Vocabulary(hf_rows=hf_rows, padded=vocabulary.padded_vocab_size, mask_id=mask_id, new_mask=new_mask,
+                          mean_of=min(original_ids, hf_rows), rows=_vocabulary_rows(vocabulary))
     log(f" {config['architectures'][0]}: {flags['num-layers']} layers, {hf_rows} HF vocabulary rows -> "
         f"{vocab.padded} padded; MASK id {mask_id} ({'new, rows initialised to the mean' if new_mask else 'existing'})")
 
-    args = _single_rank(args)
+    args = vocabulary.recorded(_single_rank(args))
     shape = hf.Shape.from_args(args)
     names = hf.name_map(shape)
     with _single_process():
-        model = _uninitialised_model(args)
+        model = _uninitialised_model(args, vocabulary)
         parameters = dict(model.named_parameters())
         if set(parameters) != set(names):
             raise RuntimeError(f"the mapping and the model disagree: {sorted(set(parameters) ^ set(names))[:4]}")
@@ -263,6 +258,7 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, lo
     from safetensors.torch import save_file
 
     from megatron_csbp import checkpointing, hf
+    from megatron_csbp.data import Vocabulary, build_tokenizer
 
     iteration = checkpointing.find_checkpoint(load, fallback=False, log=log)
     directory = checkpointing.checkpoint_dir(load, iteration)
@@ -280,7 +276,8 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, lo
                               f"{os.path.join(load, HF_SIDE)})")
     base_path = os.path.join(hf_side, "config.json") if hf_side else None
     base = hf.read_config(hf_side) if base_path and os.path.isfile(base_path) else None
-    rows = _vocabulary_rows(args)
+    vocabulary = Vocabulary(build_tokenizer(args), args.mask_token_id, args.padded_vocab_size)  # the checkpoint's
+    rows = _vocabulary_rows(vocabulary)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     config = export_config(args, base, rows, dtype)  # refuses, before any tensor is read
 
@@ -289,7 +286,7 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, lo
                           new_mask=False, mean_of=0, rows=rows)
     names = hf.name_map(shape)
     with _single_process():
-        model = _uninitialised_model(args)
+        model = _uninitialised_model(args, vocabulary)
         checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,
                                       log=lambda *_: None)
     parameters = dict(model.named_parameters())

@@ -170,7 +170,7 @@ def build_model(args, directory: str | None):
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1, context_block_parallel_size=1,
                                              clean_shards=1, distributed_timeout_minutes=args.distributed_timeout_minutes)
     model_parallel_cuda_manual_seed(args.seed)
-    model = sampling.sampling_model(  # the GPTModel keywords providers.model_provider gives the training model
+    model = sampling.sampling_model(  # the GPTModel keywords RunProviders.model_provider gives the training model
         transformer_config_from_args(args), args.padded_vocab_size, args.bdlm_block_size,
         **providers.gpt_model_kwargs(args)).to(default_device())
     if directory is not None:

@@ -137,15 +137,17 @@ def _our_logits(rank, world, root, families, tp, cp, controls):
                 config = transformer_config_from_args(args)
                 config.rotary_interleaved = control == "rope interleaved"
                 args.use_rope_scaling = args.use_rope_scaling and control != "rope unscaled"
-                model = providers.model_provider(args=args, config=config)
+                run_providers = providers.RunProviders(args)
+                model = run_providers.model_provider(config=config)
                 checkpointing.load_checkpoint(os.path.join(root, family, "ckpt", "iter_0000000"), model, None, None,
-                                              args, load_optimizer=False, load_rng=False, log=lambda *_: None)
+                                              run_providers.vocabulary.recorded(args), load_optimizer=False,
+                                              load_rng=False, log=lambda *_: None)
                 if control == "qkv concatenated":  # [q ; k ; v] as if the per-group interleaving were missing
                     for layer in model.decoder.layers:
                         qkv = layer.self_attention.linear_qkv.weight
                         qkv.data.copy_(torch.cat(split_qkv(qkv.data, Shape.from_args(args))))
-                layout = providers.layout_from_args(args)
-                x0, x_t = _inputs(args.mask_token_id, MODELS[family]["tokenizer_ids"])
+                layout = run_providers.run.layout
+                x0, x_t = _inputs(run_providers.vocabulary.mask_token_id, MODELS[family]["tokenizer_ids"])
                 input_ids = torch.cat([x_t[:, layout.noisy_positions], x0[:, layout.clean_positions]], dim=1)
                 positions = layout.row_positions.expand(BATCH, -1).contiguous()
                 model.eval()
@@ -322,11 +324,11 @@ def test_finetune_first_loss_is_the_huggingface_models(converted, llama_data, tm
     first = float(re.search(r"iteration\s+1/\s*2 \|.*?lm loss: ([-+0-9.eE]+)", output).group(1))
 
     args = validate_args(parse_args(["--config", config, *overrides]), 1)
-    providers.fill_vocabulary(args)
-    train, _, _ = providers.train_valid_test_datasets_provider(args=args)
+    run_providers = providers.RunProviders(args)
+    train, _, _ = run_providers.train_valid_test_datasets_provider()
     x0 = torch.stack([train[i]["tokens"] for i in range(args.global_batch_size)])
-    mask_id = args.mask_token_id
-    assert mask_id == _mask_id("llama") and args.padded_vocab_size == mask_id + 1  # no padding columns
+    mask_id = run_providers.vocabulary.mask_token_id
+    assert mask_id == _mask_id("llama") and run_providers.vocabulary.padded_vocab_size == mask_id + 1  # no padding
     logits = hf_reference(os.path.join(converted, "llama", "hf"), torch.full_like(x0, mask_id), x0, mask_id,
                           _mask_id("llama"))
     ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).double(),

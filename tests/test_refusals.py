@@ -157,12 +157,12 @@ def test_checkpoint_size_estimate_matches_a_real_checkpoint(tmp_path):
 @on_cpu_backend
 def _save_once(rank, world, args, save):
     """Builds the tiny model and optimizer, steps once, saves one checkpoint; returns its .distcp bytes."""
-    from megatron_csbp import checkpointing, parallel_state, training
+    from megatron_csbp import checkpointing, parallel_state, providers, training
 
     args.vocab_size, args.tokenizer_type = 256, "ByteLevelTokenizer"
     parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1)
     try:
-        trainer = training.Trainer(args)
+        trainer = training.Trainer(providers.RunProviders(args))
         trainer.optimizer.step()  # Adam's moments exist from the first step on (zero gradients suffice)
         directory = checkpointing.save_checkpoint(save, trainer.state, trainer.model, trainer.optimizer,
                                                   trainer.scheduler, args, log=lambda line: None)
@@ -198,3 +198,4 @@ def test_submit_refuses_a_non_positive_cpus_per_task():
                 f"submit.py: refused: --cpus-per-task {cpus}: must be >= 1 (or drop it for Slurm's default)"]
         else:  # negative control: a valid count is written into the batch script
             assert done.returncode == 0 and "--cpus-per-task=2" in done.stdout, done.stderr
+

@@ -75,10 +75,11 @@ def test_forward_step_refuses_the_megatron_arguments_it_cannot_honour():
     from megatron_csbp import providers
     from megatron_csbp.arguments import ConfigError
 
+    run_providers = providers.RunProviders(object())
     with pytest.raises(ConfigError, match="--num-microbatches-with-partial-activation-checkpoints"):
-        providers.forward_step(iter([]), None, True, args=object())
+        run_providers.forward_step(iter([]), None, True)
     with pytest.raises(ConfigError, match="schedule plans"):
-        providers.forward_step(iter([]), None, return_schedule_plan=True, args=object())
+        run_providers.forward_step(iter([]), None, return_schedule_plan=True)
 
 
 @pytest.mark.parametrize("field, value, flag", [
@@ -149,16 +150,18 @@ def _single_rank_checks(rank, world_size):
         attention(query, key, value, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
     with pytest.raises(ValueError, match="--attention-dropout 0"):
         CSBPCoreAttention(_config(attention_dropout=0.1), 1)
-    with pytest.raises(RuntimeError, match="set_attention_context"):
-        CSBPCoreAttention(config, 1)(query, key, value, None)
+    with pytest.raises(RuntimeError, match="no attention context"):
+        CSBPCoreAttention(config, 1)
 
-    # Model: RoPE by row position, head over noisy rows only, MASK excluded, CE of the noisy rows.
+    # Model: RoPE at the batch's positions, head over noisy rows only, MASK excluded, CE of the noisy rows.
     model = model_provider(config=config, layout=layout, vocab_size=VOCAB, mask_token_id=MASK)
     table = model.rotary_pos_emb.rotary.get_emb(SEQ)
-    assert torch.equal(model.rotary_pos_emb(layout.num_rows), table[layout.row_positions])
     tokens = torch.randint(0, MASK, (2, layout.num_rows))
     positions = layout.row_positions.expand(2, -1)
+    assert torch.equal(model._preprocess(tokens, positions)[1], table[layout.row_positions])
     logits = model(tokens, positions)
+    shifted = model(tokens, positions.roll(1, dims=1))  # negative control: RoPE reads the positions given
+    assert (shifted - logits)[..., :MASK].abs().max() > 1e-3
     assert logits.shape == (2, layout.num_noisy_rows, VOCAB)
     assert torch.isneginf(logits[..., MASK]).all() and torch.isfinite(logits[..., :MASK]).all()
     labels = tokens[:, :layout.num_noisy_rows]

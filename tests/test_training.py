@@ -11,6 +11,7 @@ import types
 import pytest
 
 from pretrain_runs import K, REPO, base, copy_checkpoint, run, significant, validated_args
+from spawn import on_cpu_backend
 
 pytest_plugins = ["pretrain_runs"]  # fixtures shared with the other training tests: corpus, reference_runs
 LINE = re.compile(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+) \| consumed samples: +(\d+) \| "
@@ -111,18 +112,58 @@ def test_providers_read_megatron_lm_globals_when_given_no_args(monkeypatch, corp
     megatron_args = validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode="csbp")
     fake = types.ModuleType("megatron.training")
     fake.get_args = lambda: megatron_args
-    fake.get_tokenizer = lambda: NullTokenizer(256)
+    tokenizers = []
+    fake.get_tokenizer = lambda: tokenizers.append(NullTokenizer(256)) or tokenizers[-1]
     monkeypatch.setitem(sys.modules, "megatron.training", fake)
     monkeypatch.setattr(providers, "is_dataset_built_on_rank", lambda vp_stage=None: True)
-    train, valid, test = providers.train_valid_test_datasets_provider([16, 8, 0])
+    run_providers = providers.RunProviders()
+    run_providers.train_valid_test_datasets_provider([16, 8, 0])
+    train, valid, test = run_providers.train_valid_test_datasets_provider([16, 8, 0])
+    assert len(tokenizers) == 1  # the vocabulary is worked out once per run
     assert test is None and len(train) >= 16 and len(valid) >= 1
     sample = train[5]
     assert sample["tokens"].shape == (64,) and int(sample["sample_index"]) == 5
-    providers.fill_vocabulary(megatron_args, megatron_lm=True)
-    assert int(sample["tokens"].max()) < megatron_args.mask_token_id == 257
-    objective = providers.objective_from_args(megatron_args)
+    assert isinstance(run_providers.vocabulary.tokenizer, NullTokenizer)  # Megatron-LM's, not one of ours
+    assert int(sample["tokens"].max()) < run_providers.vocabulary.mask_token_id == 257
+    objective = providers.objective_from_args(megatron_args, run_providers.vocabulary.mask_token_id)
     assert (objective.block_size, objective.mask_token_id, objective.antithetic_group) == (8, 257, 4)
-    assert megatron_args.padded_vocab_size == 384
+    # Megatron-LM's args are what its checkpoints save: they record the model's vocabulary.
+    assert (megatron_args.mask_token_id, megatron_args.padded_vocab_size) == (257, 384)
+
+
+@on_cpu_backend
+def _count_assembly(rank, world, args):
+    """Trains `args` on this rank, counting how often the run's parts are built, checked and used."""
+    from collections import Counter
+
+    from megatron_csbp import bdlm, data, providers, training
+
+    counts = Counter()
+
+    def counted(name, function):
+        def wrapper(*arguments, **keywords):
+            counts[name] += 1
+            return function(*arguments, **keywords)
+        return wrapper
+
+    providers.build_run = counted("run", providers.build_run)
+    providers.layout_from_args = counted("layout", providers.layout_from_args)
+    data.build_tokenizer = counted("tokenizer", data.build_tokenizer)
+    bdlm._check_model_matches = counted("model check", bdlm._check_model_matches)
+    bdlm.BDLMForwardStep.__call__ = counted("micro-batch", bdlm.BDLMForwardStep.__call__)
+    training.train(args)
+    return dict(counts)
+
+
+def test_the_run_is_built_once_per_run(corpus):
+    """Our loop: one tokenizer, one layout, one run and one model check for all micro-batches of all
+    iterations, training and validation alike (the providers share the run; nothing is rebuilt per step)."""
+    from spawn import run_ranks
+
+    args = validated_args(corpus, 1, train_iters=3, eval_interval=2, eval_iters=1)
+    counts = run_ranks(_count_assembly, 1, args, timeout=300)[0]
+    micro_batches = (3 + 1) * args.global_batch_size // args.micro_batch_size  # 3 training, 1 validation batch
+    assert counts == {"tokenizer": 1, "layout": 1, "run": 1, "model check": 1, "micro-batch": micro_batches}, counts
 
 
 def _spans(*ranges):
