@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_csbp import rules
 from megatron_csbp.arguments import ConfigError, clean_shards
 from megatron_csbp.bdlm import BDLMForwardStep, BDLMObjective
 from megatron_csbp.data import Vocabulary
@@ -53,7 +54,7 @@ def layout_from_args(args: argparse.Namespace, block_parallel_rank: int | None =
 
 def objective_from_args(args: argparse.Namespace, mask_token_id: int) -> BDLMObjective:
     """The BDLM objective; noise times are stratified over each global batch (`antithetic_group`)."""
-    weighting = args.bdlm_loss_weighting or ("unit" if args.bdlm_objective == "fast-dllm-v2" else "inverse-t")
+    weighting = args.bdlm_loss_weighting or rules.default_loss_weighting(args.bdlm_objective)
     return BDLMObjective(
         block_size=args.bdlm_block_size, mask_token_id=mask_token_id, objective=args.bdlm_objective,
         loss_weighting=weighting, noise_range=tuple(args.bdlm_noise_range),

@@ -19,7 +19,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from megatron_csbp.ops import context_sharded_block_attention
+from megatron_csbp.device import default_device
+from megatron_csbp.ops import context_sharded_block_attention, ring_plan
 
 
 @dataclass(frozen=True)
@@ -27,11 +28,18 @@ class AttentionContext:
     """What the core attention needs beyond Megatron's config: this rank's rows and where K/V travel.
 
     `group`: the block-parallel `ProcessGroup`, a `process_groups.BlockParallelGroups`, or None on one rank.
+    `plan`: the op's `ops.RingPlan` of the layout on the run's device, made once here and shared by every
+    layer, forward and backward (the run owns it; no cache is consulted).
     """
 
     layout: Any
     group: Any = None
     transport: str = "collective"
+    plan: Any = None
+
+    def __post_init__(self):
+        if self.plan is None:
+            object.__setattr__(self, "plan", ring_plan(self.layout, default_device()))
 
 
 class CSBPCoreAttention(MegatronModule):
@@ -78,7 +86,7 @@ class CSBPCoreAttention(MegatronModule):
         padded_rows = query.shape[0]
         out = context_sharded_block_attention(query[:rows], key[:rows], value[:rows], context.layout,
                                               group=context.group, softmax_scale=self.softmax_scale,
-                                              transport=context.transport)
+                                              transport=context.transport, plan=context.plan)
         if padded_rows > rows:  # rows added to make the row count a multiple of TP (sequence parallel)
             out = torch.cat([out, out.new_zeros(padded_rows - rows, *out.shape[1:])])
         return out

@@ -34,6 +34,7 @@ MODULE_MARKERS = {
     "test_plan": (),
     "test_rules": (),
     "test_attention": ("spawn",),
+    "test_transport_memory": ("spawn",),
     "test_bdlm_forward_step": ("spawn",),
     "test_data": ("spawn",),
     "test_spec_model": ("spawn",),

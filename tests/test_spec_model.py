@@ -115,7 +115,7 @@ def test_validate_config_refuses_a_mask_token_outside_the_vocabulary():
 def test_layout_refuses_a_sequence_it_cannot_take():
     from megatron_csbp.layout import CSBPLayout
 
-    with pytest.raises(ValueError, match="block_size"):
+    with pytest.raises(ValueError, match="--seq-length 18 is not a multiple of --bdlm-block-size 4"):
         CSBPLayout(18, BLOCK, 1, 1)
 
 
