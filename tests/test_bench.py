@@ -125,3 +125,10 @@ def test_transport_memory_reports_both_transports(tmp_path, capsys):
     assert not set(bench.TRANSPORT_MEMORY_KEYS) & set(records["bp"])  # no ring, nothing to compare
     table = capsys.readouterr().out.split("transport memory")[1]
     assert "collective" in table and "streaming" in table
+
+
+def test_the_planner_gets_the_least_disturbed_of_two_calibrations():
+    before = dict(linear_gflops=80.0, attention_gflops=30.0, gather_bytes=4096, gather_s=0.02, latency_s=2e-4)
+    after = dict(linear_gflops=40.0, attention_gflops=60.0, gather_bytes=4096, gather_s=0.01, latency_s=3e-4)
+    assert bench._least_disturbed(before, after) == dict(linear_gflops=80.0, attention_gflops=60.0, gather_bytes=4096,
+                                                         gather_s=0.01, latency_s=2e-4)
