@@ -10,7 +10,7 @@ nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only checkpoint (fp3
 `--load CKPT --finetune` into any TP / PP / CSBP layout (dist_checkpointing reshards it). Beside it:
 `CKPT/hf/` (the tokenizer with the MASK token, for `--tokenizer-type HuggingFaceTokenizer`, and the HF
 config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK token is a new one,
-`<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.hf`), or, with `--mask-token`,
+`<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.training.hf`), or, with `--mask-token`,
 an existing unused token. Its id is recorded as `bdlm-mask-token-id` in the fragment and in the
 checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / `--make-vocab-size-
 divisible-by` must be those training will use: they fix the padded vocabulary. Weights are read tensor
@@ -33,7 +33,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_csbp.arguments import ConfigError  # noqa: E402
+from megatron_csbp.training.arguments import ConfigError  # noqa: E402
 
 NEW_MASK_TOKEN = "<|mask|>"
 HF_SIDE = "hf"  # CKPT/hf: the tokenizer and HF config the checkpoint goes with
@@ -46,9 +46,9 @@ def _single_process():
     """One gloo rank and megatron's parallel state (no parallelism): what building a model needs."""
     import torch.distributed as dist
 
-    from megatron_csbp import cpu_backend, parallel_state
-    from megatron_csbp.device import default_backend
-    from megatron_csbp.launch import free_port
+    from megatron_csbp.mcore import cpu_backend, parallel_state
+    from megatron_csbp.core.device import default_backend
+    from megatron_csbp.training.launch import free_port
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -67,7 +67,7 @@ def _single_process():
 def _uninitialised_model(args, vocabulary):
     """Our model for `args` and `vocabulary` (training's, whatever the TP size here) on this one rank, its
     weights allocated but not initialised (they are overwritten)."""
-    from megatron_csbp import providers
+    from megatron_csbp.training import providers
 
     run_providers = providers.RunProviders(args, vocabulary)
     run_providers.run.config.perform_initialization = False
@@ -141,10 +141,10 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
     import torch
     import yaml
 
-    from megatron_csbp import checkpointing, hf
-    from megatron_csbp.arguments import validate_args
-    from megatron_csbp.config import parse_args
-    from megatron_csbp.data import HuggingFaceTokenizer, Vocabulary
+    from megatron_csbp.training import checkpointing, hf
+    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.config import parse_args
+    from megatron_csbp.training.data import HuggingFaceTokenizer, Vocabulary
 
     config = hf.read_config(hf_dir)
     flags = hf.model_flags(config)  # refuses what the mapping cannot express, before any work
@@ -212,7 +212,7 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
 # ------------------------------------------------------------------------------------------------ export
 def export_config(args, base: dict | None, rows: int, dtype) -> dict:
     """The HF `config.json` of our model (the imported one updated, or one built from the flags)."""
-    from megatron_csbp import hf
+    from megatron_csbp.training import hf
 
     if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear or \
             getattr(args, "position_embedding_type", "rope") != "rope":
@@ -257,8 +257,8 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, lo
     from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    from megatron_csbp import checkpointing, hf
-    from megatron_csbp.data import Vocabulary, build_tokenizer
+    from megatron_csbp.training import checkpointing, hf
+    from megatron_csbp.training.data import Vocabulary, build_tokenizer
 
     iteration = checkpointing.find_checkpoint(load, fallback=False, log=log)
     directory = checkpointing.checkpoint_dir(load, iteration)

@@ -8,7 +8,7 @@
 `--load` is a `--save` directory (its latest checkpoint) or one `iter_XXXXXXX` directory. The model, the
 tokenizer, the block size, the MASK id and the objective come from the arguments the checkpoint recorded;
 `--config FILE.yaml` (a training config) overrides what it sets, e.g. a `tokenizer-model` that moved, and
-the model's shape must still agree with the checkpoint. Decoding: `megatron_csbp.sampling`.
+the model's shape must still agree with the checkpoint. Decoding: `megatron_csbp.tools.sampling`.
 
 Prints the settings, each prompt with its sample (Python string literals), then the tokens/s and the
 number of model calls. Exit status: 0 done, 2 refused input (one line, before the model is built), 1 a failure.
@@ -23,7 +23,7 @@ SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(SCRIPTS))
 sys.path.insert(1, SCRIPTS)
 
-from megatron_csbp.arguments import ConfigError  # noqa: E402
+from megatron_csbp.training.arguments import ConfigError  # noqa: E402
 
 NAME = os.path.basename(__file__)
 
@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_csbp.sampling import STRATEGIES
+    from megatron_csbp.tools.sampling import STRATEGIES
 
     parser = _Parser(description="Block-diffusion sampling from a megatron_csbp checkpoint.", allow_abbrev=False)
     parser.add_argument("--load", required=True, help="A --save directory (latest checkpoint) or an iter_XXXXXXX one.")
@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps-per-block", type=int, default=None,
                         help="Denoising steps (model calls) per block at most. Default: the block size.")
     parser.add_argument("--strategy", choices=STRATEGIES, default="confidence",
-                        help="Which masked positions to unmask at each step (see megatron_csbp.sampling).")
+                        help="Which masked positions to unmask at each step (see megatron_csbp.tools.sampling).")
     parser.add_argument("--threshold", type=float, default=0.9, help="Confidence threshold (--strategy confidence).")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy.")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _checkpoint_directory(load: str) -> str:
-    from megatron_csbp import checkpointing
+    from megatron_csbp.training import checkpointing
 
     if os.path.isfile(os.path.join(load, checkpointing.MANIFEST)):
         return load
@@ -73,12 +73,12 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
     """The training arguments of the checkpoint (then `--config`), set up for one model replica over TP."""
     from megatron.core import dist_checkpointing
 
-    from megatron_csbp import checkpointing
-    from megatron_csbp.arguments import build_parser as training_parser
-    from megatron_csbp.arguments import null_as_byte_tokenizer
-    from megatron_csbp.config import parse_args
-    from megatron_csbp import rules
-    from megatron_csbp.data import build_tokenizer
+    from megatron_csbp.training import checkpointing
+    from megatron_csbp.training.arguments import build_parser as training_parser
+    from megatron_csbp.training.arguments import null_as_byte_tokenizer
+    from megatron_csbp.training.config import parse_args
+    from megatron_csbp.core import rules
+    from megatron_csbp.training.data import build_tokenizer
 
     checkpointing.check_complete(directory)
     try:
@@ -110,7 +110,7 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
 
 
 def settings_from(options, args):
-    from megatron_csbp.sampling import SamplingSettings
+    from megatron_csbp.tools.sampling import SamplingSettings
 
     return SamplingSettings(
         block_size=args.bdlm_block_size, mask_token_id=args.mask_token_id,
@@ -163,9 +163,11 @@ def build_model(args, directory: str | None):
     freshly initialised, an untrained model)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_csbp import checkpointing, parallel_state, providers, sampling
-    from megatron_csbp.arguments import transformer_config_from_args
-    from megatron_csbp.device import default_device
+    from megatron_csbp.training import checkpointing, providers
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.tools import sampling
+    from megatron_csbp.training.arguments import transformer_config_from_args
+    from megatron_csbp.core.device import default_device
 
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1, context_block_parallel_size=1,
                                              clean_shards=1, distributed_timeout_minutes=args.distributed_timeout_minutes)
@@ -205,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch.distributed as dist
 
-    from megatron_csbp import cpu_backend, parallel_state, sampling
-    from megatron_csbp.loops import init_distributed
+    from megatron_csbp.mcore import cpu_backend, parallel_state
+    from megatron_csbp.tools import sampling
+    from megatron_csbp.training.loops import init_distributed
 
     try:
         init_distributed(args.distributed_timeout_minutes)

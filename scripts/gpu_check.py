@@ -34,15 +34,15 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_csbp import rules  # noqa: E402
-from megatron_csbp.device import default_device  # noqa: E402
+from megatron_csbp.core import rules  # noqa: E402
+from megatron_csbp.core.device import default_device  # noqa: E402
 
 SECTIONS = ("correctness", "throughput", "train")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SPECS = ("auto", "te", "local")
 NEGATIVE_CONTROL_FACTOR = 10  # the causal-mask control must be at least this many tolerances away
 
-# The trainer's rules (megatron_csbp.rules) on one rank's layout (P = C = 1), told this script's flag names.
+# The trainer's rules (megatron_csbp.core.rules) on one rank's layout (P = C = 1), told this script's flag names.
 _ONE_RANK = dict(parallel_size="ranks", clean_shards="clean shards", clean_layout="clean layout", kv_channels=None)
 CHECK_FLAGS = rules.FLAGS.renamed(seq_length="--check-seq-lengths", block_size="--check-block-size",
                                   heads="--check-heads", query_groups="--check-kv-heads", **_ONE_RANK)
@@ -203,7 +203,7 @@ class DenseFlexStandIn:
 
 def kernel_variants(device):
     """(label, kernels or None for the op's own choice, whether the backward runs) to check on `device`."""
-    from megatron_csbp.kernels import FlexKernels, default_kernels
+    from megatron_csbp.core.kernels import FlexKernels, default_kernels
 
     own = [(type(default_kernels(device)).__name__, None, True)]
     if device.type != "cpu":
@@ -216,8 +216,8 @@ def kernel_variants(device):
 
 def correctness_case(args, device, label, kernels, backward, dtype_name, seq_length):
     """One (kernels, dtype, L) case: the op's errors against the fp64 reference, and the negative control."""
-    from megatron_csbp.layout import CSBPLayout
-    from megatron_csbp import ops
+    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.core import ops
 
     dtype, block = DTYPES[dtype_name], args.check_block_size
     tolerance = args.fp32_tolerance if dtype is torch.float32 else args.bf16_tolerance
@@ -289,7 +289,7 @@ def attention_flops(pairs_per_head, heads, head_dim, batch):
     """(forward, backward) model FLOPs of the (query, key) pairs of every head: `flops.attention_flops_per_pair`
     forward, `rules.BACKWARD_FLOPS_PER_FORWARD` times that backward (a flash kernel's recomputed scores are not
     counted, as in the trainer's TFLOP/s)."""
-    from megatron_csbp.flops import attention_flops_per_pair
+    from megatron_csbp.bdlm.flops import attention_flops_per_pair
 
     forward = pairs_per_head * batch * attention_flops_per_pair(heads, head_dim)
     return forward, rules.BACKWARD_FLOPS_PER_FORWARD * forward
@@ -321,9 +321,9 @@ def _time_forward_backward(run, inputs, grad, iters, device):
 
 
 def throughput(args, device, records):
-    from megatron_csbp.flops import bdlm_attention_pairs
-    from megatron_csbp.layout import CSBPLayout
-    from megatron_csbp.ops import context_sharded_block_attention
+    from megatron_csbp.bdlm.flops import bdlm_attention_pairs
+    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.core.ops import context_sharded_block_attention
 
     L, block, batch = args.bench_seq_length, args.bench_block_size, args.bench_batch
     heads, kv_heads, head_dim = args.bench_heads, args.bench_kv_heads, args.bench_head_dim
@@ -395,9 +395,9 @@ def single_rank(device):
     """torch.distributed (world size 1) and megatron_csbp's parallel state with P = C = 1."""
     import torch.distributed as dist
 
-    from megatron_csbp import cpu_backend, parallel_state
-    from megatron_csbp.device import default_backend
-    from megatron_csbp.launch import free_port
+    from megatron_csbp.mcore import cpu_backend, parallel_state
+    from megatron_csbp.core.device import default_backend
+    from megatron_csbp.training.launch import free_port
 
     with cpu_backend.active():  # only on a machine without an accelerator
         created = not dist.is_initialized()
@@ -421,10 +421,10 @@ def train(args, device, records):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp.bdlm import BDLMForwardStep, BDLMObjective
-    from megatron_csbp.flops import bdlm_step_flops
-    from megatron_csbp.layout import CSBPLayout
-    from megatron_csbp.model import model_provider
+    from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
+    from megatron_csbp.bdlm.flops import bdlm_step_flops
+    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.mcore.model import model_provider
 
     use_te = args.train_spec == "te" or (args.train_spec == "auto" and te_version is not None)
     spec_note = (f"Transformer Engine {te_version}" if use_te else

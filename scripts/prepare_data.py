@@ -8,7 +8,7 @@ sources (a sorted, deterministic list, about 4 MB) — byte-tokenized, one docum
 Inputs ending in `.jsonl`/`.json` hold one JSON object per line (text under `--json-key`); any other file
 is one document. A malformed line is reported as `file:line: why` and skipped (counted) or fatal, per
 `--on-bad-line`. The dataset is read back and checked before it replaces anything (see
-`megatron_csbp.data.write_indexed_dataset`).
+`megatron_csbp.training.data.write_indexed_dataset`).
 """
 
 import argparse
@@ -87,7 +87,7 @@ def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_csbp.rules import BYTE_TOKENIZER, TEXT_TOKENIZERS
+    from megatron_csbp.core.rules import BYTE_TOKENIZER, TEXT_TOKENIZERS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--input", nargs="+", default=None,
@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_csbp.arguments import ConfigError
-    from megatron_csbp.data import build_tokenizer, dataset_stats, write_indexed_dataset
+    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.training.data import build_tokenizer, dataset_stats, write_indexed_dataset
 
     args = build_parser().parse_args(argv)
     args.make_vocab_size_divisible_by, args.tensor_model_parallel_size = 1, 1

@@ -7,8 +7,8 @@ Launch it like any Megatron script: torchrun, or one `srun` task per rank export
 MASTER_ADDR, MASTER_PORT and LOCAL_RANK (`python scripts/pretrain_bdlm.py ...` alone is one rank).
 
 `--training-loop megatron-lm` runs Megatron-LM's own `pretrain()` with the plugin's providers and flags
-(`megatron_csbp.megatron_lm`; Megatron-LM is found through `MEGATRON_LM_PATH` or the Python path);
-`--training-loop megatron-core` runs `megatron_csbp.training`, a loop built from megatron-core parts with
+(`megatron_csbp.training.megatron_lm`; Megatron-LM is found through `MEGATRON_LM_PATH` or the Python path);
+`--training-loop megatron-core` runs `megatron_csbp.training.loop`, a loop built from megatron-core parts with
 the same providers; `auto` (the default) takes Megatron-LM's where `megatron.training` imports. Both run on
 GPUs and, with gloo, on CPUs.
 
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _FAILED_RANK_KEY = "megatron_csbp/failed_rank"
 
-from megatron_csbp.supervision import die_with_launcher  # noqa: E402
+from megatron_csbp.core.supervision import die_with_launcher  # noqa: E402
 
 die_with_launcher()  # at import: a killed torchrun/srun takes its ranks, and their spawned helpers, with it
 
@@ -62,8 +62,8 @@ def _end_helper_processes() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_csbp import loops
-    from megatron_csbp.arguments import ConfigError
+    from megatron_csbp.training import loops
+    from megatron_csbp.training.arguments import ConfigError
 
     argv = sys.argv[1:] if argv is None else list(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -132,7 +132,7 @@ def reference_runs(corpus, tmp_path_factory) -> dict:
 
 def validated_args(corpus: str, world: int = 1, **settings):
     """Validated arguments of the tiny config, as the script would build them (for in-process runs)."""
-    from megatron_csbp.arguments import validate_args
-    from megatron_csbp.config import parse_args
+    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.config import parse_args
 
     return validate_args(parse_args(flags({**TINY, "data_path": corpus, "train_iters": 4, **settings})), world)

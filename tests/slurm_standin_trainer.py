@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from megatron_csbp.config import parse_args  # noqa: E402
+from megatron_csbp.training.config import parse_args  # noqa: E402
 
 received = []
 

@@ -43,7 +43,7 @@ class Case:
 
 
 def make_layout(case, world_size, rank):
-    from megatron_csbp.layout import layout_for
+    from megatron_csbp.core.layout import layout_for
 
     return layout_for(case.mode, case.seq_length, case.block_size, world_size, case.clean_shards, rank,
                       **case.options)
@@ -64,8 +64,8 @@ def _copy_instead_of_reduce_scatter(full, group):
 
 
 def _run_cases(rank, world_size, cases):
-    from megatron_csbp import comm, kernels, ops
-    from megatron_csbp.process_groups import new_block_parallel_groups
+    from megatron_csbp.core import comm, kernels, ops
+    from megatron_csbp.core.process_groups import new_block_parallel_groups
 
     kernels._kernels["cpu"] = kernels.CPUKernels(tile=TILE)
     group_cache = {}
@@ -158,7 +158,7 @@ def topology(request):
 
 
 def _run_single(cases):
-    import megatron_csbp.kernels as kernels
+    import megatron_csbp.core.kernels as kernels
 
     saved = kernels._kernels.pop("cpu", None)
     try:
@@ -212,8 +212,8 @@ def test_csbp_sends_half_of_conventional_cp(topology):
 
 
 def test_bad_calls_are_refused():
-    from megatron_csbp.layout import CSBPLayout
-    from megatron_csbp.ops import context_sharded_block_attention
+    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.core.ops import context_sharded_block_attention
 
     layout = CSBPLayout(32, 8, 1, 1)
     q, k = torch.zeros(64, 1, 4, 8), torch.zeros(64, 1, 3, 8)
@@ -226,8 +226,8 @@ def test_bad_calls_are_refused():
 
 
 def test_a_plan_is_built_once_and_must_match_the_layout():
-    from megatron_csbp import ops
-    from megatron_csbp.layout import CSBPLayout
+    from megatron_csbp.core import ops
+    from megatron_csbp.core.layout import CSBPLayout
 
     layout = CSBPLayout(32, 8, 1, 1)
     q = torch.randn(64, 1, 4, 8)

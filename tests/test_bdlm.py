@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_csbp.bdlm import BDLMForwardStep, BDLMObjective, loss_func
-from megatron_csbp.layout import CPLayout, CSBPLayout, layout_for
+from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective, loss_func
+from megatron_csbp.core.layout import CPLayout, CSBPLayout, layout_for
 
 VOCAB = 5  # real ids 0..4
 MASK = VOCAB  # the extra id; the model's vocabulary is VOCAB + 1

@@ -27,8 +27,8 @@ def _megatron_step(rank, world_size, layout_rank):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp.bdlm import BDLMForwardStep, BDLMObjective
-    from megatron_csbp.layout import CSBPLayout
+    from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
+    from megatron_csbp.core.layout import CSBPLayout
 
     parallel_state.initialize_model_parallel(context_parallel_size=world_size)
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True,
@@ -63,7 +63,7 @@ def _run(rank, world_size):
 def test_forward_step_through_megatron_schedule_equals_nelbo():
     results = run_ranks(_run, 2, timeout=240)
 
-    from megatron_csbp.bdlm import BDLMObjective
+    from megatron_csbp.bdlm.objective import BDLMObjective
 
     tokens, sample_index = _global_batch()
     model = TableModel(SEQ)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from megatron_csbp import bench
-from megatron_csbp.layout import CSBPLayout
+from megatron_csbp.tools import bench
+from megatron_csbp.core.layout import CSBPLayout
 
 
 def test_rank_attention_pairs_sum_to_the_bdlm_mask():

@@ -56,8 +56,8 @@ def _train_cases(rank, world_size, cases):
     import contextlib
     import io
 
-    from megatron_csbp import training
-    from megatron_csbp.arguments import ConfigError
+    from megatron_csbp.training import loop as training
+    from megatron_csbp.training.arguments import ConfigError
 
     results = {}
     for name, args in cases:
@@ -171,7 +171,7 @@ def _manifest_digit_changed(path):
 def test_same_size_damage_of_any_checkpoint_file_is_named_and_fallback_skips_it(interrupted, tmp_path):
     """Every file of a checkpoint (each .distcp shard, .metadata, common.pt, metadata.json, the manifest)
     damaged without changing its size: the load refuses naming the file, and the fallback takes iteration 3."""
-    from megatron_csbp.checkpointing import CheckpointError, find_checkpoint
+    from megatron_csbp.training.checkpointing import CheckpointError, find_checkpoint
 
     source = interrupted["save"]
     files = sorted(p.name for p in (source / "iter_0000006").iterdir())
@@ -225,7 +225,7 @@ def small_disk(tmp_path):
 
 
 def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(corpus, small_disk):
-    from megatron_csbp.checkpointing import find_checkpoint
+    from megatron_csbp.training.checkpointing import find_checkpoint
 
     save = small_disk / "checkpoints"
     result = run(1, base(corpus, save=save, save_interval=2, train_iters=4, eval_iters=0), expect=1, timeout=200)

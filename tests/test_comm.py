@@ -3,7 +3,7 @@ serial link per rank, and `serialised()` waiting at issue. A fake clock drives i
 
 import pytest
 
-from megatron_csbp import comm
+from megatron_csbp.core import comm
 
 
 class FakeClock:

@@ -6,7 +6,7 @@ import logging
 import pytest
 import torch
 
-from megatron_csbp import cpu_backend
+from megatron_csbp.mcore import cpu_backend
 
 pytestmark = pytest.mark.skipif(torch.accelerator.is_available(),
                                 reason="the CPU backend is for machines without an accelerator")

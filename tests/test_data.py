@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_csbp import data
-from megatron_csbp.arguments import ConfigError, validate_args
-from megatron_csbp.config import parse_args
+from megatron_csbp.training import data
+from megatron_csbp.training.arguments import ConfigError, validate_args
+from megatron_csbp.training.config import parse_args
 from spawn import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -257,7 +257,7 @@ def test_splits_without_documents_are_refused(corpus):
 
 
 def test_transformer_and_optimizer_configs_from_tiny_cpu():
-    from megatron_csbp.arguments import optimizer_config_from_args, transformer_config_from_args
+    from megatron_csbp.training.arguments import optimizer_config_from_args, transformer_config_from_args
 
     args = validate_args(parse_args(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml")]), 2,
                          on_accelerator=False, check_paths=False)

@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from megatron_csbp import flops, rules
+from megatron_csbp.bdlm import flops
+from megatron_csbp.core import rules
 
 SHAPES = [(6, 1), (8, 2), (12, 3), (16, 4), (16, 16), (32, 8), (40, 5)]
 

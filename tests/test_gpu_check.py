@@ -90,12 +90,12 @@ def test_defaults_are_the_single_gpu_check_and_bad_flags_are_refused(monkeypatch
 
 
 def test_pair_and_flop_counts_match_the_counted_masks():
-    from megatron_csbp.flops import bdlm_attention_pairs
+    from megatron_csbp.bdlm.flops import bdlm_attention_pairs
 
     for seq_length, block in [(64, 8), (96, 32)]:
         assert bdlm_attention_pairs(seq_length, block) == int(gpu_check.bdlm_mask(seq_length, block, CPU).sum())
         assert gpu_check.causal_pairs(2 * seq_length) == int(gpu_check.causal_mask(seq_length, CPU).sum())
-    # Model FLOPs, the trainer's convention (megatron_csbp.rules): backward = 2 x forward.
+    # Model FLOPs, the trainer's convention (megatron_csbp.core.rules): backward = 2 x forward.
     assert gpu_check.attention_flops(10, heads=3, head_dim=8, batch=2) == (4 * 8 * 60, 8 * 8 * 60)
 
 
@@ -103,7 +103,7 @@ class _WrongScale:
     """CPU kernels whose noisy block-diagonal part uses a slightly wrong softmax scale."""
 
     def __init__(self):
-        from megatron_csbp.kernels import CPUKernels
+        from megatron_csbp.core.kernels import CPUKernels
 
         self.inner = CPUKernels()
 
@@ -164,7 +164,7 @@ def test_shell_script_bounds_the_run_with_a_timeout(tmp_path):
 
 @needs_no_accelerator
 def test_every_section_runs_on_the_cpu_through_the_shell_script(tmp_path):
-    from megatron_csbp.flops import bdlm_attention_pairs, bdlm_step_flops
+    from megatron_csbp.bdlm.flops import bdlm_attention_pairs, bdlm_step_flops
 
     out_dir = tmp_path / "out"
     result = _run([str(SHELL), "--allow-cpu"] + TINY_CHECK + TINY_BENCH + TINY_TRAIN + FP32, out_dir)

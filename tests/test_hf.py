@@ -1,4 +1,4 @@
-"""Hugging Face import and export (scripts/convert_hf.py, megatron_csbp/hf.py) against `transformers` itself.
+"""Hugging Face import and export (scripts/convert_hf.py, megatron_csbp/training/hf.py) against `transformers` itself.
 
 Tiny random Llama, Qwen2 (QKV bias, tied embeddings, unused padding rows) and Qwen3 (QK-norm) models are
 made locally and imported. The reference is the HF model run by `transformers` on the same `[x_t ; x_0]`
@@ -119,10 +119,11 @@ def _our_logits(rank, world, root, families, tp, cp, controls):
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_csbp import checkpointing, parallel_state, providers
-    from megatron_csbp.arguments import transformer_config_from_args, validate_args
-    from megatron_csbp.config import parse_args
-    from megatron_csbp.hf import split_qkv, Shape
+    from megatron_csbp.training import checkpointing, providers
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.training.arguments import transformer_config_from_args, validate_args
+    from megatron_csbp.training.config import parse_args
+    from megatron_csbp.training.hf import split_qkv, Shape
 
     results = {}
     for family in families:
@@ -265,7 +266,7 @@ def test_import_export_round_trip_is_bit_exact(converted, tmp_path):
 @pytest.fixture(scope="module")
 def llama_data(converted):
     """A small dataset in the Llama tokenizer's ids (never MASK)."""
-    from megatron_csbp.data import write_indexed_dataset
+    from megatron_csbp.training.data import write_indexed_dataset
 
     generator = torch.Generator().manual_seed(5)
     documents = [torch.randint(0, _mask_id("llama"), (int(n),), generator=generator).tolist()
@@ -311,9 +312,9 @@ def test_round_trip_from_a_tp2_pp2_training_checkpoint(converted, llama_data, tm
 def test_finetune_first_loss_is_the_huggingface_models(converted, llama_data, tmp_path):
     """`--load CKPT --finetune` with the recipe; at noise 1 view one masks every token and view two none, so
     the Fast-dLLM v2 loss is the mean CE of the HF model's noisy row p (all MASK) predicting token p+1."""
-    from megatron_csbp import providers
-    from megatron_csbp.arguments import validate_args
-    from megatron_csbp.config import parse_args
+    from megatron_csbp.training import providers
+    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.config import parse_args
 
     config = _finetune_config(converted, tmp_path)
     overrides = [f"data-path={llama_data}", f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}", "train-iters=2",
@@ -379,10 +380,10 @@ def test_a_damaged_config_json_is_one_line_exit_2(tmp_path, capsys, text, messag
 
 def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
     """`--bdlm-mask-token-id`: a new id further on grows the vocabulary; an existing id does not."""
-    from megatron_csbp import data
-    from megatron_csbp.arguments import ConfigError
-    from megatron_csbp.checkpointing import CheckpointError, check_compatible
-    from megatron_csbp.config import parse_args
+    from megatron_csbp.training import data
+    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.training.checkpointing import CheckpointError, check_compatible
+    from megatron_csbp.training.config import parse_args
 
     args = parse_args([])
     assert data.vocabulary(args, data.build_tokenizer(args)) == (257, 384)  # the default: right after the tokenizer's

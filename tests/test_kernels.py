@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_csbp.kernels import CPUKernels, FlexKernels, merge_partials
+from megatron_csbp.core.kernels import CPUKernels, FlexKernels, merge_partials
 
 SCALE = 0.3
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from megatron_csbp.layout import CPLayout, CSBPLayout, block_cost, layout_for
+from megatron_csbp.core.layout import CPLayout, CSBPLayout, block_cost, layout_for
 
 TOPOLOGIES = [(L, B, P, C) for L, B, P, C in [
     (64, 4, 4, 4), (64, 4, 4, 2), (64, 4, 4, 1), (72, 8, 2, 2), (48, 8, 4, 4), (56, 8, 4, 4), (32, 8, 4, 4),
@@ -69,7 +69,7 @@ def test_conventional_cp_layout_is_zigzag_over_both_copies():
     assert layout_for("bp", L, B, 4, rank=2) == CSBPLayout(L, B, 4, 1, 2)
 
 
-@pytest.mark.parametrize("kwargs, message", [  # the trainer's messages (megatron_csbp.rules): flag and fix
+@pytest.mark.parametrize("kwargs, message", [  # the trainer's messages (megatron_csbp.core.rules): flag and fix
     (dict(seq_length=60, block_size=8, block_parallel_size=2, clean_shards=2),
      "--seq-length 60 is not a multiple of --bdlm-block-size 8; use --seq-length 56"),
     (dict(seq_length=64, block_size=32, block_parallel_size=4, clean_shards=4),

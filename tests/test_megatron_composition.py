@@ -100,10 +100,10 @@ def _build_model(topology, config):
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    from megatron_csbp import parallel_state
-    from megatron_csbp.layout import CSBPLayout, layout_for
-    from megatron_csbp.model import BDLMGPTModel, model_provider
-    from megatron_csbp.spec import get_csbp_layer_spec
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.core.layout import CSBPLayout, layout_for
+    from megatron_csbp.mcore.model import BDLMGPTModel, model_provider
+    from megatron_csbp.mcore.spec import get_csbp_layer_spec
 
     stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
     common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True)
@@ -175,9 +175,9 @@ def _train_step(topology, weights):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_csbp import parallel_state
-    from megatron_csbp.bdlm import BDLMForwardStep
-    from megatron_csbp.model import pipeline_seq_length
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.bdlm.objective import BDLMForwardStep
+    from megatron_csbp.mcore.model import pipeline_seq_length
 
     parallel_state.initialize_model_parallel(topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,
                                              clean_shards=topology.clean_shards)
@@ -233,7 +233,7 @@ _NOISE_SEEN = {}  # sample index -> (noise times, masked positions) this rank dr
 
 
 def _noise_recording_objective():
-    from megatron_csbp.bdlm import BDLMObjective
+    from megatron_csbp.bdlm.objective import BDLMObjective
 
     class NoiseRecordingObjective(BDLMObjective):
         def noise(self, sample_index, seq_length):

@@ -11,7 +11,7 @@ def _groups_on_four_ranks(rank, world_size):
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state
+    from megatron_csbp.mcore import parallel_state
 
     ranks_of = dist.get_process_group_ranks
     seen = {}
@@ -71,7 +71,7 @@ def _timeouts(rank, world_size):
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
 
-    from megatron_csbp import parallel_state
+    from megatron_csbp.mcore import parallel_state
 
     parallel_state.initialize_model_parallel(context_block_parallel_size=2, clean_shards=1,
                                              distributed_timeout_minutes=3 / 60)

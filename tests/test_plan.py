@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_csbp import plan
+from megatron_csbp.tools import plan
 
 FOURTEEN_B = ["--num-layers", "40", "--hidden-size", "5120", "--ffn-hidden-size", "16384",
               "--num-attention-heads", "32", "--group-query-attention", "--num-query-groups", "8",
@@ -36,7 +36,7 @@ def test_paper_traffic_exact_through_cli(tmp_path):
 
 
 def test_module_entry_point():
-    done = subprocess.run([sys.executable, "-m", "megatron_csbp.plan", *FOURTEEN_B, "--context-block-parallel", "8",
+    done = subprocess.run([sys.executable, "-m", "megatron_csbp.tools.plan", *FOURTEEN_B, "--context-block-parallel", "8",
                            "--top", "3"], capture_output=True, text=True, timeout=120, check=True)
     assert "210.00 GiB" in done.stdout and "105.00 GiB" in done.stdout and "best layouts" in done.stdout
 
@@ -65,7 +65,7 @@ def test_records_fields_and_halving():
 
 
 def test_invalid_topologies_excluded():
-    """The planner refuses with the trainer's rules and words (megatron_csbp.rules); tests/test_rules.py checks
+    """The planner refuses with the trainer's rules and words (megatron_csbp.core.rules); tests/test_rules.py checks
     that the two agree on every shipped config."""
     model = plan.Model(num_layers=6, hidden_size=96, num_attention_heads=12, num_query_groups=4, seq_length=64,
                        block_size=16)

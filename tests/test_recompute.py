@@ -39,9 +39,10 @@ def _step(topology, fields, weights):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_csbp import comm, parallel_state
-    from megatron_csbp.bdlm import BDLMForwardStep, BDLMObjective
-    from megatron_csbp.model import pipeline_seq_length
+    from megatron_csbp.core import comm
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
+    from megatron_csbp.mcore.model import pipeline_seq_length
 
     parallel_state.initialize_model_parallel(context_block_parallel_size=topology.block_parallel,
                                              clean_shards=topology.clean_shards)
@@ -103,7 +104,7 @@ def test_recompute_equals_no_recompute_and_sends_the_forward_twice():
 def test_selective_recompute_passes_validation():
     """`--recompute-granularity selective` (no method, no layer count) validates and reaches the config as
     megatron-core's selective core-attention recompute."""
-    from megatron_csbp import arguments
+    from megatron_csbp.training import arguments
 
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
             "--bdlm-block-size", "4", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",

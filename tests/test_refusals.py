@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from megatron_csbp.arguments import ConfigError, build_parser, checkpoint_bytes, validate_args
+from megatron_csbp.training.arguments import ConfigError, build_parser, checkpoint_bytes, validate_args
 from spawn import on_cpu_backend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -117,7 +117,7 @@ def test_a_refusal_is_exit_2_from_the_command_line_too(places):
 def test_save_needs_room_for_a_checkpoint(places, monkeypatch, capsys):
     from collections import namedtuple
 
-    import megatron_csbp.arguments as arguments
+    import megatron_csbp.training.arguments as arguments
 
     save = os.path.join(places["tmp"], "checkpoints")
     parsed = build_parser().parse_args(BASE + ["--data-path", places["prefix"], "--save", save])
@@ -145,7 +145,7 @@ def test_checkpoint_size_estimate_matches_a_real_checkpoint(tmp_path):
     from pretrain_runs import TINY, flags
     from spawn import run_ranks
 
-    from megatron_csbp.config import parse_args
+    from megatron_csbp.training.config import parse_args
 
     args = validate_args(parse_args(flags({**TINY, "data_path": "unused", "train_iters": 4})), 1,
                          on_accelerator=False, check_paths=False)
@@ -157,7 +157,8 @@ def test_checkpoint_size_estimate_matches_a_real_checkpoint(tmp_path):
 @on_cpu_backend
 def _save_once(rank, world, args, save):
     """Builds the tiny model and optimizer, steps once, saves one checkpoint; returns its .distcp bytes."""
-    from megatron_csbp import checkpointing, parallel_state, providers, training
+    from megatron_csbp.training import checkpointing, providers, loop as training
+    from megatron_csbp.mcore import parallel_state
 
     args.vocab_size, args.tokenizer_type = 256, "ByteLevelTokenizer"
     parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1)

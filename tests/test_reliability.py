@@ -80,7 +80,7 @@ def test_nan_steps_are_skipped_counted_and_a_run_of_them_stops_training(corpus, 
     assert f"last good checkpoint: iteration 8 in {save}" in output
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "8"
     assert sorted(os.listdir(save)) == ["iter_0000004", "iter_0000008", "latest_checkpointed_iteration.txt"]
-    from megatron_csbp.checkpointing import check_complete
+    from megatron_csbp.training.checkpointing import check_complete
     check_complete(str(save / "iter_0000008"))
 
 
@@ -167,8 +167,8 @@ def test_a_second_run_on_the_same_save_is_refused_naming_the_first(corpus, tmp_p
 
 
 def test_a_stale_lock_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch):
-    from megatron_csbp import save_lock
-    from megatron_csbp.arguments import ConfigError
+    from megatron_csbp.training import save_lock
+    from megatron_csbp.training.arguments import ConfigError
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead_pid = int(gone.stdout)
@@ -208,8 +208,8 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch
 def test_a_take_over_never_removes_the_lock_another_run_just_took(tmp_path, monkeypatch):
     """Two runs find the same stale lock; the other one takes it over first and writes its own lock between our
     read and our rename. We must then refuse, naming that run, and leave its lock in place."""
-    from megatron_csbp import save_lock
-    from megatron_csbp.arguments import ConfigError
+    from megatron_csbp.training import save_lock
+    from megatron_csbp.training.arguments import ConfigError
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)

@@ -1,4 +1,4 @@
-"""One rule book (megatron_csbp.rules): the planner proposes only what the trainer accepts, refuses what the
+"""One rule book (megatron_csbp.core.rules): the planner proposes only what the trainer accepts, refuses what the
 trainer refuses in the trainer's own words, and the rule book runs on the standard library alone."""
 
 import ast
@@ -10,9 +10,10 @@ import sys
 import pytest
 from test_suite_rules import _modules_added_by
 
-from megatron_csbp import plan, rules
-from megatron_csbp.arguments import ConfigError, validate_args
-from megatron_csbp.config import load_config, parse_args
+from megatron_csbp.tools import plan
+from megatron_csbp.core import rules
+from megatron_csbp.training.arguments import ConfigError, validate_args
+from megatron_csbp.training.config import load_config, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
@@ -141,8 +142,8 @@ def test_rules_import_nothing_but_the_standard_library():
     with open(rules.__file__, encoding="utf-8") as handle:
         imported = _imported_modules(handle.read())
     assert imported <= set(sys.stdlib_module_names), imported
-    loaded = _modules_added_by(["megatron_csbp.rules"], after=None)
+    loaded = _modules_added_by(["megatron_csbp.core.rules"], after=None)
     assert set(loaded) - set(sys.stdlib_module_names) == {"megatron_csbp"}, loaded
     # Negative controls: both checks see a module that is not the standard library.
     assert _imported_modules("import torch\nfrom yaml import safe_load\n") == {"torch", "yaml"}
-    assert "torch" in _modules_added_by(["megatron_csbp.layout"], after=None)
+    assert "torch" in _modules_added_by(["megatron_csbp.core.layout"], after=None)

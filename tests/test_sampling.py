@@ -21,7 +21,7 @@ TOLERANCE = 1e-5
 
 
 def _settings(**overrides):
-    from megatron_csbp.sampling import SamplingSettings
+    from megatron_csbp.tools.sampling import SamplingSettings
 
     fields = dict(block_size=BLOCK, mask_token_id=MASK, steps_per_block=BLOCK)
     fields.update(overrides)
@@ -33,7 +33,7 @@ def _settings(**overrides):
 @pytest.mark.parametrize("steps", [3, 8, 13])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_every_strategy_unmasks_a_block_within_its_steps_and_keeps_unmasked_tokens(strategy, steps, temperature):
-    from megatron_csbp.sampling import unmask_step
+    from megatron_csbp.tools.sampling import unmask_step
 
     block_size = 8
     if strategy == "first-hitting" and steps < block_size:
@@ -65,7 +65,7 @@ def test_every_strategy_unmasks_a_block_within_its_steps_and_keeps_unmasked_toke
 
 
 def test_top_p_keeps_the_nucleus_and_settings_refuse_bad_values():
-    from megatron_csbp.sampling import unmask_step
+    from megatron_csbp.tools.sampling import unmask_step
 
     logits = torch.tensor([[[5.0, 4.0, 0.0, float("-inf")]] * 6])  # p ~ 0.73, 0.27, ...
     block = torch.full((1, 6), 3)
@@ -85,7 +85,7 @@ def test_block_causal_attention_is_the_bdlm_mask_over_position_ordered_rows():
     attention) or several (the kernels' prefix attention); GQA heads stay grouped as Megatron groups them."""
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp.sampling import BlockCausalAttention
+    from megatron_csbp.tools.sampling import BlockCausalAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                attention_dropout=0.0)
@@ -130,7 +130,7 @@ def _relative_error(got, expected):
 
 
 def _model_checks(rank, world_size):
-    from megatron_csbp import cpu_backend
+    from megatron_csbp.mcore import cpu_backend
 
     with cpu_backend.active():
         return _checks_on_one_rank()
@@ -141,10 +141,10 @@ def _checks_on_one_rank():
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp.device import default_device
-    from megatron_csbp.layout import CSBPLayout
-    from megatron_csbp.model import model_provider
-    from megatron_csbp.sampling import STRATEGIES, generate, sampling_model
+    from megatron_csbp.core.device import default_device
+    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.mcore.model import model_provider
+    from megatron_csbp.tools.sampling import STRATEGIES, generate, sampling_model
 
     mpu.initialize_model_parallel()
     torch.manual_seed(0)
@@ -247,7 +247,7 @@ def _run(command, expect=0):
 @pytest.fixture(scope="module")
 def alphabet_checkpoints(tmp_path_factory):
     """A tiny BDLM trained 120 iterations on the repeated alphabet by scripts/pretrain_bdlm.py."""
-    from megatron_csbp.data import write_indexed_dataset
+    from megatron_csbp.training.data import write_indexed_dataset
 
     root = tmp_path_factory.mktemp("alphabet")
     documents = [list((ALPHABET * 20)[i:i + 400].encode()) for i in range(26) for _ in range(3)]
@@ -274,7 +274,8 @@ def _expected():
 def _complete(rank, world_size, load):
     """The script's own steps (arguments, model, generation) with the checkpoint's weights, then without
     them (the untrained model, freshly initialised)."""
-    from megatron_csbp import cpu_backend, parallel_state, sampling
+    from megatron_csbp.mcore import cpu_backend, parallel_state
+    from megatron_csbp.tools import sampling
 
     script = _script()
     completions = []

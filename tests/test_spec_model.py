@@ -34,7 +34,7 @@ def _dense_bdlm_attention(query, key, value, layout, scale):
 def test_spec_swaps_only_the_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_csbp import spec
+    from megatron_csbp.mcore import spec
 
     built = spec.get_csbp_layer_spec(qk_layernorm=True)
     megatron = get_gpt_layer_local_spec(qk_layernorm=True)
@@ -55,8 +55,9 @@ def test_a_given_layer_spec_is_honoured_with_csbp_core_attention():
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-    from megatron_csbp import providers, spec
-    from megatron_csbp.arguments import ConfigError
+    from megatron_csbp.training import providers
+    from megatron_csbp.mcore import spec
+    from megatron_csbp.training.arguments import ConfigError
 
     given = get_gpt_layer_local_spec(qk_layernorm=True)
     given.submodules.self_attention.submodules.core_attention = DotProductAttention
@@ -64,16 +65,16 @@ def test_a_given_layer_spec_is_honoured_with_csbp_core_attention():
     assert built.submodules.self_attention.submodules.core_attention.module is spec.CSBPCoreAttention
     assert given.submodules.self_attention.submodules.core_attention is DotProductAttention
     assert built.submodules.self_attention.submodules.q_layernorm is not None
-    found = providers.layer_spec_from_args(argparse.Namespace(spec=["megatron_csbp.spec", "csbp_layer_spec"]))
+    found = providers.layer_spec_from_args(argparse.Namespace(spec=["megatron_csbp.mcore.spec", "csbp_layer_spec"]))
     assert found is spec.csbp_layer_spec
     assert providers.layer_spec_from_args(argparse.Namespace(spec=None)) is None
-    with pytest.raises(ConfigError, match="--spec megatron_csbp.spec no_such_spec: cannot be imported"):
-        providers.layer_spec_from_args(argparse.Namespace(spec=["megatron_csbp.spec", "no_such_spec"]))
+    with pytest.raises(ConfigError, match="--spec megatron_csbp.mcore.spec no_such_spec: cannot be imported"):
+        providers.layer_spec_from_args(argparse.Namespace(spec=["megatron_csbp.mcore.spec", "no_such_spec"]))
 
 
 def test_forward_step_refuses_the_megatron_arguments_it_cannot_honour():
-    from megatron_csbp import providers
-    from megatron_csbp.arguments import ConfigError
+    from megatron_csbp.training import providers
+    from megatron_csbp.training.arguments import ConfigError
 
     run_providers = providers.RunProviders(object())
     with pytest.raises(ConfigError, match="--num-microbatches-with-partial-activation-checkpoints"):
@@ -93,8 +94,8 @@ def test_forward_step_refuses_the_megatron_arguments_it_cannot_honour():
     ("attention_dropout", 0.1, "--attention-dropout"),
 ])
 def test_validate_config_refusals_name_the_flag(field, value, flag):
-    from megatron_csbp.layout import CSBPLayout
-    from megatron_csbp.model import validate_config
+    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.mcore.model import validate_config
 
     config, layout = _config(), CSBPLayout(SEQ, BLOCK, 1, 1)
     validate_config(config, layout, VOCAB, MASK)
@@ -105,15 +106,15 @@ def test_validate_config_refusals_name_the_flag(field, value, flag):
 
 
 def test_validate_config_refuses_a_mask_token_outside_the_vocabulary():
-    from megatron_csbp.layout import CSBPLayout
-    from megatron_csbp.model import validate_config
+    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.mcore.model import validate_config
 
     with pytest.raises(ValueError, match="--bdlm-mask-token-id=32 .* at least 33"):
         validate_config(_config(), CSBPLayout(SEQ, BLOCK, 1, 1), VOCAB, VOCAB)
 
 
 def test_layout_refuses_a_sequence_it_cannot_take():
-    from megatron_csbp.layout import CSBPLayout
+    from megatron_csbp.core.layout import CSBPLayout
 
     with pytest.raises(ValueError, match="--seq-length 18 is not a multiple of --bdlm-block-size 4"):
         CSBPLayout(18, BLOCK, 1, 1)
@@ -125,9 +126,9 @@ def _single_rank_checks(rank, world_size):
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from megatron_csbp.layout import CSBPLayout
-    from megatron_csbp.model import model_provider
-    from megatron_csbp.spec import AttentionContext, CSBPCoreAttention
+    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.mcore.model import model_provider
+    from megatron_csbp.mcore.spec import AttentionContext, CSBPCoreAttention
 
     mpu.initialize_model_parallel()
     torch.manual_seed(0)

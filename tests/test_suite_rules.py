@@ -1,5 +1,6 @@
 """Rules the suite keeps about itself: every module has its markers in conftest.py, tests start
-subprocesses with the interpreter they run under, and the op and layout import nothing but torch."""
+subprocesses with the interpreter they run under; and the package's layers: each imports only the ones
+below it, and the core (the op, layouts, kernels, collectives, rules) nothing but torch."""
 
 import ast
 import json
@@ -11,9 +12,6 @@ import conftest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
-CORE = ("megatron_csbp.layout", "megatron_csbp.ops", "megatron_csbp.kernels", "megatron_csbp.comm",
-        "megatron_csbp.process_groups", "megatron_csbp.device")
-
 
 def _test_modules():
     return sorted(name[:-3] for name in os.listdir(TESTS) if name.startswith("test_") and name.endswith(".py"))
@@ -69,8 +67,60 @@ def _modules_added_by(imports: list[str], after: str | None = "torch") -> list[s
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_op_and_layout_import_only_torch():
-    added = set(_modules_added_by(list(CORE))) - set(sys.stdlib_module_names)
+LAYERS = ("core", "mcore", "bdlm", "training", "tools")  # each imports only itself and the ones before it
+PACKAGE = os.path.join(REPO, "megatron_csbp")
+
+
+def _imported_layers(source: str) -> set[str]:
+    """The layers of `megatron_csbp` a module's source imports, anywhere in it (function-level imports too)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else \
+            [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "megatron_csbp" and len(parts) > 1:
+                found.add(parts[1])
+            elif parts == ["megatron_csbp"] and isinstance(node, ast.ImportFrom):
+                found.update(alias.name for alias in node.names)
+    return found
+
+
+def test_each_layer_imports_only_the_layers_below_it():
+    offenders = {}
+    for index, layer in enumerate(LAYERS):
+        for folder, _, files in os.walk(os.path.join(PACKAGE, layer)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(folder, name)
+                    with open(path, encoding="utf-8") as handle:
+                        above = {imported for imported in _imported_layers(handle.read())
+                                 if imported not in LAYERS[:index + 1]}
+                    if above:
+                        offenders[os.path.relpath(path, REPO)] = sorted(above)
+    assert not offenders, offenders
+    assert sorted(name for name in os.listdir(PACKAGE) if os.path.isdir(os.path.join(PACKAGE, name))
+                  and not name.startswith("__")) == sorted(LAYERS), "a package folder outside the layers"
+    # Negative control: an upward import, plain or inside a function, is seen.
+    assert _imported_layers("def f():\n    from megatron_csbp.training import arguments\n") == {"training"}
+    assert _imported_layers("from megatron_csbp import tools\nimport megatron_csbp.mcore.spec\n") == {"tools", "mcore"}
+
+
+def test_the_core_imports_nothing_but_torch():
+    import pkgutil
+
+    core = ["megatron_csbp.core." + module.name for module in pkgutil.iter_modules([os.path.join(PACKAGE, "core")])]
+    assert {"megatron_csbp.core.ops", "megatron_csbp.core.layout"} <= set(core)
+    added = set(_modules_added_by(core)) - set(sys.stdlib_module_names)
     assert added == {"megatron_csbp"}, added
     # Negative control: the Megatron glue does pull megatron in, and the check sees it.
-    assert "megatron" in _modules_added_by(["megatron_csbp.model"])
+    assert "megatron" in _modules_added_by(["megatron_csbp.mcore.model"])
+
+
+def test_the_users_old_imports_still_work():
+    names = ("from megatron_csbp.layout import CSBPLayout, CPLayout, layout_for; "
+             "from megatron_csbp.ops import context_sharded_block_attention; "
+             "from megatron_csbp.core.layout import CSBPLayout as C; assert C is CSBPLayout")
+    done = subprocess.run([sys.executable, "-c", names], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=REPO))
+    assert done.returncode == 0, done.stderr

@@ -9,7 +9,7 @@ pytest_plugins = ["pretrain_runs"]
 
 
 def _launch(settings: dict, env: dict | None = None, timeout: float = 200):
-    command = [sys.executable, "-m", "megatron_csbp.torchrun", "--standalone", "--nproc-per-node", "2", SCRIPT,
+    command = [sys.executable, "-m", "megatron_csbp.training.torchrun", "--standalone", "--nproc-per-node", "2", SCRIPT,
                *flags({**TINY, **settings})]
     return subprocess.run(command, cwd=REPO, env=environment(env), capture_output=True, text=True, timeout=timeout)
 

@@ -51,7 +51,7 @@ def test_every_layout_logs_the_same_losses(layout_runs):
 
 
 def test_log_lines_memory_and_tensorboard(layout_runs):
-    from megatron_csbp.flops import bdlm_step_flops
+    from megatron_csbp.bdlm.flops import bdlm_step_flops
 
     csbp = layout_runs["csbp"]
     lines = [m for m in (LINE.fullmatch(line) for line in csbp.output.splitlines()) if m]
@@ -106,8 +106,8 @@ def test_checkpoints_reload_into_another_parallel_layout(layout_runs, tmp_path, 
 def test_providers_read_megatron_lm_globals_when_given_no_args(monkeypatch, corpus):
     """Under `pretrain()` the providers get no `args`: they read Megatron-LM's global args and tokenizer (a
     stand-in `megatron.training` here; tests/test_megatron_lm.py runs the real one)."""
-    from megatron_csbp import providers
-    from megatron_csbp.data import NullTokenizer
+    from megatron_csbp.training import providers
+    from megatron_csbp.training.data import NullTokenizer
 
     megatron_args = validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode="csbp")
     fake = types.ModuleType("megatron.training")
@@ -136,7 +136,8 @@ def _count_assembly(rank, world, args):
     """Trains `args` on this rank, counting how often the run's parts are built, checked and used."""
     from collections import Counter
 
-    from megatron_csbp import bdlm, data, providers, training
+    from megatron_csbp.bdlm import objective as bdlm
+    from megatron_csbp.training import data, providers, loop as training
 
     counts = Counter()
 
@@ -182,7 +183,7 @@ EXPECTED_ROWS = {
 
 @pytest.mark.parametrize("mode,clean_shards", [("csbp", 2), ("cp", 2), ("bp", 1)])
 def test_layout_from_args(corpus, mode, clean_shards):
-    from megatron_csbp import providers
+    from megatron_csbp.training import providers
 
     args = validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode=mode)
     assert providers.clean_shards(args) == clean_shards

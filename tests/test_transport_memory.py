@@ -16,7 +16,7 @@ class _KeepingPartials:
     """CPU kernels whose prefix outputs are all kept alive, as a forward that merges only at the end holds them."""
 
     def __init__(self):
-        from megatron_csbp.kernels import CPUKernels
+        from megatron_csbp.core.kernels import CPUKernels
 
         self.inner, self.kept = CPUKernels(), []
 
@@ -32,10 +32,10 @@ class _KeepingPartials:
 def _peaks(rank, world_size):
     import torch.distributed as dist
 
-    from megatron_csbp.bench import peak_tensor_memory
-    from megatron_csbp.kernels import CPUKernels
-    from megatron_csbp.layout import CSBPLayout
-    from megatron_csbp.ops import context_sharded_block_attention, ring_plan
+    from megatron_csbp.tools.bench import peak_tensor_memory
+    from megatron_csbp.core.kernels import CPUKernels
+    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.core.ops import context_sharded_block_attention, ring_plan
 
     layout, device = CSBPLayout(SEQ, BLOCK, world_size, world_size, rank), torch.device("cpu")
     generator = torch.Generator().manual_seed(rank)

@@ -4,7 +4,7 @@
     submit.py --config configs/X.yaml --nodes N --gpus-per-node G [--ntasks-per-node K] [...] [-- key=value ...]
 
 The config and overrides are checked exactly as the training script will check them
-(`megatron_csbp.config.parse_args` + `megatron_csbp.arguments.validate_args`), with the world size this
+(`megatron_csbp.training.config.parse_args` + `megatron_csbp.training.arguments.validate_args`), with the world size this
 allocation will have: N x G ranks, or N x K on CPU-only nodes (G = 0, gloo). A misfit prints one line
 with the numbers and exits 2; nothing is written or submitted.
 
@@ -103,8 +103,8 @@ def refuse_own_checkpoint_flags(overrides: list[str]) -> None:
 def check_topology(cli: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """The training script's own parsing and validation, run here with the allocation's world size."""
     sys.path.insert(0, str(REPO_ROOT))
-    from megatron_csbp.arguments import ConfigError, build_parser, validate_args
-    from megatron_csbp.config import parse_args
+    from megatron_csbp.training.arguments import ConfigError, build_parser, validate_args
+    from megatron_csbp.training.config import parse_args
 
     parser = build_parser()
 

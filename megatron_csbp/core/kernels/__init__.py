@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from megatron_csbp.kernels.cpu_tiles import DEFAULT_TILE, CPUKernels, PrefixPlan
-from megatron_csbp.kernels.flex import FlexKernels, FlexPrefixPlan
-from megatron_csbp.kernels.merge import accumulation_dtype, merge_into, merge_partials, running_merge
+from megatron_csbp.core.kernels.cpu_tiles import DEFAULT_TILE, CPUKernels, PrefixPlan
+from megatron_csbp.core.kernels.flex import FlexKernels, FlexPrefixPlan
+from megatron_csbp.core.kernels.merge import accumulation_dtype, merge_into, merge_partials, running_merge
 
 __all__ = ["DEFAULT_TILE", "CPUKernels", "PrefixPlan", "FlexKernels", "FlexPrefixPlan", "accumulation_dtype",
            "merge_partials", "running_merge", "merge_into", "default_kernels", "default_scale"]

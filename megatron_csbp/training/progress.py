@@ -13,9 +13,9 @@ import time
 
 import torch
 
-from megatron_csbp import rules
-from megatron_csbp.device import default_device
-from megatron_csbp.flops import bdlm_step_flops
+from megatron_csbp.core import rules
+from megatron_csbp.core.device import default_device
+from megatron_csbp.bdlm.flops import bdlm_step_flops
 
 _MB = 1024 * 1024
 

@@ -43,8 +43,8 @@ from typing import Callable, NamedTuple
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_csbp.arguments import ConfigError
-from megatron_csbp.kernels import default_kernels
+from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.kernels import default_kernels
 
 STRATEGIES = ("confidence", "top-k", "posterior", "first-hitting")
 
@@ -133,7 +133,7 @@ def sampling_model(config, vocab_size: int, block_size: int, **gpt_kwargs):
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-    from megatron_csbp import spec as csbp_spec
+    from megatron_csbp.mcore import spec as csbp_spec
 
     _require(config.pipeline_model_parallel_size == 1 and config.context_parallel_size == 1,
              "sampling runs one pipeline stage without context/block parallelism: use "

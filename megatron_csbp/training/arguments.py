@@ -16,18 +16,13 @@ import re
 import shutil
 import sys
 
-from megatron_csbp import rules
-from megatron_csbp.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS
+from megatron_csbp.core import rules
+from megatron_csbp.core.rules import (BYTE_TOKENIZER, PARALLEL_MODES, RING_CP_REFUSALS, TOKENIZERS,  # noqa: F401
+                                      ConfigError, refused_features)
 
 TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
-
-
-class ConfigError(ValueError):
-    """A refused argument or input file. An ordinary exception, raised wherever the refusal is found; each
-    entry (`scripts/*.py`, `python -m megatron_csbp.torchrun`, `plan`) catches it once and prints it as one
-    line, exit status 2."""
 
 
 class _ContextBlockParallel(argparse.Action):
@@ -315,7 +310,7 @@ def _refuse(problem: str | None) -> None:
 
 
 def _on_accelerator() -> bool:
-    from megatron_csbp.device import default_device
+    from megatron_csbp.core.device import default_device
     return default_device().type != "cpu"
 
 
@@ -397,7 +392,7 @@ def _check_directory(flag: str, path: str, *, written: bool) -> None:
 def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
     """(bytes, parameters, bytes per parameter) one checkpoint of validated `args` takes: the weights, the
     optimizer's moments (Adam 2, SGD 1, fp32) and its fp32 master weights under --bf16/--fp16."""
-    from megatron_csbp.flops import parameter_count
+    from megatron_csbp.bdlm.flops import parameter_count
 
     ids = (args.vocab_size or 256) + 1 + 1  # the tokenizer's ids, EOD, MASK (the data module has the exact count)
     padded = rules.padded_vocab_size(ids, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
@@ -431,34 +426,6 @@ def check_output_paths(args: argparse.Namespace, free_space: bool = True) -> Non
     _require(free >= need, f"--save {args.save}: {sizes}; free space or give another --save")
     if free < 2 * need and os.environ.get("RANK", "0") == "0":
         print(f"WARNING: --save {args.save}: {sizes}: room for one checkpoint only", file=sys.stderr, flush=True)
-
-
-RING_CP_REFUSALS = (
-    # (attribute of the args or TransformerConfig, is it refused?, the one-line refusal)
-    ("calculate_per_token_loss", lambda v: not v,
-     "BDLM needs --calculate-per-token-loss (calculate_per_token_loss=True): the loss is normalised by the token "
-     "count of the global batch; a mean of per-rank means gives wrong gradients"),
-    ("hierarchical_context_parallel_sizes", bool,
-     "--hierarchical-context-parallel-sizes is a ring-CP feature; CSBP has its own rings "
-     "(--context-block-parallel-clean-shards): remove it"),
-    ("cp_comm_type", lambda v: not (v in (None, "p2p") or (isinstance(v, list) and set(v) <= {"p2p"})),
-     "--cp-comm-type selects a ring-CP transport that CSBP does not use; remove it (CSBP attention has its own "
-     "transports: --csbp-transport)"),
-    ("hybrid_context_parallel", bool, "--hybrid-context-parallel is a ring-CP feature not supported with CSBP: "
-                                      "remove it"),
-    ("multi_latent_attention", bool, "--multi-latent-attention is not supported with CSBP: use standard (GQA) "
-                                     "attention"),
-    ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers (multi-token prediction) is not supported with "
-                                                "BDLM: remove it"),
-    ("attention_dropout", bool, "--attention-dropout must be 0: the CSBP attention kernel has no attention-"
-                                "probability dropout (hidden dropout is unaffected)"),
-)
-
-
-def refused_features(settings) -> list[str]:
-    """The refusals of `RING_CP_REFUSALS` that apply to `settings` (parsed args or a TransformerConfig)."""
-    return [message for name, refused, message in RING_CP_REFUSALS
-            if hasattr(settings, name) and refused(getattr(settings, name))]
 
 
 def clean_shards(args: argparse.Namespace) -> int:
@@ -578,7 +545,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
     if check_paths:
         check_data_prefixes(args.data_prefixes)
         if args.tokenizer_model is not None:
-            from megatron_csbp.data import tokenizer_file
+            from megatron_csbp.training.data import tokenizer_file
             tokenizer_file(args.tokenizer_model)
         check_output_paths(args)
     return args

@@ -50,8 +50,8 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_csbp import rules
-from megatron_csbp.device import default_device
+from megatron_csbp.core import rules
+from megatron_csbp.core.device import default_device
 
 
 def _require(condition: bool, message: str) -> None:
@@ -201,7 +201,7 @@ def loss_func(loss_weights, num_tokens, output_tensor):
 def _sample_index(batch):
     _require("sample_index" in batch,
              "the batch has no 'sample_index': BDLM noise is drawn from (seed, sample index); make the dataset "
-             "return {'tokens': ..., 'sample_index': idx} (megatron_csbp.data does)")
+             "return {'tokens': ..., 'sample_index': idx} (megatron_csbp.training.data does)")
     return batch["sample_index"]
 
 

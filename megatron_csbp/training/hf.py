@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_csbp.arguments import ConfigError
+from megatron_csbp.training.arguments import ConfigError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
                  "Qwen3ForCausalLM": "qwen3"}

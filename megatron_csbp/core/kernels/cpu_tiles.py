@@ -8,7 +8,7 @@ every block as a separate batch entry of one kernel call.
 
 import torch
 
-from megatron_csbp.kernels.merge import accumulation_dtype, merge_into, running_merge
+from megatron_csbp.core.kernels.merge import accumulation_dtype, merge_into, running_merge
 
 _flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward

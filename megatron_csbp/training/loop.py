@@ -1,7 +1,7 @@
 """Our pretraining loop, built from megatron-core parts, for where Megatron-LM's `pretrain()` cannot run.
 
 DDP, `get_megatron_optimizer`, `OptimizerParamScheduler`, `get_forward_backward_func` and
-`dist_checkpointing`, around the very providers `pretrain()` is given (`megatron_csbp.providers`): one
+`dist_checkpointing`, around the very providers `pretrain()` is given (`megatron_csbp.training.providers`): one
 `RunProviders(args)` per run, whose run (vocabulary, layout, objective, config, forward step) is built once.
 
 What it adds to a plain loop, and why:
@@ -40,10 +40,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_csbp import checkpointing, providers, supervision
-from megatron_csbp.checkpointing import LoopState
-from megatron_csbp.device import default_device
-from megatron_csbp.progress import Progress
+from megatron_csbp.training import checkpointing, providers
+from megatron_csbp.core import supervision
+from megatron_csbp.training.checkpointing import LoopState
+from megatron_csbp.core.device import default_device
+from megatron_csbp.training.progress import Progress
 
 
 class TrainingError(RuntimeError):
@@ -135,8 +136,8 @@ class Trainer:
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_csbp.arguments import lr_schedule_steps, optimizer_config_from_args
-        from megatron_csbp.model import pipeline_seq_length
+        from megatron_csbp.training.arguments import lr_schedule_steps, optimizer_config_from_args
+        from megatron_csbp.mcore.model import pipeline_seq_length
 
         self.providers = run_providers
         run = run_providers.run  # built here, once
@@ -377,7 +378,7 @@ class Trainer:
 
 def _lock_save_directory(args) -> str | None:
     """Rank 0 takes `--save`'s writer lock before any work; every rank refuses alike when it is held."""
-    from megatron_csbp import save_lock
+    from megatron_csbp.training import save_lock
 
     if not args.save:
         return None
@@ -398,7 +399,7 @@ def _lock_save_directory(args) -> str | None:
 
 def train(args) -> LoopState:
     """Trains with validated `args` on the initialised default process group; returns the final loop state."""
-    from megatron_csbp import save_lock
+    from megatron_csbp.training import save_lock
 
     lock = _lock_save_directory(args)
     try:
@@ -409,7 +410,7 @@ def train(args) -> LoopState:
 
 
 def _train(args) -> LoopState:
-    from megatron_csbp import parallel_state
+    from megatron_csbp.mcore import parallel_state
 
     run_providers = providers.RunProviders(args)
     timeout = supervision.distributed_timeout_seconds(args)

@@ -3,7 +3,7 @@ autograd (flex has no CPU backward)."""
 
 import torch
 
-from megatron_csbp.kernels.merge import accumulation_dtype, finite_lse
+from megatron_csbp.core.kernels.merge import accumulation_dtype, finite_lse
 
 
 class FlexKernels:

@@ -166,7 +166,7 @@ def ring_shift_start(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:
 
 def wait_all(works, what: str = "a CSBP collective", group=None) -> None:
     """Waits for `works`, watched by the rank's watchdog (`supervision`) as `what` over `group`."""
-    from megatron_csbp import supervision
+    from megatron_csbp.core import supervision
 
     with supervision.watch((what, group) if group is not None else what):
         for work in works if isinstance(works, (list, tuple)) else [works]:

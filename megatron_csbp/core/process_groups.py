@@ -62,4 +62,4 @@ def ring_group_of(group, layout) -> dist.ProcessGroup | None:
         return group
     raise ValueError(f"block_parallel_size={layout.block_parallel_size} with clean_shards={layout.clean_shards} "
                      "needs ring sub-groups: pass group=new_block_parallel_groups(...) "
-                     "(or megatron_csbp.parallel_state's groups) instead of a plain process group")
+                     "(or megatron_csbp.mcore.parallel_state's groups) instead of a plain process group")

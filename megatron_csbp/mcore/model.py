@@ -10,7 +10,7 @@ What differs from a plain `GPTModel`, and why:
 * Under sequence parallelism the row count is padded to a multiple of TP; padded rows have position
   0, see no attention and never reach the head.
 
-Contract with `megatron_csbp.bdlm`: `model(input_ids [b, rows], position_ids [b, rows],
+Contract with `megatron_csbp.bdlm.objective`: `model(input_ids [b, rows], position_ids [b, rows],
 attention_mask=None, labels=x0 of noisy rows [b, n_noisy])` returns per-token cross-entropy
 `[b, n_noisy]` on the last pipeline stage, or the logits `[b, n_noisy, V/tp]` when `labels` is None.
 The samples of a micro-batch share one row layout, so RoPE reads the positions of its first sample: one
@@ -22,8 +22,8 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_csbp import spec as csbp_spec
-from megatron_csbp.arguments import ConfigError, refused_features
+from megatron_csbp.mcore import spec as csbp_spec
+from megatron_csbp.core.rules import ConfigError, refused_features
 
 
 def padded_row_count(layout, config) -> int:

@@ -43,8 +43,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megatron_csbp import supervision
-from megatron_csbp.arguments import ConfigError
+from megatron_csbp.core import supervision
+from megatron_csbp.training.arguments import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "csbp_manifest.json"
@@ -131,7 +131,7 @@ def _rng_state() -> list:
     """This rank's RNG states in Megatron-LM's layout (`cuda_rng_state`: the accelerator's, or the CPU's)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from megatron_csbp.device import default_device
+    from megatron_csbp.core.device import default_device
 
     device = default_device()
     accelerator = torch.get_rng_state() if device.type == "cpu" else torch.get_device_module(device).get_rng_state()
@@ -143,7 +143,7 @@ def _rng_state() -> list:
 def _set_rng_state(states: list) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    from megatron_csbp.device import default_device
+    from megatron_csbp.core.device import default_device
 
     if isinstance(states, dict):  # v0.1's own layout
         states = [{"random_rng_state": states["python"], "torch_rng_state": states["torch"],

@@ -14,7 +14,7 @@ Norms, softmax, RoPE and the embedding lookup are not counted (the usual convent
 Plain Python integers throughout, so every count is exact. No torch, no Megatron.
 """
 
-from megatron_csbp import rules
+from megatron_csbp.core import rules
 
 
 def _check_blocks(seq_length: int, block_size: int) -> int:

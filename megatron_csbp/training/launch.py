@@ -29,7 +29,7 @@ def _rank_main(rank, world_size, port, fn, args, results):
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
-        from megatron_csbp.device import default_backend
+        from megatron_csbp.core.device import default_backend
 
         if torch.accelerator.is_available():
             torch.accelerator.set_device_index(rank % torch.accelerator.device_count())

@@ -12,7 +12,7 @@ import datetime
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from megatron_csbp import process_groups, rules
+from megatron_csbp.core import process_groups, rules
 
 _groups = {}
 
@@ -59,7 +59,7 @@ def initialize_block_parallel_groups(clean_shards, distributed_timeout_minutes=3
 def _get(name):
     if name not in _groups:
         raise RuntimeError("block-parallel groups are not initialised: call "
-                           "megatron_csbp.parallel_state.initialize_model_parallel(...) first")
+                           "megatron_csbp.mcore.parallel_state.initialize_model_parallel(...) first")
     return _groups[name]
 
 

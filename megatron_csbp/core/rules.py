@@ -5,7 +5,7 @@ counter, the objective, the parallel state and `scripts/gpu_check.py` ask here, 
 proposes is one the trainer accepts, and a refusal reads the same wherever it is met.
 
 A rule returns None when it holds, else one line naming the flag and a valid alternative; the caller
-raises it as its own kind of error (`arguments.ConfigError` at the entry paths, `ValueError` in the
+raises it as its own kind of error (`ConfigError`, defined here, at the entry paths, `ValueError` in the
 library, `parser.error` in the tools). Messages name the trainer's flags (`FLAGS`); a tool whose flags
 are named otherwise passes its own names (`FLAGS.renamed(seq_length="--seq-lengths", ...)`).
 
@@ -13,6 +13,12 @@ Standard library only: the planner, the FLOP counter and config checks run witho
 """
 
 import dataclasses
+
+class ConfigError(ValueError):
+    """A refused argument or input file. An ordinary exception, raised wherever the refusal is found; each
+    entry (`scripts/*.py`, `python -m megatron_csbp.torchrun`, `plan`) catches it once and prints it as one
+    line, exit status 2."""
+
 
 # --- choice lists ----------------------------------------------------------------------------------
 
@@ -259,3 +265,33 @@ BACKWARD_FLOPS_PER_FORWARD = 2
 def step_passes(recompute: bool = False) -> int:
     """Forward-equivalents of FLOPs in one training step: forward, backward, and a recomputed forward."""
     return 1 + BACKWARD_FLOPS_PER_FORWARD + int(bool(recompute))
+
+
+# --- what CSBP refuses of ring CP and of Megatron's attention options -------------------------------
+
+RING_CP_REFUSALS = (
+    # (attribute of the args or TransformerConfig, is it refused?, the one-line refusal)
+    ("calculate_per_token_loss", lambda v: not v,
+     "BDLM needs --calculate-per-token-loss (calculate_per_token_loss=True): the loss is normalised by the token "
+     "count of the global batch; a mean of per-rank means gives wrong gradients"),
+    ("hierarchical_context_parallel_sizes", bool,
+     "--hierarchical-context-parallel-sizes is a ring-CP feature; CSBP has its own rings "
+     "(--context-block-parallel-clean-shards): remove it"),
+    ("cp_comm_type", lambda v: not (v in (None, "p2p") or (isinstance(v, list) and set(v) <= {"p2p"})),
+     "--cp-comm-type selects a ring-CP transport that CSBP does not use; remove it (CSBP attention has its own "
+     "transports: --csbp-transport)"),
+    ("hybrid_context_parallel", bool, "--hybrid-context-parallel is a ring-CP feature not supported with CSBP: "
+                                      "remove it"),
+    ("multi_latent_attention", bool, "--multi-latent-attention is not supported with CSBP: use standard (GQA) "
+                                     "attention"),
+    ("mtp_num_layers", lambda v: v is not None, "--mtp-num-layers (multi-token prediction) is not supported with "
+                                                "BDLM: remove it"),
+    ("attention_dropout", bool, "--attention-dropout must be 0: the CSBP attention kernel has no attention-"
+                                "probability dropout (hidden dropout is unaffected)"),
+)
+
+
+def refused_features(settings) -> list[str]:
+    """The refusals of `RING_CP_REFUSALS` that apply to `settings` (parsed args or a TransformerConfig)."""
+    return [message for name, refused, message in RING_CP_REFUSALS
+            if hasattr(settings, name) and refused(getattr(settings, name))]

@@ -26,9 +26,9 @@ import importlib.util
 import os
 import sys
 
-from megatron_csbp.arguments import (ConfigError, add_csbp_args, byte_tokenizer_as_null, check_data_prefixes,
+from megatron_csbp.training.arguments import (ConfigError, add_csbp_args, byte_tokenizer_as_null, check_data_prefixes,
                                      check_output_paths, check_ranges, parse_data_path, validate_plugin_args)
-from megatron_csbp.config import expand_argv
+from megatron_csbp.training.config import expand_argv
 
 
 def import_pretrain():
@@ -42,7 +42,7 @@ def import_pretrain():
             sys.path.append(path)
     import torch
 
-    from megatron_csbp import cpu_backend
+    from megatron_csbp.mcore import cpu_backend
 
     if not torch.accelerator.is_available():
         cpu_backend.triton_free_batch_invariant_kernels()
@@ -92,8 +92,9 @@ def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
     """Trains with Megatron-LM's `pretrain()` on the argv `parse_args` expanded (and validated, as `args`)."""
     from megatron.core.enums import ModelType
 
-    from megatron_csbp import cpu_backend, providers
-    from megatron_csbp.device import default_backend
+    from megatron_csbp.mcore import cpu_backend
+    from megatron_csbp.training import providers
+    from megatron_csbp.core.device import default_backend
 
     megatron_pretrain = import_pretrain()
     if "--distributed-backend" not in expanded:  # Megatron-LM's default is nccl, which needs a GPU

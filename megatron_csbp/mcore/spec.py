@@ -4,7 +4,7 @@
 `build_module`, `forward(query, key, value, attention_mask, ...)` with un-expanded GQA heads, output
 `[s, b, heads/tp * d]`) and calls the CSBP op with this rank's row layout. The layout and groups come
 from an `AttentionContext` (the run's, `providers.BDLMRun.attention`), bound into the spec by
-`get_csbp_layer_spec(context=...)`. The module-level specs (`--spec megatron_csbp.spec csbp_layer_spec`)
+`get_csbp_layer_spec(context=...)`. The module-level specs (`--spec megatron_csbp.mcore.spec csbp_layer_spec`)
 carry none: they are a starting point the model provider copies and binds the run's context into.
 """
 
@@ -19,8 +19,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from megatron_csbp.device import default_device
-from megatron_csbp.ops import context_sharded_block_attention, ring_plan
+from megatron_csbp.core.device import default_device
+from megatron_csbp.core.ops import context_sharded_block_attention, ring_plan
 
 
 @dataclass(frozen=True)

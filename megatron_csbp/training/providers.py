@@ -2,7 +2,7 @@
 
 Both loops call the same providers, with the contracts of Megatron-LM's `pretrain_gpt.py` (tag
 `core_v0.16.1`): they are the bound methods of one `RunProviders`, made at the loop's entry. Our own loop
-(`megatron_csbp.training`) makes `RunProviders(args)` with its validated `args` (the config comes from
+(`megatron_csbp.training.loop`) makes `RunProviders(args)` with its validated `args` (the config comes from
 `arguments.transformer_config_from_args`); Megatron-LM's `pretrain()`, which parses its arguments itself, is
 given the methods of a `RunProviders()`, which reads Megatron-LM's global `args`, tokenizer and
 `core_transformer_config_from_args` when first called.
@@ -24,15 +24,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_csbp import rules
-from megatron_csbp.arguments import ConfigError, clean_shards
-from megatron_csbp.bdlm import BDLMForwardStep, BDLMObjective
-from megatron_csbp.data import Vocabulary
+from megatron_csbp.core import rules
+from megatron_csbp.training.arguments import ConfigError, clean_shards
+from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
+from megatron_csbp.training.data import Vocabulary
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp.spec import AttentionContext
+    from megatron_csbp.mcore.spec import AttentionContext
 
 
 def _megatron_lm_args() -> argparse.Namespace:
@@ -42,8 +42,8 @@ def _megatron_lm_args() -> argparse.Namespace:
 
 def layout_from_args(args: argparse.Namespace, block_parallel_rank: int | None = None):
     """This rank's row layout (CSBP, conventional CP or pure BP) for the run's mode."""
-    from megatron_csbp.layout import layout_for
-    from megatron_csbp.parallel_state import get_block_parallel_rank
+    from megatron_csbp.core.layout import layout_for
+    from megatron_csbp.mcore.parallel_state import get_block_parallel_rank
 
     rank = get_block_parallel_rank() if block_parallel_rank is None else block_parallel_rank
     options = {} if args.bdlm_parallel_mode == "cp" else dict(schedule=args.csbp_block_schedule,
@@ -83,7 +83,7 @@ def layer_spec_from_args(args: argparse.Namespace):
             return import_module(tuple(args.spec))
         except (ImportError, AttributeError, KeyError) as error:
             raise ConfigError(f"--spec {' '.join(args.spec)}: cannot be imported ({error}); give a module and the "
-                              f"name of a ModuleSpec in it, e.g. --spec megatron_csbp.spec csbp_layer_spec") from None
+                              f"name of a ModuleSpec in it, e.g. --spec megatron_csbp.mcore.spec csbp_layer_spec") from None
     return None
 
 
@@ -142,8 +142,8 @@ class BDLMRun:
 
 def build_run(args: argparse.Namespace, vocabulary: Vocabulary, config: "TransformerConfig") -> BDLMRun:
     """This rank's run from validated `args`, once Megatron's parallel state (with the CSBP sub-groups) exists."""
-    from megatron_csbp import parallel_state
-    from megatron_csbp.spec import AttentionContext
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.mcore.spec import AttentionContext
 
     layout = layout_from_args(args)
     step = BDLMForwardStep(objective_from_args(args, vocabulary.mask_token_id), layout,
@@ -201,7 +201,8 @@ class RunProviders:
         return self._run
 
     def _build_run(self) -> BDLMRun:
-        from megatron_csbp import comm, parallel_state
+        from megatron_csbp.core import comm
+        from megatron_csbp.mcore import parallel_state
 
         args = self.args
         if not parallel_state.is_initialized():  # under Megatron-LM's pretrain(): add the CSBP sub-groups
@@ -210,13 +211,13 @@ class RunProviders:
         if self.megatron_lm:
             from megatron.training.arguments import core_transformer_config_from_args as config_from_args
         else:
-            from megatron_csbp.arguments import transformer_config_from_args as config_from_args
+            from megatron_csbp.training.arguments import transformer_config_from_args as config_from_args
         return build_run(args, self.vocabulary, config_from_args(args))
 
     def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
                        **unused):
         """This rank's `BDLMGPTModel`, on the run's config unless Megatron-LM gives one (`get_model(config=)`)."""
-        from megatron_csbp import model as bdlm_model
+        from megatron_csbp.mcore import model as bdlm_model
 
         args, run = self.args, self.run
         return bdlm_model.model_provider(
@@ -229,7 +230,7 @@ class RunProviders:
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
         """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
         built on this rank), sized by Megatron-LM's sample counts."""
-        from megatron_csbp.data import build_datasets, split_sizes
+        from megatron_csbp.training.data import build_datasets, split_sizes
 
         args = self.args
         sizes = list(train_val_test_num_samples) if train_val_test_num_samples is not None else split_sizes(args)

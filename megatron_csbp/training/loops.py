@@ -11,12 +11,12 @@ import datetime
 import os
 from typing import Callable
 
-from megatron_csbp.arguments import ConfigError
+from megatron_csbp.training.arguments import ConfigError
 
 
 def uses_megatron_lm(loop: str) -> bool:
     """Megatron-LM's `pretrain()` or our loop, as `--training-loop` asks (auto: Megatron-LM where importable)."""
-    from megatron_csbp import megatron_lm
+    from megatron_csbp.training import megatron_lm
 
     if loop == "megatron-core":
         return False
@@ -32,8 +32,8 @@ def init_distributed(timeout_minutes: float) -> tuple[int, int]:
     import torch
     import torch.distributed as dist
 
-    from megatron_csbp.device import default_backend
-    from megatron_csbp.launch import free_port
+    from megatron_csbp.core.device import default_backend
+    from megatron_csbp.training.launch import free_port
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
@@ -47,13 +47,14 @@ def init_distributed(timeout_minutes: float) -> tuple[int, int]:
 
 
 def _megatron_core_loop(argv: list[str], world_size: int) -> Callable[[], None]:
-    from megatron_csbp.arguments import validate_args
-    from megatron_csbp.config import parse_args
+    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.config import parse_args
 
     args = validate_args(parse_args(argv), world_size)
 
     def run():
-        from megatron_csbp import cpu_backend, training
+        from megatron_csbp.mcore import cpu_backend
+        from megatron_csbp.training import loop as training
 
         init_distributed(args.distributed_timeout_minutes)
         with cpu_backend.active():
@@ -62,7 +63,7 @@ def _megatron_core_loop(argv: list[str], world_size: int) -> Callable[[], None]:
 
 
 def _megatron_lm_loop(argv: list[str], world_size: int) -> Callable[[], None]:
-    from megatron_csbp import megatron_lm
+    from megatron_csbp.training import megatron_lm
 
     expanded, args = megatron_lm.parse_args(argv, world_size)
     return lambda: megatron_lm.pretrain(expanded, args)
@@ -70,7 +71,7 @@ def _megatron_lm_loop(argv: list[str], world_size: int) -> Callable[[], None]:
 
 def prepare(argv: list[str], world_size: int) -> Callable[[], None]:
     """The run `argv` asks for, validated for `world_size` ranks (`ConfigError` if refused)."""
-    from megatron_csbp.config import training_loop
+    from megatron_csbp.training.config import training_loop
 
     loop = _megatron_lm_loop if uses_megatron_lm(training_loop(argv)) else _megatron_core_loop
     return loop(argv, world_size)

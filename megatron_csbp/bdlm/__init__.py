@@ -1,0 +1,3 @@
+"""The BD3-LM objective on top of the model: noise, the batch of `[x_t ; x_0]` rows, the loss, the forward
+step, and its exact FLOPs. Imports `core` and `mcore`.
+"""

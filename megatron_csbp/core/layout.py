@@ -1,0 +1,230 @@
+"""Which rows of `[x_t ; x_0]` each rank holds: the CSBP layout and the conventional-CP baseline's.
+
+A rank's rows are always `[noisy rows ; clean rows]`, in the order of `noisy_positions` then
+`clean_positions` (global token positions in `[0, L)`, the same for a token's noisy and clean copy).
+
+CSBP (`CSBPLayout`): noisy rows are whole diffusion blocks, dealt out by the dual-end schedule so every
+rank's attention work is equal; clean rows are a zigzag shard of the clean sequence over a ring of `C`
+ranks. Conventional CP (`CPLayout`): the `2L` rows of `[x_t ; x_0]` are cut into `2C` zigzag chunks by
+position, which hands rank `r` noisy chunk `r` and clean chunk `C-1-r`.
+"""
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from megatron_csbp.core import rules
+
+
+def block_cost(block: int) -> int:
+    """Attention work of noisy block `b` in units of B² query-key pairs: `b` clean blocks plus itself."""
+    return block + 1
+
+
+def _dual_end_schedule(num_blocks: int, num_ranks: int) -> list[list[int]]:
+    """Pairs `(k, NB-1-k)` cost the same, so contiguous runs of pairs balance the ranks; blocks left
+    over (fewer pairs than ranks, the odd middle block) go greedily, heaviest first, to the least loaded."""
+    num_pairs = num_blocks // 2
+    pairs_per_rank = num_pairs // num_ranks
+    owned: list[list[int]] = []
+    for rank in range(num_ranks):
+        run = range(rank * pairs_per_rank, (rank + 1) * pairs_per_rank)
+        owned.append([block for k in run for block in (k, num_blocks - 1 - k)])
+    dealt = num_ranks * pairs_per_rank
+    leftover = sorted(range(dealt, num_blocks - dealt), key=block_cost, reverse=True)
+    loads = [sum(block_cost(b) for b in blocks) for blocks in owned]
+    for block in leftover:
+        rank = min(range(num_ranks), key=lambda r: (loads[r], r))
+        owned[rank].append(block)
+        loads[rank] += block_cost(block)
+    return owned
+
+
+def _contiguous_schedule(num_blocks: int, num_ranks: int) -> list[list[int]]:
+    base, extra = divmod(num_blocks, num_ranks)
+    starts = [r * base + min(r, extra) for r in range(num_ranks + 1)]
+    return [list(range(starts[r], starts[r + 1])) for r in range(num_ranks)]
+
+
+def _span(start: int, stop: int) -> torch.Tensor:
+    return torch.arange(start, stop, dtype=torch.long)
+
+
+def _blocks_to_positions(blocks, block_size: int) -> torch.Tensor:
+    if not blocks:
+        return torch.empty(0, dtype=torch.long)
+    return torch.cat([_span(b * block_size, (b + 1) * block_size) for b in blocks])
+
+
+class _Rows:
+    """What both layouts derive from `noisy_positions` and `clean_positions`."""
+
+    transports_noisy_rows = False  # whether the noisy rows' K/V travel the ring too (conventional CP)
+
+    @property
+    def first_transported_row(self) -> int:
+        """This rank's rows `[first_transported_row:]` are the ones whose K/V the ring carries: the clean rows,
+        or every row where the noisy ones travel too."""
+        return 0 if self.transports_noisy_rows else self.num_noisy_rows
+
+    @property
+    def num_blocks(self) -> int:
+        return self.seq_length // self.block_size
+
+    @property
+    def num_noisy_rows(self) -> int:
+        return self.noisy_positions.numel()
+
+    @property
+    def num_clean_rows(self) -> int:
+        return self.clean_positions.numel()
+
+    @property
+    def num_rows(self) -> int:
+        return self.num_noisy_rows + self.num_clean_rows
+
+    @cached_property
+    def row_positions(self) -> torch.Tensor:
+        """RoPE position of every row: a token's noisy and clean copy share it."""
+        return torch.cat([self.noisy_positions, self.clean_positions])
+
+    @cached_property
+    def row_is_clean(self) -> torch.Tensor:
+        return torch.cat([torch.zeros(self.num_noisy_rows, dtype=torch.bool),
+                          torch.ones(self.num_clean_rows, dtype=torch.bool)])
+
+
+@dataclass(frozen=True)
+class CSBPLayout(_Rows):
+    """Rows of block-parallel rank `rank` of `P`: owned noisy blocks, then its ring's clean shard.
+
+    `P = k·C`: ranks `[i·C, (i+1)·C)` form ring `i`, which holds the clean sequence once; ranks with the
+    same `ring_rank` in different rings are clean replicas. `C = 1` is pure block parallelism.
+    """
+
+    seq_length: int
+    block_size: int
+    block_parallel_size: int
+    clean_shards: int
+    rank: int = 0
+    schedule: str = "dual_end"
+    clean_layout: str = "zigzag"
+
+    def __post_init__(self):
+        rules.refuse(rules.layout_problem("csbp", self.seq_length, self.block_size, self.block_parallel_size,
+                                          self.clean_shards, self.schedule, self.clean_layout))
+        if not 0 <= self.rank < self.block_parallel_size:
+            raise ValueError(f"rank={self.rank} is outside block_parallel_size={self.block_parallel_size}")
+
+    @property
+    def num_rings(self) -> int:
+        return self.block_parallel_size // self.clean_shards
+
+    @property
+    def ring_index(self) -> int:
+        return self.rank // self.clean_shards
+
+    @property
+    def ring_rank(self) -> int:
+        return self.rank % self.clean_shards
+
+    @property
+    def ring_ranks(self) -> list[int]:
+        """Block-parallel ranks of this rank's ring, in ring order."""
+        return [self.ring_index * self.clean_shards + i for i in range(self.clean_shards)]
+
+    @property
+    def clean_replica_ranks(self) -> list[int]:
+        """Block-parallel ranks holding the same clean shard as this one, one per ring."""
+        return [ring * self.clean_shards + self.ring_rank for ring in range(self.num_rings)]
+
+    @cached_property
+    def schedule_table(self) -> list[list[int]]:
+        """Owned blocks of every block-parallel rank, in row order."""
+        deal = _dual_end_schedule if self.schedule == "dual_end" else _contiguous_schedule
+        return deal(self.num_blocks, self.block_parallel_size)
+
+    @property
+    def owned_blocks(self) -> tuple[int, ...]:
+        return tuple(self.schedule_table[self.rank])
+
+    @cached_property
+    def noisy_positions(self) -> torch.Tensor:
+        return _blocks_to_positions(self.owned_blocks, self.block_size)
+
+    @cached_property
+    def clean_positions(self) -> torch.Tensor:
+        L, C, r = self.seq_length, self.clean_shards, self.ring_rank
+        if self.clean_layout == "contiguous":
+            return _span(r * L // C, (r + 1) * L // C)
+        chunk = L // (2 * C)
+        return torch.cat([_span(r * chunk, (r + 1) * chunk), _span((2 * C - 1 - r) * chunk, (2 * C - r) * chunk)])
+
+    def for_rank(self, rank: int) -> "CSBPLayout":
+        return CSBPLayout(self.seq_length, self.block_size, self.block_parallel_size, self.clean_shards,
+                          rank, self.schedule, self.clean_layout)
+
+
+@dataclass(frozen=True)
+class CPLayout(_Rows):
+    """Conventional context parallelism over `[x_t ; x_0]`: `2C` zigzag chunks of `L/C` rows by position.
+
+    Every chunk must hold whole diffusion blocks so that a noisy block never straddles two ranks.
+    """
+
+    seq_length: int
+    block_size: int
+    context_parallel_size: int
+    rank: int = 0
+
+    def __post_init__(self):
+        rules.refuse(rules.layout_problem("cp", self.seq_length, self.block_size, self.context_parallel_size))
+        if not 0 <= self.rank < self.context_parallel_size:
+            raise ValueError(f"rank={self.rank} is outside context_parallel_size={self.context_parallel_size}")
+
+    @property
+    def clean_shards(self) -> int:
+        """All `C` ranks form one ring that shards both copies."""
+        return self.context_parallel_size
+
+    block_parallel_size = clean_shards
+    num_rings = 1
+    transports_noisy_rows = True  # ring-CP moves the K/V of both copies
+
+    @property
+    def ring_rank(self) -> int:
+        return self.rank
+
+    @property
+    def ring_index(self) -> int:
+        return 0
+
+    @property
+    def owned_blocks(self) -> tuple[int, ...]:
+        per_rank = self.num_blocks // self.context_parallel_size
+        return tuple(range(self.rank * per_rank, (self.rank + 1) * per_rank))
+
+    @cached_property
+    def noisy_positions(self) -> torch.Tensor:
+        chunk = self.seq_length // self.context_parallel_size
+        return _span(self.rank * chunk, (self.rank + 1) * chunk)
+
+    @cached_property
+    def clean_positions(self) -> torch.Tensor:
+        chunk = self.seq_length // self.context_parallel_size
+        mirror = self.context_parallel_size - 1 - self.rank
+        return _span(mirror * chunk, (mirror + 1) * chunk)
+
+    def for_rank(self, rank: int) -> "CPLayout":
+        return CPLayout(self.seq_length, self.block_size, self.context_parallel_size, rank)
+
+
+def layout_for(mode: str, seq_length: int, block_size: int, parallel_size: int, clean_shards: int | None = None,
+               rank: int = 0, **options) -> CSBPLayout | CPLayout:
+    """The layout of `mode` ("csbp", "cp" or "bp"), so one model can be compared across all three."""
+    rules.refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
+    if mode == "cp":
+        return CPLayout(seq_length, block_size, parallel_size, rank)
+    return CSBPLayout(seq_length, block_size, parallel_size, rules.clean_shards(mode, parallel_size, clean_shards),
+                      rank, **options)

@@ -1,0 +1,79 @@
+"""`torchrun`, with the training script's refusals kept to their one line and exit status 2.
+
+    python -m megatron_csbp.torchrun --standalone --nproc-per-node 2 scripts/pretrain_bdlm.py --config X.yaml
+
+Takes torchrun's own options (it is `torch.distributed.run`'s elastic agent underneath). Why: under plain
+torchrun a refused argument comes out as every rank's refusal, then exit status 1 and torchrun's 30-line
+`ChildFailedError` traceback. Here the training arguments are validated once, with the world size the
+launch will have, before any rank starts (a refusal: one line, exit 2); a refusal a rank finds later
+(a checkpoint, the data) still exits 2, and a failed rank is summed up in one line per rank (exit 1)
+after its own `rank R failed: ...` line, without the agent's traceback.
+"""
+
+import logging
+import os
+import signal
+import sys
+
+
+def _world_size(args) -> int | None:
+    """Ranks this launch starts in all, or None when elastic (a range of node counts)."""
+    from torch.distributed.run import determine_local_world_size, parse_min_max_nnodes
+
+    min_nodes, max_nodes = parse_min_max_nnodes(args.nnodes)
+    if min_nodes != max_nodes:
+        return None
+    return max_nodes * determine_local_world_size(args.nproc_per_node)
+
+
+def _refusal(args) -> str | None:
+    """The training script's refusal of its arguments, by the loop it will take (our script only)."""
+    if os.path.basename(args.training_script) != "pretrain_bdlm.py" or args.no_python or args.module:
+        return None
+    from megatron_csbp.training import loops
+    from megatron_csbp.training.arguments import ConfigError
+
+    world = _world_size(args)
+    if world is None:
+        return None
+    try:
+        loops.prepare(list(args.training_script_args), world)
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def _summary(failure_error) -> int:
+    """One line per failed rank; exit 2 when every failure was a refusal (already printed by the rank)."""
+    failures = failure_error.failures
+    if all(failure.exitcode == 2 for failure in failures.values()):
+        return 2
+    for rank, failure in sorted(failures.items()):
+        how = (f"signal {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0 else
+               f"exit status {failure.exitcode}")
+        print(f"torchrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) ended with {how}",
+              file=sys.stderr, flush=True)
+    return 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args, run
+
+    for name in list(logging.Logger.manager.loggerDict):  # the agent's failure logs: our summary replaces them
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    refusal = _refusal(args)
+    if refusal is not None:
+        print(f"{os.path.basename(args.training_script)}: error: {refusal}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        run(args)
+    except ChildFailedError as failed:
+        return _summary(failed)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
