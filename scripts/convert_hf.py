@@ -134,6 +134,25 @@ def _check_tying(weights, flags: dict, hf_dir: str) -> None:
                           f"lm_head.weight; set tie_word_embeddings: true")
 
 
+@contextlib.contextmanager
+def _nothing_left_on_failure(save: str, paths):
+    """An import refused or failed part-way (e.g. the training validation refusing the TP size) removes the
+    side files it wrote (`hf/`, `model.yaml`) and a `save` it created: a fragment pointing at a checkpoint
+    that was never written would look like a finished import."""
+    existed = {path: os.path.exists(path) for path in (save, *paths)}
+    try:
+        yield
+    except BaseException:
+        for path in paths:
+            if not existed[path] and os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif not existed[path] and os.path.exists(path):
+                os.remove(path)
+        if not existed[save] and os.path.isdir(save) and not os.listdir(save):
+            os.rmdir(save)
+        raise
+
+
 def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int = 1,
                       make_vocab_size_divisible_by: int = 128, mask_token: str | None = None,
                       log=print) -> str:
@@ -162,49 +181,50 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
 
     save = os.path.abspath(save)
     hf_side = os.path.join(save, HF_SIDE)
-    os.makedirs(hf_side, exist_ok=True)
-    mask_id, new_mask, original_ids = write_tokenizer(hf_dir, hf_side, mask_token)
-    for name in ("config.json", "generation_config.json"):
-        if os.path.isfile(os.path.join(hf_dir, name)):
-            shutil.copyfile(os.path.join(hf_dir, name), os.path.join(hf_side, name))
-    tokenizer_model = os.path.join(hf_side, "tokenizer.json")
-    fragment = {**flags, "tokenizer-type": "HuggingFaceTokenizer", "tokenizer-model": tokenizer_model,
-                "bdlm-mask-token-id": mask_id, "make-vocab-size-divisible-by": make_vocab_size_divisible_by}
-    if HuggingFaceTokenizer(tokenizer_model).vocab_size < hf_rows:
-        # Keep every HF row (e.g. Qwen's unused padding rows): --vocab-size N means ids up to N (EOD's).
-        fragment["vocab-size"] = hf_rows - 1
-    fragment.update({"load": save, "finetune": True})
     fragment_path = os.path.join(save, FRAGMENT)
-    with open(fragment_path, "w", encoding="utf-8") as handle:
-        handle.write(f"# Model flags of {os.path.abspath(hf_dir)}, imported by scripts/convert_hf.py: put them in "
-                     f"a training config\n# (beside e.g. configs/ar_to_bdlm_fast_dllm_v2.yaml). Trained with "
-                     f"--tensor-model-parallel-size {tensor_model_parallel_size} in mind (it fixes the padded "
-                     f"vocabulary).\n")
-        yaml.safe_dump(fragment, handle, sort_keys=False)
+    with _nothing_left_on_failure(save, (hf_side, fragment_path)):
+        os.makedirs(hf_side, exist_ok=True)
+        mask_id, new_mask, original_ids = write_tokenizer(hf_dir, hf_side, mask_token)
+        for name in ("config.json", "generation_config.json"):
+            if os.path.isfile(os.path.join(hf_dir, name)):
+                shutil.copyfile(os.path.join(hf_dir, name), os.path.join(hf_side, name))
+        tokenizer_model = os.path.join(hf_side, "tokenizer.json")
+        fragment = {**flags, "tokenizer-type": "HuggingFaceTokenizer", "tokenizer-model": tokenizer_model,
+                    "bdlm-mask-token-id": mask_id, "make-vocab-size-divisible-by": make_vocab_size_divisible_by}
+        if HuggingFaceTokenizer(tokenizer_model).vocab_size < hf_rows:
+            # Keep every HF row (e.g. Qwen's unused padding rows): --vocab-size N means ids up to N (EOD's).
+            fragment["vocab-size"] = hf_rows - 1
+        fragment.update({"load": save, "finetune": True})
+        with open(fragment_path, "w", encoding="utf-8") as handle:
+            handle.write(f"# Model flags of {os.path.abspath(hf_dir)}, imported by scripts/convert_hf.py: put them in "
+                         f"a training config\n# (beside e.g. configs/ar_to_bdlm_fast_dllm_v2.yaml). Trained with "
+                         f"--tensor-model-parallel-size {tensor_model_parallel_size} in mind (it fixes the padded "
+                         f"vocabulary).\n")
+            yaml.safe_dump(fragment, handle, sort_keys=False)
 
-    args = parse_args(["--config", fragment_path, "seq-length=16", "bdlm-block-size=16", "micro-batch-size=1",
-                       "train-iters=1", "lr=0", "data-path=unused", "finetune=true",
-                       f"tensor-model-parallel-size={tensor_model_parallel_size}"])
-    args = validate_args(args, tensor_model_parallel_size, on_accelerator=False, check_paths=False)
-    vocabulary = Vocabulary.from_args(args)  # at training's TP size: it fixes the padding
-    vocab = hf.Vocabulary(hf_rows=hf_rows, padded=vocabulary.padded_vocab_size, mask_id=mask_id, new_mask=new_mask,
-                          mean_of=min(original_ids, hf_rows), rows=_vocabulary_rows(vocabulary))
-    log(f" {config['architectures'][0]}: {flags['num-layers']} layers, {hf_rows} HF vocabulary rows -> "
-        f"{vocab.padded} padded; MASK id {mask_id} ({'new, rows initialised to the mean' if new_mask else 'existing'})")
+        args = parse_args(["--config", fragment_path, "seq-length=16", "bdlm-block-size=16", "micro-batch-size=1",
+                           "train-iters=1", "lr=0", "data-path=unused", "finetune=true",
+                           f"tensor-model-parallel-size={tensor_model_parallel_size}"])
+        args = validate_args(args, tensor_model_parallel_size, on_accelerator=False, check_paths=False)
+        vocabulary = Vocabulary.from_args(args)  # at training's TP size: it fixes the padding
+        vocab = hf.Vocabulary(hf_rows=hf_rows, padded=vocabulary.padded_vocab_size, mask_id=mask_id, new_mask=new_mask,
+                              mean_of=min(original_ids, hf_rows), rows=_vocabulary_rows(vocabulary))
+        log(f" {config['architectures'][0]}: {flags['num-layers']} layers, {hf_rows} HF vocabulary rows -> "
+            f"{vocab.padded} padded; MASK id {mask_id} ({'new, rows initialised to the mean' if new_mask else 'existing'})")
 
-    args = vocabulary.recorded(_single_rank(args))
-    shape = hf.Shape.from_args(args)
-    names = hf.name_map(shape)
-    with _single_process():
-        model = _uninitialised_model(args, vocabulary)
-        parameters = dict(model.named_parameters())
-        if set(parameters) != set(names):
-            raise RuntimeError(f"the mapping and the model disagree: {sorted(set(parameters) ^ set(names))[:4]}")
-        with torch.no_grad():
-            for name, parameter in parameters.items():
-                parameter.copy_(hf.to_megatron(name, [weights.get(key) for key in names[name]], shape, vocab,
-                                               parameter.dtype))
-        directory = checkpointing.save_checkpoint(save, checkpointing.LoopState(), model, None, None, args)
+        args = vocabulary.recorded(_single_rank(args))
+        shape = hf.Shape.from_args(args)
+        names = hf.name_map(shape)
+        with _single_process():
+            model = _uninitialised_model(args, vocabulary)
+            parameters = dict(model.named_parameters())
+            if set(parameters) != set(names):
+                raise RuntimeError(f"the mapping and the model disagree: {sorted(set(parameters) ^ set(names))[:4]}")
+            with torch.no_grad():
+                for name, parameter in parameters.items():
+                    parameter.copy_(hf.to_megatron(name, [weights.get(key) for key in names[name]], shape, vocab,
+                                                   parameter.dtype))
+            directory = checkpointing.save_checkpoint(save, checkpointing.LoopState(), model, None, None, args)
     log(f" saved {directory}; tokenizer in {hf_side}; model flags in {fragment_path}")
     return fragment_path
 

@@ -378,6 +378,23 @@ def test_a_damaged_config_json_is_one_line_exit_2(tmp_path, capsys, text, messag
     assert not os.path.exists(tmp_path / "ckpt")
 
 
+def test_an_import_the_trainer_refuses_leaves_nothing_behind(converted, tmp_path, capsys):
+    """The tiny Llama has 4 heads: TP3 passes the mapping but not the trainer's validation, which runs after the
+    tokenizer and model.yaml are written; the refusal must take them away again (a model.yaml pointing at a
+    checkpoint that was never written looks like a finished import)."""
+    save = tmp_path / "ckpt"
+    code = _script("convert_hf").main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
+                                       "--save", str(save), "--tensor-model-parallel-size", "3"])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and len(error.splitlines()) == 1 and "--tensor-model-parallel-size" in error, error
+    assert not save.exists()
+    save.mkdir()  # a --save that existed before stays, emptied of what the import wrote
+    (save / "notes.txt").write_text("mine")
+    assert _script("convert_hf").main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
+                                       "--save", str(save), "--tensor-model-parallel-size", "3"]) == 2
+    assert sorted(os.listdir(save)) == ["notes.txt"]
+
+
 def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
     """`--bdlm-mask-token-id`: a new id further on grows the vocabulary; an existing id does not."""
     from megatron_csbp.training import data
