@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _FAILED_RANK_KEY = "megatron_csbp/failed_rank"
 
-from megatron_csbp.core.supervision import die_with_launcher  # noqa: E402
+from megatron_csbp.core import supervision  # noqa: E402
 
-die_with_launcher()  # at import: a killed torchrun/srun takes its ranks, and their spawned helpers, with it
+supervision.die_with_launcher()  # at import: a killed torchrun/srun takes its ranks, and their spawned helpers, with it
 
 
 def _announce_failure(rank: int, error: BaseException) -> str:
@@ -47,18 +47,6 @@ def _announce_failure(rank: int, error: BaseException) -> str:
     except Exception:  # no store (rank 0 gone, or no process group): say what this rank knows
         pass
     return mine
-
-
-def _end_helper_processes() -> None:
-    """Ends this rank's own helper processes (e.g. dist_checkpointing's writer queue manager): leaving
-    with `os._exit` would orphan them, holding the launcher's output pipes open."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         print(_announce_failure(rank, error), file=sys.stderr, flush=True)
         sys.stdout.flush()
-        _end_helper_processes()
+        supervision.end_helper_processes()
         os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()

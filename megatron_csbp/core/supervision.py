@@ -187,13 +187,25 @@ class Watchdog:
               f"timeout {self.timeout:g} s, --distributed-timeout-minutes); {self._heartbeats()}; ending the run",
               file=sys.stderr, flush=True)
         sys.stdout.flush()
-        try:
-            import psutil
-            for child in psutil.Process().children(recursive=True):
-                child.kill()
-        except Exception:  # noqa: BLE001
-            pass
+        end_helper_processes()
         os._exit(1)
+
+
+def end_helper_processes() -> None:
+    """Ends this process's own helper processes (e.g. dist_checkpointing's writer queue manager) before an
+    `os._exit`, which would orphan them, holding the launcher's output pipes open. Never raises: it runs on
+    the way out of a failed run."""
+    try:
+        import psutil
+
+        children = psutil.Process().children(recursive=True)
+    except Exception:  # noqa: BLE001
+        return
+    for child in children:
+        try:
+            child.kill()
+        except Exception:  # noqa: BLE001  (gone already, or not ours to kill)
+            pass
 
 
 def _heartbeat_store():
