@@ -43,6 +43,13 @@ def test_bad_flags_are_refused(capsys):
     assert "--seq-lengths 80 must be a multiple of 32 (--nproc x --block-size)" in capsys.readouterr().err
     args = bench.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "csbp,bp"])  # 5 blocks: fine
     assert args.seq_lengths == [80] and args.ffn_hidden_size == 4 * args.hidden_size
+    # ... but not for what --predict (one rank's L/2 = 40 rows) and --kernel-check (CP's layout too) build
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "csbp,bp", "--predict"])
+    assert "--predict's calibration: half of --seq-lengths, 40 is not a multiple of --block-size 16" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "csbp,bp", "--kernel-check"])
+    assert "--seq-lengths 80 must be a multiple of 32 (--nproc x --block-size)" in capsys.readouterr().err
 
 
 def test_three_modes_side_by_side(tmp_path):

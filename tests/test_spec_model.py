@@ -149,13 +149,18 @@ def _single_rank_checks(rank, world_size):
     assert got.shape[0] == layout.num_rows + 2 and not got[-2:].any()
     with pytest.raises(ValueError, match="THD packed sequences"):
         attention(query, key, value, None, packed_seq_params=PackedSeqParams(qkv_format="thd"))
-    with pytest.raises(ValueError, match="--attention-dropout 0"):
+    with pytest.raises(ValueError, match="--attention-dropout must be 0"):
         CSBPCoreAttention(_config(attention_dropout=0.1), 1)
     with pytest.raises(RuntimeError, match="no attention context"):
         CSBPCoreAttention(config, 1)
 
     # Model: RoPE at the batch's positions, head over noisy rows only, MASK excluded, CE of the noisy rows.
+    from megatron_csbp.mcore import spec as spec_module
+
+    plans, real_plan = [], spec_module.ring_plan  # the op's plan: made once for the model, on first use
+    spec_module.ring_plan = lambda *args: plans.append(real_plan(*args)) or plans[-1]
     model = model_provider(config=config, layout=layout, vocab_size=VOCAB, mask_token_id=MASK)
+    assert plans == []  # building (or loading) a model makes none
     table = model.rotary_pos_emb.rotary.get_emb(SEQ)
     tokens = torch.randint(0, MASK, (2, layout.num_rows))
     positions = layout.row_positions.expand(2, -1)
@@ -171,6 +176,8 @@ def _single_rank_checks(rank, world_size):
     assert per_token.shape == labels.shape and torch.allclose(per_token, expected, rtol=1e-5, atol=1e-6)
     per_token.sum().backward()
     assert model.output_layer.weight.grad[MASK].abs().max() == 0
+    spec_module.ring_plan = real_plan
+    assert len(plans) == 1, f"{len(plans)} plans for one layout"  # every layer, call and backward share it
     with pytest.raises(ValueError, match="rows"):
         model(tokens[:, :-1], positions[:, :-1])
     with pytest.raises(ValueError, match="THD packed sequences"):

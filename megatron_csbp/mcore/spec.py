@@ -9,8 +9,10 @@ carry none: they are a starting point the model provider copies and binds the ru
 """
 
 import copy
+import functools
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from megatron_csbp.core.device import default_device
 from megatron_csbp.core.ops import context_sharded_block_attention, ring_plan
+from megatron_csbp.core.rules import refused_features
 
 
 @dataclass(frozen=True)
@@ -28,18 +31,18 @@ class AttentionContext:
     """What the core attention needs beyond Megatron's config: this rank's rows and where K/V travel.
 
     `group`: the block-parallel `ProcessGroup`, a `process_groups.BlockParallelGroups`, or None on one rank.
-    `plan`: the op's `ops.RingPlan` of the layout on the run's device, made once here and shared by every
-    layer, forward and backward (the run owns it; no cache is consulted).
+    Its `plan`, the op's `ops.RingPlan` of the layout on the run's device, is made on first use (a model
+    built only to load or export weights never pays for it) and then shared by every layer, forward and
+    backward: the run owns it; no cache is consulted.
     """
 
     layout: Any
     group: Any = None
     transport: str = "collective"
-    plan: Any = None
 
-    def __post_init__(self):
-        if self.plan is None:
-            object.__setattr__(self, "plan", ring_plan(self.layout, default_device()))
+    @functools.cached_property
+    def plan(self):
+        return ring_plan(self.layout, default_device())
 
 
 class CSBPCoreAttention(MegatronModule):
@@ -56,10 +59,8 @@ class CSBPCoreAttention(MegatronModule):
                  context: AttentionContext | None = None, **unused):
         super().__init__(config=config)
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
-        if dropout:
-            raise ValueError(f"attention_dropout={dropout}: the CSBP attention is a fused kernel without "
-                             "dropout on attention probabilities; set --attention-dropout 0 "
-                             "(hidden dropout is unaffected)")
+        for message in refused_features(SimpleNamespace(attention_dropout=dropout)):
+            raise ValueError(message)
         if config.softmax_type != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the CSBP attention; "
                              "use --softmax-type vanilla")
@@ -128,8 +129,8 @@ def get_csbp_layer_spec(use_transformer_engine: bool = False, context: Attention
                         base_spec: ModuleSpec | None = None, **megatron_spec_kwargs) -> ModuleSpec:
     """A GPT layer spec with `CSBPCoreAttention` as core attention: a copy of `base_spec` (e.g. Megatron-LM's
     `--spec`) where given, else Megatron's local (or Transformer Engine) spec."""
-    if megatron_spec_kwargs.get("multi_latent_attention"):
-        raise ValueError("multi_latent_attention is not supported with CSBP; unset --multi-latent-attention")
+    for message in refused_features(SimpleNamespace(**megatron_spec_kwargs)):
+        raise ValueError(message)
     if base_spec is not None:
         spec = copy.deepcopy(base_spec)
     elif use_transformer_engine:

@@ -43,6 +43,7 @@ from megatron_csbp.core.rules import PARALLEL_MODES as MODES
 # The trainer's rules (megatron_csbp.core.rules), told the bench's flag names.
 FLAGS = rules.FLAGS.renamed(seq_length="--seq-lengths", block_size="--block-size", parallel_size="--nproc",
                             clean_shards="clean shards", mode="--modes", clean_layout="clean layout")
+CALIBRATION_FLAGS = FLAGS.renamed(seq_length="--predict's calibration: half of --seq-lengths,")
 TRANSPORT_MEMORY_KEYS = tuple(f"{transport}_{part}_peak_bytes" for transport in rules.TRANSPORTS
                               for part in ("step", "attention_forward", "attention"))
 
@@ -79,7 +80,8 @@ def parse_args(argv=None):
     parser.add_argument("--run-timeout", type=float, default=3600,
                         help="seconds one (mode, length) run may take before its ranks are stopped")
     parser.add_argument("--kernel-check", action="store_true",
-                        help="also time the CPU attention kernel at the longest length against dense matmul")
+                        help="also time the CPU attention kernel at the longest length against dense matmul, and "
+                             "each rank's CSBP and CP kernels on their own rows and plans, paired")
     parser.add_argument("--json", help="write the records to this file")
     parser.add_argument("--plot", help="write time / bytes / memory against sequence length to this PNG")
     args = parser.parse_args(argv)
@@ -97,6 +99,15 @@ def parse_args(argv=None):
     problem = next(filter(None, (
         rules.sequence_problem(mode, length, args.block_size, args.nproc, rules.clean_shards(mode, args.nproc),
                                flags=FLAGS) for length in args.seq_lengths for mode in args.modes)), None)
+    if args.predict:  # the calibration times the attention op on one rank's L/2 clean rows
+        problem = problem or next(filter(None, (
+            rules.whole_blocks_problem(length // 2, args.block_size, CALIBRATION_FLAGS)
+            for length in args.seq_lengths)), None)
+    if args.kernel_check:  # it times the CSBP and CP layouts of the longest length
+        problem = problem or next(filter(None, (
+            rules.sequence_problem(mode, max(args.seq_lengths), args.block_size, args.nproc,
+                                   rules.clean_shards(mode, args.nproc), flags=FLAGS) for mode in ("csbp", "cp"))),
+            None)
     problem = problem or rules.query_groups_problem(args.num_attention_heads, args.num_query_groups)
     if problem:
         parser.error(problem)
@@ -446,7 +457,8 @@ def kernel_plans_check(seq_length, block_size, nproc, heads=4, groups=2, head_di
 
 def print_kernel_plans(results, out=None):
     cp = {(r["rank"]): r for r in results if r["mode"] == "cp"}
-    print("| mode | L | rank | rows | row groups | real pairs/head | padded pairs/head | forward (s) | backward (s) "
+    print("| mode | L | rank | rows | row groups | real pairs/head | padded pairs/head | forward: prefix + noisy (s) "
+          "| backward: prefix (s) "
           "| GFLOP/s (real pairs) | time vs CP's same rank |", file=out)
     print("|---|---|---|---|---|---|---|---|---|---|---|", file=out)
     for r in results:
@@ -470,7 +482,8 @@ def _timed(function, repeats):
 
 
 def _calibration_rank(rank, world_size, args, seq_length, repeats=4):
-    """This rank's rates at `seq_length`, measured in the bench's own ranks just before their steps (same load):
+    """This rank's rates at `seq_length`, measured in the bench's own ranks just before and just after their steps (same load; `_least_disturbed`
+    keeps the faster of the two):
     the model's linear layers (forward+backward, FLOP/s), the attention kernel on a one-rank BDLM mask with
     as many rows as a CSBP rank holds, and the backend's all-gather of CSBP's forward K/V alone."""
     from megatron_csbp.core import comm
@@ -641,7 +654,7 @@ def print_overlap(records, out=None):
 
 
 def print_calibrations(records, out=None):
-    """Each spawned run's calibration (measured in its ranks just before its steps)."""
+    """Each spawned run's calibration (measured in its ranks before and after its steps, the faster kept)."""
     out = out or sys.stdout
     print("\ncalibration (in each run's ranks, best of 4): linear GFLOP/s, attention kernel GFLOP/s, backend "
           "all-gather GB/s + latency", file=out)
