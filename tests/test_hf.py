@@ -642,7 +642,8 @@ def test_import_refuses_a_training_runs_save(converted, tmp_path, capsys):
     (save / "iter_0000020" / "common.pt").write_bytes(b"weights")
     (save / "latest_checkpointed_iteration.txt").write_text("20")
     before = {path: path.read_bytes() for path in save.rglob("*") if path.is_file()}
-    code = _script("convert_hf").main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"), "--save", str(save)])
+    code = _script("convert_hf").main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
+                                       "--save", str(save)])
     error = capsys.readouterr().err.strip()
     assert code == 2 and len(error.splitlines()) == 1 and "holds a training checkpoint" in error, error
     assert {path: path.read_bytes() for path in save.rglob("*") if path.is_file()} == before
@@ -684,7 +685,8 @@ def _damage(kind, hf_dir, tmp_path):
                   os.path.join(model, "model-00001-of-00002.safetensors"))
         json.dump({"weight_map": {name: file for file, part in halves.items() for name in part}},
                   open(os.path.join(model, "model.safetensors.index.json"), "w"))
-        return argv, "model.safetensors.index.json names the shard model-00002-of-00002.safetensors, which is missing", save
+        return argv, ("model.safetensors.index.json names the shard model-00002-of-00002.safetensors, which is "
+                      "missing"), save
     if kind == "tokenizer larger than the embedding":
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(model)
@@ -862,3 +864,36 @@ def test_export_config_says_how_the_model_decodes(converted):
                                        torch.float32)
         assert {key: config.get(key) for key in (*keys, "bd_size")} == {"bd_size": None, **keys}, objective
         assert config["mask_token_id"] == _mask_id("llama")
+
+
+@pytest.fixture
+def small_disks(tmp_path):
+    """Real filesystems: a 1 MiB tmpfs (an import or export of the tiny Llama needs more) and a read-only one
+    (64 MiB).
+    Needs root (mount); the monkeypatched cases above cover the same paths everywhere."""
+    disks = {}
+    for name, options in (("small", "size=1m"), ("read-only", "size=64m,ro")):
+        disks[name] = tmp_path / name
+        disks[name].mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disks[name])], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        yield disks
+    finally:
+        for mount in disks.values():
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_real_full_or_read_only_disk_is_one_line_and_nothing_written(converted, small_disks, capsys):
+    convert = _script("convert_hf")
+    for disk, message in (("small", "are to be written but only"), ("read-only", "(Read-only file system)")):
+        save = small_disks[disk] / "ckpt"
+        code = convert.main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"), "--save", str(save)])
+        error = capsys.readouterr().err.strip()
+        assert code == 2 and len(error.splitlines()) == 1 and message in error, error
+        assert os.listdir(small_disks[disk]) == []
+    out = small_disks["small"] / "export"
+    code, output = _convert("export", "--load", os.path.join(converted, "llama", "ckpt"), "--hf-dir", str(out))
+    assert code == 2 and "convert_hf.py: error: --hf-dir" in output and "are to be written but only" in output, output
+    assert "Traceback" not in output and os.listdir(small_disks["small"]) == []

@@ -25,7 +25,8 @@ def _write(directory, files):
 
 
 def _beside(target):
-    return sorted(name for name in os.listdir(os.path.dirname(target)) if name.startswith(f".{os.path.basename(target)}."))
+    prefix = f".{os.path.basename(target)}."
+    return sorted(name for name in os.listdir(os.path.dirname(target)) if name.startswith(prefix))
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "set aside"])
