@@ -10,7 +10,11 @@ both copies); the MASK token's input embedding is the documented initialisation,
 * import -> export is bit-exact (MASK rows = the documented initialisation), from the import itself and
   from a checkpoint our training loop saved at TP2 x PP2;
 * fine-tuning an imported model runs, and its first-iteration loss is the Fast-dLLM v2 loss of the HF
-  model at noise 1 (every noisy token MASK), computed here.
+  model at noise 1 (every noisy token MASK), computed here;
+* nothing is half-written, stale or mixed: conversions killed (SIGKILL) at points they report leave the
+  target as it was, a re-export leaves no stale shard, a second import into one --save is refused, and every
+  bad input (damaged weights, a config that disagrees, full or read-only disks, ...) is one line, exit 2;
+* config.json says how the exported model decodes (objective, label shift, block size, MASK id).
 """
 
 import errno
@@ -767,8 +771,6 @@ def _refusals_on_a_rank(rank, world, load, hf_dir, previous, root):
     import tempfile
     from megatron.core import dist_checkpointing
 
-    from megatron_csbp.training import publish
-
     export = ["export", "--load", load, "--hf-dir", previous, "--overwrite"]
     save = os.path.join(root, "ckpt")
     imports = ["import", "--hf-dir", hf_dir, "--save", save, "--make-vocab-size-divisible-by", str(DIVISIBLE_BY)]
@@ -783,7 +785,6 @@ def _refusals_on_a_rank(rank, world, load, hf_dir, previous, root):
         code, error = _refusal(argv, patches)
         target = argv[argv.index("--hf-dir" if argv[0] == "export" else "--save") + 1]
         results[name] = (code, error, _digests(target) if os.path.isdir(target) else None, _leftovers(target))
-    assert publish  # the module whose free-space check and private directory the patches reach
     return results
 
 
