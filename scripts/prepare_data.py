@@ -110,13 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from megatron_csbp.training.arguments import ConfigError
-    from megatron_csbp.training.data import build_tokenizer, dataset_stats, write_indexed_dataset
+    from megatron_csbp.training.data import build_tokenizer, check_output_prefix, dataset_stats, write_indexed_dataset
 
     args = build_parser().parse_args(argv)
     args.make_vocab_size_divisible_by, args.tensor_model_parallel_size = 1, 1
     prefix = args.output_prefix or os.path.join(REPO_ROOT, DEFAULT_PREFIX)
     inputs = args.input or stdlib_sources(args.max_bytes)
     try:
+        check_output_prefix(prefix)
         tokenizer = build_tokenizer(args)
         if not args.force and os.path.exists(prefix + ".idx"):
             stats = dataset_stats(prefix)

@@ -33,6 +33,7 @@ MODULE_MARKERS = {
     "test_layout": (),
     "test_plan": (),
     "test_rules": (),
+    "test_publish": (),
     "test_attention": ("spawn",),
     "test_transport_memory": ("spawn",),
     "test_bdlm_forward_step": ("spawn",),

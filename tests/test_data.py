@@ -117,6 +117,23 @@ def test_prepare_data_reports_bad_jsonl_lines(tmp_path, capsys, mode):
     assert dataset[1].tolist() == list(b"omega!") + [256]
 
 
+@pytest.mark.parametrize("under", ["file/out", "file/deeper/out"])
+def test_prepare_data_refuses_an_output_prefix_under_a_file(tmp_path, capsys, under):
+    """A file on the prefix's directory path: one line naming the flag and the file, exit 2, before any work
+    (was a raw [Errno 17] and exit 1)."""
+    source = tmp_path / "in.txt"
+    source.write_text("some text")
+    (tmp_path / "file").write_text("not a directory")
+    code = prepare_data.main(["--input", str(source), "--output-prefix", str(tmp_path / under)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith(f"prepare_data: --output-prefix {tmp_path / under}: {tmp_path / 'file'} is a file"), err
+    assert (tmp_path / "file").read_text() == "not a directory"
+    assert sorted(os.listdir(tmp_path)) == ["file", "in.txt"]
+    with pytest.raises(data.ConfigError, match="is a file"):  # the writer refuses it too, called directly
+        data.write_indexed_dataset([[1, 2]], str(tmp_path / under), 257)
+
+
 def test_prepare_data_json_key_and_text_files(tmp_path):
     (tmp_path / "a.jsonl").write_text('{"content": "xy"}\n')
     (tmp_path / "b.txt").write_text("plain text\n")

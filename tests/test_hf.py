@@ -10,12 +10,20 @@ both copies); the MASK token's input embedding is the documented initialisation,
 * import -> export is bit-exact (MASK rows = the documented initialisation), from the import itself and
   from a checkpoint our training loop saved at TP2 x PP2;
 * fine-tuning an imported model runs, and its first-iteration loss is the Fast-dLLM v2 loss of the HF
-  model at noise 1 (every noisy token MASK), computed here.
+  model at noise 1 (every noisy token MASK), computed here;
+* nothing is half-written, stale or mixed: conversions killed (SIGKILL) at points they report leave the
+  target as it was, a re-export leaves no stale shard, a second import into one --save is refused, and every
+  bad input (damaged weights, a config that disagrees, full or read-only disks, ...) is one line, exit 2;
+* config.json says how the exported model decodes (objective, label shift, block size, MASK id).
 """
 
+import errno
+import hashlib
 import importlib.util
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -257,7 +265,8 @@ def test_import_export_round_trip_is_bit_exact(converted, tmp_path):
         _assert_bit_exact(_safetensors(out), _expected_export(family, original))
         config = AutoConfig.from_pretrained(out, local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
-        assert (config.mask_token_id, config.bdlm_block_size) == (_mask_id(family), 16)
+        assert (config.mask_token_id, config.bdlm_block_size, config.block_size) == (_mask_id(family), 16, 16)
+        assert (config.bdlm_objective, config.bdlm_label_shift) == ("bd3lm", 0) and not hasattr(config, "bd_size")
         assert tokenizer.mask_token == "<|mask|>" and tokenizer.mask_token_id == _mask_id(family)
         assert config.tie_word_embeddings == MODELS[family].get("tied", False)
         AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # transformers loads it offline
@@ -307,6 +316,11 @@ def test_round_trip_from_a_tp2_pp2_training_checkpoint(converted, llama_data, tm
     assert code == 0, output
     original = _safetensors(os.path.join(converted, "llama", "hf"))
     _assert_bit_exact(_safetensors(out), _expected_export("llama", original))
+    config = json.load(open(os.path.join(out, "config.json")))  # the recipe trains Fast-dLLM v2: shifted labels
+    assert {key: config[key] for key in ("bdlm_objective", "bdlm_label_shift", "block_size", "bd_size",
+                                         "mask_token_id")} == {"bdlm_objective": "fast-dllm-v2", "bdlm_label_shift": 1,
+                                                               "block_size": BLOCK, "bd_size": BLOCK,
+                                                               "mask_token_id": _mask_id("llama")}
 
 
 def test_finetune_first_loss_is_the_huggingface_models(converted, llama_data, tmp_path):
@@ -348,9 +362,6 @@ def test_finetune_first_loss_is_the_huggingface_models(converted, llama_data, tm
     ({"tie_word_embeddings": True}, "lm_head.weight differs"),
 ])
 def test_import_refuses_what_the_mapping_cannot_express(converted, tmp_path, capsys, change, message):
-    import json
-    import shutil
-
     hf_dir = str(tmp_path / "model")
     shutil.copytree(os.path.join(converted, "llama", "hf"), hf_dir)
     config = json.load(open(os.path.join(hf_dir, "config.json")))
@@ -387,12 +398,11 @@ def test_an_import_the_trainer_refuses_leaves_nothing_behind(converted, tmp_path
                                        "--save", str(save), "--tensor-model-parallel-size", "3"])
     error = capsys.readouterr().err.strip()
     assert code == 2 and len(error.splitlines()) == 1 and "--tensor-model-parallel-size" in error, error
-    assert not save.exists()
-    save.mkdir()  # a --save that existed before stays, emptied of what the import wrote
-    (save / "notes.txt").write_text("mine")
+    assert not save.exists() and not _leftovers(save)
+    save.mkdir()  # an empty --save that existed before stays, empty
     assert _script("convert_hf").main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
                                        "--save", str(save), "--tensor-model-parallel-size", "3"]) == 2
-    assert sorted(os.listdir(save)) == ["notes.txt"]
+    assert os.listdir(save) == [] and not _leftovers(save)
 
 
 def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
@@ -441,3 +451,450 @@ def test_a_converted_model_needs_finetune(converted, llama_data, tmp_path):
                 "train-iters=1", "lr-warmup-iters=0", "eval-iters=0", "save=null"]
     done = subprocess.run(launcher, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
     assert done.returncode == 2 and "holds a model only" in done.stdout and "--finetune" in done.stdout, done.stdout
+
+
+# ------------------------------------------------------------------ nothing published is half-written, stale or mixed
+def _leftovers(target):
+    """Private temporaries (or set-aside copies) of `target` beside it."""
+    parent, name = os.path.dirname(str(target)), os.path.basename(str(target))
+    return sorted(entry for entry in os.listdir(parent) if entry.startswith(f".{name}."))
+
+
+def _digests(directory):
+    return {name: hashlib.sha256(open(os.path.join(directory, name), "rb").read()).hexdigest()
+            for name in sorted(os.listdir(directory))}
+
+
+# A convert_hf.py run that stops at a named point (`name` or its k-th time, `name#k`), says so on stdout and
+# waits for a line on stdin; the test kills it there (SIGKILL) or lets it go on. The points are the functions
+# the conversion calls, wrapped here, in this process only.
+_STOPPING_RUN = r'''
+import collections, importlib.util, os, sys
+
+seen = collections.Counter()
+
+
+def stop(name, stage):
+    seen[name] += 1
+    if stage in (name, f"{name}#{seen[name]}"):
+        print(f"STOPPED AT {stage}", flush=True)
+        sys.stdin.readline()
+
+
+def wrap(owner, attribute, stage, before=None, after=None):
+    original = getattr(owner, attribute)
+    def wrapped(*args, **kwargs):
+        if before:
+            stop(before, stage)
+        result = original(*args, **kwargs)
+        if after:
+            stop(after, stage)
+        return result
+    setattr(owner, attribute, wrapped)
+
+
+def main(repo, stage, argv):
+    spec = importlib.util.spec_from_file_location("convert_hf", os.path.join(repo, "scripts", "convert_hf.py"))
+    convert = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert)
+    import safetensors.torch
+    from megatron.core import dist_checkpointing
+    from megatron_csbp.training import checkpointing, publish
+    wrap(safetensors.torch, "save_file", stage, after="shard written")
+    wrap(checkpointing, "save_checkpoint", stage, before="side files written", after="checkpoint written")
+    wrap(dist_checkpointing, "save", stage, after="iteration half-written")
+    wrap(publish, "publish_directory", stage, before="before publish")
+    wrap(publish, "_exchange", stage, after="exchanged")
+    return convert.main(argv)
+
+
+if __name__ == "__main__":  # not in the helper processes megatron's checkpoint writer spawns
+    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))
+'''
+
+
+
+def _stopped_run(tmp_path, stage, *argv):
+    """Starts convert_hf.py stopping at `stage`; returns the process once it stands there."""
+    script = tmp_path / "stopping_run.py"
+    script.write_text(_STOPPING_RUN)
+    process = subprocess.Popen([sys.executable, str(script), REPO, stage, *argv], cwd=REPO, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if line.startswith(f"STOPPED AT {stage}"):
+            return process
+    process.wait()
+    raise AssertionError(f"the run never reached {stage!r} (exit {process.returncode}):\n{''.join(lines)[-3000:]}")
+
+
+def _kill(process):
+    process.kill()
+    process.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def sharded_export(converted, tmp_path_factory):
+    """An earlier export of the Llama import in 5 shards (index + model-0000k-of-00005.safetensors)."""
+    out = str(tmp_path_factory.mktemp("earlier") / "export")
+    run_ranks(_run_conversions, 1, [("export_checkpoint", dict(load=os.path.join(converted, "llama", "ckpt"), out=out,
+                                                                max_shard_bytes=100_000))], timeout=600)
+    assert "model.safetensors.index.json" in os.listdir(out) and len(_safetensors_files(out)) == 5
+    return out
+
+
+def _safetensors_files(directory):
+    return sorted(name for name in os.listdir(directory) if name.endswith(".safetensors"))
+
+
+def test_a_killed_export_leaves_the_previous_one_whole_and_a_re_export_leaves_nothing_stale(converted, sharded_export,
+                                                                                             tmp_path):
+    """An export over an earlier, sharded one (--overwrite, one shard this time), killed while writing its shards
+    and just before publishing: the earlier export is there, byte for byte, and loads. Killed right after the
+    exchange: the new export is there, whole. Run to the end: exactly the new files (no stale
+    model-0000k-of-00005 shards or index beside model.safetensors, which transformers would prefer), and the
+    killed runs' private directories are gone."""
+    from transformers import AutoModelForCausalLM
+
+    out = str(tmp_path / "export")
+    shutil.copytree(sharded_export, out)
+    earlier = _digests(out)
+    argv = ["export", "--load", os.path.join(converted, "llama", "ckpt"), "--hf-dir", out, "--overwrite"]
+    for stage in ("shard written", "before publish"):
+        _kill(_stopped_run(tmp_path, stage, *argv))
+        assert _digests(out) == earlier, stage
+        assert _leftovers(out), "a killed run leaves its private directory (removed by the next run)"
+    AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    _kill(_stopped_run(tmp_path, "exchanged", *argv))
+    assert _safetensors_files(out) == ["model.safetensors"] and "model.safetensors.index.json" not in os.listdir(out)
+    code, output = _convert(*argv)
+    assert code == 0, output
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+                                       "tokenizer_config.json"]
+    assert not _leftovers(out)
+    original = _safetensors(os.path.join(converted, "llama", "hf"))
+    _assert_bit_exact(_safetensors(out), _expected_export("llama", original))
+    AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+
+
+def test_export_refuses_a_non_empty_hf_dir_without_overwrite(converted, sharded_export, tmp_path, capsys):
+    out = str(tmp_path / "export")
+    shutil.copytree(sharded_export, out)
+    earlier = _digests(out)
+    code = _script("convert_hf").main(["export", "--load", os.path.join(converted, "llama", "ckpt"), "--hf-dir", out])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and len(error.splitlines()) == 1 and "--overwrite" in error and "is not empty" in error, error
+    assert _digests(out) == earlier
+
+
+def test_a_killed_import_leaves_nothing_and_the_next_one_completes(converted, tmp_path):
+    """Killed after writing the tokenizer and model.yaml, half-way through the checkpoint (iter_0000000.tmp
+    written) and just before publishing: `--save` holds no hf/, model.yaml or iter_* (at most the stale writer
+    lock, which the next run takes over). Each run takes over the lock the previous one left; the last one
+    completes, and no private directory is left beside."""
+    from megatron_csbp.training import checkpointing, save_lock
+
+    save = tmp_path / "ckpt"
+    argv = ["import", "--hf-dir", os.path.join(converted, "llama", "hf"), "--save", str(save),
+            "--make-vocab-size-divisible-by", str(DIVISIBLE_BY)]
+    for stage in ("side files written", "iteration half-written", "before publish#2"):
+        process = _stopped_run(tmp_path, stage, *argv)
+        _kill(process)
+        assert not save.exists() or os.listdir(save) == [save_lock.LOCK], (stage, os.listdir(save))
+        assert _leftovers(save)
+    code, output = _convert(*argv)
+    assert code == 0, output
+    assert "taking over the stale lock" in output
+    assert sorted(os.listdir(save)) == ["hf", "iter_0000000", "latest_checkpointed_iteration.txt", "model.yaml"]
+    assert not _leftovers(save)
+    checkpointing.check_complete(str(save / "iter_0000000"), log=lambda *_: None)
+    import yaml
+    fragment = yaml.safe_load(open(save / "model.yaml"))
+    assert fragment["tokenizer-model"] == str(save / "hf" / "tokenizer.json") and fragment["load"] == str(save)
+
+
+def test_a_second_import_into_the_same_save_is_refused_and_takes_nothing(converted, tmp_path, capsys):
+    """Import A holds --save's lock while it works; import B into the same --save is refused at once, in one
+    line naming A, and A (let go on) completes with its model.yaml."""
+    save = tmp_path / "ckpt"
+    argv = ["import", "--hf-dir", os.path.join(converted, "llama", "hf"), "--save", str(save),
+            "--make-vocab-size-divisible-by", str(DIVISIBLE_BY)]
+    first = _stopped_run(tmp_path, "checkpoint written", *argv)
+    try:
+        code = _script("convert_hf").main(argv)
+        error = capsys.readouterr().err.strip()
+        assert code == 2 and len(error.splitlines()) == 1 and "is in use by another run" in error, error
+        assert f"pid {first.pid}" in error
+        first.stdin.write("\n")
+        first.stdin.flush()
+        output, _ = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            _kill(first)
+    assert first.returncode == 0, output
+    assert sorted(os.listdir(save)) == ["hf", "iter_0000000", "latest_checkpointed_iteration.txt", "model.yaml"]
+    assert not _leftovers(save)
+
+
+def test_import_refuses_a_training_runs_save(converted, tmp_path, capsys):
+    """A --save with a training run's tracker and checkpoint: refused in one line, not a byte changed (an import
+    there would repoint the tracker to iteration 0)."""
+    save = tmp_path / "run"
+    (save / "iter_0000020").mkdir(parents=True)
+    (save / "iter_0000020" / "common.pt").write_bytes(b"weights")
+    (save / "latest_checkpointed_iteration.txt").write_text("20")
+    before = {path: path.read_bytes() for path in save.rglob("*") if path.is_file()}
+    code = _script("convert_hf").main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
+                                       "--save", str(save)])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and len(error.splitlines()) == 1 and "holds a training checkpoint" in error, error
+    assert {path: path.read_bytes() for path in save.rglob("*") if path.is_file()} == before
+    assert not _leftovers(save)
+
+
+def _damage(kind, hf_dir, tmp_path):
+    """Makes a copy of the Llama HF directory damaged in one way; returns (argv, message, target)."""
+    model = str(tmp_path / "model")
+    shutil.copytree(hf_dir, model)
+    save = str(tmp_path / "ckpt")
+    weights = os.path.join(model, "model.safetensors")
+    config_path = os.path.join(model, "config.json")
+    config = json.load(open(config_path))
+    argv = ["import", "--hf-dir", model, "--save", save]
+    if kind == "garbage safetensors":
+        open(weights, "wb").write(os.urandom(5000))
+        return argv, "model.safetensors is not a readable safetensors file, damaged or truncated", save
+    if kind == "truncated safetensors":
+        os.truncate(weights, os.path.getsize(weights) - 1000)
+        return argv, "model.safetensors is not a readable safetensors file, damaged or truncated", save
+    if kind in ("config disagrees", "config lacks a key"):
+        if kind == "config disagrees":
+            config["intermediate_size"] = 128
+        else:
+            del config["num_hidden_layers"]
+        json.dump(config, open(config_path, "w"))
+        message = ("config.json disagrees with the weights: model.layers.0.mlp.down_proj.weight is [64, 96] in "
+                   "model.safetensors, config.json makes it [64, 128]" if kind == "config disagrees" else
+                   "config.json lacks num_hidden_layers")
+        return argv, message, save
+    if kind == "index names a missing shard":
+        from safetensors.torch import load_file, save_file
+        tensors = load_file(weights)
+        os.remove(weights)
+        names = sorted(tensors)
+        halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+        save_file({name: tensors[name] for name in halves["model-00001-of-00002.safetensors"]},
+                  os.path.join(model, "model-00001-of-00002.safetensors"))
+        json.dump({"weight_map": {name: file for file, part in halves.items() for name in part}},
+                  open(os.path.join(model, "model.safetensors.index.json"), "w"))
+        return argv, ("model.safetensors.index.json names the shard model-00002-of-00002.safetensors, which is "
+                      "missing"), save
+    if kind == "tokenizer larger than the embedding":
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        tokenizer.add_tokens([f"<extra_{i}>" for i in range(10)])
+        tokenizer.save_pretrained(model)
+        return argv, "its tokenizer has 393 ids but the model's embedding only 383 rows", save
+    if kind == "huge vocabulary padding":
+        return argv + ["--make-vocab-size-divisible-by", str(10 ** 9)], \
+            "--make-vocab-size-divisible-by 1000000000 (x TP 1) pads the 384 ids to 1000000000 rows", save
+    if kind == "save is a file":
+        open(save, "w").write("x")
+        return argv, f"--save {save} is a file", save
+    if kind == "save under a file":
+        open(save, "w").write("x")
+        return argv[:-1] + [os.path.join(save, "inner")], "a file stands where a directory is needed", save
+    if kind == "hf-dir is a file":
+        return ["import", "--hf-dir", config_path, "--save", save], "is a file, not a directory", save
+    raise AssertionError(kind)
+
+
+REFUSED_INPUTS = ["garbage safetensors", "truncated safetensors", "config disagrees", "config lacks a key",
+                  "index names a missing shard", "tokenizer larger than the embedding", "huge vocabulary padding",
+                  "save is a file", "save under a file", "hf-dir is a file"]
+
+
+@pytest.mark.parametrize("kind", REFUSED_INPUTS)
+def test_bad_import_inputs_are_one_line_exit_2_and_nothing_written(converted, tmp_path, capsys, kind):
+    argv, message, target = _damage(kind, os.path.join(converted, "llama", "hf"), tmp_path)
+    existed = os.path.exists(target)
+    code = _script("convert_hf").main(argv)
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and len(error.splitlines()) == 1 and error.startswith("convert_hf.py: error: "), error
+    assert message in error, error
+    assert os.path.exists(target) == existed and not _leftovers(target)
+
+
+def _refusal(argv, patches):
+    """convert_hf.main(argv) with `patches` [(owner, attribute, replacement)] applied; (exit, stderr)."""
+    import contextlib
+    import io
+
+    convert = _script("convert_hf")
+    originals = [(owner, attribute, getattr(owner, attribute)) for owner, attribute, _ in patches]
+    stderr = io.StringIO()
+    try:
+        for owner, attribute, replacement in patches:
+            setattr(owner, attribute, replacement)
+        with contextlib.redirect_stderr(stderr):
+            code = convert.main(argv)
+    finally:
+        for owner, attribute, original in originals:
+            setattr(owner, attribute, original)
+    return code, stderr.getvalue().strip()
+
+
+def _no_space(*_, **__):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _read_only(*_, **__):
+    raise OSError(errno.EROFS, "Read-only file system")
+
+
+def _full_disk_usage(path):
+    return shutil._ntuple_diskusage(10 ** 12, 10 ** 12 - 1000, 1000)
+
+
+def _write_some_then_fill(tensors, path, metadata=None):
+    open(path, "wb").write(b"\0" * 1000)  # a partial file, as a filling disk leaves
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _refusals_on_a_rank(rank, world, load, hf_dir, previous, root):
+    """On one rank: export and import under a full disk (checked before writing, or filling mid-write) and a
+    read-only location; each case's (exit, stderr, what the target holds afterwards)."""
+    import safetensors.torch
+    import shutil as shutil_module
+    import tempfile
+    from megatron.core import dist_checkpointing
+
+    export = ["export", "--load", load, "--hf-dir", previous, "--overwrite"]
+    save = os.path.join(root, "ckpt")
+    imports = ["import", "--hf-dir", hf_dir, "--save", save, "--make-vocab-size-divisible-by", str(DIVISIBLE_BY)]
+    cases = {"export, disk full before": (export, [(shutil_module, "disk_usage", _full_disk_usage)]),
+             "export, disk fills while writing": (export, [(safetensors.torch, "save_file", _write_some_then_fill)]),
+             "export, read-only": (export, [(tempfile, "mkdtemp", _read_only)]),
+             "import, disk fills while writing": (imports, [(dist_checkpointing, "save", _no_space)]),
+             "import, disk full before": (imports, [(shutil_module, "disk_usage", _full_disk_usage)]),
+             "import, read-only": (imports, [(tempfile, "mkdtemp", _read_only)])}
+    results = {}
+    for name, (argv, patches) in cases.items():
+        code, error = _refusal(argv, patches)
+        target = argv[argv.index("--hf-dir" if argv[0] == "export" else "--save") + 1]
+        results[name] = (code, error, _digests(target) if os.path.isdir(target) else None, _leftovers(target))
+    return results
+
+
+@pytest.fixture(scope="module")
+def refusals_after_start(converted, sharded_export, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("refusals"))
+    previous = os.path.join(root, "export")
+    shutil.copytree(sharded_export, previous)
+    return _digests(previous), run_ranks(_refusals_on_a_rank, 1, os.path.join(converted, "llama", "ckpt"),
+                                         os.path.join(converted, "llama", "hf"), previous, root, timeout=600)[0]
+
+
+@pytest.mark.parametrize("case, message", [
+    ("export, disk full before", "are to be written but only 0.0 MiB are free there"),
+    ("export, disk fills while writing", "no space left on device while writing the export; nothing was published"),
+    ("export, read-only", "cannot write in"),
+    ("import, disk full before", "are to be written but only 0.0 MiB are free there"),
+    ("import, disk fills while writing", "no space left on device while writing the import; nothing was published"),
+    ("import, read-only", "cannot write in"),
+])
+def test_a_full_disk_or_read_only_target_is_one_line_and_nothing_published(refusals_after_start, case, message):
+    previous, results = refusals_after_start
+    code, output, holds, leftovers = results[case]
+    error = output.splitlines()[-1]  # megatron's and torch's own warnings come before it, on this rank
+    assert code == 2 and error.startswith("convert_hf.py: error: ") and "Traceback" not in output, output
+    assert message in error, output
+    assert holds == (previous if case.startswith("export") else None), "the previous export is untouched"
+    assert not leftovers
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-shard-size-mb", "0"], "--max-shard-size-mb 0: the largest safetensors file, in MiB, must be positive"),
+    (["--max-shard-size-mb", "-3"], "--max-shard-size-mb -3"),
+], ids=["zero", "negative"])
+def test_export_refuses_a_shard_size_that_is_not_positive(converted, tmp_path, capsys, argv, message):
+    out = tmp_path / "export"
+    code = _script("convert_hf").main(["export", "--load", os.path.join(converted, "llama", "ckpt"), "--hf-dir",
+                                       str(out), *argv])
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and len(error.splitlines()) == 1 and message in error, error
+    assert not out.exists()
+
+
+def test_export_refuses_a_file_a_non_model_directory_and_its_own_checkpoint(converted, tmp_path, capsys):
+    convert, load = _script("convert_hf"), os.path.join(converted, "llama", "ckpt")
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "mine.txt").write_text("mine")
+    for target, flags, message in [(tmp_path / "file", [], "is a file"),
+                                   (tmp_path / "notes", ["--overwrite"], "holds no config.json"),
+                                   (os.path.join(converted, "llama"), ["--overwrite"], "which the export reads")]:
+        code = convert.main(["export", "--load", load, "--hf-dir", str(target), *flags])
+        error = capsys.readouterr().err.strip()
+        assert code == 2 and len(error.splitlines()) == 1 and message in error, error
+    assert (tmp_path / "notes" / "mine.txt").read_text() == "mine"
+
+
+def test_export_config_says_how_the_model_decodes(converted):
+    """config.json names the objective, its label shift and the block size in our keys and the engines'
+    (block_size, mask_token_id; bd_size only for Fast-dLLM v2's shifted labels, also dropped from a base
+    config that had it)."""
+    import argparse
+
+    import torch
+    from megatron.core import dist_checkpointing
+
+    from megatron_csbp.training import checkpointing
+
+    directory = os.path.join(converted, "llama", "ckpt", "iter_0000000")
+    args = argparse.Namespace(**checkpointing.saved_args(dist_checkpointing.load_common_state_dict(directory)))
+    convert = _script("convert_hf")
+    expected = {"bd3lm": {"bdlm_objective": "bd3lm", "bdlm_label_shift": 0, "block_size": 8, "bdlm_block_size": 8},
+                "fast-dllm-v2": {"bdlm_objective": "fast-dllm-v2", "bdlm_label_shift": 1, "block_size": 8,
+                                 "bdlm_block_size": 8, "bd_size": 8}}
+    for objective, keys in expected.items():
+        args.bdlm_objective, args.bdlm_block_size = objective, 8
+        config = convert.export_config(args, {"bd_size": 99, "architectures": ["LlamaForCausalLM"]}, 384,
+                                       torch.float32)
+        assert {key: config.get(key) for key in (*keys, "bd_size")} == {"bd_size": None, **keys}, objective
+        assert config["mask_token_id"] == _mask_id("llama")
+
+
+@pytest.fixture
+def small_disks(tmp_path):
+    """Real filesystems: a 1 MiB tmpfs (an import or export of the tiny Llama needs more) and a read-only one
+    (64 MiB).
+    Needs root (mount); the monkeypatched cases above cover the same paths everywhere."""
+    disks = {}
+    for name, options in (("small", "size=1m"), ("read-only", "size=64m,ro")):
+        disks[name] = tmp_path / name
+        disks[name].mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(disks[name])], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        yield disks
+    finally:
+        for mount in disks.values():
+            subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_real_full_or_read_only_disk_is_one_line_and_nothing_written(converted, small_disks, capsys):
+    convert = _script("convert_hf")
+    for disk, message in (("small", "are to be written but only"), ("read-only", "(Read-only file system)")):
+        save = small_disks[disk] / "ckpt"
+        code = convert.main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"), "--save", str(save)])
+        error = capsys.readouterr().err.strip()
+        assert code == 2 and len(error.splitlines()) == 1 and message in error, error
+        assert os.listdir(small_disks[disk]) == []
+    out = small_disks["small"] / "export"
+    code, output = _convert("export", "--load", os.path.join(converted, "llama", "ckpt"), "--hf-dir", str(out))
+    assert code == 2 and "convert_hf.py: error: --hf-dir" in output and "are to be written but only" in output, output
+    assert "Traceback" not in output and os.listdir(small_disks["small"]) == []

@@ -225,6 +225,19 @@ def padded_vocab_size(num_ids: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBL
     return -(-num_ids // multiple) * multiple
 
 
+def vocab_padding_problem(num_ids: int, divisible_by: int, tensor_parallel: int = 1) -> str | None:
+    """Padding rows are allocated (and never trained) in the embedding and output matrices: more of them than
+    real ids (beyond what Megatron's default multiple gives) is a mistake, e.g. a value that would allocate
+    terabytes."""
+    padding = padded_vocab_size(num_ids, divisible_by, tensor_parallel) - num_ids
+    if padding <= max(num_ids, MAKE_VOCAB_SIZE_DIVISIBLE_BY * tensor_parallel):
+        return None
+    largest = max(num_ids // tensor_parallel, MAKE_VOCAB_SIZE_DIVISIBLE_BY)
+    return (f"--make-vocab-size-divisible-by {divisible_by} (x TP {tensor_parallel}) pads the {num_ids} ids to "
+            f"{num_ids + padding} rows, {padding} of them padding: use at most {largest} (Megatron's default is "
+            f"{MAKE_VOCAB_SIZE_DIVISIBLE_BY})")
+
+
 # --- the objective ---------------------------------------------------------------------------------
 
 def default_loss_weighting(objective: str) -> str:
@@ -240,6 +253,12 @@ def loss_weighting_problem(objective: str, loss_weighting: str | None) -> str | 
         return problem
     return ("--bdlm-loss-weighting=inverse-t does not go with --bdlm-objective=fast-dllm-v2, which uses unit weights: "
             "drop --bdlm-loss-weighting or set it to unit")
+
+
+def label_shift(objective: str) -> int:
+    """Positions from a noisy row to the token it predicts: Fast-dLLM v2 keeps the AR model's next-token head
+    (row p predicts token p+1), BD3-LM predicts the token in place (row p, token p)."""
+    return 1 if objective == "fast-dllm-v2" else 0
 
 
 def views_per_sample(objective: str) -> int:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.core import supervision
+from megatron_csbp.training import publish
 from megatron_csbp.training.arguments import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -361,14 +362,9 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
     if rank == 0:
         if os.environ.get(_TEST_CRASH_BEFORE_PUBLISH) == str(state.iteration):
             raise RuntimeError(f"injected crash before publishing {final} ({_TEST_CRASH_BEFORE_PUBLISH})")
-        replaced = final + ".old"
-        if os.path.exists(final):  # an older save of this iteration (e.g. --finetune into the same --save)
-            shutil.rmtree(replaced, ignore_errors=True)
-            os.rename(final, replaced)
-        os.rename(temporary, final)
-        _fsync_dir(root)
+        # An older save of this iteration (e.g. --finetune into the same --save) is replaced whole.
+        publish.publish_directory(temporary, final, replace=True, flag="--save")
         _write_tracker(root, state.iteration)
-        shutil.rmtree(replaced, ignore_errors=True)
     dist.barrier()
     return final
 

@@ -250,6 +250,17 @@ def _remove(*paths: str) -> None:
             os.remove(path)
 
 
+def check_output_prefix(prefix: str) -> None:
+    """Refuses, before any work, an output prefix whose directory cannot exist: a file stands on its path."""
+    directory = os.path.dirname(os.path.abspath(prefix))
+    probe = directory
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(f"--output-prefix {prefix}: {probe} is a file, so {directory} cannot be a directory; give "
+                          f"a prefix under a directory")
+
+
 def write_indexed_dataset(documents: Iterable[list[int]], output_prefix: str, vocab_size: int) -> DatasetStats:
     """Write `documents` (token id lists) as `output_prefix`.bin/.idx, verified, then renamed into place.
 
@@ -260,6 +271,7 @@ def write_indexed_dataset(documents: Iterable[list[int]], output_prefix: str, vo
     """
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
+    check_output_prefix(output_prefix)
     os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
     temporary = f"{output_prefix}.tmp{os.getpid()}"
     num_documents = num_tokens = 0

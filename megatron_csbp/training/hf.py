@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_csbp.core import rules
 from megatron_csbp.training.arguments import ConfigError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -110,8 +111,15 @@ def model_family(config: dict) -> str:
     return family
 
 
-def model_flags(config: dict) -> dict:
-    """Our model flags (YAML keys) for an HF config."""
+REQUIRED_CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
+
+
+def model_flags(config: dict, hf_dir: str = ".") -> dict:
+    """Our model flags (YAML keys) for the HF config of `hf_dir`."""
+    missing = [key for key in REQUIRED_CONFIG_KEYS if not isinstance(config.get(key), int) or config[key] < 1]
+    if missing:
+        raise ConfigError(f"--hf-dir {hf_dir}: {os.path.join(hf_dir, 'config.json')} lacks {', '.join(missing)} (or "
+                          f"holds no positive integer there); restore the model's config.json")
     family = model_family(config)
     heads = config["num_attention_heads"]
     groups = config.get("num_key_value_heads") or heads
@@ -130,6 +138,22 @@ def model_flags(config: dict) -> dict:
         "attention-dropout": 0.0, "hidden-dropout": 0.0,
     }
     return {key: value for key, value in flags.items() if value is not None}
+
+
+def bdlm_config(objective: str, block_size: int, mask_token_id: int) -> dict:
+    """The `config.json` keys that say how the exported model decodes, which the weights alone cannot say.
+
+    In the names the serving engines and reference decoders read, where they have one: `mask_token_id`
+    (SDAR's and LLaDA2's config.json; lmdeploy reads it for LLaDA2), `block_size` (SDAR's config.json; the
+    `block_size` of SGLang's `--dllm-algorithm-config`) and, for shifted labels only, `bd_size` (Fast-dLLM v2's
+    config: its models predict token p+1 at row p, so a BD3-LM model must not claim it). Then our own,
+    explicit ones: `bdlm_objective`, `bdlm_label_shift` (row p predicts token p + shift) and `bdlm_block_size`."""
+    shift = rules.label_shift(objective)
+    keys = {"mask_token_id": mask_token_id, "block_size": block_size, "bdlm_objective": objective,
+            "bdlm_label_shift": shift, "bdlm_block_size": block_size}
+    if shift:
+        keys["bd_size"] = block_size
+    return keys
 
 
 @dataclass(frozen=True)
@@ -247,20 +271,48 @@ def to_hf(name: str, tensor: torch.Tensor, shape: Shape, vocab: Vocabulary) -> l
     return [tensor]
 
 
-class SafetensorsDir:
-    """The tensors of a local HF directory's `*.safetensors` files, each read only when asked for."""
+INDEX = "model.safetensors.index.json"
 
-    def __init__(self, hf_dir: str):
-        from safetensors import safe_open
 
+def _shard_files(hf_dir: str) -> list[str]:
+    """The safetensors files of `hf_dir`: those its index names (as transformers loads them; any other
+    `*.safetensors` beside them is ignored), else every one there."""
+    index_path = os.path.join(hf_dir, INDEX)
+    if not os.path.isfile(index_path):
         files = sorted(name for name in os.listdir(hf_dir) if name.endswith(".safetensors"))
         if not files:
             raise ConfigError(f"--hf-dir {hf_dir}: no *.safetensors files (convert .bin weights to safetensors "
                               f"first; pickled weights are not read)")
+        return files
+    try:
+        with open(index_path, encoding="utf-8") as handle:
+            weight_map = json.load(handle)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise ConfigError(f"--hf-dir {hf_dir}: {INDEX} is not a readable index ({type(error).__name__}: "
+                          f"{' '.join(str(error).split())[:120]}); restore it") from None
+    missing = [name for name in files if not os.path.isfile(os.path.join(hf_dir, name))]
+    if missing:
+        raise ConfigError(f"--hf-dir {hf_dir}: {INDEX} names the shard {missing[0]}, which is missing"
+                          f"{f' ({len(missing)} shards missing in all)' if len(missing) > 1 else ''}; copy the "
+                          f"model's files again")
+    return files
+
+
+class SafetensorsDir:
+    """The tensors of a local HF directory's safetensors files, each read only when asked for."""
+
+    def __init__(self, hf_dir: str):
+        from safetensors import safe_open
+
         self._files = {}
         self._where = {}
-        for name in files:
-            handle = safe_open(os.path.join(hf_dir, name), framework="pt")
+        for name in _shard_files(hf_dir):
+            try:
+                handle = safe_open(os.path.join(hf_dir, name), framework="pt")
+            except Exception as error:  # noqa: BLE001 - safetensors' own error type: any damage
+                raise ConfigError(f"--hf-dir {hf_dir}: {name} is not a readable safetensors file, damaged or "
+                                  f"truncated ({' '.join(str(error).split())[:120]}); copy it again") from None
             self._files[name] = handle
             for key in handle.keys():
                 self._where[key] = name
@@ -271,9 +323,22 @@ class SafetensorsDir:
     def keys(self):
         return self._where.keys()
 
+    def where(self, key: str) -> str:
+        return self._where[key]
+
     def shape(self, key: str) -> list[int]:
         self._check(key)
         return self._files[self._where[key]].get_slice(key).get_shape()
+
+    def numel(self) -> int:
+        """Elements of all tensors (what an import writes, per byte of its dtype)."""
+        total = 0
+        for key in self._where:
+            count = 1
+            for size in self.shape(key):
+                count *= size
+            total += count
+        return total
 
     def _check(self, key: str) -> None:
         if key not in self._where:
@@ -282,3 +347,23 @@ class SafetensorsDir:
     def get(self, key: str) -> torch.Tensor:
         self._check(key)
         return self._files[self._where[key]].get_tensor(key)
+
+
+def check_shapes(hf_dir: str, weights: SafetensorsDir) -> None:
+    """Refuses weights whose shapes are not those `config.json` gives the model. The expected shapes are
+    transformers' own: its model class built from the config on the meta device (no memory, no init)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+        with torch.device("meta"):
+            expected = {name: list(tensor.shape)
+                        for name, tensor in AutoModelForCausalLM.from_config(config).state_dict().items()}
+    except Exception as error:  # noqa: BLE001 - transformers refusing the config, in its own words
+        raise ConfigError(f"--hf-dir {hf_dir}: transformers cannot build a model from its config.json "
+                          f"({type(error).__name__}: {' '.join(str(error).split())[:160]})") from None
+    for key in sorted(weights.keys()):
+        if key in expected and list(weights.shape(key)) != expected[key]:
+            raise ConfigError(f"--hf-dir {hf_dir}: config.json disagrees with the weights: {key} is "
+                              f"{list(weights.shape(key))} in {weights.where(key)}, config.json makes it "
+                              f"{expected[key]}; restore the model's config.json")
