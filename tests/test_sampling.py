@@ -328,12 +328,61 @@ def _restated_checks(rank, world_size):
                 controls["no window"] = _published(model, RESTATED_PROMPTS, NEW_RESTATED, strategy,
                                                    **dict(restated, window=None))
             results[name] = ours, published, controls, max(seen)
-        return results
+        return results, _ending_checks(model)
+
+
+def _ending_checks(model):
+    """EOS, a stop sequence, a suppressed token and an empty prompt against a plain run of the same seed."""
+    from megatron_csbp.tools.sampling import first_stop, generate
+
+    sampled = dict(threshold=0.5, temperature=1.0, seed=3)
+    plain = generate(model, RESTATED_PROMPTS, NEW_RESTATED, _settings(**sampled))
+    eos, stop = plain.tokens[0][5], tuple(plain.tokens[1][3:5])
+    frequent = max(range(VOCAB), key=lambda t: sum(s.count(t) for s in plain.tokens))
+    runs = {
+        "eos": generate(model, RESTATED_PROMPTS, NEW_RESTATED, _settings(eos_token_id=eos, **sampled)),
+        "stop": generate(model, RESTATED_PROMPTS, NEW_RESTATED, _settings(stop_sequences=(stop,), **sampled)),
+        "suppressed": generate(model, RESTATED_PROMPTS, NEW_RESTATED,
+                               _settings(suppressed_token_ids=(frequent,), **sampled)),
+        "unconditional": generate(model, [[], []], NEW_RESTATED, _settings(start_token_id=5, **sampled)),
+        "from the start token": generate(model, [[5], [5]], NEW_RESTATED, _settings(**sampled)),
+    }
+    try:
+        generate(model, [[]], 4, _settings())
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    assert first_stop([1, 2, 3, 2, 3], [(2, 3), (3,)]) == 1 and first_stop([1, 2], [(2, 3)]) is None
+    return dict(plain=plain, eos_id=eos, stop_ids=stop, frequent=frequent, refusal=refusal, **runs)
 
 
 @pytest.fixture(scope="module")
-def restated():
+def restated_and_endings():
     return run_ranks(_restated_checks, 1, timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def restated(restated_and_endings):
+    return restated_and_endings[0]
+
+
+def test_eos_stop_sequences_suppression_and_unconditional_prompts(restated_and_endings):
+    runs = restated_and_endings[1]
+    plain = runs["plain"].tokens
+
+    def cut(tokens, stop):
+        starts = [i for i in range(len(tokens) - len(stop) + 1) if tuple(tokens[i:i + len(stop)]) == stop]
+        return tokens[:starts[0]] if starts else tokens
+
+    assert runs["eos"].tokens == [cut(t, (runs["eos_id"],)) for t in plain]
+    assert len(runs["eos"].tokens[0]) <= 5
+    assert runs["stop"].tokens == [cut(t, runs["stop_ids"]) for t in plain]
+    assert len(runs["stop"].tokens[1]) <= 3
+    assert runs["stop"].model_calls < runs["plain"].model_calls  # every sample stopped: decoding ended early
+    assert all(runs["frequent"] not in t and len(t) == NEW_RESTATED for t in runs["suppressed"].tokens)
+    assert runs["suppressed"].tokens != plain
+    assert runs["unconditional"].tokens == runs["from the start token"].tokens
+    assert "needs a start token" in runs["refusal"]
 
 
 def test_every_strategy_decodes_token_by_token_as_its_authors_code(restated):
@@ -404,7 +453,7 @@ def _checks_on_one_rank():
     from megatron_csbp.core.device import default_device
     from megatron_csbp.core.layout import CSBPLayout
     from megatron_csbp.mcore.model import model_provider
-    from megatron_csbp.tools.sampling import STRATEGIES, generate, sampling_model
+    from megatron_csbp.tools.sampling import STRATEGY, generate, sampling_model
 
     mpu.initialize_model_parallel()
     torch.manual_seed(0)
@@ -421,8 +470,8 @@ def _checks_on_one_rank():
     generator = torch.Generator().manual_seed(1)
     errors, control, results = {}, [], {}
     for shifted in (False, True):
-        for strategy in STRATEGIES:
-            sampled = {"temperature": 1.0, "seed": 5} if strategy in ("posterior", "first-hitting") else {}
+        for strategy in [name for name, rule in STRATEGY.items() if shifted or not rule.needs_shifted_labels]:
+            sampled = {"temperature": 1.0, "seed": 5} if strategy in BD3LM_RULES else {}
             runs = {}
             for kv_cache in (True, False):
                 steps = []
@@ -461,12 +510,6 @@ def _checks_on_one_rank():
             assert all(sum(step[3] == b for step in cached_steps) <= BLOCK for b in blocks), name
             errors[name] = (consistency, cache_error, cached.model_calls, cached.model_rows, uncached.model_rows)
             results[name] = cached.tokens
-    # EOS: a sample ends before its first EOS; with every sample finished, decoding stops early.
-    full = results["bd3lm confidence"]
-    eos = full[0][5]
-    stopped = generate(sampler, prompts, 12, _settings(threshold=0.5, eos_token_id=eos))
-    for tokens, reference in zip(stopped.tokens, full):
-        assert tokens == (reference[:reference.index(eos)] if eos in reference else reference)
     mpu.destroy_model_parallel()
     return errors, control
 
