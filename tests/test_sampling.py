@@ -626,12 +626,24 @@ def test_bad_flags_are_one_line_refusals_with_exit_2(alphabet_checkpoints, tmp_p
     monkeypatch.delenv("RANK", raising=False)
     load = str(alphabet_checkpoints / "trained")
     base = ["--load", load, "--max-new-tokens", "8"]
+    latin1 = tmp_path / "latin1.txt"
+    latin1.write_bytes("abc\ncaf\u00e9\n".encode("latin-1"))  # byte 7 is 0xe9, not UTF-8
     cases = [
         (["--load", load, "--max-new-tokens", "8"], "--prompt TEXT"),
         ([*base, "--prompt", "a", "--prompt-file", "x.txt"], "one of the two"),
         ([*base, "--prompt-file", str(tmp_path / "none.txt")], "--prompt-file"),
-        ([*base, "--prompt", ""], "a prompt is empty"),
         (["--load", load, "--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens 0"),
+        (["--load", load, "--prompt", "a", "--max-new-tokens", str(10 ** 13)], "--max-new-tokens 10000000000000"),
+        (["--load", load, "--prompt", "a", "--max-new-tokens", str(10 ** 13), "--context-window", "16"],
+         "GiB (sequence and K/V cache)"),
+        ([*base, "--prompt", "a", "--steps-per-block", "0"], "--steps-per-block 0 must be >= 1"),
+        ([*base, "--prompt-file", str(latin1)], f"--prompt-file {latin1} is not UTF-8: byte offset 7"),
+        ([*base, "--prompt", "a", "--strategy", "fast-dllm-v2"], "--bdlm-objective bd3lm"),
+        ([*base, "--prompt", "a", "--sub-block-size", "4"], "--sub-block-size applies to"),
+        ([*base, "--prompt", "a", "--context-window", "12"], "--context-window 12"),
+        ([*base, "--prompt", "a", "--top-k", "-1"], "--top-k -1"),
+        ([*base, "--prompt", "a", "--stop", ""], "--stop: a stop sequence is empty"),
+        ([*base, "--prompt", "a", "--stop-id", "999"], "--stop-id 999"),
         ([*base, "--prompt", "a", "--strategy", "best"], "--strategy"),
         ([*base, "--prompt", "a", "--strategy", "first-hitting", "--steps-per-block", "4"], "--steps-per-block 4"),
         ([*base, "--prompt", "a", "--top-p", "0"], "--top-p"),
@@ -645,3 +657,69 @@ def test_bad_flags_are_one_line_refusals_with_exit_2(alphabet_checkpoints, tmp_p
         error = capsys.readouterr().err.strip()
         assert len(error.splitlines()) == 1 and message in error and error.startswith("generate_bdlm.py: error:"), \
             (argv, error)
+
+
+def test_config_sets_every_key_it_names_even_a_default(alphabet_checkpoints, tmp_path):
+    """A YAML value equal to the parser's default still overrides the checkpoint (so `bdlm-objective: bd3lm`
+    decodes a fast-dllm-v2 checkpoint as bd3lm): the checkpoint's block size is 8, the parser's default 16."""
+    from megatron_csbp.training.arguments import build_parser
+
+    assert build_parser().parse_args([]).bdlm_block_size == 16
+    script = _script()
+    directory = script._checkpoint_directory(str(alphabet_checkpoints / "trained"))
+    assert script.model_args(directory, None, 1).bdlm_block_size == 8
+    for block in (16, 4):  # the default, and a control that is not
+        config = tmp_path / f"block{block}.yaml"
+        config.write_text(f"bdlm:\n  block-size: {block}\nbdlm-objective: bd3lm\n")
+        args = script.model_args(directory, str(config), 1)
+        assert args.bdlm_block_size == block and args.bdlm_objective == "bd3lm"
+
+
+def _generate_command(alphabet_checkpoints, *flags):
+    return [sys.executable, os.path.join(REPO, "scripts", "generate_bdlm.py"), "--load",
+            str(alphabet_checkpoints / "trained"), *flags]
+
+
+def test_past_the_trained_length_warns_and_the_context_window_keeps_the_sample_right(alphabet_checkpoints):
+    """seq-length 64: a prompt that reaches past it with the new tokens, or is longer itself, warns in one line;
+    with --context-window 64 the model sees only the last 64 positions (numbered from 0), no warning, and the
+    78-character prompt's continuation is the alphabet's."""
+    new = 24
+    cases = [(ALPHABET * 2, [], "the longest prompt (52 tokens) plus --max-new-tokens 24 reaches position 80, "
+                                "past the trained length 64"),
+             (ALPHABET * 3, [], "the longest prompt (78 tokens) is longer than the trained length 64"),
+             (ALPHABET * 3, ["--context-window", "64"], None)]
+    for prompt, flags, warning in cases:
+        done = subprocess.run(_generate_command(alphabet_checkpoints, "--prompt", prompt, "--max-new-tokens",
+                                                str(new), *flags),
+                              cwd=REPO, env=_environment(), timeout=300, capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        warnings = [line for line in done.stderr.splitlines() if line.startswith("generate_bdlm.py: warning:")]
+        sample = next(ast.literal_eval(line.split(": ", 1)[1]) for line in done.stdout.splitlines()
+                      if line.startswith("sample 0"))
+        print(len(prompt), flags, warnings, repr(sample))
+        if warning is None:
+            assert warnings == [] and "context window 64" in done.stdout
+            assert sample == (ALPHABET * 2)[:new]
+        else:
+            assert len(warnings) == 1 and warning in warnings[0] and "--context-window 64" in warnings[0]
+
+
+def test_ctrl_c_during_generation_exits_130_without_a_traceback(alphabet_checkpoints):
+    command = _generate_command(alphabet_checkpoints, "--prompt", "abc", "--max-new-tokens", "100000",
+                                "--context-window", "16", "--suppress-eos", "--no-kv-cache")
+    process = subprocess.Popen(command, cwd=REPO, env=_environment(), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("checkpoint "):  # the settings line: generation follows
+            lines.append(process.stdout.readline())
+            assert lines[-1], f"no settings line: {lines}"
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    print(repr(stderr[-500:]))
+    assert process.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "generate_bdlm.py: interrupted" in stderr
