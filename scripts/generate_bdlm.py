@@ -84,8 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="A stop token id; repeatable.")
     parser.add_argument("--context-window", type=int, default=None, metavar="N",
                         help="BD3-LM's sliding window: the model sees at most the last N positions (whole blocks, "
-                             "positions from 0), so samples can run past the trained length; recomputed when it moves (as "
-                             "BD3-LM without its cache).")
+                             "positions from 0), so samples can run past the trained length; recomputed when it "
+                             "moves (as BD3-LM without its cache).")
     parser.add_argument("--no-kv-cache", action="store_true",
                         help="Recompute the committed prefix at every step (the reference the cache must equal).")
     parser.add_argument("--ignore-eos", action="store_true", help="Do not stop at the end-of-document token.")

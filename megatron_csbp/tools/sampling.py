@@ -454,7 +454,8 @@ def past_trained_length(prompt_lengths: list, max_new_tokens: int, settings: Sam
     window = trained_length // settings.block_size * settings.block_size
     longest = max(prompt_lengths)
     what = (f"the longest prompt ({longest} tokens) is longer than" if longest > trained_length else
-            f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} reaches position {seen}, past")
+            f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} reaches position "
+            f"{seen}, past")
     return (f"{what} the trained length {trained_length} (--seq-length): positions past it are untrained and "
             f"decode noise; --context-window {window} keeps the model within it")
 
@@ -500,6 +501,7 @@ def generate(model, prompts: list, max_new_tokens: int, settings: SamplingSettin
     sub_blocks = settings.sub_blocks
     sub_steps = [even_split(settings.steps_per_block, len(sub_blocks), part) for part in range(len(sub_blocks))]
     finished, window_start = [False] * len(prompts), 0
+    longest_stop = max(map(len, settings.stops), default=1)
     was_training = model.training
     model.eval()
     try:
@@ -536,7 +538,8 @@ def generate(model, prompts: list, max_new_tokens: int, settings: SamplingSettin
                         block[:, lo:hi] = torch.where(chosen, tokens, block[:, lo:hi])
                 sequence[:, start:end] = block
                 for row in range(len(prompts)):  # done: all its tokens are there, or it has produced a stop
-                    produced = sequence[row, lengths[row]:min(end, ends[row])].tolist()
+                    since = max(lengths[row], start - longest_stop + 1)  # a stop may begin in the block before
+                    produced = sequence[row, since:min(end, ends[row])].tolist()
                     finished[row] |= end >= ends[row] or first_stop(produced, settings.stops) is not None
                 if all(finished):
                     break
