@@ -675,6 +675,14 @@ def test_config_sets_every_key_it_names_even_a_default(alphabet_checkpoints, tmp
         assert args.bdlm_block_size == block and args.bdlm_objective == "bd3lm"
 
 
+def test_an_empty_prompt_samples_unconditionally_from_the_end_of_document_token(alphabet_checkpoints, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    options, args, _, settings, prompts, encoded = _script().prepare(
+        ["--load", str(alphabet_checkpoints / "trained"), "--prompt", "", "--prompt", "ab", "--max-new-tokens", "8"])
+    assert prompts == ["", "ab"] and encoded == [[], [97, 98]]
+    assert settings.start_token_id == args.tokenizer.eod == 256
+
+
 def _generate_command(alphabet_checkpoints, *flags):
     return [sys.executable, os.path.join(REPO, "scripts", "generate_bdlm.py"), "--load",
             str(alphabet_checkpoints / "trained"), *flags]
