@@ -3,7 +3,8 @@
 A new block starts as MASK tokens (prompt tokens that fall into it stay as they are) and is denoised in
 at most `steps_per_block` model calls. Each call predicts every position of the block from the committed
 clean prefix and the block's current tokens; a strategy then unmasks some masked positions. Committed
-tokens, the prompt's included, never change. EOS (the tokenizer's EOD) ends a sample.
+tokens, the prompt's included, never change. A sample ends at EOS (the tokenizer's EOD) or a stop sequence,
+checked when a block is complete (as every published decoder does); it is cut before them.
 
 Why the sampler's model is a plain megatron-core `GPTModel`. While sampling, each position holds exactly
 one row: committed blocks as clean rows (`x0`), the active block as its noisy rows (`x_t`). The training
@@ -21,17 +22,37 @@ A clean row equals a fully unmasked noisy row (same tokens, same visible rows). 
 objective's shifted labels need that: position `p` is predicted by row `p-1`, which for the first
 position of a block is the previous block's last clean row, whose logits the commit call returns.
 
-Strategies (`S` steps per block; at step `k`, `S-k` are left and `m` positions are still masked):
-* "confidence" (Fast-dLLM v2 / LLaDA2 threshold decoding): unmask every masked position whose predicted
-  token has probability above `threshold`, and at least the ceil(m/(S-k)) most confident ones (so at
-  least one per step, and the block is complete after `S` steps).
-* "top-k" (LLaDA's low-confidence remasking): the ceil(m/(S-k)) most confident.
-* "posterior" (BD3-LM's DDPM sampler, linear schedule `t = 1 - k/S`): each masked position unmasks with
-  the posterior's probability (t-s)/t = 1/(S-k), so the last step unmasks the rest.
+Strategies are `Strategy` objects (`STRATEGY`, by `--strategy` name); each states whose decoder it follows,
+its commit rule, its nucleus rule and where its confidence comes from. With `S` steps per block:
+* "confidence" (SDAR `low_confidence_dynamic`, LLaDA2): step `i` commits `k_i` tokens, the block size split
+  evenly over the `S` steps (the first `B mod S` steps one more), or every masked position whose token has
+  probability above `threshold` when those are more.
+* "fast-dllm-v2" (Fast-dLLM v2, shifted-label models only): the block's first token is the argmax of the
+  previous block's last clean row, committed before denoising; then sub-blocks of `sub_block_size`, left to
+  right, each denoised until complete: every masked position above `threshold`, and at least the most
+  confident one (with fewer steps than positions, at least ceil(masked / steps left of the sub-block)).
+* "top-k" (LLaDA's low-confidence remasking): step `i` commits the `k_i` most confident, the block's masked
+  count at its start split evenly over the `S` steps; confidence is the softmax before temperature.
+* "posterior" (BD3-LM's DDPM sampler, `T = S` steps, `t_i = linspace(1, 0, T)[i]`, `dt = 1/T`): each masked
+  position unmasks with probability `dt / t_i = 1/(T t_i)`; the last step (t = 0) commits the rest.
 * "first-hitting" (BD3-LM's first-hitting sampler): exactly one uniformly chosen masked position per step
   (our model is not time-conditioned, so the hitting times need not be drawn); needs `S >= block size`.
-Tokens are the argmax at temperature 0, otherwise drawn from softmax(logits / T) cut to the top-p
-nucleus; "confidence" is the probability of the chosen token under that distribution.
+Tokens are the argmax at temperature 0, otherwise drawn from softmax(logits / T) cut to the `top_k` largest
+logits, then to the top-p nucleus: BD3-LM keeps the sorted tokens whose cumulative probability is <= p (the
+first always), the others (Fast-dLLM v2, SDAR, LLaDA2) also keep the token that crosses p. Confidence is the
+chosen token's probability under that distribution, except for "top-k" (LLaDA): under softmax(logits).
+
+Random draws (one `torch.Generator` seeded with `seed`, on the model's device), per denoising step, in this
+order: at temperature > 0 the tokens, `torch.multinomial` over the [rows * positions, vocabulary]
+probabilities of the positions the step considers (the block, or the sub-block); then "posterior" one
+`torch.rand` per position [rows, positions] (a position unmasks when its draw is below the probability) and
+"first-hitting" the same (the masked position with the largest draw unmasks). Tests restate the published
+rules over these draws.
+
+`context_window` (BD3-LM's sliding window, `context_size`): once a block ends past `W` positions, the model
+sees only the last `W` positions up to the block's end (whole blocks), as a sequence of its own (positions
+from 0), so no position past the trained length is ever used. As BD3-LM's sampler without its cache, the
+window is recomputed when it moves (once per block).
 """
 
 import math
@@ -46,12 +67,144 @@ from megatron.core.transformer.module import MegatronModule
 from megatron_csbp.training.arguments import ConfigError
 from megatron_csbp.core.kernels import default_kernels
 
-STRATEGIES = ("confidence", "top-k", "posterior", "first-hitting")
-
-
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+# -------------------------------------------------------------------------------------------- strategies
+def nucleus_within_p(sorted_probs, top_p: float):
+    """BD3-LM's nucleus: the sorted tokens whose cumulative probability is <= p, and the first always."""
+    keep = sorted_probs.cumsum(-1) <= top_p
+    keep[..., 0] = True
+    return keep
+
+
+def nucleus_crossing_p(sorted_probs, top_p: float):
+    """Fast-dLLM v2's, SDAR's and LLaDA2's nucleus: a token is kept while the mass before it is <= p, so the
+    token that crosses p is kept too."""
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    keep[..., 1:] = sorted_probs.cumsum(-1)[..., :-1] <= top_p
+    return keep
+
+
+def even_split(total, steps: int, step: int):
+    """Step `step`'s share of `total` (an int or a tensor) split over `steps` steps, the remainder going
+    one by one to the first steps (SDAR's, LLaDA's and LLaDA2's schedule)."""
+    return total // steps + (step < total % steps)
+
+
+def _most(score, masked, count):
+    """The `count[i]` masked positions of row `i` with the highest score (ties: the leftmost first)."""
+    order = score.masked_fill(~masked, float("-inf")).argsort(dim=1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
+    return masked & (rank < count.unsqueeze(1))
+
+
+class Step(NamedTuple):
+    """What a commit rule sees at one denoising step of a (sub-)block of `n` positions."""
+
+    masked: torch.Tensor  # [b, n] still MASK
+    confidence: torch.Tensor  # [b, n] the drawn token's confidence
+    index: int  # this step's index among the (sub-)block's steps
+    steps: int  # the (sub-)block's steps
+    masked_at_start: torch.Tensor  # [b] masked positions when the (sub-)block's first step began
+    block_size: int
+    threshold: float
+    generator: torch.Generator
+
+
+class Strategy:
+    """A decoding method, as its authors' code runs it: the facts the decoding loop asks for."""
+
+    name: str
+    follows: str  # whose decoder
+    nucleus = staticmethod(nucleus_crossing_p)
+    confidence_before_temperature = False  # LLaDA: confidence from softmax(logits), tokens from softmax(logits/T)
+    needs_shifted_labels = False
+    first_token_by_argmax = False  # Fast-dLLM v2: the previous clean block's last row commits position 0
+    one_token_per_step = False  # needs steps >= block size
+    stops_at_chat_end = False  # Fast-dLLM v2 stops at the chat end token (<|im_end|>)
+    differs: str  # where ours departs from the authors' code (--help and the README say it)
+
+    def sub_blocks(self, block_size: int, sub_block_size: int | None) -> list[tuple[int, int]]:
+        return [(0, block_size)]
+
+    def commit(self, step: Step) -> torch.Tensor:
+        """[b, n] the positions this step unmasks (a subset of `step.masked`)."""
+        raise NotImplementedError
+
+
+class Confidence(Strategy):
+    name, follows = "confidence", "SDAR low_confidence_dynamic / LLaDA2 threshold decoding"
+    differs = ("As LLaDA2, a step never commits more than the masked positions (SDAR's top-k can rewrite prompt "
+               "tokens inside the block); --temperature 0 is the argmax.")
+
+    def commit(self, step):
+        scheduled = even_split(step.block_size, step.steps, step.index)
+        confident = (step.masked & (step.confidence > step.threshold)).sum(1)
+        return _most(step.confidence, step.masked, confident.clamp(min=scheduled))
+
+
+class FastDLLMv2(Strategy):
+    name, follows = "fast-dllm-v2", "Fast-dLLM v2 batch_sample"
+    needs_shifted_labels = first_token_by_argmax = stops_at_chat_end = True
+    differs = ("Fast-dLLM v2 has no step budget (one token at least per step); a --steps-per-block below the "
+               "block size is shared among the sub-blocks, each committing at least ceil(masked / its steps left). "
+               "Needs a --bdlm-objective fast-dllm-v2 checkpoint.")
+
+    def sub_blocks(self, block_size, sub_block_size):
+        size = sub_block_size or block_size
+        return [(start, start + size) for start in range(0, block_size, size)]
+
+    def commit(self, step):
+        confident = (step.masked & (step.confidence > step.threshold)).sum(1)
+        left = step.steps - step.index
+        least = (step.masked.sum(1) + left - 1) // left  # 1 whenever the sub-block has a step per position
+        return _most(step.confidence, step.masked, torch.maximum(confident, least))
+
+
+class LowConfidence(Strategy):
+    name, follows = "top-k", "LLaDA low_confidence remasking"
+    confidence_before_temperature = True
+    differs = ("Blocks are aligned to multiples of the block size from position 0 and see only committed blocks, "
+               "as our models are trained (LLaDA's start at the prompt's end and attend to the whole sequence); "
+               "tokens by torch.multinomial (LLaDA: Gumbel-max in float64, the same distribution); "
+               "--top-k/--top-p (not in LLaDA) as SDAR filters.")
+
+    def commit(self, step):
+        return _most(step.confidence, step.masked, even_split(step.masked_at_start, step.steps, step.index))
+
+
+class Posterior(Strategy):
+    name, follows = "posterior", "BD3-LM DDPM sampler (_ddpm_caching_update)"
+    nucleus = staticmethod(nucleus_within_p)
+    differs = ("Tokens at --temperature (BD3-LM draws at 1; 0 takes the argmax); whether a position unmasks and "
+               "its token are drawn apart (BD3-LM: one categorical over both, the same distribution).")
+
+    def commit(self, step):
+        t = 1.0 - step.index / (step.steps - 1) if step.steps > 1 else 1.0  # linspace(1, 0, T)[i]
+        chance = 1.0 if t <= 0.0 else 1.0 / (step.steps * t)
+        draws = torch.rand(step.masked.shape, generator=step.generator, device=step.masked.device)
+        return step.masked & (draws < chance)
+
+
+class FirstHitting(Strategy):
+    name, follows = "first-hitting", "BD3-LM first-hitting sampler"
+    nucleus = staticmethod(nucleus_within_p)
+    one_token_per_step = True
+    differs = ("The position is the masked one with the largest uniform draw (BD3-LM: randint over the masked, "
+               "the same distribution); tokens at --temperature as for posterior.")
+
+    def commit(self, step):
+        draws = torch.rand(step.masked.shape, generator=step.generator, device=step.masked.device)
+        return _most(draws, step.masked, step.masked.any(1).long())
+
+
+STRATEGY = {strategy.name: strategy for strategy in (Confidence(), FastDLLMv2(), LowConfidence(), Posterior(),
+                                                     FirstHitting())}
+STRATEGIES = tuple(STRATEGY)
+FAST_DLLM_SUB_BLOCK = 8  # Fast-dLLM v2's small_block_size (of its 32-token blocks)
 
 
 @dataclass(frozen=True)
@@ -65,8 +218,14 @@ class SamplingSettings:
     threshold: float = 0.9
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
     seed: int = 0
-    eos_token_id: int | None = None  # None: generate max_new_tokens whatever comes
+    eos_token_id: int | None = None  # None: EOS does not end a sample
+    stop_sequences: tuple = ()  # token id tuples that end a sample (cut before them)
+    suppressed_token_ids: tuple = ()  # never produced (e.g. EOS, to fill max_new_tokens)
+    start_token_id: int | None = None  # what an empty prompt starts from (not part of the sample)
+    sub_block_size: int | None = None  # fast-dllm-v2 (default: FAST_DLLM_SUB_BLOCK when it divides the block)
+    context_window: int | None = None  # positions the model sees at most (a multiple of the block size)
     shifted_labels: bool = False  # trained with --bdlm-objective fast-dllm-v2: row p predicts token p+1
     vocab_size: int | None = None  # ids >= vocab_size (vocabulary padding) are never produced
     kv_cache: bool = True
@@ -74,14 +233,52 @@ class SamplingSettings:
     def __post_init__(self):
         _require(self.block_size >= 1, f"block size {self.block_size} must be >= 1")
         _require(self.steps_per_block >= 1, f"--steps-per-block {self.steps_per_block} must be >= 1")
-        _require(self.strategy in STRATEGIES, f"--strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
-        _require(self.strategy != "first-hitting" or self.steps_per_block >= self.block_size,
-                 f"--strategy first-hitting unmasks one token per step: --steps-per-block {self.steps_per_block} "
+        _require(self.strategy in STRATEGY, f"--strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        method = self.method
+        _require(not method.one_token_per_step or self.steps_per_block >= self.block_size,
+                 f"--strategy {self.strategy} unmasks one token per step: --steps-per-block {self.steps_per_block} "
                  f"must be >= the block size {self.block_size}")
+        _require(not method.needs_shifted_labels or self.shifted_labels,
+                 f"--strategy {self.strategy} decodes shifted-label models (row p predicts token p+1): this "
+                 f"checkpoint was trained with --bdlm-objective bd3lm; choose another --strategy")
+        if self.sub_block_size is not None:
+            _require(self.strategy == "fast-dllm-v2", "--sub-block-size applies to --strategy fast-dllm-v2 only")
+            _require(self.sub_block_size >= 1 and self.block_size % self.sub_block_size == 0,
+                     f"--sub-block-size {self.sub_block_size} must divide the block size {self.block_size}")
+        parts = len(self.sub_blocks)
+        _require(self.steps_per_block >= parts, f"--steps-per-block {self.steps_per_block} must be >= the "
+                 f"{parts} sub-blocks of --sub-block-size {self.sub_block_size_used} (one step each at least)")
         _require(0.0 <= self.threshold <= 1.0, f"--threshold {self.threshold} must be a probability in [0, 1]")
         _require(self.temperature >= 0.0, f"--temperature {self.temperature} must be >= 0 (0: greedy)")
         _require(0.0 < self.top_p <= 1.0, f"--top-p {self.top_p} must be in (0, 1]")
+        _require(self.top_k >= 0, f"--top-k {self.top_k} must be >= 0 (0: no top-k filter)")
         _require(self.seed >= 0, f"--seed {self.seed} must be >= 0")
+        _require(all(len(stop) >= 1 for stop in self.stop_sequences), "--stop: a stop sequence is empty")
+        _require(self.mask_token_id not in self.suppressed_token_ids, "the MASK id is never produced anyway")
+        _require(self.context_window is None or (self.context_window >= 2 * self.block_size and
+                                                 self.context_window % self.block_size == 0),
+                 f"--context-window {self.context_window} must be a multiple of the block size {self.block_size}, "
+                 f"two blocks at least (the active block and the committed context it is decoded from)")
+
+    @property
+    def method(self) -> Strategy:
+        return STRATEGY[self.strategy]
+
+    @property
+    def sub_block_size_used(self) -> int:
+        if self.sub_block_size is not None:
+            return self.sub_block_size
+        if self.strategy == "fast-dllm-v2" and self.block_size % FAST_DLLM_SUB_BLOCK == 0:
+            return FAST_DLLM_SUB_BLOCK
+        return self.block_size
+
+    @property
+    def sub_blocks(self) -> list[tuple[int, int]]:
+        return self.method.sub_blocks(self.block_size, self.sub_block_size_used)
+
+    @property
+    def stops(self) -> tuple:
+        return (((self.eos_token_id,),) if self.eos_token_id is not None else ()) + tuple(self.stop_sequences)
 
 
 # ------------------------------------------------------------------------------------------------ the model
@@ -153,7 +350,8 @@ class _BlockLogits:
 
     With the cache, the rows committed since the last call run once, in the same call as the active block
     (their K/V stay, the offset moves past them; a long prompt runs on its own first, with the head on its
-    last row only); without it, every call runs the whole sequence from position 0.
+    last row only); without it, every call runs the whole sequence from position 0. `committed` starts at
+    position 0 of what the model sees (the context window's start).
     """
 
     def __init__(self, model, batch_size: int, max_length: int, settings: SamplingSettings):
@@ -176,7 +374,14 @@ class _BlockLogits:
         logits[..., self.settings.mask_token_id] = float("-inf")
         if self.settings.vocab_size is not None:
             logits[..., self.settings.vocab_size:] = float("-inf")
+        for token in self.settings.suppressed_token_ids:
+            logits[..., token] = float("-inf")
         return logits
+
+    def restart(self) -> None:
+        """Forget the cache: the next call runs its committed rows from position 0 (a moved context window)."""
+        self.context.reset()
+        self.cached, self.last_row = 0, None
 
     def _commit(self, start: int) -> None:
         if self.settings.kv_cache:
@@ -202,51 +407,61 @@ class _BlockLogits:
         return logits
 
 
-# -------------------------------------------------------------------------------------------- strategies
-def _predict(logits, settings: SamplingSettings, generator):
-    """Per position: the token to write if it is unmasked, and its probability (the confidence)."""
+# ---------------------------------------------------------------------------------------------- decoding
+def draw_tokens(logits, settings: SamplingSettings, generator):
+    """Per position: the token to write if it is unmasked, and its confidence (see the module doc)."""
+    method = settings.method
     if settings.temperature == 0.0:
         confidence, tokens = logits.softmax(-1).max(-1)
         return tokens, confidence
-    probs = (logits / settings.temperature).softmax(-1)
-    if settings.top_p < 1.0:  # the smallest set of most likely tokens holding top_p of the mass
+    scaled = logits / settings.temperature
+    if settings.top_k:
+        kth = scaled.topk(min(settings.top_k, scaled.shape[-1]), dim=-1).values[..., -1:]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = scaled.softmax(-1)
+    if settings.top_p < 1.0:
         sorted_probs, order = probs.sort(-1, descending=True)
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= settings.top_p
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+        kept = sorted_probs * method.nucleus(sorted_probs, settings.top_p)
+        probs = torch.zeros_like(probs).scatter(-1, order, kept)
         probs = probs / probs.sum(-1, keepdim=True)
     tokens = torch.multinomial(probs.flatten(0, -2), 1, generator=generator).view(probs.shape[:-1])
-    return tokens, probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    source = logits.softmax(-1) if method.confidence_before_temperature else probs
+    return tokens, source.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
 
 
-def _most(score, masked, count):
-    """The `count[i]` masked positions of row `i` with the highest score."""
-    order = score.masked_fill(~masked, float("-inf")).argsort(dim=1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order))
-    return masked & (rank < count.unsqueeze(1))
+def first_stop(tokens: list, stops) -> int | None:
+    """Where the earliest of the stop sequences (tuples of ids) starts in `tokens`, or None."""
+    found = [i for stop in stops for i in range(len(tokens) - len(stop) + 1) if tuple(tokens[i:i + len(stop)]) == stop]
+    return min(found, default=None)
 
 
-def unmask_step(block, logits, steps_left: int, settings: SamplingSettings, generator):
-    """One denoising step of `block` [b, B] from its logits [b, B, V]: some masked positions get a token."""
-    masked = block == settings.mask_token_id
-    tokens, confidence = _predict(logits, settings, generator)
-    remaining = masked.sum(1)
-    even_share = (remaining + steps_left - 1) // steps_left
-    uniform = torch.rand(masked.shape, generator=generator, device=masked.device)
-    if settings.strategy == "posterior":
-        chosen = masked & (uniform * steps_left < 1.0)  # probability 1/(S-k); 1 at the last step
-    elif settings.strategy == "first-hitting":
-        chosen = _most(uniform, masked, remaining.clamp(max=1))
-    elif settings.strategy == "top-k":
-        chosen = _most(confidence, masked, even_share)
-    else:
-        confident = (masked & (confidence > settings.threshold)).sum(1)
-        chosen = _most(confidence, masked, torch.maximum(even_share, confident))
-    return torch.where(chosen, tokens, block)
+def positions_seen(prompt_lengths: list, max_new_tokens: int, settings: SamplingSettings) -> int:
+    """The most positions the model sees at once: the blocks up to the last one decoded, or the window."""
+    blocks = -(-(max(max(prompt_lengths), 1) + max_new_tokens) // settings.block_size)
+    return min(blocks * settings.block_size, settings.context_window or blocks * settings.block_size)
 
 
-# ---------------------------------------------------------------------------------------------- decoding
+def past_trained_length(prompt_lengths: list, max_new_tokens: int, settings: SamplingSettings,
+                        trained_length: int) -> str | None:
+    """One line of warning when the model would see positions past those it was trained on (it decodes noise
+    there), or None."""
+    seen = positions_seen(prompt_lengths, max_new_tokens, settings)
+    if seen <= trained_length:
+        return None
+    if settings.context_window is not None:
+        return (f"--context-window {settings.context_window} is longer than the trained length {trained_length} "
+                f"(--seq-length): positions past it are untrained; give a window <= {trained_length}")
+    window = trained_length // settings.block_size * settings.block_size
+    longest = max(prompt_lengths)
+    what = (f"the longest prompt ({longest} tokens) is longer than" if longest > trained_length else
+            f"the longest prompt ({longest} tokens) plus --max-new-tokens {max_new_tokens} reaches position "
+            f"{seen}, past")
+    return (f"{what} the trained length {trained_length} (--seq-length): positions past it are untrained and "
+            f"decode noise; --context-window {window} keeps the model within it")
+
+
 class Generation(NamedTuple):
-    tokens: list  # per prompt: the new tokens, cut before the first EOS
+    tokens: list  # per prompt: the new tokens, cut before the first EOS or stop sequence
     model_calls: int
     model_rows: int  # token rows run through the model, summed over calls and prompts
     seconds: float
@@ -261,15 +476,19 @@ def generate(model, prompts: list, max_new_tokens: int, settings: SamplingSettin
     """Decodes `max_new_tokens` after each prompt (lists of ids), all prompts in lockstep, block by block.
 
     `on_step(block_index, committed [b, c], block [b, B], logits [b, B, V])` is called before every
-    denoising step (for tests). Prompts may differ in length: positions before a prompt's end are its
-    tokens, fixed from the start.
+    denoising step (for tests; `committed` is what the model sees before the block). Prompts may differ in
+    length: positions before a prompt's end are its tokens, fixed from the start. An empty prompt starts
+    from `settings.start_token_id` (as BD3-LM's unconditional samples start from BOS).
     """
-    _require(len(prompts) >= 1 and all(len(p) >= 1 for p in prompts), "every prompt needs at least one token")
+    _require(len(prompts) >= 1, "give at least one prompt")
     _require(max_new_tokens >= 1, f"--max-new-tokens {max_new_tokens} must be >= 1")
+    _require(all(prompts) or settings.start_token_id is not None,
+             "an empty prompt (unconditional generation) needs a start token: settings.start_token_id")
     _require(all(settings.mask_token_id not in p for p in prompts),
              f"a prompt contains the MASK id {settings.mask_token_id}")
     started = time.time()
-    B, device = settings.block_size, next(model.parameters()).device
+    B, device, method = settings.block_size, next(model.parameters()).device, settings.method
+    prompts = [list(p) if p else [settings.start_token_id] for p in prompts]
     lengths = [len(p) for p in prompts]
     ends = [n + max_new_tokens for n in lengths]
     num_blocks = -(-max(ends) // B)
@@ -277,29 +496,51 @@ def generate(model, prompts: list, max_new_tokens: int, settings: SamplingSettin
     for row, prompt in enumerate(prompts):
         sequence[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
     generator = torch.Generator(device=device).manual_seed(settings.seed)
-    block_logits = _BlockLogits(model, len(prompts), num_blocks * B, settings)
-    finished = [False] * len(prompts)
+    window = settings.context_window or num_blocks * B
+    block_logits = _BlockLogits(model, len(prompts), min(window, num_blocks * B), settings)
+    sub_blocks = settings.sub_blocks
+    sub_steps = [even_split(settings.steps_per_block, len(sub_blocks), part) for part in range(len(sub_blocks))]
+    finished, window_start = [False] * len(prompts), 0
+    longest_stop = max(map(len, settings.stops), default=1)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
             for index in range(min(lengths) // B, num_blocks):
                 start, end = index * B, (index + 1) * B
-                committed, block = sequence[:, :start], sequence[:, start:end]
-                seen, logits = None, None
-                for step in range(settings.steps_per_block):
-                    if not bool((block == settings.mask_token_id).any()):
-                        break
+                if max(0, end - window) != window_start:
+                    window_start = max(0, end - window)
+                    block_logits.restart()
+                committed, block = sequence[:, window_start:start], sequence[:, start:end].clone()
+                seen = logits = None
+
+                def current_logits():
+                    nonlocal seen, logits
                     if seen is None or not torch.equal(seen, block):  # nothing changed: the logits still hold
-                        logits, seen = block_logits(committed, block), block
-                    if on_step is not None:
-                        on_step(index, committed, block, logits)
-                    block = unmask_step(block, logits, settings.steps_per_block - step, settings, generator)
+                        logits, seen = block_logits(committed, block), block.clone()
+                    return logits
+
+                if method.first_token_by_argmax and bool((block[:, 0] == settings.mask_token_id).any()):
+                    first = current_logits()[:, 0].argmax(-1)  # the previous clean block's last row
+                    block[:, 0] = torch.where(block[:, 0] == settings.mask_token_id, first, block[:, 0])
+                for (lo, hi), steps in zip(sub_blocks, sub_steps):
+                    masked_at_start = (block[:, lo:hi] == settings.mask_token_id).sum(1)
+                    for step in range(steps):
+                        masked = block[:, lo:hi] == settings.mask_token_id
+                        if not bool(masked.any()):
+                            break
+                        step_logits = current_logits()
+                        if on_step is not None:
+                            on_step(index, committed, block, step_logits)
+                        tokens, confidence = draw_tokens(step_logits[:, lo:hi], settings, generator)
+                        chosen = method.commit(Step(masked, confidence, step, steps, masked_at_start, B,
+                                                    settings.threshold, generator))
+                        block[:, lo:hi] = torch.where(chosen, tokens, block[:, lo:hi])
                 sequence[:, start:end] = block
-                for row in range(len(prompts)):  # done: all its tokens are there, or it has produced EOS
-                    produced = sequence[row, lengths[row]:min(end, ends[row])]
-                    finished[row] |= end >= ends[row] or (settings.eos_token_id is not None and
-                                                          bool((produced == settings.eos_token_id).any()))
+                for row in range(len(prompts)):  # done: all its tokens are there, or it has produced a stop
+                    since = max(lengths[row], start - longest_stop + 1)  # a stop may begin in the block before
+                    produced = sequence[row, since:min(end, ends[row])].tolist()
+                    finished[row] |= end >= ends[row] or first_stop(produced, settings.stops) is not None
                 if all(finished):
                     break
     finally:
@@ -307,7 +548,6 @@ def generate(model, prompts: list, max_new_tokens: int, settings: SamplingSettin
     outputs = []
     for row in range(len(prompts)):
         new = sequence[row, lengths[row]:ends[row]].tolist()
-        if settings.eos_token_id is not None and settings.eos_token_id in new:
-            new = new[:new.index(settings.eos_token_id)]
-        outputs.append(new)
+        cut = first_stop(new, settings.stops)
+        outputs.append(new if cut is None else new[:cut])
     return Generation(outputs, block_logits.calls, block_logits.rows, time.time() - started)
