@@ -50,6 +50,7 @@ MODULE_MARKERS = {
     "test_megatron_lm": ("spawn", "slow", "megatron_lm"),
     "test_sampling": ("spawn", "slow"),
     "test_hf": ("spawn", "slow"),
+    "test_vocabulary_padding": ("spawn", "slow"),
     "test_suite_rules": (),
     "test_refusals": (),
     "test_torchrun": ("spawn", "slow"),
