@@ -52,6 +52,7 @@ MODULE_MARKERS = {
     "test_hf": ("spawn", "slow"),
     "test_vocabulary_padding": ("spawn", "slow"),
     "test_start_up_output": ("spawn", "slow"),
+    "test_demo": ("spawn", "slow"),
     "test_suite_rules": (),
     "test_refusals": (),
     "test_torchrun": ("spawn", "slow"),
