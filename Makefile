@@ -1,4 +1,5 @@
-# The two commands of the README: `make demo` (a real CSBP training run on 2 CPU ranks) and `make test`
+# The two commands of the README: `make demo` (a real CSBP training run on 2 CPU ranks, then samples that show
+# what it learned) and `make test`
 # (the whole suite); `make test-quick` is the few-minute part for development (no `slow` tests).
 PYTHON ?= python3
 VENV ?= .venv
@@ -18,10 +19,11 @@ venv: $(VENV)/.installed
 data: venv
 	$(PY) scripts/prepare_data.py
 
-demo: data
-	$(PY) -m megatron_csbp.torchrun --standalone --nproc-per-node 2 scripts/pretrain_bdlm.py --config configs/tiny_cpu.yaml
-	$(PY) scripts/generate_bdlm.py --load runs/tiny_cpu --prompt "def " --prompt "import " --max-new-tokens 48 \
-		--strategy posterior --temperature 1 --seed 0
+demo: venv
+	$(PY) scripts/prepare_data.py --corpus sequences
+	$(PY) -m megatron_csbp.torchrun --standalone --nproc-per-node 2 scripts/pretrain_bdlm.py --config configs/demo_sequences.yaml
+	$(PY) scripts/generate_bdlm.py --load runs/demo_sequences --prompt "january february " --prompt "monday tuesday " \
+		--prompt "mercury venus " --prompt "red orange " --max-new-tokens 40 --temperature 0
 
 test: venv
 	$(PY) -m pytest -q tests

@@ -4,6 +4,9 @@
 With no arguments it builds the default dataset, `data/stdlib_bytes_text_document`, that
 `configs/tiny_cpu.yaml` trains on: real text present on every machine — this Python's standard-library
 sources (a sorted, deterministic list, about 4 MB) — byte-tokenized, one document per file.
+`--corpus sequences` builds `data/sequences_bytes_text_document`, the demo's (`configs/demo_sequences.yaml`):
+runs of well-known sequences (months, weekdays, planets, rainbow colours) from random starts, generated
+here. A tiny model learns them in a few minutes on two CPU cores, so its samples can be checked by eye.
 
 Inputs ending in `.jsonl`/`.json` hold one JSON object per line (text under `--json-key`); any other file
 is one document. A malformed line is reported as `file:line: why` and skipped (counted) or fatal, per
@@ -15,12 +18,20 @@ import argparse
 import itertools
 import json
 import os
+import random
 import sys
 import sysconfig
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PREFIX = os.path.join("data", "stdlib_bytes_text_document")
 DEFAULT_MAX_BYTES = 4_000_000
+SEQUENCES = {
+    "months": "january february march april may june july august september october november december",
+    "weekdays": "monday tuesday wednesday thursday friday saturday sunday",
+    "planets": "mercury venus earth mars jupiter saturn uranus neptune",
+    "colours": "red orange yellow green blue indigo violet",
+}
+CORPUS_PREFIXES = {"stdlib": DEFAULT_PREFIX, "sequences": os.path.join("data", "sequences_bytes_text_document")}
 
 
 class BadInput(ValueError):
@@ -43,6 +54,18 @@ def stdlib_sources(max_bytes: int | None = DEFAULT_MAX_BYTES) -> list[str]:
         chosen.append(os.path.join(root, relative))
         total += size
     return chosen
+
+
+def sequence_documents(count: int = 4000, seed: int = 0) -> list[str]:
+    """`count` documents, each one of `SEQUENCES` continued cyclically from a random word for 8 to 40 words:
+    every word after the first follows from the one before, which is what the demo's samples show learned."""
+    generator = random.Random(seed)
+    documents = []
+    for _ in range(count):
+        words = SEQUENCES[generator.choice(sorted(SEQUENCES))].split()
+        start, length = generator.randrange(len(words)), generator.randint(8, 40)
+        documents.append(" ".join(words[(start + k) % len(words)] for k in range(length)) + "\n")
+    return documents
 
 
 def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
@@ -91,9 +114,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--input", nargs="+", default=None,
-                        help="JSONL (.jsonl/.json) or text files. Default: the Python standard library's sources.")
+                        help="JSONL (.jsonl/.json) or text files. Default: the --corpus.")
+    parser.add_argument("--corpus", choices=sorted(CORPUS_PREFIXES), default="stdlib",
+                        help="Without --input: the Python standard library's sources (default), or the demo's "
+                             "generated sequences.")
     parser.add_argument("--output-prefix", default=None,
-                        help=f"Writes PREFIX.bin/.idx. Default: {DEFAULT_PREFIX} in the repository.")
+                        help="Writes PREFIX.bin/.idx. Default (without --input): the corpus's, "
+                             f"{DEFAULT_PREFIX} or {CORPUS_PREFIXES['sequences']}, in the repository.")
     parser.add_argument("--json-key", default="text", help="Key holding the text in each JSONL object.")
     parser.add_argument("--on-bad-line", choices=("skip", "error"), default="error",
                         help="A malformed JSONL line (or undecodable text file) is fatal (default) or skipped.")
@@ -114,8 +141,9 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     args.make_vocab_size_divisible_by, args.tensor_model_parallel_size = 1, 1
-    prefix = args.output_prefix or os.path.join(REPO_ROOT, DEFAULT_PREFIX)
-    inputs = args.input or stdlib_sources(args.max_bytes)
+    prefix = args.output_prefix or os.path.join(REPO_ROOT, CORPUS_PREFIXES[args.corpus])
+    generated = None if args.input or args.corpus == "stdlib" else sequence_documents()
+    inputs = args.input or ([] if generated else stdlib_sources(args.max_bytes))
     try:
         check_output_prefix(prefix)
         tokenizer = build_tokenizer(args)
@@ -131,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         def report(line):
             skipped.append(line)
             print(line, file=sys.stderr)
-        texts = read_documents(inputs, args.json_key, args.on_bad_line, report)
+        texts = generated or read_documents(inputs, args.json_key, args.on_bad_line, report)
         documents = (ids for ids in (tokenizer.tokenize(text) + eod for text in texts if text) if ids)
         first = next(documents, None)
         if first is None:  # nothing to write: say why, before any file is made

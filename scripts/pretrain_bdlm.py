@@ -50,17 +50,24 @@ def _announce_failure(rank: int, error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_csbp.training import loops
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.training import quiet
 
     argv = sys.argv[1:] if argv is None else list(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    quiet.quiet_start_up()  # before megatron is imported
+
+    from megatron_csbp.training import loops
+    from megatron_csbp.training.arguments import ConfigError
+
     try:
         run = loops.prepare(argv, world)
     except ConfigError as error:
         if rank == 0:
             print(f"pretrain_bdlm.py: error: {error}", file=sys.stderr, flush=True)
         return 2
+    note = quiet.start_up_note()
+    if note and rank == 0:
+        print(note, flush=True)
 
     import torch.distributed as dist
 

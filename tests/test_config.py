@@ -124,7 +124,8 @@ def test_expand_argv_with_a_megatron_lm_style_parser(tmp_path):
         expand_argv(["--config", write(tmp_path, "num-layers: 2\n", "other.yaml")], parser)
 
 
-@pytest.mark.parametrize("name, world, gpu", [("tiny_cpu", 2, False), ("nemotron_diffusion_3b_64k", 8, True),
+@pytest.mark.parametrize("name, world, gpu", [("tiny_cpu", 2, False), ("demo_sequences", 2, False),
+                                              ("nemotron_diffusion_3b_64k", 8, True),
                                               ("nemotron_diffusion_8b_256k", 16, True),
                                               ("nemotron_diffusion_14b_256k", 16, True)])
 def test_shipped_configs_parse_and_validate(name, world, gpu):
@@ -132,7 +133,8 @@ def test_shipped_configs_parse_and_validate(name, world, gpu):
     assert load_config(path)
     args = validate_args(parse_args(["--config", path]), world, on_accelerator=gpu, check_paths=False)
     assert args.context_block_parallel >= 2 and args.bdlm_parallel_mode == "csbp"
-    assert args.data_path == ["data/stdlib_bytes_text_document"]
+    corpus = "sequences" if name == "demo_sequences" else "stdlib"  # prepare_data.py --corpus
+    assert args.data_path == [f"data/{corpus}_bytes_text_document"]
     if gpu:
         assert args.bf16 and args.recompute_granularity == "full" and args.use_distributed_optimizer
         with pytest.raises(ConfigError, match="--bf16 needs a GPU"):

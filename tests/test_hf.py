@@ -183,10 +183,12 @@ def _assemble(per_rank, family, control):
 
 
 def _relative_error(ours, reference, mask_id):
+    """Over the HF model's rows but MASK: ours has -inf at MASK and past the real ids (the vocabulary padding)."""
     keep = torch.ones(reference.shape[-1], dtype=torch.bool)
     if mask_id < keep.numel():
         keep[mask_id] = False
-    assert torch.isinf(ours[..., mask_id]).all()  # the MASK logit is excluded from the predictions
+    real_ids = max(reference.shape[-1], mask_id + 1)
+    assert torch.isinf(ours[..., mask_id]).all() and torch.isinf(ours[..., real_ids:]).all()
     ours = ours[..., : reference.shape[-1]][..., keep].double()
     reference = reference[..., keep].double()
     return ((ours - reference).norm() / reference.norm()).item()

@@ -5,8 +5,11 @@ What differs from a plain `GPTModel`, and why:
   layout's `row_positions`, on every pipeline stage), so a token's noisy and clean copy share one
   position; Megatron's RoPE would number the local rows `0..rows*cp` and zigzag-slice them by CP rank,
   which is wrong for CSBP rows. The positions are one source: what the batch gives is what RoPE uses.
-* The LM head runs over noisy rows only (clean rows carry no loss: half the head FLOPs saved), with
-  the MASK logit set to -inf on the TP rank that owns that vocabulary column.
+* The LM head runs over noisy rows only (clean rows carry no loss: half the head FLOPs saved). Only real
+  ids take probability: the MASK column and the vocabulary padding after the real ids (`vocab_ids`) are
+  -inf on whichever TP rank holds them. Megatron-LM leaves the padding columns in the softmax; an imported
+  model's zero padding rows then give logit 0 and take probability from every real token (2-3% of the
+  first loss of a tiny import), and a model trained that way learns to push them down instead.
 * Under sequence parallelism the row count is padded to a multiple of TP; padded rows have position
   0, see no attention and never reach the head.
 
@@ -36,6 +39,17 @@ def pipeline_seq_length(layout, config) -> int:
     """The `seq_length` to give `get_forward_backward_func()(...)`: Megatron divides it by the CP size
     (and TP under SP) to size the pipeline's activation messages."""
     return padded_row_count(layout, config) * layout.block_parallel_size
+
+
+def predictable_columns(first_column: int, columns: int, vocab_ids: int, mask_token_id: int | None,
+                        device=None) -> torch.Tensor:
+    """Which of the vocabulary columns `first_column .. first_column + columns - 1` (one TP rank's slice) are
+    ids the model may predict: a real id (`< vocab_ids`), not MASK."""
+    ids = torch.arange(first_column, first_column + columns, device=device)
+    allowed = ids < vocab_ids
+    if mask_token_id is not None:
+        allowed &= ids != mask_token_id
+    return allowed
 
 
 def validate_config(config, layout, vocab_size=None, mask_token_id=None) -> None:
@@ -72,10 +86,16 @@ class PositionTableRotaryEmbedding(torch.nn.Module):
 
 
 class BDLMGPTModel(GPTModel):
-    """`GPTModel` over CSBP rows; see the module docstring. `layout`: this rank's row layout."""
+    """`GPTModel` over CSBP rows; see the module docstring. `layout`: this rank's row layout; `vocab_ids`: the
+    real ids before the vocabulary padding (default: no padding, all `vocab_size` columns)."""
 
-    def __init__(self, config, transformer_layer_spec, vocab_size, *args, layout, mask_token_id=None, **kwargs):
+    def __init__(self, config, transformer_layer_spec, vocab_size, *args, layout, mask_token_id=None, vocab_ids=None,
+                 **kwargs):
         validate_config(config, layout, vocab_size, mask_token_id)  # before any weight is allocated
+        vocab_ids = vocab_size if vocab_ids is None else vocab_ids
+        if not 0 < vocab_ids <= vocab_size:
+            raise ConfigError(f"the model's {vocab_size} vocabulary rows cannot hold {vocab_ids} real ids: raise "
+                              f"--make-vocab-size-divisible-by or check --vocab-size")
         position_embedding_type = kwargs.get("position_embedding_type", "learned_absolute")
         if position_embedding_type not in ("rope", "learned_absolute", "none"):
             raise ValueError(f"--position-embedding-type={position_embedding_type} is not supported by "
@@ -83,6 +103,8 @@ class BDLMGPTModel(GPTModel):
         super().__init__(config, transformer_layer_spec, vocab_size, *args, **kwargs)
         self.layout = layout
         self.mask_token_id = mask_token_id
+        self.vocab_ids = vocab_ids
+        self._predictable = None  # this TP rank's predictable columns, made on the first forward
         self.padded_rows = padded_row_count(layout, self.config)
         if self.position_embedding_type == "rope":
             self.rotary_pos_emb = PositionTableRotaryEmbedding(self.rotary_pos_emb, layout.seq_length)
@@ -130,25 +152,24 @@ class BDLMGPTModel(GPTModel):
             logits, _ = output_layer(noisy_hidden, weight=weight)
         finally:
             output_layer.sequence_parallel = sequence_parallel
-        logits = self._exclude_mask_logit(logits)
+        logits = self._exclude_unpredictable_logits(logits)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
 
-    def _exclude_mask_logit(self, logits):
-        if self.mask_token_id is None:
-            return logits
+    def _exclude_unpredictable_logits(self, logits):
+        """MASK's and the padding's logits to -inf (this TP rank's columns: see `predictable_columns`)."""
         columns = logits.shape[-1]
-        local = self.mask_token_id - self.pg_collection.tp.rank() * columns
-        if not 0 <= local < columns:
-            return logits
-        hidden = torch.zeros(columns, dtype=torch.bool, device=logits.device)
-        hidden[local] = True
-        return logits.masked_fill(hidden, float("-inf"))
+        if self._predictable is None or self._predictable[0].device != logits.device:
+            allowed = predictable_columns(self.pg_collection.tp.rank() * columns, columns, self.vocab_ids,
+                                          self.mask_token_id, device=logits.device)
+            self._predictable = (~allowed, bool(allowed.all()))  # one device sync, here only
+        hidden, none_hidden = self._predictable
+        return logits if none_hidden else logits.masked_fill(hidden, float("-inf"))
 
 
 def model_provider(pre_process=True, post_process=True, *, config, vocab_size, layout=None, mask_token_id=None,
-                   group=None, transport="collective", context=None, use_transformer_engine=False, vp_stage=None,
+                   vocab_ids=None, group=None, transport="collective", context=None, use_transformer_engine=False, vp_stage=None,
                    base_spec=None, **gpt_kwargs) -> BDLMGPTModel:
     """Builds this rank's `BDLMGPTModel` (the `model_provider` Megatron's `get_model` expects, once
     `config`, `layout` and the rest are bound with `functools.partial`).
@@ -170,4 +191,4 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
     gpt_kwargs.setdefault("position_embedding_type", "rope")
     return BDLMGPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=vocab_size,
                         pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                        layout=layout, mask_token_id=mask_token_id, **gpt_kwargs)
+                        layout=layout, mask_token_id=mask_token_id, vocab_ids=vocab_ids, **gpt_kwargs)

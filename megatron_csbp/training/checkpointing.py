@@ -51,9 +51,12 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "csbp_manifest.json"
 _ITERATION_DIR = re.compile(r"iter_(\d{7})")
 # Settings that fix a parameter's shape: a checkpoint only loads into a model that agrees on all of them.
-# The MASK id too: training, sampling and export must agree on it with the checkpoint.
+# The MASK id too: training, sampling and export must agree on it with the checkpoint. The vocabulary is its
+# real ids (`vocab_ids`), not the padded rows: megatron-core loads the real rows into any TP's padding (the
+# embedding and output weights allow a shape mismatch, the rows past a checkpoint's start at zero), and the
+# model never predicts a padding row. A checkpoint recording no `vocab_ids` is compared by its padded rows.
 MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                    "kv_channels", "padded_vocab_size", "swiglu", "normalization", "add_bias_linear",
+                    "kv_channels", "vocab_ids", "swiglu", "normalization", "add_bias_linear",
                     "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "mask_token_id")
 _ACCELERATOR_RNG_KEY = "cuda_rng_state"  # Megatron-LM's name for the accelerator's RNG state (the CPU's here)
 _TEST_CRASH_BEFORE_PUBLISH = "MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH"  # iteration: fail after writing, pre-rename
@@ -494,14 +497,14 @@ def find_checkpoint(root: str, *, fallback: bool, log=print) -> int:
 
 def check_compatible(saved_args: dict, args: argparse.Namespace, directory: str) -> None:
     """Refuses a checkpoint of another model shape, naming the first setting that differs."""
-    for name in MODEL_SHAPE_ARGS:
+    names = MODEL_SHAPE_ARGS if "vocab_ids" in saved_args else (*MODEL_SHAPE_ARGS, "padded_vocab_size")
+    for name in names:
         if name in saved_args and saved_args[name] != getattr(args, name, None):
-            if name == "padded_vocab_size":
+            if name in ("vocab_ids", "padded_vocab_size"):
+                what = "ids (the tokenizer's and MASK)" if name == "vocab_ids" else "padded ids"
                 raise CheckpointError(
-                    f"checkpoint {directory} has a padded vocabulary of {saved_args[name]} ids, this run "
-                    f"{args.padded_vocab_size} (the tokenizer's ids + MASK, padded to a multiple of "
-                    f"--make-vocab-size-divisible-by x --tensor-model-parallel-size): set "
-                    f"--make-vocab-size-divisible-by so both pad alike, or use the checkpoint's tokenizer")
+                    f"checkpoint {directory} has a vocabulary of {saved_args[name]} {what}, this run "
+                    f"{getattr(args, name, None)}: use the checkpoint's tokenizer (and --vocab-size)")
             flag = "--bdlm-mask-token-id" if name == "mask_token_id" else "--" + name.replace("_", "-")
             raise CheckpointError(f"checkpoint {directory} was saved with {flag} {saved_args[name]}, this run has "
                                   f"{flag} {getattr(args, name, None)}: use the same {flag}, or another --load")

@@ -6,7 +6,9 @@ BDLM trains on the clean sequence `x0` of `L` tokens: GPTDataset is built with
 
 Vocabulary: the tokenizer's ids (bytes 0..255 and EOD = 256 for the byte tokenizer), then the MASK id
 right after them (or the id `--bdlm-mask-token-id` names), then Megatron-style padding to a multiple of
-`--make-vocab-size-divisible-by` x TP.
+`--make-vocab-size-divisible-by` x TP. The padding is a detail of the layout: the model never predicts a
+padded id, and a checkpoint's real rows load into any TP's padding, so only the real ids (`num_ids`) are
+part of a model's identity.
 """
 
 import argparse
@@ -145,11 +147,21 @@ class Vocabulary:
         tokenizer = build_tokenizer(args) if tokenizer is None else tokenizer
         return cls(tokenizer, *vocabulary(args, tokenizer))
 
+    @property
+    def num_ids(self) -> int:
+        """The ids the model reads and predicts: the tokenizer's and MASK (the padding rows after them are neither)."""
+        return max(self.tokenizer.vocab_size, self.mask_token_id + 1)
+
     def recorded(self, args: argparse.Namespace) -> argparse.Namespace:
-        """A copy of `args` with `mask_token_id` and `padded_vocab_size` added: the arguments a checkpoint records
-        and checks (a checkpoint's vocabulary must be the model's) and the FLOPs count reads. `args` is untouched."""
-        return argparse.Namespace(**{**vars(args), "mask_token_id": self.mask_token_id,
-                                     "padded_vocab_size": self.padded_vocab_size})
+        """A copy of `args` with `mask_token_id`, `vocab_ids` (`num_ids`) and `padded_vocab_size` added: the
+        arguments a checkpoint records and checks (a checkpoint's vocabulary must be the model's) and the FLOPs
+        count reads. `args` is untouched."""
+        return argparse.Namespace(**{**vars(args), **self.arguments()})
+
+    def arguments(self) -> dict:
+        """What a run's arguments record of the vocabulary (our checkpoints' args, Megatron-LM's global args)."""
+        return {"mask_token_id": self.mask_token_id, "vocab_ids": self.num_ids,
+                "padded_vocab_size": self.padded_vocab_size}
 
 
 @dataclass(frozen=True)

@@ -188,8 +188,8 @@ class RunProviders:
                 self._vocabulary = Vocabulary.from_args(args, get_tokenizer())
                 # Megatron-LM's args are its checkpoints' record and its FLOPs count's input: they hold the
                 # model's vocabulary (MASK included), as our loop's checkpoints do (`Vocabulary.recorded`).
-                args.mask_token_id = self._vocabulary.mask_token_id
-                args.padded_vocab_size = self._vocabulary.padded_vocab_size
+                for name, value in self._vocabulary.arguments().items():
+                    setattr(args, name, value)
             else:
                 self._vocabulary = Vocabulary.from_args(self.args)
         return self._vocabulary
@@ -223,7 +223,7 @@ class RunProviders:
         return bdlm_model.model_provider(
             pre_process, post_process, config=run.config if config is None else for_bdlm(config),
             context=run.attention, vocab_size=run.vocabulary.padded_vocab_size,
-            mask_token_id=run.vocabulary.mask_token_id, vp_stage=vp_stage,
+            mask_token_id=run.vocabulary.mask_token_id, vocab_ids=run.vocabulary.num_ids, vp_stage=vp_stage,
             use_transformer_engine=args.transformer_impl == "transformer_engine",
             base_spec=layer_spec_from_args(args), pg_collection=pg_collection, **gpt_model_kwargs(args))
 
