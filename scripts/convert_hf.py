@@ -490,6 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_csbp.training import quiet
+
+    quiet.quiet_start_up()  # megatron-core's start-up warnings would bury a refusal's one line
     args = build_parser().parse_args(argv)
     try:
         if args.command == "import":

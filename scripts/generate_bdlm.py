@@ -135,8 +135,12 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
                            for name in load_config(config, parser)})
     args.tensor_model_parallel_size = tensor_parallel
     args.tokenizer = build_tokenizer(null_as_byte_tokenizer(args))
-    # The MASK id and the padded vocabulary are the checkpoint's, whatever the TP size now.
+    # The MASK id and the real ids are the checkpoint's; the padding is this TP size's (the real rows load into
+    # any padding, and no padding id is ever produced). A checkpoint recording no real ids keeps its padding.
     args.mask_token_id, args.padded_vocab_size = saved["mask_token_id"], saved["padded_vocab_size"]
+    if "vocab_ids" in saved:
+        args.padded_vocab_size = rules.padded_vocab_size(saved["vocab_ids"], args.make_vocab_size_divisible_by,
+                                                         tensor_parallel)
     args.pipeline_model_parallel_size = args.context_parallel_size = 1
     args.context_block_parallel = 1
     args.sequence_parallel = False
@@ -312,8 +316,11 @@ def report(options, args, directory, settings, prompts, generation) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_csbp.training import quiet
+
     argv = sys.argv[1:] if argv is None else list(argv)
     rank = int(os.environ.get("RANK", "0"))
+    quiet.quiet_start_up()
     try:
         options, args, directory, settings, prompts, encoded = prepare(argv)
     except ConfigError as error:
@@ -323,6 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{NAME}: interrupted", file=sys.stderr, flush=True)
         return 130
+    note = quiet.start_up_note()
+    if note and rank == 0:
+        print(note, flush=True)
     warn_past_trained_length(args, settings, encoded, options.max_new_tokens)
 
     import torch.distributed as dist

@@ -3,7 +3,8 @@
 Without Transformer Engine and Apex (every CPU machine, many GPU ones), megatron-core warns at the import of
 each module that falls back to torch (norms, optimizers, grad clipping, FSDP's mixed precision): seven
 warnings per rank, the same fact seven times. torch and megatron-core also warn about their own internals
-(deprecated calls inside distributed checkpointing, a megatron default, a cyclic import). `quiet_start_up()`
+(deprecated calls inside distributed checkpointing and tensor parallelism, a megatron default, a cyclic
+import), and megatron-core gives GPU advice on machines without a GPU. `quiet_start_up()`
 filters exactly those messages, by text, and `start_up_note()` names once what is absent and what runs
 instead. Every other warning, and every error, still shows; a user who sets `PYTHONWARNINGS` (or `-W`)
 gets everything, unfiltered. Call it at an entry point, before megatron is imported: a library import
@@ -22,7 +23,11 @@ _START_UP_NOISE = (
     (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor"),  # the same reader
     (DeprecationWarning, r"`torch\.jit\.script_method` is deprecated"),
     (DeprecationWarning, r"The following imports from `dynamic_context\.py` will be removed"),
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated"),  # megatron-core's TP gathers
 )
+# Advice for accelerators, noise on a machine without one.
+_ACCELERATOR_ADVICE = ((UserWarning, r"When using async grad allreduce it is recommended to set the environment "
+                                     r"variable CUDA_DEVICE_MAX_CONNECTIONS"),)
 ACCELERATIONS = ("transformer_engine", "apex")
 
 
@@ -44,7 +49,10 @@ def quiet_start_up() -> None:
     """Filters the start-up noise, unless the user chose their own warning filters."""
     if sys.warnoptions:  # -W or PYTHONWARNINGS: the user's filters, untouched
         return
-    for category, message in _START_UP_NOISE:
+    import torch
+
+    noise = _START_UP_NOISE + (() if torch.accelerator.is_available() else _ACCELERATOR_ADVICE)
+    for category, message in noise:
         warnings.filterwarnings("ignore", message=message, category=category)
 
 
