@@ -188,7 +188,7 @@ ARCHITECTURES = {
 }
 CONFIG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                  "ffn_hidden_size", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
-                 "add_bias_linear", "add_qkv_bias", "qk_layernorm", "init_method_std", "hidden_dropout",
+                 "add_bias_linear", "qk_layernorm", "init_method_std", "hidden_dropout",
                  "attention_dropout")
 
 
@@ -225,6 +225,9 @@ def _architecture_rank(rank, world_size, cases):
         rotary = model.rotary_pos_emb
         return getattr(rotary, "rotary", rotary).inv_freq
 
+    def qkv_bias(config):  # Megatron-LM records add_qkv_bias=True beside add_bias_linear; the layers take either
+        return config.add_bias_linear or config.add_qkv_bias
+
     results = {}
     with cpu_backend.active():
         parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1)
@@ -259,12 +262,20 @@ def _architecture_rank(rank, world_size, cases):
                     "initial values": got.keys() == expected.keys() and all(
                         torch.equal(got[key], expected[key]) for key in expected),
                     "config": [field for field in CONFIG_FIELDS
-                               if getattr(model.config, field) != getattr(reference.config, field)],
+                               if getattr(model.config, field) != getattr(reference.config, field)]
+                              + (["QKV bias"] if qkv_bias(model.config) != qkv_bias(reference.config) else []),
                     "tied": model.share_embeddings_and_output_weights == reference.share_embeddings_and_output_weights,
                     "max sequence length": model.max_sequence_length == reference.max_sequence_length,
                     "rope": torch.equal(inverse_frequencies(model), inverse_frequencies(reference))
                             and torch.equal(inverse_frequencies(model), rope.inv_freq),
                 }
+            dropped = [word for word in argv if word not in ("--swiglu", "--qk-layernorm", "--add-qkv-bias")]
+            if dropped != argv:  # negative control: the same comparison, our model built without the flag
+                control = arguments.validate_args(arguments.build_parser().parse_args(dropped + ["--data-path", "x"]),
+                                                  1, on_accelerator=False, check_paths=False)
+                got = tensors(seeded(lambda: providers.RunProviders(control, vocabulary=vocabulary).model_provider()))
+                case["control"] = ({key: tuple(value.shape) for key, value in got.items()}
+                                   == {key: tuple(value.shape) for key, value in expected.items()})
             results[name] = case
     return results
 
@@ -273,7 +284,7 @@ def test_architecture_flags_build_megatron_lms_state_dict():
     """For each honoured architecture flag, our model (under both loops) has the state-dict names and shapes of
     the GPT model Megatron-LM's own `gpt_builders.gpt_builder` builds from the same arguments, the same initial
     weights under the same seed, the same TransformerConfig fields, tying, maximum length and RoPE frequencies.
-    Negative control: the cases differ from each other, so a flag dropped on one side shows."""
+    Negative control: our model built without --swiglu / --qk-layernorm / --add-qkv-bias fails the comparison."""
     from spawn import run_ranks
 
     os.environ["MEGATRON_LM_PATH"] = MEGATRON_LM
@@ -282,5 +293,7 @@ def test_architecture_flags_build_megatron_lms_state_dict():
         for label in ("ours under megatron-lm", "ours under megatron-core"):
             assert case[label] == {"names and shapes": True, "initial values": True, "config": [], "tied": True,
                                    "max sequence length": True, "rope": True}, (name, label, case[label])
+    controls = {name: case["control"] for name, case in results.items() if "control" in case}
+    assert len(controls) == 4 and not any(controls.values()), controls  # a dropped flag shows
     sizes = [case["parameters"] for case in results.values()]
     assert len(set(sizes)) >= len(sizes) - 5, sizes  # most cases change the parameters (the RoPE/init ones do not)
