@@ -13,7 +13,8 @@ ignored, giving the user another model or other data than asked for. So each fla
   data. Our loop, whose parser lacks most of them, takes them too and says (one warning line) it goes on
   without them.
 * `Refused`: set to a non-default value, the run stops before any work with one line naming the flag and
-  what we support instead (`refusal`), exit 2, under both loops.
+  what we support instead (`refusal`), exit 2, under both loops. (Our loop's parser has no defaults for
+  Megatron-LM's flags, so there naming a refused flag at all is refused, even at Megatron-LM's default.)
 
 A flag of the parser missing from the table is refused as not yet classified, and
 `python -m megatron_csbp.training.flag_table --check` lists it (a new Megatron-LM version shows its new
