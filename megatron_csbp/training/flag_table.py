@@ -74,12 +74,12 @@ def _shown(value) -> str:
     return str(getattr(value, "name", value))
 
 
-def only_our_loop(flag: str) -> str:
+def megatron_lm_loop_only(flag: str) -> str:
     return (f"{flag} is taken under --training-loop megatron-lm only (Megatron-LM's own code acts on it; our "
             f"megatron-core loop does not): use --training-loop megatron-lm, or drop it")
 
 
-def only_megatron_core_loop(flag: str) -> str:
+def our_loop_only(flag: str) -> str:
     return (f"{flag} is our loop's own (--training-loop megatron-core); Megatron-LM's pretrain() has no such "
             f"option: use --training-loop megatron-core, or drop it")
 
@@ -225,7 +225,7 @@ _classify(Refused("mixture-of-experts is not supported by the BDLM model yet", _
     --moe-enable-deepep --moe-flex-dispatcher-backend --moe-per-layer-logging --moe-expert-capacity-factor
     --moe-pad-expert-input-to-capacity --moe-token-drop-policy --moe-layer-recompute --moe-permute-fusion
     --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size --moe-deepep-num-sms --moe-hybridep-num-sms
-    --ep-overlap-early-attn-memory-release""")
+    --ep-overlap-early-attn-memory-release --overlap-moe-expert-parallel-comm""")
 _classify(Refused("packed documents (positions, masks or loss reset at each EOD) are not supported by the BDLM "
                   "objective yet", "drop it: each sample is one clean sequence of --seq-length tokens"), """
     --reset-position-ids --reset-attention-mask --eod-mask-loss""")
@@ -280,7 +280,7 @@ _classify(Refused("is an architecture option the BDLM model does not implement",
 _classify(Refused("is a multi-latent-attention option (MLA is not supported with CSBP)",
                   "drop it; use standard (GQA) attention"), """
     --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor --mscale
-    --mscale-all-dim --cache-mla-latents""")
+    --mscale-all-dim --cache-mla-latents --multi-latent-attention""")
 _classify(Refused("selects a core attention, and the core attention is CSBP's", "drop it"), """
     --attention-backend --use-flash-attn --flash-decode --use-kitchen-attention --kitchen-attention-backend""")
 _classify(Refused("is a low-precision (FP8/FP4) or Transformer Engine feature not tested with CSBP attention",
@@ -328,9 +328,10 @@ _classify(Refused("is deprecated in Megatron-LM", "use its replacement (see Mega
     --dist-ckpt-format --test-mode""")
 _classify(Refused("replaces the parsed arguments after the plugin has checked them", "use --config FILE.yaml"),
           "--yaml-cfg")
-_classify(Refused("is a ring-CP feature; CSBP has its own rings", "drop it"), """
-    --hierarchical-context-parallel-sizes --cp-comm-type --hybrid-context-parallel --multi-latent-attention
-    --mtp-num-layers --mtp-loss-scaling-factor --mtp-standalone --overlap-moe-expert-parallel-comm""")
+_classify(Refused("is a ring-CP feature; CSBP has its own rings (--context-block-parallel-clean-shards)",
+                  "drop it"), "--hierarchical-context-parallel-sizes --cp-comm-type --hybrid-context-parallel")
+_classify(Refused("multi-token prediction is not supported with BDLM", "drop it"),
+          "--mtp-num-layers --mtp-loss-scaling-factor --mtp-standalone")
 
 # Our loop's flags that Megatron-LM's parser does not have (refused there, one line).
 OUR_LOOP_ONLY = ("--load-fallback-to-previous",)
@@ -342,9 +343,9 @@ def entry(flag: str) -> Honoured | Neutral | Refused:
     return TABLE.get(flag, UNCLASSIFIED)
 
 
-def _value_refusal(flag: str, value, entry_: Honoured) -> str:
-    return refusal(flag, value, Refused(f"is honoured only with {', '.join(map(str, entry_.only))}",
-                                        f"use one of those"))
+def _value_refusal(flag: str, value, honoured: Honoured) -> str:
+    return refusal(flag, value, Refused(f"is honoured only with {', '.join(map(str, honoured.only))}",
+                                        "use one of those"))
 
 
 def check_parsed(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -401,7 +402,7 @@ def our_loop_message(flag: str) -> str:
     if isinstance(found, Refused):
         legacy = {f"--{name.replace('_', '-')}": message for name, _, message in rules.RING_CP_REFUSALS}
         return legacy.get(flag) or refusal(flag, None, found)
-    return only_our_loop(flag)
+    return megatron_lm_loop_only(flag)
 
 
 def add_refusals(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -420,7 +421,7 @@ def add_our_loop_only_refusals(parser: argparse.ArgumentParser) -> argparse.Argu
     """Megatron-LM's parser: our loop's own flags, refused by name."""
     for flag in OUR_LOOP_ONLY:
         if flag not in parser._option_string_actions:
-            parser.add_argument(flag, action=_RefusedHere, message=only_megatron_core_loop(flag))
+            parser.add_argument(flag, action=_RefusedHere, message=our_loop_only(flag))
     return parser
 
 
