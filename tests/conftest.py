@@ -49,6 +49,8 @@ MODULE_MARKERS = {
     "test_reliability": ("spawn", "slow"),
     "test_slurm": ("spawn", "slow", "slurm"),
     "test_megatron_lm": ("spawn", "slow", "megatron_lm"),
+    "test_flag_table": (),
+    "test_flag_table_megatron_lm": ("spawn", "slow", "megatron_lm"),
     "test_sampling": ("spawn", "slow"),
     "test_hf": ("spawn", "slow"),
     "test_vocabulary_padding": ("spawn", "slow"),

@@ -99,11 +99,16 @@ def test_a_yaml_with_megatron_lm_only_flags_runs_under_megatron_lm(corpus, tmp_p
     overrides = _overrides(corpus, train_iters=2)
     run = _launch("megatron-lm", 2, overrides, config=str(config))
     assert "throughput per GPU (TFLOP/s/GPU)" in run.output and re.search(r"iteration\s+2/\s*2", run.output)
-    # Our own loop's parser has no such flags: refused, naming the key (as rank 0 of 2 would, before any work).
+    # Our own loop takes the neutral ones, saying so; a flag only Megatron-LM's loop acts on is refused, naming it
+    # (as rank 0 of 2 would, before any work).
+    config.write_text(config.read_text() + "lr-warmup-init: 0.0001\n")
     refused = subprocess.run([sys.executable, SCRIPT, "--config", str(config), "--training-loop", "megatron-core",
                               *overrides], cwd=REPO, env=environment({"WORLD_SIZE": "2", "RANK": "0"}), timeout=300,
                              capture_output=True, text=True)
-    assert refused.returncode == 2 and "unknown key 'log-throughput'" in refused.stderr, refused.stderr[-2000:]
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "WARNING: --log-throughput: logging" in refused.stderr, refused.stderr[-2000:]
+    assert ("error: --lr-warmup-init is taken under --training-loop megatron-lm only" in refused.stderr
+            and "Traceback" not in refused.stderr), refused.stderr[-2000:]
 
 
 def _megatron_lm_refusal(argv, world=2):

@@ -258,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_training_args(parser)
     _add_parallel_args(parser)
     _add_data_and_io_args(parser)
-    return add_csbp_args(parser)
+    from megatron_csbp.training import flag_table
+    return flag_table.add_refusals(add_csbp_args(parser))
 
 
 def parse_data_path(values: list[str] | None) -> tuple[list[str], list[float] | None]:
@@ -366,6 +367,41 @@ def check_ranges(args: argparse.Namespace) -> None:
         _require(len(shares) < 2 or shares[1] != 0 or not sum(shares) > 0,
                  f"--split '{split}' gives validation no share, but --eval-iters {eval_iters} asks for it: give "
                  f"it a share (e.g. --split 98,2,0) or set --eval-iters 0")
+
+
+def query_groups(args: argparse.Namespace) -> int:
+    """The K/V heads: `--num-query-groups` with `--group-query-attention`, else one per attention head."""
+    return args.num_query_groups if args.group_query_attention else args.num_attention_heads
+
+
+def check_shared_values(args: argparse.Namespace) -> None:
+    """The values both loops refuse, each with one line naming the flag, before any work: our loop's own checks,
+    and under Megatron-LM's `pretrain()` the values its `validate_args` would stop on with a bare assert (or take
+    and fail on later: `--log-interval 0`). A flag left unset (None) is skipped; required ones are each loop's.
+    """
+    check_ranges(args)
+    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "distributed_timeout_minutes",
+                 "log_interval", "eval_interval"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            _refuse(rules.at_least(f"--{flag.replace('_', '-')}", value))
+    for flag in ("train_iters", "eval_iters"):
+        value = getattr(args, flag, None)
+        _require(value is None or value >= 0, f"--{flag.replace('_', '-')} must be >= 0; got {value}")
+    _require(not (args.lr_warmup_fraction is not None and args.lr_warmup_iters),
+             "--lr-warmup-fraction and --lr-warmup-iters are exclusive (Megatron-LM takes one); keep one")
+    if args.lr_warmup_fraction is not None:
+        _require(0 <= args.lr_warmup_fraction < 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in "
+                                                   f"[0, 1) (a share of --lr-decay-iters)")
+    heads, TP, PP = args.num_attention_heads, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if heads is None:
+        return
+    groups = query_groups(args)
+    _refuse(rules.query_groups_problem(heads, groups) or rules.tensor_parallel_problem(heads, groups, TP)
+            or (args.num_layers is not None and rules.pipeline_problem(args.num_layers, PP)) or None)
+    if args.kv_channels is None and args.hidden_size is not None:
+        _refuse(rules.kv_channels_problem(args.hidden_size, heads))
 
 
 def _existing_ancestor(path: str) -> str:
@@ -487,13 +523,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "train_iters", "lr"):
         _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
-    check_ranges(args)
-    for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "distributed_timeout_minutes",
-                 "log_interval", "eval_interval"):
-        _refuse(rules.at_least(f"--{flag.replace('_', '-')}", getattr(args, flag)))
-    _require(args.train_iters >= 0, f"--train-iters must be >= 0; got {args.train_iters}")
-    _require(args.eval_iters >= 0, f"--eval-iters must be >= 0; got {args.eval_iters}")
+    check_shared_values(args)
     validate_plugin_args(args, world_size)
     TP, PP, P = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
     args.world_size, args.data_parallel_size = world_size, world_size // (TP * PP * P)
@@ -504,14 +534,9 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
              f"raise it or drop it (default: --seq-length)")
     args.max_position_embeddings = args.max_position_embeddings or L
 
-    heads = args.num_attention_heads
-    groups = args.num_query_groups if args.group_query_attention else heads
-    _refuse(rules.query_groups_problem(heads, groups) or rules.tensor_parallel_problem(heads, groups, TP)
-            or rules.pipeline_problem(args.num_layers, PP))
-    args.num_query_groups = groups
+    args.num_query_groups = query_groups(args)
     if args.kv_channels is None:
-        _refuse(rules.kv_channels_problem(args.hidden_size, heads))
-        args.kv_channels = args.hidden_size // heads
+        args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = rules.default_ffn_hidden_size(args.hidden_size, args.swiglu)
     if TP == 1:
@@ -553,13 +578,8 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
 
 def _validate_lr_schedule(args: argparse.Namespace) -> None:
     """Megatron-LM's warmup length: iterations, or a fraction of the decay length (`--lr-warmup-fraction`)."""
-    _require(not (args.lr_warmup_fraction is not None and args.lr_warmup_iters),
-             "--lr-warmup-fraction and --lr-warmup-iters are exclusive (Megatron-LM takes one); keep one")
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     _require(args.lr_decay_iters >= 1, "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule")
-    if args.lr_warmup_fraction is not None:
-        _require(0 <= args.lr_warmup_fraction < 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in "
-                                                   f"[0, 1) (a share of --lr-decay-iters)")
     _require(args.lr_warmup_iters < args.lr_decay_iters,
              f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
              f"(default: --train-iters); shorten the warmup or give it as --lr-warmup-fraction")

@@ -26,8 +26,10 @@ import importlib.util
 import os
 import sys
 
+from megatron_csbp.core import rules
+from megatron_csbp.training import flag_table
 from megatron_csbp.training.arguments import (ConfigError, add_csbp_args, byte_tokenizer_as_null, check_data_prefixes,
-                                     check_output_paths, check_ranges, parse_data_path, validate_plugin_args)
+                                     check_output_paths, check_shared_values, parse_data_path, validate_plugin_args)
 from megatron_csbp.training.config import expand_argv
 
 
@@ -57,15 +59,24 @@ def build_parser() -> argparse.ArgumentParser:
     from megatron.training.arguments import add_megatron_arguments
 
     parser = argparse.ArgumentParser(description="Megatron-LM Arguments", allow_abbrev=False)
-    return add_csbp_args(add_megatron_arguments(parser))
+    return flag_table.add_our_loop_only_refusals(add_csbp_args(add_megatron_arguments(parser)))
 
 
 def parse_args(argv: list[str], world_size: int) -> tuple[list[str], argparse.Namespace]:
-    """(expanded argv, namespace with the plugin's rules applied): what `pretrain()` will re-parse."""
+    """(expanded argv, namespace with the plugin's rules applied): what `pretrain()` will re-parse.
+
+    Every flag set away from its default must be one the flag table honours (or a neutral one), and the values
+    Megatron-LM's own `validate_args` would stop on with a bare assert are refused first, one line each."""
     parser = build_parser()
     expanded = byte_tokenizer_as_null(expand_argv(argv, parser))
-    args = validate_plugin_args(parser.parse_args(expanded), world_size)
-    check_ranges(args)  # the numeric flags both parsers share; Megatron-LM validates the rest itself
+    args = parser.parse_args(expanded)
+    flag_table.check_parsed(parser, args)
+    check_shared_values(args)
+    args = validate_plugin_args(args, world_size)
+    if args.micro_batch_size is not None and args.global_batch_size is not None:
+        data_parallel = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+                                       * args.context_parallel_size)
+        rules.refuse(rules.batch_problem(args.global_batch_size, args.micro_batch_size, data_parallel), ConfigError)
     if args.data_path:
         check_data_prefixes(parse_data_path(args.data_path)[0])
     check_output_paths(args, free_space=False)  # the size estimate needs our loop's filled-in arguments

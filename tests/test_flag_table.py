@@ -1,0 +1,102 @@
+"""The flag table without Megatron-LM: our loop's flags are the plugin's honoured ones, every honoured flag names
+a test that exists, and our loop takes, warns about or refuses Megatron-LM's other flags as the table says."""
+
+import os
+import re
+
+import pytest
+
+from megatron_csbp.training import flag_table
+from megatron_csbp.training.arguments import ConfigError, build_parser, validate_args
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--data-path", "unused/prefix",
+        "--bdlm-block-size", "8"]
+
+
+def _ours(*extra):
+    return validate_args(build_parser().parse_args(BASE + list(extra)), 1, on_accelerator=False, check_paths=False)
+
+
+def test_our_loops_flags_are_exactly_the_plugins_honoured_flags():
+    """Both loops take the flags our model, spec, data and forward step implement: each is in our loop's parser,
+    and our loop's parser has nothing else (beyond its own extensions, which Megatron-LM's parser refuses)."""
+    ours = set(flag_table.parser_flags(build_parser()))
+    plugin = {flag for flag, entry in flag_table.TABLE.items()
+              if isinstance(entry, flag_table.Honoured) and entry.by == flag_table.PLUGIN}
+    assert ours - set(flag_table.OUR_LOOP_ONLY) == plugin, (sorted(plugin - ours), sorted(ours - plugin))
+    assert not set(flag_table.OUR_LOOP_ONLY) & set(flag_table.TABLE)
+
+
+def test_every_honoured_flag_names_a_test_that_exists():
+    named = 0
+    for flag, entry in flag_table.TABLE.items():
+        if not (isinstance(entry, flag_table.Honoured) and entry.by == flag_table.PLUGIN):
+            assert not isinstance(entry, flag_table.Honoured) or entry.test is None, flag
+            continue
+        path, _, name = entry.test.partition("::")
+        with open(os.path.join(REPO, path), encoding="utf-8") as handle:
+            assert re.search(rf"^def {re.escape(name)}\(", handle.read(), re.M), f"{flag}: no {entry.test}"
+        named += 1
+    assert named == flag_table.counts()["honoured by the plugin"] > 50
+
+
+def test_counts_per_class_cover_the_table():
+    counts = flag_table.counts()
+    assert sum(counts[kind] for kind in flag_table.KINDS) == len(flag_table.TABLE)
+    assert counts["honoured"] == counts["honoured by the plugin"] + counts["honoured by Megatron-LM's loop"]
+    assert all(counts[kind] > 0 for kind in flag_table.KINDS)
+    assert flag_table.summary().startswith(f"honoured: {counts['honoured']}, neutral: {counts['neutral']}")
+
+
+def test_a_refusal_reads_flag_value_what_and_instead():
+    entry = flag_table.entry("--num-experts")
+    assert flag_table.refusal("--num-experts", 4, entry) == (
+        "--num-experts 4: mixture-of-experts is not supported by the BDLM model yet; train a dense model (drop the "
+        "MoE flags)")
+    assert flag_table.refusal("--reset-attention-mask", None, flag_table.entry("--reset-attention-mask")).startswith(
+        "--reset-attention-mask: packed documents")
+    assert flag_table.entry("--a-flag-megatron-lm-may-add-later") is flag_table.UNCLASSIFIED
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--num-experts", "4", "--moe-router-topk", "2"], "--num-experts: mixture-of-experts is not supported"),
+    (["--reset-attention-mask"], "--reset-attention-mask: packed documents"),
+    (["--eod-mask-loss"], "--eod-mask-loss: packed documents"),
+    (["--trust-remote-code"], "--trust-remote-code: would run code"),
+    (["--cp-comm-type", "a2a"], "--cp-comm-type selects a ring-CP transport"),  # rules.RING_CP_REFUSALS' line
+    (["--lr-warmup-init", "0.1"], "--lr-warmup-init is taken under --training-loop megatron-lm only"),
+])
+def test_our_loop_refuses_what_it_does_not_take_in_one_line(extra, message):
+    with pytest.raises(ConfigError) as refused:
+        _ours(*extra)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value), refused.value
+
+
+def test_our_loop_refuses_a_yaml_key_the_table_refuses(tmp_path):
+    from megatron_csbp.training.config import parse_args
+
+    config = tmp_path / "moe.yaml"
+    config.write_text("num-experts: 4\n")
+    with pytest.raises(ConfigError, match=r"^--num-experts: mixture-of-experts"):
+        parse_args(["--config", str(config), *BASE])
+
+
+def test_our_loop_takes_a_neutral_flag_saying_so(capsys):
+    args = _ours("--log-throughput", "--timing-log-level", "2")
+    assert not hasattr(args, "log_throughput") and not hasattr(args, "timing_log_level")
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 2 and warnings[0].startswith("WARNING: --log-throughput: logging"), warnings
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1; got 0"),
+    (["--hidden-size", "66"], "--hidden-size 66 is not a multiple of --num-attention-heads 4; set --kv-channels"),
+    (["--lr-warmup-fraction", "2"], "--lr-warmup-fraction 2.0 must be in [0, 1)"),
+    (["--log-interval", "0"], "--log-interval must be >= 1; got 0"),
+])
+def test_bad_values_megatron_lm_asserts_on_are_refused_by_our_loop(extra, message):
+    with pytest.raises(ConfigError) as refused:
+        _ours(*extra)
+    assert str(refused.value).startswith(message), refused.value

@@ -1,0 +1,302 @@
+"""The flag table against Megatron-LM's own parser and model (tag core_v0.16.1, `MEGATRON_LM_PATH`): every flag
+classified, each set away from its default taken or refused in one line as the table says (alike in both loops),
+and the honoured architecture flags building Megatron-LM's GPT model, name for name and shape for shape."""
+
+import argparse
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import megatron_lm_path
+from pretrain_runs import REPO, SCRIPT, environment
+
+MEGATRON_LM = megatron_lm_path()
+pytestmark = pytest.mark.skipif(MEGATRON_LM is None, reason="Megatron-LM is absent: set MEGATRON_LM_PATH to a "
+                                                            "Megatron-LM checkout of tag core_v0.16.1")
+BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--micro-batch-size", "1", "--train-iters", "4", "--lr", "1e-3", "--bdlm-block-size", "8",
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--transformer-impl", "local"]
+# Values the generic rule below cannot make valid for these flags' parsers.
+SAMPLE_VALUES = {
+    "--moe-layer-freq": ["2"], "--no-rope-freq": ["2"], "--recompute-modules": ["mlp"], "--offload-modules": ["mlp"],
+    "--cuda-graph-scope": ["attn"], "--iterations-to-skip": ["3"], "--profile-ranks": ["1"],
+    "--high-priority-stream-groups": ["dp"], "--hierarchical-context-parallel-sizes": ["1", "1"],
+    "--exit-signal": ["SIGINT"], "--mrope-section": ["1", "1"], "--rampup-batch-size": ["1", "1", "8"],
+    "--cp-comm-type": ["a2a"], "--bdlm-noise-range": ["0.01", "0.5"], "--spec": ["megatron_csbp.mcore.spec", "x"],
+    "--retriever-report-topk-accuracies": ["1"], "--data-path": ["1", "unused/a", "1", "unused/b"],
+    "--attention-backend": ["flash"], "--tokenizer-type": ["HuggingFaceTokenizer"],
+    "--offload-optimizer-states": ["x"], "--window-size": ["4,0"], "--hybrid-override-pattern": ["M*"],
+    "--phase-transition-iterations": ["2"], "--kv-channels": ["32"], "--ffn-hidden-size": ["96"],
+    "--num-query-groups": ["2"], "--seq-length": ["128"], "--max-position-embeddings": ["256"],
+    "--micro-batch-size": ["2"], "--global-batch-size": ["2"], "--num-layers": ["4"], "--hidden-size": ["128"],
+    "--num-attention-heads": ["8"], "--bdlm-block-size": ["32"], "--window-attn-skip-freq": ["2"], "--linear-attention-freq": ["2"], "--rotary-percent": ["0.5"],
+    "--heterogeneous-layers-config-encoded-json": ["{}"], "--lr-warmup-fraction": ["0.1"],
+}
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    sys.path.append(MEGATRON_LM)
+    from megatron_csbp.training import megatron_lm
+
+    assert megatron_lm.import_pretrain() is not None
+    return megatron_lm
+
+
+def test_the_table_classifies_every_flag_of_megatron_lms_parser(megatron):
+    from megatron_csbp.training import flag_table
+
+    parser = megatron.build_parser()
+    assert flag_table.mismatches(parser) == ([], [])
+    assert len(flag_table.parser_flags(parser)) == len(flag_table.TABLE)
+    done = subprocess.run([sys.executable, "-m", "megatron_csbp.training.flag_table", "--check"], cwd=REPO,
+                          env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == flag_table.summary(), done.stdout + done.stderr[-2000:]
+    print(done.stdout)
+
+
+def _away_from_default(action: argparse.Action) -> list[str]:
+    """Command-line words setting `action` to a valid value other than its default."""
+    flag = action.option_strings[0]
+    if flag in SAMPLE_VALUES:
+        return [flag, *SAMPLE_VALUES[flag]]
+    if action.nargs == 0:
+        if isinstance(action, argparse.BooleanOptionalAction):
+            return [flag if not action.default else f"--no-{flag[2:]}"]
+        return [flag]
+    default = action.default
+    if action.choices:
+        value = next(str(choice) for choice in action.choices if choice != default)
+    elif action.type is int:
+        value = str((default or 0) + 2)
+    elif action.type is float:
+        value = str((default or 0.0) + 0.25)
+    else:
+        value = "x"
+    return [flag, *([value] * (action.nargs if isinstance(action.nargs, int) else 1))]
+
+
+def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_one_line(megatron, monkeypatch):
+    """Each flag of Megatron-LM's parser in turn, under Megatron-LM's parse (validation only, no model): a refused
+    flag stops the run with one line naming it, and with the same line under our loop; an honoured or neutral one
+    is taken, or refused by a rule in one line."""
+    from megatron_csbp.training import flag_table
+    from megatron_csbp.training.arguments import ConfigError, build_parser
+
+    parser, ours = megatron.build_parser(), build_parser()
+    monkeypatch.setattr(megatron, "build_parser", lambda: parser)  # built once: parsing does not change it
+    ours_base = BASE + ["--data-path", "unused/prefix"]
+    outcomes, fixed = {"honoured": 0, "neutral": 0, "refused": 0}, []
+    for action in parser._actions:
+        if (not action.option_strings or action.dest == "help" or action.option_strings[0] == "--config"
+                or isinstance(action, flag_table._RefusedHere)):
+            continue
+        flag, words = action.option_strings[0], _away_from_default(action)
+        entry = flag_table.entry(flag)
+        try:
+            parsed = parser.parse_args(BASE + words)
+        except SystemExit:
+            pytest.fail(f"{flag}: the sweep's value {words[1:]} does not parse; give one in SAMPLE_VALUES")
+        if getattr(parsed, action.dest) == parser.get_default(action.dest):
+            fixed.append(flag)  # a switch already on by the plugin's defaults, or sharing its dest with another
+            continue
+        try:
+            megatron.parse_args(BASE + words, 1)
+            message = None
+        except ConfigError as refused:
+            message = str(refused)
+        if isinstance(entry, flag_table.Refused):
+            assert message is not None and flag in message and "\n" not in message, (flag, words, message)
+            if flag not in ours._option_string_actions or not isinstance(
+                    ours._option_string_actions[flag], flag_table._RefusedHere):
+                continue
+            with pytest.raises(ConfigError) as refused_by_ours:
+                ours.parse_args(ours_base + words)
+            mine = str(refused_by_ours.value)  # the same line, but for the value Megatron-LM's parser typed
+            assert mine.startswith(flag) and mine.split(": ", 1)[-1] == message.split(": ", 1)[-1], (flag, mine)
+        else:
+            assert message is None or "\n" not in message, (flag, message)
+            if isinstance(entry, flag_table.Honoured) and entry.by == flag_table.MEGATRON_LM_LOOP:
+                with pytest.raises(ConfigError, match="only"):
+                    ours.parse_args(ours_base + words)
+            if isinstance(entry, flag_table.Neutral):
+                ours.parse_args(ours_base + words)  # taken by our loop too
+        outcomes[entry.kind] += 1
+    assert set(fixed) <= {"--calculate-per-token-loss", "--no-rope-fusion", "--no-gradient-accumulation-fusion",
+                          "--disable-chunked-prefill"}, fixed
+    assert sum(outcomes.values()) == len(flag_table.TABLE) - 1 - len(fixed), outcomes  # all but --config
+    print("flags set away from their defaults, by class:", outcomes)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1; got 0"),
+    (["--hidden-size", "66"], "--hidden-size 66 is not a multiple of --num-attention-heads 4; set --kv-channels"),
+    (["--lr-warmup-fraction", "2"], "--lr-warmup-fraction 2.0 must be in [0, 1)"),
+    (["--log-interval", "0"], "--log-interval must be >= 1; got 0"),
+    (["--num-experts", "4", "--moe-router-topk", "2"], "--num-experts 4: mixture-of-experts is not supported"),
+    (["--reset-attention-mask"], "--reset-attention-mask: packed documents"),
+    (["--load-fallback-to-previous"], "--load-fallback-to-previous is our loop's own"),
+])
+def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatron, extra, message):
+    from megatron_csbp.training.arguments import ConfigError
+
+    with pytest.raises(ConfigError) as refused:
+        megatron.parse_args(BASE + extra, 1)
+    assert str(refused.value).startswith(message) and "\n" not in str(refused.value), refused.value
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--num-experts", "4", "--moe-router-topk", "2"],
+     "--num-experts{}: mixture-of-experts is not supported by the BDLM model yet; train a dense model (drop the MoE "
+     "flags)"),
+    (["--reset-attention-mask"], "--reset-attention-mask: packed documents (positions, masks or loss reset at each "
+                                 "EOD) are not supported by the BDLM objective yet; drop it: each sample is one clean "
+                                 "sequence of --seq-length tokens"),
+    (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1; got 0"),
+])
+def test_refused_in_one_line_exit_2_under_both_loops(extra, line):
+    for loop, value in (("megatron-lm", " 4"), ("megatron-core", "")):
+        done = subprocess.run([sys.executable, SCRIPT, *BASE, "--data-path", "unused/prefix", "--training-loop", loop,
+                               *extra], cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}), timeout=300,
+                              capture_output=True, text=True)
+        errors = [text for text in done.stderr.splitlines() if "error" in text.lower()]
+        assert done.returncode == 2 and errors == [f"pretrain_bdlm.py: error: {line.format(value)}"], (
+            loop, done.returncode, done.stderr[-3000:])
+        assert "initializ" not in done.stdout, loop  # refused before any work
+
+
+# (flags, what they change) checked against Megatron-LM's GPT model built from the same arguments.
+ARCHITECTURES = {
+    "default (LayerNorm, GeLU, biases, tied)": [],
+    "--normalization RMSNorm --norm-epsilon 1e-6": ["--normalization", "RMSNorm", "--norm-epsilon", "1e-6"],
+    "--swiglu": ["--swiglu"],
+    "--qk-layernorm": ["--qk-layernorm"],
+    "--add-qkv-bias --disable-bias-linear": ["--add-qkv-bias", "--disable-bias-linear"],
+    "--disable-bias-linear": ["--disable-bias-linear"],
+    "--untie-embeddings-and-output-weights": ["--untie-embeddings-and-output-weights"],
+    "--group-query-attention --num-query-groups 2": ["--group-query-attention", "--num-query-groups", "2"],
+    "--kv-channels 32": ["--kv-channels", "32"],
+    "--ffn-hidden-size 96 --num-layers 3 --hidden-size 48 --num-attention-heads 6": [
+        "--ffn-hidden-size", "96", "--num-layers", "3", "--hidden-size", "48", "--num-attention-heads", "6"],
+    "--rotary-percent 0.5 --rotary-base 500000": ["--rotary-percent", "0.5", "--rotary-base", "500000"],
+    "--use-rope-scaling": ["--use-rope-scaling"],
+    "--max-position-embeddings 256": ["--max-position-embeddings", "256"],
+    "--init-method-std 0.05 --hidden-dropout 0.2": ["--init-method-std", "0.05", "--hidden-dropout", "0.2"],
+    "Qwen3-like": ["--normalization", "RMSNorm", "--swiglu", "--qk-layernorm", "--disable-bias-linear",
+                   "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2",
+                   "--kv-channels", "32", "--rotary-base", "1000000"],
+}
+CONFIG_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                 "ffn_hidden_size", "normalization", "layernorm_epsilon", "gated_linear_unit", "activation_func",
+                 "add_bias_linear", "qk_layernorm", "init_method_std", "hidden_dropout",
+                 "attention_dropout")
+
+
+def _architecture_rank(rank, world_size, cases):
+    """On one gloo rank: for each case, Megatron-LM's `gpt_builder` model and ours under both loops, all built
+    under the same seed from the same flags; what differs between them."""
+    import contextlib
+    import io
+
+    import torch
+
+    from megatron_csbp.mcore import cpu_backend, parallel_state
+    from megatron_csbp.training import arguments, megatron_lm, providers
+    from megatron_csbp.training.data import Vocabulary
+
+    megatron_lm.import_pretrain()
+    sys.path.append(os.environ["MEGATRON_LM_PATH"])
+    import gpt_builders
+    import megatron.training.arguments as megatron_arguments
+    from megatron.core import tensor_parallel
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.training.global_vars import set_args
+
+    def seeded(build):
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        torch.manual_seed(1234)
+        return build()
+
+    def tensors(model):
+        return {name: value for name, value in model.state_dict().items()
+                if isinstance(value, torch.Tensor) and not name.endswith("_extra_state")}
+
+    def inverse_frequencies(model):
+        rotary = model.rotary_pos_emb
+        return getattr(rotary, "rotary", rotary).inv_freq
+
+    def qkv_bias(config):  # Megatron-LM records add_qkv_bias=True beside add_bias_linear; the layers take either
+        return config.add_bias_linear or config.add_qkv_bias
+
+    results = {}
+    with cpu_backend.active():
+        parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1)
+        for name, extra in cases.items():
+            argv = BASE + ["--use-cpu-initialization", "--no-persist-layer-norm"] + extra
+            expanded, _ = megatron_lm.parse_args(argv, 1)  # our validation under Megatron-LM's parser
+            sys.argv = ["pretrain_bdlm.py", *expanded]
+            args = megatron_arguments.parse_args(extra_args_provider=arguments.add_csbp_args)
+            with contextlib.redirect_stdout(io.StringIO()):
+                megatron_arguments.validate_args(args, {"max_position_embeddings": args.seq_length})
+            our_args = arguments.validate_args(arguments.build_parser().parse_args(argv + ["--data-path", "x"]), 1,
+                                               on_accelerator=False, check_paths=False)
+            vocabulary = Vocabulary.from_args(our_args)
+            args.padded_vocab_size = vocabulary.padded_vocab_size
+            set_args(args)
+            models = {"megatron-lm gpt_builder": seeded(lambda: gpt_builders.gpt_builder(args, True, True)),
+                      "ours under megatron-lm": seeded(lambda: providers.RunProviders(
+                          vocabulary=vocabulary).model_provider()),
+                      "ours under megatron-core": seeded(lambda: providers.RunProviders(
+                          our_args, vocabulary=vocabulary).model_provider())}
+            reference = models.pop("megatron-lm gpt_builder")
+            expected = tensors(reference)
+            # Megatron-LM's gpt_builder does not pass --rope-scaling-factor on (it keeps GPTModel's 8.0); ours does.
+            rope = RotaryEmbedding(args.kv_channels, args.rotary_percent, rotary_base=args.rotary_base,
+                                   rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor)
+            case = {"parameters": sum(value.numel() for value in expected.values())}
+            for label, model in models.items():
+                got = tensors(model)
+                case[label] = {
+                    "names and shapes": {key: tuple(value.shape) for key, value in got.items()}
+                                        == {key: tuple(value.shape) for key, value in expected.items()},
+                    "initial values": got.keys() == expected.keys() and all(
+                        torch.equal(got[key], expected[key]) for key in expected),
+                    "config": [field for field in CONFIG_FIELDS
+                               if getattr(model.config, field) != getattr(reference.config, field)]
+                              + (["QKV bias"] if qkv_bias(model.config) != qkv_bias(reference.config) else []),
+                    "tied": model.share_embeddings_and_output_weights == reference.share_embeddings_and_output_weights,
+                    "max sequence length": model.max_sequence_length == reference.max_sequence_length,
+                    "rope": torch.equal(inverse_frequencies(model), inverse_frequencies(reference))
+                            and torch.equal(inverse_frequencies(model), rope.inv_freq),
+                }
+            dropped = [word for word in argv if word not in ("--swiglu", "--qk-layernorm", "--add-qkv-bias")]
+            if dropped != argv:  # negative control: the same comparison, our model built without the flag
+                control = arguments.validate_args(arguments.build_parser().parse_args(dropped + ["--data-path", "x"]),
+                                                  1, on_accelerator=False, check_paths=False)
+                got = tensors(seeded(lambda: providers.RunProviders(control, vocabulary=vocabulary).model_provider()))
+                case["control"] = ({key: tuple(value.shape) for key, value in got.items()}
+                                   == {key: tuple(value.shape) for key, value in expected.items()})
+            results[name] = case
+    return results
+
+
+def test_architecture_flags_build_megatron_lms_state_dict():
+    """For each honoured architecture flag, our model (under both loops) has the state-dict names and shapes of
+    the GPT model Megatron-LM's own `gpt_builders.gpt_builder` builds from the same arguments, the same initial
+    weights under the same seed, the same TransformerConfig fields, tying, maximum length and RoPE frequencies.
+    Negative control: our model built without --swiglu / --qk-layernorm / --add-qkv-bias fails the comparison."""
+    from spawn import run_ranks
+
+    os.environ["MEGATRON_LM_PATH"] = MEGATRON_LM
+    (results,) = run_ranks(_architecture_rank, 1, ARCHITECTURES, timeout=600)
+    for name, case in results.items():
+        for label in ("ours under megatron-lm", "ours under megatron-core"):
+            assert case[label] == {"names and shapes": True, "initial values": True, "config": [], "tied": True,
+                                   "max sequence length": True, "rope": True}, (name, label, case[label])
+    controls = {name: case["control"] for name, case in results.items() if "control" in case}
+    assert len(controls) == 4 and not any(controls.values()), controls  # a dropped flag shows
+    sizes = [case["parameters"] for case in results.values()]
+    assert len(set(sizes)) >= len(sizes) - 5, sizes  # most cases change the parameters (the RoPE/init ones do not)
