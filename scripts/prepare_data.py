@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from megatron_csbp.training import quiet
+
+    quiet.quiet_start_up()  # before megatron is imported
     from megatron_csbp.training.arguments import ConfigError
     from megatron_csbp.training.data import build_tokenizer, check_output_prefix, dataset_stats, write_indexed_dataset
 
