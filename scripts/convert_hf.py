@@ -274,7 +274,6 @@ def _export_tokenizer(hf_side: str, out: str, mask_id: int, log) -> None:
 def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, log=print) -> str:
     """The latest checkpoint under `load` -> an HF directory `out`; returns `out`."""
     import torch
-    from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
     from megatron_csbp.training import checkpointing, hf
@@ -282,7 +281,7 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, lo
 
     iteration = checkpointing.find_checkpoint(load, fallback=False, log=log)
     directory = checkpointing.checkpoint_dir(load, iteration)
-    saved = dist_checkpointing.load_common_state_dict(directory)
+    saved = checkpointing.common_state(directory)
     args = _single_rank(argparse.Namespace(**checkpointing.saved_args(saved)))
     hf_side = None
     if args.tokenizer_type == "HuggingFaceTokenizer":
