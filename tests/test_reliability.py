@@ -292,3 +292,36 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(corpus):
     assert re.fullmatch(r"(.* over ranks \[0, 1\] \(in )?iteration \d+: .*", match.group(1)), match.group(1)
     assert int(match.group(2)) <= timeout and float(match.group(3)) <= timeout + 5
     assert elapsed < timeout + 60, elapsed  # the watchdog, then torchrun's teardown of the stopped rank
+
+
+def test_under_ci_a_skip_the_suite_could_run_is_a_failure(tmp_path):
+    """Under CI=true the suite's conftest turns a skip into a failure unless the skip says the machine is not
+    the one the test is for (Megatron-LM absent, ...); outside CI both stay skips (the negative control)."""
+    import shutil
+
+    shutil.copy(os.path.join(REPO, "tests", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_skips.py").write_text(
+        "import pytest\n\n"
+        "@pytest.fixture\n"
+        "def cluster():\n"
+        "    pytest.skip('Slurm binaries absent (sbatch)')\n\n"
+        "def test_needs_a_cluster(cluster):\n"
+        "    pass\n\n"
+        "@pytest.mark.skipif(True, reason='Megatron-LM is absent: set MEGATRON_LM_PATH')\n"
+        "def test_needs_megatron_lm():\n"
+        "    pass\n\n"
+        "def test_skips_itself():\n"
+        "    pytest.skip('cannot mount a small tmpfs here')\n")
+    outcomes = {}
+    for ci in ("true", ""):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tmp_path)],
+                              cwd=tmp_path, env={**environment(), "CI": ci}, capture_output=True, text=True,
+                              timeout=120)
+        outcomes[ci] = dict(re.findall(r"::(test_\w+) (PASSED|FAILED|ERROR|SKIPPED)", done.stdout))
+        outcomes[ci]["exit"] = done.returncode
+        if ci:
+            assert "skipped under CI=true, where the suite must run it: Slurm binaries absent (sbatch)" in \
+                done.stdout, done.stdout
+    assert outcomes["true"] == {"test_needs_a_cluster": "ERROR", "test_needs_megatron_lm": "SKIPPED",
+                                "test_skips_itself": "FAILED", "exit": 1}, outcomes
+    assert outcomes[""]["exit"] == 0 and "FAILED" not in outcomes[""].values(), outcomes

@@ -59,7 +59,7 @@ def _summary(failure_error) -> int:
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what Slurm and schedulers send to ask a job to stop
 
 
-def _forward_stop_signals() -> None:
+def _forward_stop_signals(args) -> None:
     """A stop signal sent to the launcher is passed on to its ranks, and the launcher waits for them as usual.
 
     torchrun's agent instead raises `SignalException` on SIGTERM: it kills the ranks (giving them
@@ -69,9 +69,8 @@ def _forward_stop_signals() -> None:
     would kill the launcher alone) is forwarded alike. SIGINT, SIGHUP and SIGQUIT keep torchrun's handling."""
     import psutil
 
-    handled = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT").split(",")
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = ",".join(
-        name for name in handled if name.strip() not in {s.name for s in STOP_SIGNALS})
+    args.signals_to_handle = ",".join(name for name in args.signals_to_handle.split(",")
+                                      if name.strip() not in {stop.name for stop in STOP_SIGNALS})
 
     def forward(signum, frame):
         for child in psutil.Process().children():
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if refusal is not None:
         print(f"{os.path.basename(args.training_script)}: error: {refusal}", file=sys.stderr, flush=True)
         return 2
-    _forward_stop_signals()
+    _forward_stop_signals(args)
     try:
         run(args)
     except ChildFailedError as failed:
