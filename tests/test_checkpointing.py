@@ -408,3 +408,18 @@ def test_megatron_lms_common_state_with_enums_by_name_loads_and_nothing_else_doe
     assert message.startswith(f"checkpoint {directory} is corrupt: its common state cannot be read (") and \
         message.endswith("), and it has no csbp_manifest.json") and "\n" not in message, message
     assert "did not finish" not in message
+
+
+def test_our_checkpoint_without_its_manifest_is_refused_saying_what_was_seen(interrupted, tmp_path):
+    from megatron_csbp.training.checkpointing import CheckpointError, check_complete
+
+    root = tmp_path / "no_manifest"
+    shutil.copytree(interrupted["save"], root)
+    directory = root / "iter_0000006"
+    check_complete(str(directory), log=lambda line: None)  # negative control: intact, it verifies
+    (directory / "csbp_manifest.json").unlink()
+    with pytest.raises(CheckpointError) as refused:
+        check_complete(str(directory), log=lambda line: None)
+    assert str(refused.value) == (f"checkpoint {directory} is incomplete: no csbp_manifest.json, which this plugin "
+                                  f"writes before publishing a checkpoint (removed since, or a directory that was "
+                                  f"never published)")

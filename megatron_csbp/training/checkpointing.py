@@ -24,8 +24,12 @@ Why Megatron-LM reads it, and we read Megatron-LM's: the common state has Megatr
 (`args` as a Namespace with the consumed samples, `iteration`, `checkpoint_version`, `opt_param_scheduler`,
 and `rng_state` as Megatron-LM's per-(PP, TP) list of RNG dicts), so a checkpoint saved by either loop
 resumes in the other at the same iteration, data position and schedule. Our own extras (`loop`: the skip
-counters; `parallel_sizes`) ride along. A Megatron-LM checkpoint has no manifest: it is verified by what
-dist_checkpointing itself records (`.metadata` and the common state must read), and said so.
+counters; `parallel_sizes`) ride along. Megatron-LM's save gets the same manifest (`record_manifest`, from
+`megatron_lm`'s hook); one without it (saved by Megatron-LM alone) is verified by what dist_checkpointing
+itself records (`.metadata` and the common state must read), and said so.
+
+Why loading runs no code from the checkpoint: `.metadata` and the common state are read through
+`safe_load`'s allow-lists, and `dist_checkpointing.load` runs under `safe_load.restricted()`.
 """
 
 import argparse
@@ -268,7 +272,7 @@ def read_manifest(directory: str, log=print) -> dict:
     """{file: (bytes, digest or None)} from a checkpoint's manifest, which must be exactly as written."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {directory} is incomplete (no {MANIFEST}: its save did not finish)")
+        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}")
     raw = open(path, "rb").read()
     try:
         data = json.loads(raw)
@@ -438,7 +442,7 @@ def _without_manifest(directory: str) -> str | None:
         return f"{error}, and it has no {MANIFEST}"
     if "loop" in common:
         return (f"checkpoint {directory} is incomplete: no {MANIFEST}, which this plugin writes before publishing "
-                f"a checkpoint (a save that did not finish, or a manifest removed since)")
+                f"a checkpoint (removed since, or a directory that was never published)")
     if "checkpoint_version" in common and "iteration" in common:
         return None
     return (f"checkpoint {directory} is incomplete: no {MANIFEST}, and its common state has neither our keys nor "
