@@ -95,13 +95,14 @@ def _load_target(load_dir: str | None, args) -> str | None:
 
     if not load_dir:
         return None
-    tracker = os.path.join(load_dir, checkpointing.TRACKER)
-    text = open(tracker, encoding="utf-8").read().strip() if os.path.isfile(tracker) else None
     if getattr(args, "ckpt_step", None):
         return checkpointing.checkpoint_dir(load_dir, args.ckpt_step)
-    if text == "release":
+    tracker = os.path.join(load_dir, checkpointing.TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    if open(tracker, encoding="utf-8").read().strip() == "release":
         return os.path.join(load_dir, "release")
-    return None if text is None else checkpointing.checkpoint_dir(load_dir, checkpointing.read_tracker(load_dir))
+    return checkpointing.checkpoint_dir(load_dir, checkpointing.read_tracker(load_dir))  # one line if garbled
 
 
 def _rank0_log(line: str) -> None:
@@ -134,10 +135,9 @@ def _checkpoints_under_our_rules(args: argparse.Namespace):
     if getattr(args, "async_save", False):
         raise ConfigError("--async-save under --training-loop megatron-lm: the checkpoint manifest is recorded when "
                           "the save returns; drop --async-save")
-    original_load = megatron_checkpointing._load_base_checkpoint
-    original_save = megatron_checkpointing.save_checkpoint
+    original_load, original_save = megatron_checkpointing._load_base_checkpoint, megatron_checkpointing.save_checkpoint
     original_initialize = megatron_training.initialize_megatron
-    verified, lock = set(), []
+    verified, lock = set(), []  # directories checked in this run (Megatron-LM reads one twice); the lock taken
 
     def load_base_checkpoint(load_dir, run_args, *rest, **options):
         directory = _load_target(load_dir, run_args)
