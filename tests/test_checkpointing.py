@@ -340,7 +340,7 @@ def test_every_entry_point_refuses_a_metadata_payload_before_it_runs(payload_che
 
 def _common_state_file(directory, common: dict, by_name=()):
     """Writes `directory/common.pt` as torch.save does, the enums of `by_name` pickled by name through getattr
-    (as Python 3.12+ pickles every enum)."""
+    (as Debian's Python 3.11.2 pickles every enum: `return getattr, (self.__class__, self._name_)`)."""
     import enum
 
     import torch
@@ -423,3 +423,47 @@ def test_our_checkpoint_without_its_manifest_is_refused_saying_what_was_seen(int
     assert str(refused.value) == (f"checkpoint {directory} is incomplete: no csbp_manifest.json, which this plugin "
                                   f"writes before publishing a checkpoint (removed since, or a directory that was "
                                   f"never published)")
+
+
+def test_objects_in_distcp_shards_are_read_weights_only_during_a_load(tmp_path):
+    """torch's `DefaultLoadPlanner.load_bytes` (megatron-core's load planner inherits it) unpickles a shard's
+    objects (RNG states, extra states) with weights_only=False; under `safe_load.restricted()` a payload there
+    is refused and an RNG state still loads."""
+    import io
+    import random
+    import types
+
+    import numpy as np
+    import torch
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from megatron_csbp.training import safe_load
+
+    assert MCoreLoadPlanner.load_bytes is DefaultLoadPlanner.load_bytes  # what every dist_checkpointing load uses
+
+    def load_bytes(obj):
+        planner = DefaultLoadPlanner(flatten_state_dict=False)
+        planner.state_dict = {}
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        MCoreLoadPlanner.load_bytes(planner, types.SimpleNamespace(dest_index=types.SimpleNamespace(fqn="x")), buffer)
+        return planner.state_dict["x"]
+
+    marker = tmp_path / "payload_ran"
+    load_bytes(_Payload(marker)).close()  # negative control: outside a load, torch's reader runs it
+    assert marker.exists()
+    marker.unlink()
+    rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state()}]
+    with safe_load.restricted():
+        with pytest.raises(Exception, match="io.open|open"):
+            load_bytes(_Payload(marker))
+        loaded = load_bytes(rng)
+    assert not marker.exists()
+    assert loaded[0]["random_rng_state"] == rng[0]["random_rng_state"]
+    assert torch.equal(loaded[0]["torch_rng_state"], rng[0]["torch_rng_state"])
+    assert all(np.array_equal(a, b) for a, b in zip(loaded[0]["np_rng_state"], rng[0]["np_rng_state"]))
+    load_bytes(_Payload(marker)).close()  # torch's own reader is back after the load
+    assert marker.exists()

@@ -12,7 +12,8 @@ A torch_dist checkpoint holds three kinds of pickle, and torch reads two of them
   `weights_only` with `_common_state_globals()` while a load runs.
 * `common.pt`, which megatron-core reads with `torch.load`'s `weights_only` unpickler already; what
   Megatron-LM's `args` hold beyond megatron-core's own safe globals (enums pickled by name through
-  `getattr`, as Python 3.12+ pickles them) is allowed by `restricted()` too, and nothing more.
+  `getattr`, as e.g. Debian's Python 3.11.2 pickles every enum; 3.11.7 pickles them by value) is allowed by
+  `restricted()` too, and nothing more.
 
 A checksum manifest does not authenticate a checkpoint (whoever can replace a file can rebuild it), so these
 allow-lists are what stand between a checkpoint and code execution.
@@ -35,8 +36,11 @@ class UnsafeCheckpoint(ConfigError):
 
 
 def _enums() -> tuple:
-    """The enums a checkpoint may name (by value or, through `getattr`, by name)."""
+    """The enums a checkpoint may name (by value or, through `getattr`, by name): torch DCP's in `.metadata`;
+    in Megatron-LM's common state, those of its `args` (attention backend, CUDA graph scope, model type, exit
+    signal) and of its rerun state machine's state (megatron-core's own safe globals)."""
     from megatron.core.enums import ModelType
+    from megatron.core.rerun_state_machine import RerunDiagnostic, RerunMode, RerunState
     from megatron.core.transformer.enums import AttnBackend, CudaGraphScope
     from megatron.core.transformer.enums import ModelType as TransformerModelType
     from signal import Signals
@@ -44,7 +48,7 @@ def _enums() -> tuple:
     from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 
     return (_MEM_FORMAT_ENCODING, WriteItemType, LoadItemType, ModelType, TransformerModelType, AttnBackend,
-            CudaGraphScope, Signals)
+            CudaGraphScope, Signals, RerunDiagnostic, RerunMode, RerunState)
 
 
 def enum_member(cls, name):
