@@ -366,7 +366,6 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
     two exports, and a kill leaves the previous one as it was. A non-empty `out` is refused unless
     `overwrite`, which replaces it whole."""
     import torch
-    from megatron.core import dist_checkpointing
 
     from megatron_csbp.training import checkpointing, hf, publish
     from megatron_csbp.training.data import Vocabulary, build_tokenizer
@@ -378,7 +377,7 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
     _check_export_target(out, overwrite, [load])
     iteration = checkpointing.find_checkpoint(load, fallback=False, log=log)
     directory = checkpointing.checkpoint_dir(load, iteration)
-    saved = dist_checkpointing.load_common_state_dict(directory)
+    saved = checkpointing.common_state(directory)
     args = _single_rank(argparse.Namespace(**checkpointing.saved_args(saved)))
     hf_side = None
     if args.tokenizer_type == "HuggingFaceTokenizer":

@@ -107,8 +107,6 @@ def _checkpoint_directory(load: str) -> str:
 
 def model_args(directory: str, config: str | None, tensor_parallel: int) -> argparse.Namespace:
     """The training arguments of the checkpoint (then `--config`), set up for one model replica over TP."""
-    from megatron.core import dist_checkpointing
-
     from megatron_csbp.training import checkpointing
     from megatron_csbp.training.arguments import build_parser as training_parser
     from megatron_csbp.training.arguments import null_as_byte_tokenizer
@@ -118,7 +116,7 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
 
     checkpointing.check_complete(directory)
     try:
-        saved = checkpointing.saved_args(dist_checkpointing.load_common_state_dict(directory))
+        saved = checkpointing.saved_args(checkpointing.common_state(directory))
     except Exception as error:
         raise ConfigError(f"checkpoint {directory} is corrupt: its common state cannot be read ({error})") from None
     if not saved:

@@ -237,3 +237,233 @@ def test_a_full_disk_during_a_save_says_so_and_keeps_the_previous_checkpoint(cor
     assert match, result.output[-3000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert find_checkpoint(str(save), fallback=False, log=lambda line: None) == 2
+
+
+class _Payload:
+    """A pickle that, once loaded, creates `marker` (standing in for any code a replaced file could run)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def _manifest_rebuilt(directory):
+    """The manifest a forger would write: sizes and digests of the files as they now are."""
+    from megatron_csbp.training import checkpointing
+
+    names = checkpointing._checkpoint_files(str(directory))
+    checkpointing._write_manifest(str(directory), {name: [os.path.getsize(directory / name),
+                                                          checkpointing._digest(str(directory / name))]
+                                                   for name in names})
+
+
+@pytest.fixture
+def payload_checkpoint(interrupted, tmp_path):
+    """A copy of the run's checkpoints whose latest `.metadata` is a payload, with the manifest rebuilt to match;
+    and the marker file the payload would create."""
+    import pickle
+
+    marker = tmp_path / "payload_ran"
+    control = pickle.loads(pickle.dumps(_Payload(marker)))  # negative control: the payload is live under pickle
+    control.close()
+    assert marker.exists()
+    marker.unlink()
+    root = tmp_path / "payload"
+    shutil.copytree(interrupted["save"], root)
+    directory = root / "iter_0000006"
+    (directory / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _manifest_rebuilt(directory)
+    refusal = (f"checkpoint {directory}: {directory}/.metadata is refused: it names io.open, which is not "
+               f"checkpoint metadata (loading it could run code); nothing was loaded: replace the checkpoint with a "
+               f"copy you trust")
+    return root, marker, refusal
+
+
+def test_a_metadata_payload_never_runs_and_is_refused_naming_the_file(payload_checkpoint):
+    from megatron_csbp.training.checkpointing import CheckpointError, find_checkpoint
+
+    root, marker, refusal = payload_checkpoint
+    with pytest.raises(CheckpointError) as refused:
+        find_checkpoint(str(root), fallback=False, log=lambda line: None)
+    assert str(refused.value).startswith(refusal + ";"), str(refused.value)
+    assert not marker.exists()
+    warnings = []  # the fallback skips it, as any unusable checkpoint, and runs nothing either
+    assert find_checkpoint(str(root), fallback=True, log=warnings.append) == 3
+    assert refusal in warnings[0] and not marker.exists()
+
+
+def test_the_metadata_allow_list_reads_real_checkpoints_and_names_only_checkpoint_classes(interrupted):
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_csbp.training import safe_load
+
+    directory = str(interrupted["save"] / "iter_0000006")
+    ours, torchs = safe_load.read_metadata(directory), FileSystemReader(directory).read_metadata()
+    assert ours.state_dict_metadata == torchs.state_dict_metadata and ours.storage_data == torchs.storage_data
+    names = set()
+
+    class Recording(pickle.Unpickler):
+        def find_class(self, module, name):
+            names.add(module.split(".")[0])
+            return super().find_class(module, name)
+
+    with open(os.path.join(directory, ".metadata"), "rb") as handle:
+        Recording(handle).load()
+    assert names == {"torch"}, names  # torch's classes only: nothing of builtins, os, subprocess...
+
+
+def test_every_entry_point_refuses_a_metadata_payload_before_it_runs(payload_checkpoint, corpus, tmp_path):
+    """Training, generation and export: exit 2, the one line, no traceback, and the payload never ran."""
+    import subprocess
+    import sys
+
+    from pretrain_runs import REPO, command, environment
+
+    root, marker, refusal = payload_checkpoint
+    scripts = os.path.join(REPO, "scripts")
+    for name, argv in (
+            ("pretrain_bdlm.py", command(1, base(corpus, load=root, eval_iters=0))),
+            ("generate_bdlm.py", [sys.executable, os.path.join(scripts, "generate_bdlm.py"), "--load", str(root),
+                                  "--prompt", "def ", "--max-new-tokens", "4"]),
+            ("convert_hf.py", [sys.executable, os.path.join(scripts, "convert_hf.py"), "export", "--load", str(root),
+                               "--hf-dir", str(tmp_path / "hf")])):
+        done = subprocess.run(argv, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2, (name, done.stdout[-2000:] + done.stderr[-3000:])
+        assert "Traceback" not in done.stderr and not marker.exists(), name
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"{name}: error: {refusal}"), (name, last)
+
+
+def _common_state_file(directory, common: dict, by_name=()):
+    """Writes `directory/common.pt` as torch.save does, the enums of `by_name` pickled by name through getattr
+    (as Debian's Python 3.11.2 pickles every enum: `return getattr, (self.__class__, self._name_)`)."""
+    import enum
+
+    import torch
+
+    saved = {cls: cls.__dict__.get("__reduce_ex__") for cls in by_name}
+    try:
+        for cls in by_name:
+            cls.__reduce_ex__ = enum.pickle_by_enum_name
+        torch.save(common, directory / "common.pt")
+    finally:
+        for cls, original in saved.items():
+            if original is None:
+                del cls.__reduce_ex__
+            else:
+                cls.__reduce_ex__ = original
+
+
+class _GetattrOfNonMember:
+    def __reduce__(self):
+        from megatron.core.transformer.enums import AttnBackend
+
+        return getattr, (AttnBackend, "__init__")
+
+
+def test_megatron_lms_common_state_with_enums_by_name_loads_and_nothing_else_does(interrupted, tmp_path):
+    """Megatron-LM's `args` hold enums (AttnBackend, ModelType, the exit signal) and dtypes; pickled by name
+    (getattr), torch's weights_only refuses them. Loaded through the allow-list: the same values, and a getattr
+    of anything but an enum member is still refused, in one line that says what was seen."""
+    import argparse
+    import signal
+
+    import torch
+    from megatron.core.enums import ModelType
+    from megatron.core.transformer.enums import AttnBackend
+
+    from megatron_csbp.training import checkpointing
+
+    root = tmp_path / "megatron_lm"
+    shutil.copytree(interrupted["save"], root)
+    directory = root / "iter_0000006"
+    (directory / "csbp_manifest.json").unlink()  # as Megatron-LM's pretrain() alone writes it
+    args = argparse.Namespace(attention_backend=AttnBackend.auto, model_type=ModelType.encoder_or_decoder,
+                              exit_signal=signal.SIGTERM, params_dtype=torch.bfloat16, consumed_train_samples=24)
+    _common_state_file(directory, {"args": args, "iteration": 6, "checkpoint_version": 3.0},
+                       by_name=(AttnBackend, ModelType, signal.Signals))
+    with pytest.raises(Exception, match="getattr"):  # negative control: plain weights_only refuses this file
+        torch.load(directory / "common.pt", weights_only=True)
+    assert checkpointing.saved_args(checkpointing.common_state(str(directory))) == vars(args)
+    warnings = []
+    checkpointing.check_complete(str(directory), log=warnings.append)
+    assert warnings == [f" WARNING: {directory} was written by Megatron-LM without csbp_manifest.json: checked "
+                        f"through dist_checkpointing's .metadata and common state only, no checksums"]
+
+    _common_state_file(directory, {"args": _GetattrOfNonMember(), "iteration": 6, "checkpoint_version": 3.0})
+    with pytest.raises(checkpointing.CheckpointError) as refused:
+        checkpointing.check_complete(str(directory), log=lambda line: None)
+    assert str(refused.value) == (
+        f"checkpoint {directory} is corrupt: its common state cannot be read (getattr('AttnBackend', '__init__') is "
+        f"not an enum member a checkpoint may name), and it has no csbp_manifest.json"), str(refused.value)
+
+    _damage(directory / "common.pt")  # damaged, no manifest: said as seen, never "its save did not finish"
+    with pytest.raises(checkpointing.CheckpointError) as refused:
+        checkpointing.check_complete(str(directory), log=lambda line: None)
+    message = str(refused.value)
+    assert message.startswith(f"checkpoint {directory} is corrupt: its common state cannot be read (") and \
+        message.endswith("), and it has no csbp_manifest.json") and "\n" not in message, message
+    assert "did not finish" not in message
+
+
+def test_our_checkpoint_without_its_manifest_is_refused_saying_what_was_seen(interrupted, tmp_path):
+    from megatron_csbp.training.checkpointing import CheckpointError, check_complete
+
+    root = tmp_path / "no_manifest"
+    shutil.copytree(interrupted["save"], root)
+    directory = root / "iter_0000006"
+    check_complete(str(directory), log=lambda line: None)  # negative control: intact, it verifies
+    (directory / "csbp_manifest.json").unlink()
+    with pytest.raises(CheckpointError) as refused:
+        check_complete(str(directory), log=lambda line: None)
+    assert str(refused.value) == (f"checkpoint {directory} is incomplete: no csbp_manifest.json, which this plugin "
+                                  f"writes before publishing a checkpoint (removed since, or a directory that was "
+                                  f"never published)")
+
+
+def test_objects_in_distcp_shards_are_read_weights_only_during_a_load(tmp_path):
+    """torch's `DefaultLoadPlanner.load_bytes` (megatron-core's load planner inherits it) unpickles a shard's
+    objects (RNG states, extra states) with weights_only=False; under `safe_load.restricted()` a payload there
+    is refused and an RNG state still loads."""
+    import io
+    import random
+    import types
+
+    import numpy as np
+    import torch
+    from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from megatron_csbp.training import safe_load
+
+    assert MCoreLoadPlanner.load_bytes is DefaultLoadPlanner.load_bytes  # what every dist_checkpointing load uses
+
+    def load_bytes(obj):
+        planner = DefaultLoadPlanner(flatten_state_dict=False)
+        planner.state_dict = {}
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        buffer.seek(0)
+        MCoreLoadPlanner.load_bytes(planner, types.SimpleNamespace(dest_index=types.SimpleNamespace(fqn="x")), buffer)
+        return planner.state_dict["x"]
+
+    marker = tmp_path / "payload_ran"
+    load_bytes(_Payload(marker)).close()  # negative control: outside a load, torch's reader runs it
+    assert marker.exists()
+    marker.unlink()
+    rng = [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
+            "torch_rng_state": torch.get_rng_state()}]
+    with safe_load.restricted():
+        with pytest.raises(Exception, match="io.open|open"):
+            load_bytes(_Payload(marker))
+        loaded = load_bytes(rng)
+    assert not marker.exists()
+    assert loaded[0]["random_rng_state"] == rng[0]["random_rng_state"]
+    assert torch.equal(loaded[0]["torch_rng_state"], rng[0]["torch_rng_state"])
+    assert all(np.array_equal(a, b) for a, b in zip(loaded[0]["np_rng_state"], rng[0]["np_rng_state"]))
+    load_bytes(_Payload(marker)).close()  # torch's own reader is back after the load
+    assert marker.exists()

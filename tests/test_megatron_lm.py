@@ -6,6 +6,7 @@ tests skip, saying so, where it is absent (e.g. CI on a fresh machine).
 """
 
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -168,9 +169,12 @@ def test_a_checkpoint_of_either_loop_resumes_in_the_other(corpus, tmp_path):
     _assert_same_numbers(ours, megatron)
     ours_steps, ours_validation = _logged(ours)
 
-    ours_from_megatron = _launch("megatron-core", 2, overrides + [
-        f"load={_resume_from(tmp_path / 'megatron', 2, tmp_path / 'load_megatron')}"])
-    assert "loaded checkpoint from" in ours_from_megatron.output and "written by Megatron-LM" in ours_from_megatron.output
+    load = _resume_from(tmp_path / 'megatron', 2, tmp_path / 'load_megatron')
+    ours_from_megatron = _launch("megatron-core", 2, overrides + [f"load={load}"])
+    # Megatron-LM's save recorded our manifest (its hook): the checkpoint is verified with checksums
+    assert f"verified {load}/iter_0000002 (sizes, sha256, .metadata, common state)" in ours_from_megatron.output
+    assert "loaded checkpoint from" in ours_from_megatron.output and "without csbp_manifest.json" not in \
+        ours_from_megatron.output
     steps, validation = _logged(ours_from_megatron)
     assert sorted(steps) == [3, 4]
     for iteration in (3, 4):
@@ -202,3 +206,130 @@ def test_a_hugging_face_tokenizer_gives_the_same_numbers_in_both_loops(corpus, t
     overrides = _overrides(str(data), context_block_parallel=2, tokenizer_type="HuggingFaceTokenizer",
                            tokenizer_model=str(hf_dir), split="80,20,0")
     _assert_same_numbers(_launch("megatron-core", 2, overrides), _launch("megatron-lm", 2, overrides))
+
+
+LAUNCHER = [sys.executable, "-m", "megatron_csbp.torchrun", "--standalone", "--nproc-per-node", "2"]
+
+
+def _refused(loop, overrides, *extra):
+    """A 2-rank launch through our torchrun that must be refused: exit 2, no traceback; returns its one error line."""
+    done = subprocess.run([*LAUNCHER, SCRIPT, "--config", CONFIG, "--training-loop", loop, *overrides, *extra],
+                          cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}), timeout=600,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == 2, f"{loop}: exit {done.returncode}\n{done.stdout[-5000:]}"
+    assert "Traceback" not in done.stdout, done.stdout[-5000:]
+    errors = [line for line in done.stdout.splitlines() if line.startswith("pretrain_bdlm.py: error:")]
+    assert len(errors) == 1, done.stdout[-5000:]
+    return errors[0].removeprefix("pretrain_bdlm.py: error: ")
+
+
+@pytest.fixture(scope="module")
+def both_loops_checkpoints(corpus, tmp_path_factory):
+    """Iteration 2 saved by each loop (2 ranks, CSBP2)."""
+    root = tmp_path_factory.mktemp("both_loops")
+    overrides = _overrides(corpus, context_block_parallel=2, save_interval=2, train_iters=2, eval_interval=2)
+    runs = {loop: _launch(loop, 2, overrides + [f"save={root / loop}"]) for loop in ("megatron-lm", "megatron-core")}
+    return root, runs
+
+
+def test_megatron_lms_save_records_our_manifest_and_its_load_verifies_it(both_loops_checkpoints, corpus, tmp_path):
+    """Under both loops, a same-size overwrite of bytes in a weight shard is refused in one line (exit 2),
+    whichever loop wrote the checkpoint; so are a damaged common.pt and a .metadata payload under Megatron-LM."""
+    from megatron_csbp.training import checkpointing
+
+    root, runs = both_loops_checkpoints
+    assert re.search(r"checksummed 7 files \([0-9.]+ MiB\) in [0-9.]+ s \(sha256, 2 ranks sharing\)",
+                     runs["megatron-lm"].output), runs["megatron-lm"].output[-3000:]
+    written = root / "megatron-lm" / "iter_0000002"
+    files = checkpointing.read_manifest(str(written), log=lambda line: None)
+    assert sorted(files) == sorted(p.name for p in written.iterdir() if p.name != "csbp_manifest.json")
+    overrides = _overrides(corpus, context_block_parallel=2, train_iters=4)
+    for writer, reader in (("megatron-lm", "megatron-lm"), ("megatron-lm", "megatron-core"),
+                           ("megatron-core", "megatron-lm")):
+        load = pathlib.Path(_resume_from(root / writer, 2, tmp_path / f"{writer}_to_{reader}"))
+        _damage_same_size(load / "iter_0000002" / "__0_1.distcp")
+        fallback = ("; restore it, or pass --load-fallback-to-previous to load the newest complete older "
+                    "checkpoint" if reader == "megatron-core" else "")  # our loop's flag
+        assert _refused(reader, overrides, f"load={load}") == (
+            f"checkpoint {load}/iter_0000002 is corrupt: __0_1.distcp does not match its sha256 in "
+            f"csbp_manifest.json (damaged on disk or in transfer){fallback}"), (writer, reader)
+
+    bare = pathlib.Path(_resume_from(root / "megatron-lm", 2, tmp_path / "bare"))  # as Megatron-LM alone writes it
+    (bare / "iter_0000002" / "csbp_manifest.json").unlink()
+    _damage_same_size(bare / "iter_0000002" / "common.pt")
+    refusal = _refused("megatron-lm", overrides, f"load={bare}")
+    assert refusal.startswith(f"checkpoint {bare}/iter_0000002 is corrupt: its common state cannot be read (") and \
+        refusal.endswith("), and it has no csbp_manifest.json") and "did not finish" not in refusal, refusal
+
+    import pickle
+
+    from test_checkpointing import _Payload, _manifest_rebuilt
+
+    marker = tmp_path / "payload_ran"
+    forged = pathlib.Path(_resume_from(root / "megatron-lm", 2, tmp_path / "forged"))
+    (forged / "iter_0000002" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    _manifest_rebuilt(forged / "iter_0000002")
+    assert _refused("megatron-lm", overrides, f"load={forged}").startswith(
+        f"checkpoint {forged}/iter_0000002: {forged}/iter_0000002/.metadata is refused: it names io.open, which is "
+        f"not checkpoint metadata")
+    assert not marker.exists()
+
+
+def _damage_same_size(path):
+    data = bytearray(path.read_bytes())
+    for i in range(len(data) // 2, min(len(data), len(data) // 2 + 64)):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_megatron_lm_takes_the_save_lock(corpus, tmp_path):
+    """A --save another live run holds is refused under Megatron-LM's loop as under ours (the holder here: this
+    test's own process, alive on this host)."""
+    import json
+
+    from megatron_csbp.training import save_lock
+
+    save = tmp_path / "held"
+    save.mkdir()
+    holder = save_lock.this_holder()
+    (save / save_lock.LOCK).write_text(json.dumps(holder))
+    assert _refused("megatron-lm", _overrides(corpus, context_block_parallel=2, train_iters=2),
+                    f"save={save}") == (
+        f"--save {save} is in use by another run ({save_lock.describe(holder)}): wait for it to end or give another "
+        f"--save; if that run is gone, delete {save}/{save_lock.LOCK}")
+    assert json.loads((save / save_lock.LOCK).read_text()) == holder  # not taken over, not removed
+
+
+def test_sigterm_to_the_launcher_saves_exits_0_without_a_traceback_and_resumes(corpus, tmp_path):
+    """Slurm's stop (SIGTERM to the job step's launcher) under --exit-signal-handler: the ranks save at the next
+    iteration and the launcher exits 0, no SignalException traceback; the requeued run resumes there."""
+    import signal
+
+    save = tmp_path / "checkpoints"
+    overrides = _overrides(corpus, context_block_parallel=2, train_iters=12, eval_interval=100, save=save,
+                           load=save, exit_signal_handler=True)
+    command = [*LAUNCHER, SCRIPT, "--config", CONFIG, "--training-loop", "megatron-lm", *overrides]
+    launched = subprocess.Popen(command, cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in launched.stdout:
+            lines.append(line)
+            if re.search(r"iteration\s+2/", line):
+                launched.send_signal(signal.SIGTERM)
+                break
+        lines.append(launched.communicate(timeout=300)[0])
+    finally:
+        launched.kill()
+    output = "".join(lines)
+    assert launched.returncode == 0, output[-5000:]
+    assert "Traceback" not in output and "SignalException" not in output, output[-5000:]
+    assert "exiting program after receiving SIGTERM" in output
+    saved = int((save / "latest_checkpointed_iteration.txt").read_text())
+    assert 2 <= saved < 12 and (save / f"iter_{saved:07d}" / "csbp_manifest.json").is_file()
+    assert not (save / "csbp_writer.lock").exists()  # released on the way out
+    resumed = _launch("megatron-lm", 2, overrides[:-1])  # without --exit-signal-handler
+    assert re.search(rf"successfully loaded checkpoint from {save} \[.*?\] at iteration\s+{saved}\b",
+                     resumed.output), resumed.output[-3000:]
+    steps, _ = _logged(resumed)
+    assert min(steps) == saved + 1 and max(steps) == 12

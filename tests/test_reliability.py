@@ -292,3 +292,75 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(corpus):
     assert re.fullmatch(r"(.* over ranks \[0, 1\] \(in )?iteration \d+: .*", match.group(1)), match.group(1)
     assert int(match.group(2)) <= timeout and float(match.group(3)) <= timeout + 5
     assert elapsed < timeout + 60, elapsed  # the watchdog, then torchrun's teardown of the stopped rank
+
+
+def test_under_ci_a_skip_the_suite_could_run_is_a_failure(tmp_path):
+    """Under CI=true the suite's conftest turns a skip into a failure unless the skip says the machine is not
+    the one the test is for (Megatron-LM absent, ...); outside CI both stay skips (the negative control)."""
+    import shutil
+
+    shutil.copy(os.path.join(REPO, "tests", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_skips.py").write_text(
+        "import pytest\n\n"
+        "@pytest.fixture\n"
+        "def cluster():\n"
+        "    pytest.skip('Slurm binaries absent (sbatch)')\n\n"
+        "def test_needs_a_cluster(cluster):\n"
+        "    pass\n\n"
+        "@pytest.mark.skipif(True, reason='Megatron-LM is absent: set MEGATRON_LM_PATH')\n"
+        "def test_needs_megatron_lm():\n"
+        "    pass\n\n"
+        "def test_skips_itself():\n"
+        "    pytest.skip('cannot mount a small tmpfs here')\n")
+    outcomes = {}
+    for ci in ("true", ""):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", str(tmp_path)],
+                              cwd=tmp_path, env={**environment(), "CI": ci}, capture_output=True, text=True,
+                              timeout=120)
+        outcomes[ci] = dict(re.findall(r"::(test_\w+) (PASSED|FAILED|ERROR|SKIPPED)", done.stdout))
+        outcomes[ci]["exit"] = done.returncode
+        if ci:
+            assert "skipped under CI=true, where the suite must run it: Slurm binaries absent (sbatch)" in \
+                done.stdout, done.stdout
+    assert outcomes["true"] == {"test_needs_a_cluster": "ERROR", "test_needs_megatron_lm": "SKIPPED",
+                                "test_skips_itself": "FAILED", "exit": 1}, outcomes
+    assert outcomes[""]["exit"] == 0 and "FAILED" not in outcomes[""].values(), outcomes
+
+
+def _stopped_through_the_launcher(launcher: list[str], settings: dict) -> tuple[int, str]:
+    """Starts 2 ranks under `launcher`, sends SIGTERM to the launcher itself (as Slurm does to a job step) once
+    iteration 2 is logged; returns (exit status, output)."""
+    launched = subprocess.Popen([*launcher, SCRIPT, *flags({**TINY, **settings})], cwd=REPO, env=environment(),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in launched.stdout:
+            lines.append(line)
+            if re.search(r"iteration\s+2/", line):
+                launched.send_signal(signal.SIGTERM)
+                break
+        lines.append(launched.communicate(timeout=180)[0])
+    finally:
+        _kill_tree(launched)
+    return launched.returncode, "".join(lines)
+
+
+def test_sigterm_to_our_launcher_is_a_requested_stop_exit_0_without_a_traceback(corpus, tmp_path):
+    """Under --exit-signal-handler, SIGTERM to `python -m megatron_csbp.torchrun` reaches the ranks, which save
+    and stop; the launcher exits 0 with no traceback. Plain torchrun (the negative control) kills the ranks and
+    exits 1 with its SignalException traceback."""
+    from pretrain_runs import TORCHRUN
+
+    outcomes = {}
+    for name, launcher in (("ours", [sys.executable, "-m", "megatron_csbp.torchrun"]), ("torchrun", [TORCHRUN])):
+        save = tmp_path / name
+        settings = base(corpus, context_block_parallel=2, save=save, exit_signal_handler=True, train_iters=200,
+                        eval_iters=0)
+        outcomes[name] = _stopped_through_the_launcher([*launcher, "--standalone", "--nproc-per-node", "2"],
+                                                       settings)
+    status, output = outcomes["ours"]
+    assert status == 0 and "Traceback" not in output, output[-4000:]
+    saved = int(re.search(r"exiting at iteration (\d+) on a stop signal", output).group(1))
+    assert (tmp_path / "ours" / "latest_checkpointed_iteration.txt").read_text() == str(saved)
+    status, output = outcomes["torchrun"]
+    assert status == 1 and "SignalException" in output, output[-4000:]

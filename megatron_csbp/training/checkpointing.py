@@ -24,8 +24,12 @@ Why Megatron-LM reads it, and we read Megatron-LM's: the common state has Megatr
 (`args` as a Namespace with the consumed samples, `iteration`, `checkpoint_version`, `opt_param_scheduler`,
 and `rng_state` as Megatron-LM's per-(PP, TP) list of RNG dicts), so a checkpoint saved by either loop
 resumes in the other at the same iteration, data position and schedule. Our own extras (`loop`: the skip
-counters; `parallel_sizes`) ride along. A Megatron-LM checkpoint has no manifest: it is verified by what
-dist_checkpointing itself records (`.metadata` and the common state must read), and said so.
+counters; `parallel_sizes`) ride along. Megatron-LM's save gets the same manifest (`record_manifest`, from
+`megatron_lm`'s hook); one without it (saved by Megatron-LM alone) is verified by what dist_checkpointing
+itself records (`.metadata` and the common state must read), and said so.
+
+Why loading runs no code from the checkpoint: `.metadata` and the common state are read through
+`safe_load`'s allow-lists, and `dist_checkpointing.load` runs under `safe_load.restricted()`.
 """
 
 import argparse
@@ -44,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.core import supervision
-from megatron_csbp.training import publish
+from megatron_csbp.training import publish, safe_load
 from megatron_csbp.training.arguments import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -271,7 +275,7 @@ def read_manifest(directory: str, log=print) -> dict:
     """{file: (bytes, digest or None)} from a checkpoint's manifest, which must be exactly as written."""
     path = os.path.join(directory, MANIFEST)
     if not os.path.isfile(path):
-        raise CheckpointError(f"checkpoint {directory} is incomplete (no {MANIFEST}: its save did not finish)")
+        raise CheckpointError(f"checkpoint {directory} has no {MANIFEST}")
     raw = open(path, "rb").read()
     try:
         data = json.loads(raw)
@@ -320,6 +324,20 @@ def _explain_save_error(error: BaseException, root: str, directory: str) -> Base
                                f"previous checkpoint is intact: free space there or give another --save")
 
 
+def record_manifest(directory: str, log=print) -> None:
+    """Writes `directory`'s manifest: every file's size and SHA-256, each rank hashing its share. Collective;
+    called once every rank's files are written (our save, and Megatron-LM's through `megatron_lm`'s hook)."""
+    names = _checkpoint_files(directory)
+    shares = _gather(_hash_share(directory, names))
+    supervision.progress()
+    files = {name: entry for digests, _, _ in shares for name, entry in digests.items()}
+    total, seconds = sum(share[1] for share in shares), max(share[2] for share in shares)
+    log(f" checksummed {len(files)} files ({total / 2**20:.1f} MiB) in {seconds:.3f} s ({CHECKSUM}, "
+        f"{len(shares)} ranks sharing)")
+    if _world()[0] == 0:
+        _write_manifest(directory, files)
+
+
 class CheckpointSaveError(RuntimeError):
     """A save that could not be written (e.g. a full disk); the previous checkpoint is untouched."""
 
@@ -348,15 +366,7 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
         dist_checkpointing.save(sharded, temporary)
         supervision.progress()  # each phase of a long save gets the whole timeout (as torch's barriers do)
         dist.barrier()
-        names = _checkpoint_files(temporary)
-        shares = _gather(_hash_share(temporary, names))
-        supervision.progress()
-        files = {name: entry for digests, _, _ in shares for name, entry in digests.items()}
-        total, seconds = sum(share[1] for share in shares), max(share[2] for share in shares)
-        log(f" checksummed {len(files)} files ({total / 2**20:.1f} MiB) in {seconds:.3f} s ({CHECKSUM}, "
-            f"{len(shares)} ranks sharing)")
-        if rank == 0:
-            _write_manifest(temporary, files)
+        record_manifest(temporary, log=log)
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - re-raised as is unless out of space
         explained = _explain_save_error(error, root, temporary)
         if explained is error:
@@ -394,35 +404,47 @@ def _check_files(directory: str, files: dict) -> str | None:
     return None
 
 
-def _check_readable(directory: str) -> str | None:
-    """`.metadata` and the common state parse (both small; read by every load)."""
+def common_state(directory: str) -> dict:
+    """The checkpoint's common state (`common.pt`), read through `safe_load`'s allow-list: one line if refused
+    or unreadable, saying what torch saw."""
     from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint import FileSystemReader
 
     try:
-        FileSystemReader(directory).read_metadata()
-    except Exception as error:
-        return f"checkpoint {directory} is corrupt: .metadata cannot be read ({_one_line(error)})"
+        with safe_load.restricted():
+            return dist_checkpointing.load_common_state_dict(directory)
+    except Exception as error:  # noqa: BLE001 - refused (weights_only), damaged or missing: said as seen
+        raise CheckpointError(f"checkpoint {directory} is corrupt: its common state cannot be read "
+                              f"({safe_load.reason(error)})") from None
+
+
+def _check_readable(directory: str) -> str | None:
+    """`.metadata` (through `safe_load`'s allow-list) and the common state parse (both small; read by every load)."""
     try:
-        common = dist_checkpointing.load_common_state_dict(directory)
-        missing = [key for key in ("args", "iteration") if key not in common]
-        if missing:
-            return f"checkpoint {directory} is corrupt: its common state lacks {', '.join(missing)}"
-    except Exception as error:
-        return f"checkpoint {directory} is corrupt: its common state cannot be read ({_one_line(error)})"
+        safe_load.check_metadata(directory)
+        common = common_state(directory)
+    except ConfigError as error:
+        return str(error)
+    missing = [key for key in ("args", "iteration") if key not in common]
+    if missing:
+        return f"checkpoint {directory} is corrupt: its common state lacks {', '.join(missing)}"
     return None
 
 
-def _written_by_megatron_lm(directory: str) -> bool:
-    """A published checkpoint Megatron-LM's `pretrain()` saved: its common state has Megatron-LM's keys and not
-    our `loop` (ours always has it, and is never published without its manifest)."""
-    from megatron.core import dist_checkpointing
-
+def _without_manifest(directory: str) -> str | None:
+    """Why a directory without a manifest cannot be used, or None for one Megatron-LM's `pretrain()` saved
+    without it (Megatron-LM's keys and not our `loop`; ours always has `loop`, and its manifest is written
+    before it is published)."""
     try:
-        common = dist_checkpointing.load_common_state_dict(directory)
-    except Exception:  # noqa: BLE001 - unreadable: not recognisably anyone's; check_complete says why
-        return False
-    return "checkpoint_version" in common and "iteration" in common and "loop" not in common
+        common = common_state(directory)
+    except CheckpointError as error:
+        return f"{error}, and it has no {MANIFEST}"
+    if "loop" in common:
+        return (f"checkpoint {directory} is incomplete: no {MANIFEST}, which this plugin writes before publishing "
+                f"a checkpoint (removed since, or a directory that was never published)")
+    if "checkpoint_version" in common and "iteration" in common:
+        return None
+    return (f"checkpoint {directory} is incomplete: no {MANIFEST}, and its common state has neither our keys nor "
+            f"Megatron-LM's (keys: {', '.join(sorted(map(str, common))[:10])})")
 
 
 def check_complete(directory: str, log=print) -> None:
@@ -431,11 +453,12 @@ def check_complete(directory: str, log=print) -> None:
     Collective in a distributed run (every rank calls it; each hashes its share, all agree on the verdict)."""
     if not os.path.isdir(directory):
         raise CheckpointError(f"checkpoint {directory} does not exist")
-    error = None
-    if not os.path.isfile(os.path.join(directory, MANIFEST)) and _written_by_megatron_lm(directory):
-        log(f" WARNING: {directory} was written by Megatron-LM (no {MANIFEST}): checked through dist_checkpointing's "
-            f".metadata and common state only, no checksums")
-        files = {}
+    error, files = None, {}
+    if not os.path.isfile(os.path.join(directory, MANIFEST)):
+        error = _without_manifest(directory)
+        if error is None:
+            log(f" WARNING: {directory} was written by Megatron-LM without {MANIFEST}: checked through "
+                f"dist_checkpointing's .metadata and common state only, no checksums")
     else:
         try:
             files = read_manifest(directory, log=log)
@@ -518,10 +541,8 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
 
     if verify:
         check_complete(directory, log=log)
-    try:
-        common = dist_checkpointing.load_common_state_dict(directory)
-    except Exception as error:
-        raise CheckpointError(f"checkpoint {directory} is corrupt: its common state cannot be read ({error})") from None
+    safe_load.check_metadata(directory)  # cheap, and torch unpickles it with plain pickle: never unchecked
+    common = common_state(directory)
     check_compatible(saved_args(common), args, directory)
     scheduler_state = common.get("opt_param_scheduler", common.get("scheduler"))
     if load_optimizer and scheduler_state is None:
@@ -537,7 +558,8 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     try:
-        loaded = dist_checkpointing.load(sharded, directory)
+        with safe_load.restricted():
+            loaded = dist_checkpointing.load(sharded, directory)
     except (Exception, CheckpointException) as error:
         message = " ".join(str(error).split())[:500]
         raise CheckpointError(f"checkpoint {directory} cannot be loaded ({type(error).__name__}: {message})") from None

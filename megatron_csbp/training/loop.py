@@ -376,32 +376,11 @@ class Trainer:
             self.progress.close()
 
 
-def _lock_save_directory(args) -> str | None:
-    """Rank 0 takes `--save`'s writer lock before any work; every rank refuses alike when it is held."""
-    from megatron_csbp.training import save_lock
-
-    if not args.save:
-        return None
-    path, refusal = None, None
-    if dist.get_rank() == 0:
-        try:
-            path = save_lock.acquire(args.save)
-        except save_lock.ConfigError as error:
-            refusal = str(error)
-        except OSError as error:  # every rank must hear of it, or the others wait at the broadcast
-            refusal = f"--save {args.save}: cannot take its writer lock ({error}); give a writable directory"
-    verdict = [refusal]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise save_lock.ConfigError(verdict[0])
-    return path
-
-
 def train(args) -> LoopState:
     """Trains with validated `args` on the initialised default process group; returns the final loop state."""
     from megatron_csbp.training import save_lock
 
-    lock = _lock_save_directory(args)
+    lock = save_lock.take_for_run(args.save)
     try:
         return _train(args)
     finally:

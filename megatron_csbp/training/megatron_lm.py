@@ -99,6 +99,102 @@ def _built_dataset_helpers_kept():
         utils.compile_helpers = original
 
 
+def _load_target(load_dir: str | None, args) -> str | None:
+    """The checkpoint directory Megatron-LM's `_load_base_checkpoint` will read from `load_dir` (its tracker, or
+    `--ckpt-step`), or None where it will load nothing."""
+    from megatron_csbp.training import checkpointing
+
+    if not load_dir:
+        return None
+    if getattr(args, "ckpt_step", None):
+        return checkpointing.checkpoint_dir(load_dir, args.ckpt_step)
+    tracker = os.path.join(load_dir, checkpointing.TRACKER)
+    if not os.path.isfile(tracker):
+        return None
+    if open(tracker, encoding="utf-8").read().strip() == "release":
+        return os.path.join(load_dir, "release")
+    return checkpointing.checkpoint_dir(load_dir, checkpointing.read_tracker(load_dir))  # one line if garbled
+
+
+def _rank0_log(line: str) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(line, flush=True)
+
+
+@contextlib.contextmanager
+def _checkpoints_under_our_rules(args: argparse.Namespace):
+    """Megatron-LM's checkpoints kept to our loop's rules, for one `pretrain()`:
+    * load: before Megatron-LM's `_load_base_checkpoint` (the one reader behind `load_checkpoint` and
+      `--use-checkpoint-args`) reads a torch_dist directory, it is verified as our loop verifies one
+      (`checkpointing.check_complete`: the manifest's sizes and SHA-256 where there is one, `.metadata` through
+      `safe_load`'s allow-list, the common state), and it then reads under `safe_load.restricted()`;
+    * save: after Megatron-LM's `save_checkpoint` returns, the manifest is recorded (Megatron-LM writes into
+      `iter_XXXXXXX` and its tracker directly, so a crash between its tracker and our manifest leaves a
+      checkpoint that loads as Megatron-LM's own, verified without checksums, and says so);
+    * the `--save` writer lock is taken once Megatron-LM has initialised the process group, and released at the
+      end, however `pretrain()` ends.
+    Megatron-LM's own non-persistent (local) checkpoints and `--async-save` are outside these rules."""
+    from megatron.core import dist_checkpointing
+    from megatron.training import checkpointing as megatron_checkpointing
+    from megatron.training import get_args
+    from megatron.training import training as megatron_training
+
+    from megatron_csbp.training import checkpointing, safe_load, save_lock
+
+    if getattr(args, "async_save", False):
+        raise ConfigError("--async-save under --training-loop megatron-lm: the checkpoint manifest is recorded when "
+                          "the save returns; drop --async-save")
+    original_load, original_save = megatron_checkpointing._load_base_checkpoint, megatron_checkpointing.save_checkpoint
+    original_initialize = megatron_training.initialize_megatron
+    verified, lock = set(), []  # directories checked in this run (Megatron-LM reads one twice); the lock taken
+
+    def load_base_checkpoint(load_dir, run_args, *rest, **options):
+        directory = _load_target(load_dir, run_args)
+        if directory is not None and (os.path.isfile(os.path.join(directory, checkpointing.MANIFEST)) or
+                                      dist_checkpointing.check_is_distributed_checkpoint(directory)):
+            if directory not in verified:
+                checkpointing.check_complete(directory, log=_rank0_log)
+                _rank0_log(f" verified {directory} (sizes, {checkpointing.CHECKSUM}, .metadata, common state)")
+                verified.add(directory)
+            safe_load.check_metadata(directory)
+        elif directory is not None and not os.path.isdir(directory):
+            checkpointing.check_complete(directory, log=_rank0_log)  # one line: it does not exist
+        with safe_load.restricted():
+            return original_load(load_dir, run_args, *rest, **options)
+
+    def save_checkpoint(iteration, *rest, **options):
+        result = original_save(iteration, *rest, **options)
+        saved = get_args()
+        directory = checkpointing.checkpoint_dir(saved.save, iteration) if saved.save else None
+        if not options.get("non_persistent_ckpt") and not options.get("release") and directory and \
+                os.path.isdir(directory):
+            checkpointing.record_manifest(directory, log=_rank0_log)
+            verified.discard(directory)
+        return result
+
+    def initialize_megatron(*positional, **options):
+        result = original_initialize(*positional, **options)
+        lock.append(save_lock.take_for_run(get_args().save))
+        return result
+
+    patched = [(megatron_checkpointing, "_load_base_checkpoint", load_base_checkpoint),
+               (megatron_checkpointing, "save_checkpoint", save_checkpoint),
+               (megatron_training, "save_checkpoint", save_checkpoint),
+               (megatron_training, "initialize_megatron", initialize_megatron)]
+    originals = [(module, name, getattr(module, name)) for module, name, _ in patched]
+    for module, name, replacement in patched:
+        setattr(module, name, replacement)
+    try:
+        yield
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+        if lock and lock[0] is not None:
+            save_lock.release(lock[0])
+
+
 def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
     """Trains with Megatron-LM's `pretrain()` on the argv `parse_args` expanded (and validated, as `args`)."""
     from megatron.core.enums import ModelType
@@ -112,7 +208,7 @@ def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
         expanded = [*expanded, "--distributed-backend", default_backend()]
     sys.argv = [sys.argv[0], *expanded]
     run_providers = providers.RunProviders()  # Megatron-LM's args: parsed by pretrain(), read on first call
-    with cpu_backend.active(), _built_dataset_helpers_kept():
+    with cpu_backend.active(), _built_dataset_helpers_kept(), _checkpoints_under_our_rules(args):
         megatron_pretrain(run_providers.train_valid_test_datasets_provider, run_providers.model_provider,
                           ModelType.encoder_or_decoder, run_providers.forward_step,
                           extra_args_provider=add_csbp_args, args_defaults={"max_position_embeddings": args.seq_length},

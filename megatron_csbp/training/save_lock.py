@@ -132,3 +132,25 @@ def release(path: str) -> None:
     holder = _read(path)
     if holder and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
         os.remove(path)
+
+
+def take_for_run(save: str | None) -> str | None:
+    """Rank 0 takes `--save`'s lock (`acquire`) and every rank refuses alike when it is held (collective, on the
+    initialised default group); returns the lock's path on rank 0, else None. Used by both training loops."""
+    import torch.distributed as dist
+
+    if not save:
+        return None
+    path, refusal = None, None
+    if dist.get_rank() == 0:
+        try:
+            path = acquire(save)
+        except ConfigError as error:
+            refusal = str(error)
+        except OSError as error:  # every rank must hear of it, or the others wait at the broadcast
+            refusal = f"--save {save}: cannot take its writer lock ({error}); give a writable directory"
+    verdict = [refusal]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ConfigError(verdict[0])
+    return path

@@ -56,6 +56,33 @@ def _summary(failure_error) -> int:
     return 1
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what Slurm and schedulers send to ask a job to stop
+
+
+def _forward_stop_signals(args) -> None:
+    """A stop signal sent to the launcher is passed on to its ranks, and the launcher waits for them as usual.
+
+    torchrun's agent instead raises `SignalException` on SIGTERM: it kills the ranks (giving them
+    `--shutdown-timeout`) and exits 1 with a traceback, even when every rank saved and stopped cleanly under
+    `--exit-signal-handler`. Forwarded, a rank that handles the signal saves and exits 0, and so does the
+    launcher; a rank that does not dies of it and is reported as such (exit 1). SIGUSR1 (whose default action
+    would kill the launcher alone) is forwarded alike. SIGINT, SIGHUP and SIGQUIT keep torchrun's handling."""
+    import psutil
+
+    args.signals_to_handle = ",".join(name for name in args.signals_to_handle.split(",")
+                                      if name.strip() not in {stop.name for stop in STOP_SIGNALS})
+
+    def forward(signum, frame):
+        for child in psutil.Process().children():
+            try:
+                child.send_signal(signum)
+            except psutil.NoSuchProcess:
+                pass
+
+    for stop in STOP_SIGNALS:
+        signal.signal(stop, forward)
+
+
 def main(argv: list[str] | None = None) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
@@ -68,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     if refusal is not None:
         print(f"{os.path.basename(args.training_script)}: error: {refusal}", file=sys.stderr, flush=True)
         return 2
+    _forward_stop_signals(args)
     try:
         run(args)
     except ChildFailedError as failed:
