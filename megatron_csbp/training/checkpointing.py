@@ -198,14 +198,6 @@ def _parallel_sizes() -> dict:
             "pipeline_model_parallel_size": mpu.get_pipeline_model_parallel_world_size()}
 
 
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 CHECKSUM = "sha256"
 _MANIFEST_FORMAT = 2  # 1 (sizes only) is still read, with a warning
 
@@ -302,7 +294,7 @@ def _write_tracker(root: str, iteration: int) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, os.path.join(root, TRACKER))
-    _fsync_dir(root)
+    publish.fsync_dir(root)
 
 
 def _explain_save_error(error: BaseException, root: str, directory: str) -> BaseException:
