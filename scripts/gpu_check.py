@@ -148,7 +148,7 @@ def relative_error(actual, expected) -> float:
 
 
 def bdlm_mask(seq_length, block_size, device):
-    """`[2L, 2L]` bool over `[x_t ; x_0]`, from the table of the algorithm notes (noisy rows first)."""
+    """`[2L, 2L]` bool over `[x_t ; x_0]`, from the mask table of docs/algorithm.md §3 (noisy rows first)."""
     block = torch.arange(seq_length, device=device) // block_size
     qb, kb = block.view(-1, 1), block.view(1, -1)
     return torch.cat([torch.cat([qb == kb, kb < qb], 1), torch.cat([torch.zeros_like(qb == kb), kb <= qb], 1)], 0)

@@ -35,7 +35,7 @@ class Case:
         return {"csbp": self.seq_length, "cp": 2 * self.seq_length, "bp": 0}[self.mode]
 
     def expected_bytes(self):
-        """Bytes one rank sends per layer, forward + backward (csbp-algorithm.md §6)."""
+        """Bytes one rank sends per layer, forward + backward (docs/algorithm.md §9)."""
         c = self.clean_shards
         beta = 2 * self.kv_heads * self.head_dim * 4 * self.batch  # K+V, fp32, per token of every sample
         hops = 2 if self.transport == "collective" else 3  # all-gather + reduce-scatter | K/V twice + dK/dV
@@ -191,8 +191,9 @@ def test_bytes_sent_equal_the_formulas(topology):
         assert sent == [case.expected_bytes()] * len(per_rank), f"{case.name}: {sent} != {case.expected_bytes()}"
 
 
-# Bytes per rank, measured by the op's counters, against figures worked out by hand from the algorithm notes'
-# table: beta = K+V of one token = 2 x 2 kv heads x 8 dims x 4 bytes x 2 samples = 256 bytes; L = 64.
+# Bytes per rank, measured by the op's counters, against figures worked out by hand from the table of
+# docs/algorithm.md §9: beta = K+V of one token = 2 x 2 kv heads x 8 dims x 4 bytes x 2 samples = 256 bytes;
+# L = 64.
 # P = C = 2: CSBP 2L(C-1)/C beta = 64 beta, CP 4L(C-1)/C beta = 128 beta (streaming: 96 and 192 beta);
 # P = C = 4: CSBP 96 beta, CP 192 beta (streaming: 144 and 288 beta).
 HAND_COUNTED = {2: {"csbp_gqa": 16384, "cp": 32768, "csbp_gqa_streaming": 24576, "cp_streaming": 49152},

@@ -89,7 +89,7 @@ def test_defaults_follow_megatron():
     assert rules.default_ffn_hidden_size(4096, swiglu=True) == 10880
 
 
-# Multiples of L(C-1)/C·beta per layer per rank, csbp-algorithm.md §6 (second number: full recompute).
+# Multiples of L(C-1)/C·beta per layer per rank, docs/algorithm.md §9 (second number: full recompute).
 TABLE = {("cp", "collective"): (4, 6), ("csbp", "collective"): (2, 3),
          ("cp", "streaming"): (6, 8), ("csbp", "streaming"): (3, 4)}
 

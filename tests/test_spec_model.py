@@ -20,7 +20,7 @@ def _config(**overrides):
 
 
 def _dense_bdlm_attention(query, key, value, layout, scale):
-    """BD3-LM attention of a whole layout's rows, dense, from the table of the algorithm notes."""
+    """BD3-LM attention of a whole layout's rows, dense, from the mask table of docs/algorithm.md §3."""
     block, clean = layout.row_positions // layout.block_size, layout.row_is_clean
     qb, kb, qc, kc = block[:, None], block[None, :], clean[:, None], clean[None, :]
     allowed = (~qc & ~kc & (kb == qb)) | (~qc & kc & (kb < qb)) | (qc & kc & (kb <= qb))

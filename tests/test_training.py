@@ -171,7 +171,7 @@ def _spans(*ranges):
     return [p for start, stop in ranges for p in range(start, stop)]
 
 
-# L=64, B=8, P=2, worked out by hand from the algorithm notes: dual-end pairs (0,7),(1,6) | (2,5),(3,4);
+# L=64, B=8, P=2, worked out by hand from docs/algorithm.md §4: dual-end pairs (0,7),(1,6) | (2,5),(3,4);
 # zigzag clean chunks of 16 (C=2): r0 [0,16)+[48,64), r1 [16,48); CP: zigzag over [x_t ; x_0] in 4 chunks of 32.
 EXPECTED_ROWS = {
     "csbp": [_spans((0, 8), (56, 64), (8, 16), (48, 56), (0, 16), (48, 64)),

@@ -1,7 +1,7 @@
 """Exact FLOPs and attention bytes of one BDLM training step, from Megatron's hyper-parameters.
 
 Megatron's logger assumes causal attention over every row. A BDLM sees `2L` rows `[x_t ; x_0]`
-under the block mask of csbp-algorithm.md §2, and its LM head runs over the `L` noisy rows only;
+under the block mask of docs/algorithm.md §3, and its LM head runs over the `L` noisy rows only;
 counting Megatron's way overstates the work, so the training logger counts here.
 
 Counting rules (a multiply-add is 2 FLOPs; backward is twice the forward: `rules.BACKWARD_FLOPS_PER_FORWARD`):
@@ -122,14 +122,14 @@ def megatron_causal_flops(*, num_layers: int, hidden_size: int, num_attention_he
 
 
 def kv_bytes_per_token(kv_heads_per_tp: int, head_dim: int, bytes_per_elem: int = 2) -> int:
-    """`beta` of csbp-algorithm.md §1: bytes of K plus V of one token in one layer on one rank."""
+    """`beta` of docs/algorithm.md §1: bytes of K plus V of one token in one layer on one rank."""
     return 2 * kv_heads_per_tp * head_dim * bytes_per_elem
 
 
 def attention_traffic_bytes(mode: str, seq_length: int, clean_shards: int, kv_heads_per_tp: int,
                             head_dim: int, bytes_per_elem: int = 2, transport: str = "collective",
                             recompute: bool = False) -> int:
-    """Bytes one rank sends for one attention layer, forward + backward (csbp-algorithm.md §6).
+    """Bytes one rank sends for one attention layer, forward + backward (docs/algorithm.md §9).
 
     The forward moves the gathered tokens' K/V once around the ring: each rank sends the
     `(C-1)/C` of them it did not own (`2L` tokens for CP, the `L` clean tokens for CSBP, none for

@@ -27,7 +27,7 @@ same everywhere because it depends on `(seed, sample index)` alone.
 Noise. Sample `s` draws its mask from a generator seeded by `(seed, s)`. Noise times are antithetic:
 samples `[g·G, (g+1)·G)` (`G = antithetic_group`) share one `u` drawn from `(seed, g)`, and the `N = G·NB`
 (sample, block) pairs take `t_i = (u + i/N) mod 1` with `i = (s mod G)·NB + block`, mapped into
-`[t_min, t_max]`. This is the batch-level stratification of the algorithm notes when `G` is the global
+`[t_min, t_max]`. This is the batch-level stratification of docs/algorithm.md §2 when `G` is the global
 batch size, yet a sample's noise never depends on how the batch is cut into micro-batches or DP shards.
 Each token of block `b` is then replaced by MASK with probability `t_b`.
 

@@ -122,7 +122,7 @@ def whole_blocks_problem(seq_length: int, block_size: int, flags: Flags = FLAGS)
 
 def sequence_problem(mode: str, seq_length: int, block_size: int, parallel_size: int, clean_shards: int,
                      clean_layout: str = "zigzag", flags: Flags = FLAGS) -> str | None:
-    """The layout geometry of `mode` over `P` ranks with `C` clean shards (csbp-algorithm.md §3, §4):
+    """The layout geometry of `mode` over `P` ranks with `C` clean shards (docs/algorithm.md §4):
 
     whole blocks; a noisy block for every rank; conventional CP's `2P` zigzag chunks of `[x_t ; x_0]` hold
     whole blocks (a noisy block never straddles two ranks); CSBP's clean sequence cuts into the equal

@@ -10,7 +10,7 @@ The model, in one place so it can be argued with:
   dual-end layouts, BP replicates the clean rows), the linear layers and LM head at
   `peak × achievable_fraction`, the attention pairs at `peak × attention_fraction` (the CP baseline's at
   `cp_attention_fraction`: its kernel may be less efficient on the BDLM mask);
-* attention traffic: csbp-algorithm.md §6, on NVLink when a ring stays inside a node, else on the
+* attention traffic: docs/algorithm.md §9, on NVLink when a ring stays inside a node, else on the
   inter-node network (rank order tp-cp-dp-pp, as Megatron), each collective `link_latency_us` plus
   bytes / bandwidth; the gather hides behind the local noisy→noisy attention and the dK/dV
   reduce-scatter behind the local noisy backward, for CSBP and for our CP baseline alike (ops.py runs
@@ -428,7 +428,7 @@ def requested_topologies(model: Model, cluster: Cluster, tp: int, pp: int, p: in
     return [Topology(mode, tp, pp, p, rules.clean_shards(mode, p, c), dp) for mode in MODES]
 
 
-# The paper's 16×H200, 256K settings (csbp-algorithm.md §8). The 14B's 40 layers, 8 KV heads and head
+# The paper's 16×H200, 256K settings (docs/algorithm.md §11). The 14B's 40 layers, 8 KV heads and head
 # dim 128 are the paper's; the other sizes are ASSUMED (Ministral-3-like shapes of the stated sizes,
 # SwiGLU, 131072 vocab, block 32), since the paper's summary does not give them.
 PAPER_SETTINGS = [
