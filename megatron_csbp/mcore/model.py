@@ -8,7 +8,7 @@ What differs from a plain `GPTModel`, and why:
 * The LM head runs over noisy rows only (clean rows carry no loss: half the head FLOPs saved). Only real
   ids take probability: the MASK column and the vocabulary padding after the real ids (`vocab_ids`) are
   -inf on whichever TP rank holds them. Megatron-LM leaves the padding columns in the softmax; an imported
-  model's zero padding rows then give logit 0 and take probability from every real token (2-3% of the
+  model's zero padding rows then give logit 0 and take probability from every real token (2-7% of the
   first loss of a tiny import), and a model trained that way learns to push them down instead.
 * Under sequence parallelism the row count is padded to a multiple of TP; padded rows have position
   0, see no attention and never reach the head.
@@ -169,8 +169,8 @@ class BDLMGPTModel(GPTModel):
 
 
 def model_provider(pre_process=True, post_process=True, *, config, vocab_size, layout=None, mask_token_id=None,
-                   vocab_ids=None, group=None, transport="collective", context=None, use_transformer_engine=False, vp_stage=None,
-                   base_spec=None, **gpt_kwargs) -> BDLMGPTModel:
+                   vocab_ids=None, group=None, transport="collective", context=None, use_transformer_engine=False,
+                   vp_stage=None, base_spec=None, **gpt_kwargs) -> BDLMGPTModel:
     """Builds this rank's `BDLMGPTModel` (the `model_provider` Megatron's `get_model` expects, once
     `config`, `layout` and the rest are bound with `functools.partial`).
 
