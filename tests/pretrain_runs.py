@@ -99,6 +99,17 @@ def run(nproc: int, settings: dict, *extra: str, env: dict | None = None, timeou
     return result
 
 
+def lines_until_iteration(launched: subprocess.Popen, iteration: int = 2) -> list[str]:
+    """The output lines of a running `launched` (stdout piped as text) up to the one logging `iteration`: the
+    moment the stop, signal and fault tests act on a live run."""
+    lines = []
+    for line in launched.stdout:
+        lines.append(line)
+        if re.search(rf"iteration\s+{iteration}/", line):
+            break
+    return lines
+
+
 def copy_checkpoint(source_root: str, iteration: int, target_root: str) -> str:
     """A `--load` directory holding only `iteration` of `source_root` (as if it were the latest)."""
     name = f"iter_{iteration:07d}"

@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import megatron_lm_path
-from pretrain_runs import ITERATION, REPO, SCRIPT, TORCHRUN, Run, environment
+from pretrain_runs import ITERATION, REPO, SCRIPT, TORCHRUN, Run, environment, lines_until_iteration
 
 pytest_plugins = ["pretrain_runs"]
 MEGATRON_LM = megatron_lm_path()
@@ -311,13 +311,9 @@ def test_sigterm_to_the_launcher_saves_exits_0_without_a_traceback_and_resumes(c
     command = [*LAUNCHER, SCRIPT, "--config", CONFIG, "--training-loop", "megatron-lm", *overrides]
     launched = subprocess.Popen(command, cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
     try:
-        for line in launched.stdout:
-            lines.append(line)
-            if re.search(r"iteration\s+2/", line):
-                launched.send_signal(signal.SIGTERM)
-                break
+        lines = lines_until_iteration(launched)
+        launched.send_signal(signal.SIGTERM)
         lines.append(launched.communicate(timeout=300)[0])
     finally:
         launched.kill()

@@ -12,7 +12,8 @@ import time
 import psutil
 import pytest
 
-from pretrain_runs import K, REPO, SCRIPT, base, command, environment, flags, TINY, Run, run
+from pretrain_runs import (K, REPO, SCRIPT, TINY, Run, base, command, environment, flags, lines_until_iteration,
+                           run)
 
 pytest_plugins = ["pretrain_runs"]
 
@@ -37,13 +38,9 @@ def test_a_stop_signal_saves_at_the_next_iteration_and_the_requeued_run_matches(
     settings = base(corpus, context_block_parallel=2, save=checkpoints, load=checkpoints, exit_signal_handler=True)
     launched = subprocess.Popen(command(2, settings), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
-    lines = []
     try:
-        for line in launched.stdout:
-            lines.append(line)
-            if re.search(r"iteration\s+2/", line):
-                _worker(launched.pid, 1).send_signal(stop_signal)
-                break
+        lines = lines_until_iteration(launched)
+        _worker(launched.pid, 1).send_signal(stop_signal)
         lines.append(launched.communicate(timeout=180)[0])
     finally:
         launched.kill()
@@ -270,12 +267,8 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(corpus):
     launched = subprocess.Popen(command(2, base(corpus, context_block_parallel=2, train_iters=400, eval_iters=0)),
                                 cwd=REPO, env=environment({"MEGATRON_CSBP_TEST_TIMEOUT_SECONDS": str(timeout)}),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
     try:
-        for line in launched.stdout:
-            lines.append(line)
-            if re.search(r"iteration\s+2/", line):
-                break
+        lines = lines_until_iteration(launched)
         stopped = _worker(launched.pid, 1)
         stopped.suspend()
         started = time.time()
@@ -332,13 +325,9 @@ def _stopped_through_the_launcher(launcher: list[str], settings: dict) -> tuple[
     iteration 2 is logged; returns (exit status, output)."""
     launched = subprocess.Popen([*launcher, SCRIPT, *flags({**TINY, **settings})], cwd=REPO, env=environment(),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
     try:
-        for line in launched.stdout:
-            lines.append(line)
-            if re.search(r"iteration\s+2/", line):
-                launched.send_signal(signal.SIGTERM)
-                break
+        lines = lines_until_iteration(launched)
+        launched.send_signal(signal.SIGTERM)
         lines.append(launched.communicate(timeout=180)[0])
     finally:
         _kill_tree(launched)
