@@ -14,7 +14,7 @@ Norms, softmax, RoPE and the embedding lookup are not counted (the usual convent
 Plain Python integers throughout, so every count is exact. No torch, no Megatron.
 """
 
-from megatron_csbp.core import rules
+from megatron_csbp.core import modes, rules
 
 
 def _check_blocks(seq_length: int, block_size: int) -> int:
@@ -151,7 +151,7 @@ def attention_forward_bytes(mode: str, seq_length: int, clean_shards: int, kv_he
     rules.refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
     if clean_shards < 1 or seq_length % clean_shards:
         raise ValueError(f"clean_shards ({clean_shards}) must be a positive divisor of seq_length ({seq_length})")
-    gathered_tokens = {"cp": 2 * seq_length, "csbp": seq_length, "bp": 0}[mode]
+    gathered_tokens = modes.parallel_mode(mode).gathered_tokens(seq_length, clean_shards)
     return gathered_tokens // clean_shards * (clean_shards - 1) * kv_bytes_per_token(
         kv_heads_per_tp, head_dim, bytes_per_elem)
 

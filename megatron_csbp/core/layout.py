@@ -14,7 +14,7 @@ from functools import cached_property
 
 import torch
 
-from megatron_csbp.core import rules
+from megatron_csbp.core import modes, rules
 
 
 def block_cost(block: int) -> int:
@@ -224,7 +224,4 @@ def layout_for(mode: str, seq_length: int, block_size: int, parallel_size: int, 
                rank: int = 0, **options) -> CSBPLayout | CPLayout:
     """The layout of `mode` ("csbp", "cp" or "bp"), so one model can be compared across all three."""
     rules.refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
-    if mode == "cp":
-        return CPLayout(seq_length, block_size, parallel_size, rank)
-    return CSBPLayout(seq_length, block_size, parallel_size, rules.clean_shards(mode, parallel_size, clean_shards),
-                      rank, **options)
+    return modes.parallel_mode(mode).layout(seq_length, block_size, parallel_size, clean_shards, rank, **options)

@@ -14,6 +14,9 @@ Standard library only: the planner, the FLOP counter and config checks run witho
 
 import dataclasses
 
+from megatron_csbp.core import modes
+
+
 class ConfigError(ValueError):
     """A refused argument or input file. An ordinary exception, raised wherever the refusal is found; each
     entry (`scripts/*.py`, `python -m megatron_csbp.torchrun`, `plan`) catches it once and prints it as one
@@ -22,7 +25,7 @@ class ConfigError(ValueError):
 
 # --- choice lists ----------------------------------------------------------------------------------
 
-PARALLEL_MODES = ("csbp", "cp", "bp")  # CSBP; conventional CP over [x_t ; x_0] (baseline); pure BP (C = 1)
+PARALLEL_MODES = tuple(modes.PARALLEL_MODES)  # "csbp", "cp", "bp": each a `modes.ParallelMode` stating its facts
 TRANSPORTS = ("collective", "streaming")  # all-gather the clean K/V, or pass shards around the ring
 SCHEDULES = ("dual_end", "contiguous")  # how noisy blocks are dealt to ranks (contiguous: an ablation)
 CLEAN_LAYOUTS = ("zigzag", "contiguous")  # how a ring shards the clean sequence (contiguous: an ablation)
@@ -85,25 +88,20 @@ def at_least(flag: str, value, minimum=1) -> str | None:
 
 def clean_shards(mode: str, parallel_size: int, given: int | None = None) -> int:
     """`C` of `mode`: 1 for pure BP, `P` for the CP baseline (one ring shards both copies), else `given` or `P`."""
-    if mode == "bp":
-        return 1
-    if mode == "cp":
-        return parallel_size
-    return parallel_size if given is None else given
+    return modes.parallel_mode(mode).clean_shards(parallel_size, given)
 
 
 def clean_shards_problem(mode: str, parallel_size: int, given: int | None = None, flags: Flags = FLAGS) -> str | None:
     """`given` (the clean-shards flag, None when unset) must suit `mode`, and `C` must divide `P`."""
-    P, C = parallel_size, given
+    P = parallel_size
     problem = choice_problem(flags.mode, mode, PARALLEL_MODES)
     if problem:
         return problem
-    if mode == "bp" and C not in (None, 1):
-        return (f"{flags.mode} bp replicates the clean sequence (one clean shard); drop {flags.clean_shards} {C} or use "
-                f"{flags.mode} csbp")
-    if mode == "cp" and C not in (None, P):
-        return f"{flags.mode} cp shards both copies over all {P} ranks; drop {flags.clean_shards} {C}"
-    C = clean_shards(mode, P, C)
+    mode = modes.parallel_mode(mode)
+    problem = mode.clean_shards_problem(P, given, flags)
+    if problem:
+        return problem
+    C = mode.clean_shards(P, given)
     if not (C >= 1 and P % C == 0):
         return (f"{flags.parallel_size} {P} is not a multiple of {flags.clean_shards} {C}; use a divisor of {P} "
                 f"(default {P})")
@@ -124,9 +122,10 @@ def sequence_problem(mode: str, seq_length: int, block_size: int, parallel_size:
                      clean_layout: str = "zigzag", flags: Flags = FLAGS) -> str | None:
     """The layout geometry of `mode` over `P` ranks with `C` clean shards (docs/algorithm.md §4):
 
-    whole blocks; a noisy block for every rank; conventional CP's `2P` zigzag chunks of `[x_t ; x_0]` hold
-    whole blocks (a noisy block never straddles two ranks); CSBP's clean sequence cuts into the equal
-    chunks of its clean layout (`2C` zigzag, `C` contiguous).
+    whole blocks; a noisy block for every rank; then the mode's own cut (`ParallelMode.geometry_problem`):
+    conventional CP's `2P` zigzag chunks of `[x_t ; x_0]` hold whole blocks (a noisy block never straddles
+    two ranks); CSBP's clean sequence cuts into the equal chunks of its clean layout (`2C` zigzag, `C`
+    contiguous).
     """
     L, B, P, C = seq_length, block_size, parallel_size, clean_shards
     problem = (whole_blocks_problem(L, B, flags) or at_least(flags.parallel_size, P)
@@ -136,16 +135,7 @@ def sequence_problem(mode: str, seq_length: int, block_size: int, parallel_size:
     if L // B < P:
         return (f"{flags.seq_length} {L} has {L // B} blocks of {B}, too few for {flags.parallel_size} {P} (every rank "
                 f"needs a block); use {flags.seq_length} >= {P * B} or a smaller block size")
-    if mode == "cp":
-        if L % (P * B):
-            return (f"{flags.mode} cp cuts [x_t ; x_0] into {2 * P} chunks of whole blocks: {flags.seq_length} {L} "
-                    f"must be a multiple of {P * B} ({flags.parallel_size} x {flags.block_size})")
-        return None
-    chunks = 2 * C if clean_layout == "zigzag" else C
-    if L % chunks:
-        return (f"{flags.seq_length} {L} cannot be cut into {chunks} equal clean chunks ({flags.clean_layout} "
-                f"{clean_layout}, {flags.clean_shards} {C}); use a multiple of {chunks}")
-    return None
+    return modes.parallel_mode(mode).geometry_problem(L, B, P, C, clean_layout, flags)
 
 
 def layout_problem(mode: str, seq_length: int, block_size: int, parallel_size: int, given_clean_shards=None,

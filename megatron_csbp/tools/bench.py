@@ -37,8 +37,10 @@ import time
 
 import torch
 
-from megatron_csbp.core import rules
+from megatron_csbp.core import modes, rules
 from megatron_csbp.core.rules import PARALLEL_MODES as MODES
+
+RING_MODES = tuple(mode for mode in MODES if modes.parallel_mode(mode).transported_copies)  # CSBP and CP
 
 # The trainer's rules (megatron_csbp.core.rules), told the bench's flag names.
 FLAGS = rules.FLAGS.renamed(seq_length="--seq-lengths", block_size="--block-size", parallel_size="--nproc",
@@ -106,7 +108,7 @@ def parse_args(argv=None):
     if args.kernel_check:  # it times the CSBP and CP layouts of the longest length
         problem = problem or next(filter(None, (
             rules.sequence_problem(mode, max(args.seq_lengths), args.block_size, args.nproc,
-                                   rules.clean_shards(mode, args.nproc), flags=FLAGS) for mode in ("csbp", "cp"))),
+                                   rules.clean_shards(mode, args.nproc), flags=FLAGS) for mode in RING_MODES)),
             None)
     problem = problem or rules.query_groups_problem(args.num_attention_heads, args.num_query_groups)
     if problem:
@@ -417,7 +419,7 @@ def kernel_plans_check(seq_length, block_size, nproc, heads=4, groups=2, head_di
     kernels, device, threads = CPUKernels(), torch.device("cpu"), torch.get_num_threads()
     torch.set_num_threads(1)  # as each bench rank computes
     cases = []
-    for mode in ("csbp", "cp"):
+    for mode in RING_MODES:
         for rank in range(nproc):
             layout = layout_of(mode, seq_length, block_size, nproc, rank)
             plan = ops.ring_plan(layout, device, kernels).gathered
@@ -601,7 +603,7 @@ def print_transport_memory(records, out=None):
     print(header, file=out)
     print("-" * len(header), file=out)
     for r in rows:
-        for transport in ("collective", "streaming"):
+        for transport in rules.TRANSPORTS:
             step, forward, both = (r[f"{transport}_{part}_peak_bytes"] / 2**20
                                    for part in ("step", "attention_forward", "attention"))
             clean_shards = layout_of(r["mode"], r["seq_length"], r["block_size"], r["nproc"], 0).clean_shards

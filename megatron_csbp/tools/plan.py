@@ -35,10 +35,10 @@ import sys
 import yaml
 
 from megatron_csbp.bdlm import flops
-from megatron_csbp.core import rules
+from megatron_csbp.core import modes, rules
 
 GIB = 2 ** 30
-MODES = ("cp",) + tuple(mode for mode in rules.PARALLEL_MODES if mode != "cp")  # the baseline first
+MODES = tuple(sorted(rules.PARALLEL_MODES, key=lambda name: not modes.parallel_mode(name).is_baseline))  # baseline first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,12 +203,9 @@ def candidate_topologies(cluster: Cluster):
         for pp in _divisors(n // tp):
             for p in _divisors(n // (tp * pp)):
                 dp = n // (tp * pp * p)
-                yield Topology("cp", tp, pp, p, rules.clean_shards("cp", p), dp)
-                if p > 1:
-                    yield Topology("bp", tp, pp, p, rules.clean_shards("bp", p), dp)
-                for c in _divisors(p):
-                    if c > 1:
-                        yield Topology("csbp", tp, pp, p, c, dp)
+                for mode in MODES:
+                    for c in modes.parallel_mode(mode).clean_shard_choices(p):
+                        yield Topology(mode, tp, pp, p, c, dp)
 
 
 def valid_topologies(model: Model, cluster: Cluster):
@@ -280,15 +277,9 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     microbatches = global_batch // (mbs * dp)
     rate, attention_rate = gpu.rates(mode)
 
-    parts = flops.bdlm_attention_pair_parts(L, model.block_size)
-    if mode == "cp":
-        noisy_rows, clean_rows = L // c, L // c
-        pairs = sum(parts.values()) / c
-        local_pairs = parts["noisy_noisy"] / c
-    else:
-        noisy_rows, clean_rows = L // p, L // c
-        pairs = (parts["noisy_noisy"] + parts["noisy_clean"]) / p + parts["clean_clean"] / c
-        local_pairs = parts["noisy_noisy"] / p
+    parallel_mode = modes.parallel_mode(mode)
+    noisy_rows, clean_rows = parallel_mode.rows(L, p, c)
+    pairs, local_pairs = parallel_mode.attention_pairs(flops.bdlm_attention_pair_parts(L, model.block_size), p, c)
     rows = noisy_rows + clean_rows
     heads_tp = model.num_attention_heads // tp
     groups = model.num_query_groups
@@ -352,8 +343,7 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     query, kv = model.num_attention_heads * model.kv_channels, groups * model.kv_channels
     ffn_saved = model.ffn_hidden_size * (3 if model.swiglu else 2)
     row_bytes = e * (4 * h + query + 2 * kv + query + ffn_saved) / tp + 4 * heads_tp
-    gathered_tokens = {"cp": 2 * L if c > 1 else 0, "csbp": L, "bp": 0}[mode]
-    kv_buffer = gathered_tokens * flops.kv_bytes_per_token(kv_heads_tp, model.kv_channels, e)
+    kv_buffer = parallel_mode.gathered_tokens(L, c) * flops.kv_bytes_per_token(kv_heads_tp, model.kv_channels, e)
     working_layer = mbs * (rows * row_bytes + kv_buffer)
     layer_stored = mbs * rows * h * e / tp if model.full_recompute else working_layer
     recompute_working = working_layer if model.full_recompute else 0.0
@@ -377,19 +367,14 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
         step_time_s=step_time_s, tokens_per_s=global_batch * L / step_time_s)
 
 
-def _reason(pred: Prediction, cp_same_c: Prediction = None) -> str:
+def _reason(pred: Prediction, baseline: Prediction = None) -> str:
+    """`baseline`: the baseline mode's prediction at the same TP, PP, C and replicas, if valid."""
     topo, said = pred.topology, []
-    if topo.mode == "csbp":
-        if cp_same_c is not None:
-            said.append(f"sends {pred.attention_gib:.2f} GiB vs CP{topo.c}'s {cp_same_c.attention_gib:.2f}")
-        if topo.p > topo.c:
-            said.append(f"clean rows replicated {topo.p // topo.c}x")
-    elif topo.mode == "bp":
-        said.append("no attention traffic, every rank recomputes the clean prefix")
-    elif topo.c > 1:
-        said.append("gathers K/V of all 2L rows behind the same local noisy attention")
-    else:
-        said.append("no sequence sharding")
+    mode = modes.parallel_mode(topo.mode)
+    if mode.compared_with_baseline and baseline is not None:
+        said.append(f"sends {pred.attention_gib:.2f} GiB vs {baseline.topology.mode.upper()}{topo.c}'s "
+                    f"{baseline.attention_gib:.2f}")
+    said += mode.traits(topo.p, topo.c)
     if pred.ring_link != "none":
         said.append("ring inside a node" if pred.ring_link == "NVLink" else "ring crosses nodes")
     exposed = pred.exposed_attention_s + pred.exposed_other_comm_s
@@ -404,11 +389,11 @@ def _reason(pred: Prediction, cp_same_c: Prediction = None) -> str:
 def plan(model: Model, cluster: Cluster):
     """Predictions for every valid layout, fitting ones first, fastest first, each with its reason."""
     preds = [predict(model, cluster, t) for t in valid_topologies(model, cluster)]
-    cp_by_key = {(q.topology.tp, q.topology.pp, q.topology.c, q.topology.dp * q.topology.p // q.topology.c): q
-                 for q in preds if q.topology.mode == "cp"}
+    baseline_by_key = {(q.topology.tp, q.topology.pp, q.topology.c, q.topology.dp * q.topology.p // q.topology.c): q
+                       for q in preds if modes.parallel_mode(q.topology.mode).is_baseline}
     for q in preds:
         t = q.topology
-        q.reason = _reason(q, cp_by_key.get((t.tp, t.pp, t.c, t.dp * t.p // t.c)))
+        q.reason = _reason(q, baseline_by_key.get((t.tp, t.pp, t.c, t.dp * t.p // t.c)))
     return sorted(preds, key=lambda q: (not q.fits, -q.tokens_per_s))
 
 
@@ -659,15 +644,15 @@ def _print_setting(model: Model, cluster: Cluster, out):
 
 def _print_requested(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c: int, out) -> list:
     print(f"\nattention traffic per GPU per step, your layout (TP{tp} PP{pp} P{p} C{c}):", file=out)
-    records, cp = [], None
+    records, baseline = [], None
     for topo in requested_topologies(model, cluster, tp, pp, p, c):
         problem = topology_problem(model, cluster, topo)
         if problem:
             print(f"  {topo.mode:<4}  invalid: {problem}", file=out)
             continue
         pred = predict(model, cluster, topo)
-        cp = pred if topo.mode == "cp" else cp
-        pred.reason = _reason(pred, cp)
+        baseline = pred if modes.parallel_mode(topo.mode).is_baseline else baseline
+        pred.reason = _reason(pred, baseline)
         print(f"  {topo.mode:<4} {pred.attention_gib:8.2f} GiB   step {pred.step_time_s:8.3f} s   "
               f"{pred.tokens_per_s:9.0f} tok/s   {pred.reason}", file=out)
         records.append({**pred.record(), "requested": True})

@@ -46,10 +46,8 @@ def layout_from_args(args: argparse.Namespace, block_parallel_rank: int | None =
     from megatron_csbp.mcore.parallel_state import get_block_parallel_rank
 
     rank = get_block_parallel_rank() if block_parallel_rank is None else block_parallel_rank
-    options = {} if args.bdlm_parallel_mode == "cp" else dict(schedule=args.csbp_block_schedule,
-                                                              clean_layout=args.csbp_clean_layout)
     return layout_for(args.bdlm_parallel_mode, args.seq_length, args.bdlm_block_size, args.context_parallel_size,
-                      clean_shards(args), rank, **options)
+                      clean_shards(args), rank, schedule=args.csbp_block_schedule, clean_layout=args.csbp_clean_layout)
 
 
 def objective_from_args(args: argparse.Namespace, mask_token_id: int) -> BDLMObjective:
