@@ -173,6 +173,7 @@ def stop_sequences(options, tokenizer, strategy) -> tuple:
 
 
 def settings_from(options, args):
+    from megatron_csbp.core.objectives import objective_kind
     from megatron_csbp.tools.sampling import STRATEGY, SamplingSettings
 
     eod = args.tokenizer.eod
@@ -185,7 +186,7 @@ def settings_from(options, args):
         stop_sequences=stop_sequences(options, args.tokenizer, STRATEGY[options.strategy]),
         suppressed_token_ids=(eod,) if options.suppress_eos else (), start_token_id=eod,
         sub_block_size=options.sub_block_size, context_window=options.context_window,
-        shifted_labels=args.bdlm_objective == "fast-dllm-v2", vocab_size=args.tokenizer.vocab_size,
+        shifted_labels=bool(objective_kind(args.bdlm_objective).label_shift), vocab_size=args.tokenizer.vocab_size,
         kv_cache=not options.no_kv_cache)
 
 

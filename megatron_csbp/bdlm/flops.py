@@ -14,7 +14,7 @@ Norms, softmax, RoPE and the embedding lookup are not counted (the usual convent
 Plain Python integers throughout, so every count is exact. No torch, no Megatron.
 """
 
-from megatron_csbp.core import modes, rules
+from megatron_csbp.core import modes, rules, transports
 
 
 def _check_blocks(seq_length: int, block_size: int) -> int:
@@ -141,7 +141,7 @@ def attention_traffic_bytes(mode: str, seq_length: int, clean_shards: int, kv_he
     """
     forward = attention_forward_bytes(mode, seq_length, clean_shards, kv_heads_per_tp, head_dim, bytes_per_elem)
     rules.refuse(rules.choice_problem("--csbp-transport", transport, rules.TRANSPORTS))
-    backward = forward * (2 if transport == "streaming" else 1)
+    backward = forward * transports.transport(transport).backward_bytes_per_forward
     return forward * (2 if recompute else 1) + backward
 
 

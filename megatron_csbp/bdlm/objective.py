@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 import torch
 
-from megatron_csbp.core import rules
+from megatron_csbp.core import objectives, rules
 from megatron_csbp.core.device import default_device
 
 
@@ -110,9 +110,14 @@ class BDLMObjective:
         _require(isinstance(self.seed, int) and self.seed >= 0, f"--seed={self.seed!r} must be a non-negative integer")
 
     @property
+    def kind(self) -> objectives.ObjectiveKind:
+        """The objective's own facts: views per sample, label shift, weightings, how noise becomes views."""
+        return objectives.objective_kind(self.objective)
+
+    @property
     def views_per_sample(self) -> int:
         """Model batch rows per clean sample: Fast-dLLM v2 scores each sample under a mask and its complement."""
-        return rules.views_per_sample(self.objective)
+        return self.kind.views_per_sample
 
     def noise(self, sample_index, seq_length: int) -> Noise:
         """Noise times and MASK positions of the samples `sample_index`, built on the CPU."""
@@ -161,17 +166,7 @@ class BDLMObjective:
         noise = self.noise(sample_index, seq_length)
         weight = torch.ones_like(noise.t) if self.loss_weighting == "unit" else 1.0 / noise.t
         weight = weight.repeat_interleave(self.block_size, dim=1)
-        if self.objective == "bd3lm":
-            masked, clean, labels, countable = noise.masked, tokens, tokens, supervised
-            scored = masked & supervised
-        else:
-            masked = torch.cat([noise.masked, ~noise.masked])
-            clean = tokens.repeat(2, 1)
-            labels = torch.cat([clean[:, 1:], clean[:, -1:]], dim=1)
-            no_target = torch.zeros_like(supervised[:, :1])
-            countable = torch.cat([supervised[:, 1:], no_target], dim=1)
-            scored = torch.cat([masked[:, 1:], no_target.repeat(2, 1)], dim=1) & countable.repeat(2, 1)
-            weight = weight.repeat(2, 1)
+        masked, clean, labels, countable, scored, weight = self.kind.views(noise.masked, tokens, supervised, weight)
         noisy_tokens = torch.where(masked, self.mask_token_id, clean)
         noisy, kept = layout.noisy_positions, layout.clean_positions
         device = default_device()

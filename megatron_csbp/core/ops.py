@@ -7,10 +7,10 @@ layout's order and returns their attention output. What travels is what the layo
 * `CSBPLayout` with C = 1 (pure block parallelism): nothing; every rank holds the clean sequence.
 * `CPLayout` (conventional CP baseline): all `2L` tokens' K/V, as ring-CP would move them.
 
-Two transports, each a forward and a backward function over heads-first tensors:
-* "collective" (`collective_forward/backward`): an all-gather of the transported K/V, overlapped with the
+Two transports (`core.transports`, a file each), each a forward and a backward over heads-first tensors:
+* "collective" (`transports/collective.py`): an all-gather of the transported K/V, overlapped with the
   local noisy attention; backward reduce-scatters their gradients, overlapped with the local noisy backward.
-* "streaming" (`streaming_forward/backward`): shards passed around the ring point to point; the forward
+* "streaming" (`transports/streaming.py`): shards passed around the ring point to point; the forward
   folds each step's partial result into one running output (online softmax, fp32), so it holds the
   shard it attends to, the one being received and the running output; backward circulates K/V with
   dK/dV accumulators so each owner ends with the full sum.
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_csbp.core import comm, rules
-from megatron_csbp.core.kernels import default_kernels, default_scale, merge_into, merge_partials, running_merge
+from megatron_csbp.core import rules, transports
+from megatron_csbp.core.kernels import default_kernels, default_scale
 from megatron_csbp.core.process_groups import ring_group_of
 
 PLAN_CACHE_SIZE = 8  # (layout, device) plans kept for callers that do not hold their own
@@ -110,156 +110,14 @@ def _rows_first(x):
     return x.reshape(b, kv_heads * group, s, d).permute(2, 0, 1, 3)
 
 
-def _sent(k, v, layout):
-    """This rank's transported rows of heads-first K and V as one `[s, 2, b, kv_heads, d]` tensor to send."""
-    first = layout.first_transported_row
-    return torch.stack([k.permute(2, 0, 1, 3)[first:], v.permute(2, 0, 1, 3)[first:]], dim=1)
-
-
-def _unpack(packed, rows):
-    """Rows `rows` (None: all, in order, read in place) of a packed buffer -> K and V as `[b, kv_heads, n, d]`."""
-    picked = packed if rows is None else packed.index_select(0, rows)
-    return picked[:, 0].permute(1, 2, 0, 3), picked[:, 1].permute(1, 2, 0, 3)
-
-
-def _repack(dk, dv, rows, total):
-    """Gradients of K and V for `rows` (None: all, in order) of a packed buffer of `total` rows, zero elsewhere."""
-    stacked = torch.stack([dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3)], dim=1)
-    if rows is None:
-        return stacked
-    return stacked.new_zeros((total,) + stacked.shape[1:]).index_copy_(0, rows, stacked)
-
-
-def _ring_order(layout):
-    """Ring positions of the shards this rank holds at each streaming step: its own, then its predecessors'."""
-    return [(layout.ring_rank - step) % layout.clean_shards for step in range(layout.clean_shards)]
-
-
-def _noisy_forward(plan, q, k, v, scale):
-    """The local block-diagonal part: noisy rows against the noisy rows of their own block."""
-    n = plan.layout.num_noisy_rows
-    return plan.kernels.block_diagonal_forward(q[:, :, :, :n], k[:, :, :n], v[:, :, :n], plan.layout.block_size,
-                                               scale)
-
-
-def _with_noisy(noisy_part, prefix, layout):
-    """The prefix part of every row, with the noisy rows' block-diagonal part merged in."""
-    n = layout.num_noisy_rows
-    out, lse = prefix
-    noisy_out, noisy_lse = merge_partials([noisy_part, (out[:, :, :, :n], lse[:, :, :, :n])])
-    return torch.cat([noisy_out, out[:, :, :, n:]], dim=3), torch.cat([noisy_lse, lse[:, :, :, n:]], dim=3)
-
-
-def _noisy_backward(plan, dout, q, k, v, out, lse, scale):
-    n = plan.layout.num_noisy_rows
-    return plan.kernels.block_diagonal_backward(dout[:, :, :, :n], q[:, :, :, :n], k[:, :, :n], v[:, :, :n],
-                                                out[:, :, :, :n], lse[:, :, :, :n], plan.layout.block_size, scale)
-
-
-def _local_grads(dq, noisy_grads, d_sent, k, v, layout):
-    """This rank's dQ, dK, dV: the prefix dQ plus the noisy part's, the sent rows' dK/dV summed over the ring."""
-    n, first = layout.num_noisy_rows, layout.first_transported_row
-    dq_noisy, dk_noisy, dv_noisy = noisy_grads
-    dq[:, :, :, :n] += dq_noisy
-    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    dk[:, :, :n] += dk_noisy
-    dv[:, :, :n] += dv_noisy
-    dk[:, :, first:] += d_sent[:, 0].permute(1, 2, 0, 3)
-    dv[:, :, first:] += d_sent[:, 1].permute(1, 2, 0, 3)
-    return dq, dk, dv
-
-
-def collective_forward(q, k, v, ring, plan, scale):
-    """All-gathers the ring's transported K/V while the local noisy attention runs, then attends to all clean
-    keys at once. `q [b, kv_heads, group, s, d]`, `k, v [b, kv_heads, s, d]` -> `(out, lse, (gathered,))`:
-    the gathered buffer is what the backward needs besides the inputs."""
-    sent = _sent(k, v, plan.layout)
-    gathered, work = comm.all_gather_start(sent, ring) if ring is not None else (sent, None)
-    noisy_part = _noisy_forward(plan, q, k, v, scale)
-    comm.wait_all(work or [], "forward: clean K/V all-gather", ring)
-    clean_k, clean_v = _unpack(gathered, plan.gathered_clean_rows)
-    prefix = plan.kernels.prefix_forward(q, clean_k, clean_v, plan.gathered, scale)
-    return (*_with_noisy(noisy_part, prefix, plan.layout), (gathered,))
-
-
-def collective_backward(dout, q, k, v, out, lse, saved, ring, plan, scale):
-    """The prefix backward against the gathered keys, whose dK/dV are reduce-scattered to their owners while the
-    local noisy backward runs -> `(dq, dk, dv)`."""
-    gathered, = saved
-    clean_k, clean_v = _unpack(gathered, plan.gathered_clean_rows)
-    dq, dk_clean, dv_clean = plan.kernels.prefix_backward(dout, q, clean_k, clean_v, out, lse, plan.gathered, scale)
-    d_gathered = _repack(dk_clean, dv_clean, plan.gathered_clean_rows, gathered.shape[0])
-    d_sent, work = comm.reduce_scatter_start(d_gathered, ring) if ring is not None else (d_gathered, None)
-    noisy_grads = _noisy_backward(plan, dout, q, k, v, out, lse, scale)
-    comm.wait_all(work or [], "backward: clean dK/dV reduce-scatter", ring)
-    return _local_grads(dq, noisy_grads, d_sent, k, v, plan.layout)
-
-
-def streaming_forward(q, k, v, ring, plan, scale):
-    """Passes the transported K/V around the ring: at each step this rank attends to the shard it holds while
-    the next one arrives, and folds that partial result into one running `(out, lse)` in fp32 (or wider).
-    It holds the shard, the one being received and the running output, besides the step's partial until it
-    is folded in. Same shapes as `collective_forward`; keeps nothing for the backward: `(out, lse, ())`."""
-    members = _ring_order(plan.layout)
-    noisy_part = _noisy_forward(plan, q, k, v, scale)
-    shard, running = _sent(k, v, plan.layout), None
-    for step, member in enumerate(members):
-        received, works = comm.ring_shift_start(shard, ring) if step < len(members) - 1 else (None, [])
-        shard_k, shard_v = _unpack(shard, plan.shard_clean_rows[member])
-        part = plan.kernels.prefix_forward(q, shard_k, shard_v, plan.members[member], scale)
-        del shard_k, shard_v
-        running = running_merge(part) if running is None else merge_into(running, part)
-        del part
-        comm.wait_all(works, "forward: clean K/V ring shift", ring)
-        shard = received
-    out, lse = running
-    return (*_with_noisy(noisy_part, (out.to(q.dtype), lse), plan.layout), ())
-
-
-def streaming_backward(dout, q, k, v, out, lse, saved, ring, plan, scale):
-    """K/V go around the ring again; each step's dK/dV travel one step behind, accumulated, so that after the
-    last shift every owner holds the full sum for its shard -> `(dq, dk, dv)`."""
-    members = _ring_order(plan.layout)
-    dq = d_sent = traveling = None  # each a fresh tensor of ours once set, so summed into in place
-    shard = _sent(k, v, plan.layout)
-    for step, member in enumerate(members):
-        last = step == len(members) - 1
-        received, kv_works = comm.ring_shift_start(shard, ring) if not last else (None, [])
-        shard_rows = plan.shard_clean_rows[member]
-        shard_k, shard_v = _unpack(shard, shard_rows)
-        part_dq, part_dk, part_dv = plan.kernels.prefix_backward(dout, q, shard_k, shard_v, out, lse,
-                                                                 plan.members[member], scale)
-        del shard_k, shard_v
-        dq = part_dq if dq is None else dq.add_(part_dq)
-        contribution = _repack(part_dk, part_dv, shard_rows, shard.shape[0])
-        del part_dq, part_dk, part_dv
-        if step == 0:
-            d_sent = contribution
-        else:
-            traveling = contribution if traveling is None else traveling.add_(contribution)
-            del contribution
-            traveling, acc_works = comm.ring_shift_start(traveling, ring)
-            comm.wait_all(acc_works, "backward: clean dK/dV ring shift", ring)
-        comm.wait_all(kv_works, "backward: clean K/V ring shift", ring)
-        shard = received
-    if traveling is not None:
-        d_sent.add_(traveling)
-    noisy_grads = _noisy_backward(plan, dout, q, k, v, out, lse, scale)
-    return _local_grads(dq, noisy_grads, d_sent, k, v, plan.layout)
-
-
-_TRANSPORTS = {"collective": (collective_forward, collective_backward),
-               "streaming": (streaming_forward, streaming_backward)}
-assert tuple(_TRANSPORTS) == rules.TRANSPORTS, "every transport rules.py offers has its functions here"
-
-
 class _ContextShardedBlockAttention(torch.autograd.Function):
     """Turns the rows-first tensors heads-first, saves what the transport's backward needs and calls it."""
 
     @staticmethod
     def forward(ctx, query, key, value, ring, scale, transport, plan):
         q, k, v = _heads_first(query, key.shape[2]), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
-        out, lse, saved = _TRANSPORTS[transport][0](q, k, v, ring, plan, scale)
+        forward, _ = transports.transport(transport).functions()
+        out, lse, saved = forward(q, k, v, ring, plan, scale)
         ctx.save_for_backward(q, k, v, out, lse, *saved)
         ctx.ring, ctx.scale, ctx.transport, ctx.plan = ring, scale, transport, plan
         return _rows_first(out).flatten(2)
@@ -268,7 +126,8 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
     def backward(ctx, grad_output):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         dout = _heads_first(grad_output.view(grad_output.shape[:2] + (-1, q.shape[-1])), q.shape[1])
-        dq, dk, dv = _TRANSPORTS[ctx.transport][1](dout, q, k, v, out, lse, saved, ctx.ring, ctx.plan, ctx.scale)
+        _, backward = transports.transport(ctx.transport).functions()
+        dq, dk, dv = backward(dout, q, k, v, out, lse, saved, ctx.ring, ctx.plan, ctx.scale)
         return _rows_first(dq), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3), None, None, None, None
 
 

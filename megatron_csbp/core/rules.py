@@ -14,7 +14,7 @@ Standard library only: the planner, the FLOP counter and config checks run witho
 
 import dataclasses
 
-from megatron_csbp.core import modes
+from megatron_csbp.core import modes, objectives, transports
 
 
 class ConfigError(ValueError):
@@ -26,11 +26,11 @@ class ConfigError(ValueError):
 # --- choice lists ----------------------------------------------------------------------------------
 
 PARALLEL_MODES = tuple(modes.PARALLEL_MODES)  # "csbp", "cp", "bp": each a `modes.ParallelMode` stating its facts
-TRANSPORTS = ("collective", "streaming")  # all-gather the clean K/V, or pass shards around the ring
+TRANSPORTS = tuple(transports.TRANSPORTS)  # "collective", "streaming": each a `transports.Transport`
 SCHEDULES = ("dual_end", "contiguous")  # how noisy blocks are dealt to ranks (contiguous: an ablation)
 CLEAN_LAYOUTS = ("zigzag", "contiguous")  # how a ring shards the clean sequence (contiguous: an ablation)
-OBJECTIVES = ("bd3lm", "fast-dllm-v2")
-LOSS_WEIGHTINGS = ("inverse-t", "unit")
+OBJECTIVES = tuple(objectives.OBJECTIVES)  # "bd3lm", "fast-dllm-v2": each an `objectives.ObjectiveKind`
+LOSS_WEIGHTINGS = objectives.LOSS_WEIGHTINGS
 NOISE_SAMPLINGS = ("antithetic", "iid")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
 BYTE_TOKENIZER = "ByteLevelTokenizer"
@@ -232,28 +232,16 @@ def vocab_padding_problem(num_ids: int, divisible_by: int, tensor_parallel: int 
 
 def default_loss_weighting(objective: str) -> str:
     """The NELBO's `1/t` for BD3-LM; Fast-dLLM v2 trains with unit weights."""
-    return "unit" if objective == "fast-dllm-v2" else "inverse-t"
+    return objectives.objective_kind(objective).default_weighting
 
 
 def loss_weighting_problem(objective: str, loss_weighting: str | None) -> str | None:
-    weighting = loss_weighting or default_loss_weighting(objective)
-    problem = (choice_problem("--bdlm-objective", objective, OBJECTIVES)
-               or choice_problem("--bdlm-loss-weighting", weighting, LOSS_WEIGHTINGS))
-    if problem or not (objective == "fast-dllm-v2" and weighting != "unit"):
+    problem = choice_problem("--bdlm-objective", objective, OBJECTIVES)
+    if problem:
         return problem
-    return ("--bdlm-loss-weighting=inverse-t does not go with --bdlm-objective=fast-dllm-v2, which uses unit weights: "
-            "drop --bdlm-loss-weighting or set it to unit")
-
-
-def label_shift(objective: str) -> int:
-    """Positions from a noisy row to the token it predicts: Fast-dLLM v2 keeps the AR model's next-token head
-    (row p predicts token p+1), BD3-LM predicts the token in place (row p, token p)."""
-    return 1 if objective == "fast-dllm-v2" else 0
-
-
-def views_per_sample(objective: str) -> int:
-    """Model batch rows per clean sample: Fast-dLLM v2 scores each sample under a mask and its complement."""
-    return 2 if objective == "fast-dllm-v2" else 1
+    kind = objectives.objective_kind(objective)
+    weighting = loss_weighting or kind.default_weighting
+    return choice_problem("--bdlm-loss-weighting", weighting, LOSS_WEIGHTINGS) or kind.weighting_problem(weighting)
 
 
 def noise_range_problem(t_min: float, t_max: float) -> str | None:

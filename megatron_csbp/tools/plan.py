@@ -35,7 +35,7 @@ import sys
 import yaml
 
 from megatron_csbp.bdlm import flops
-from megatron_csbp.core import modes, rules
+from megatron_csbp.core import modes, rules, transports
 
 GIB = 2 ** 30
 MODES = tuple(sorted(rules.PARALLEL_MODES, key=lambda name: not modes.parallel_mode(name).is_baseline))  # baseline first
@@ -308,11 +308,11 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
         mode, L, c, kv_heads_tp, model.kv_channels, e, model.transport, forward_runs == 2)
     forward_bytes = mbs * flops.attention_forward_bytes(mode, L, c, kv_heads_tp, model.kv_channels, e)
     backward_bytes = layer_bytes - forward_bytes * forward_runs
-    streaming = model.transport == "streaming"
+    transport = transports.transport(model.transport)
     latency = gpu.link_latency_us * 1e-6 if c > 1 else 0.0
-    forward_link_s = (c - 1 if streaming else 1) * latency + forward_bytes / ring_bw
-    backward_link_s = (2 * (c - 1) if streaming else 1) * latency + backward_bytes / ring_bw
-    hide_forward = mbs * (pairs if streaming else local_pairs) * per_pair / attention_rate
+    forward_link_s = transport.forward_messages(c) * latency + forward_bytes / ring_bw
+    backward_link_s = transport.backward_messages(c) * latency + backward_bytes / ring_bw
+    hide_forward = mbs * (pairs if transport.hides_behind_all_pairs else local_pairs) * per_pair / attention_rate
     exposed_layer = (forward_runs * max(0.0, forward_link_s - hide_forward)
                      + max(0.0, backward_link_s - 2 * hide_forward)) if c > 1 else 0.0
     exposed_attention_s = layers * exposed_layer
@@ -706,7 +706,7 @@ def main(argv=None, out=sys.stdout) -> list:
 
 
 def command(argv=None) -> None:
-    """`python -m megatron_csbp.plan` and `csbp-plan`: a refusal (e.g. a --config it cannot read) is one line,
+    """`python -m megatron_csbp.plan`: a refusal (e.g. a --config it cannot read) is one line,
     exit 2, as at every entry of ours."""
     from megatron_csbp.core.rules import ConfigError
 

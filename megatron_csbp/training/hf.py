@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_csbp.core import rules
+from megatron_csbp.core import objectives
 from megatron_csbp.training.arguments import ConfigError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
@@ -148,7 +148,7 @@ def bdlm_config(objective: str, block_size: int, mask_token_id: int) -> dict:
     `block_size` of SGLang's `--dllm-algorithm-config`) and, for shifted labels only, `bd_size` (Fast-dLLM v2's
     config: its models predict token p+1 at row p, so a BD3-LM model must not claim it). Then our own,
     explicit ones: `bdlm_objective`, `bdlm_label_shift` (row p predicts token p + shift) and `bdlm_block_size`."""
-    shift = rules.label_shift(objective)
+    shift = objectives.objective_kind(objective).label_shift
     keys = {"mask_token_id": mask_token_id, "block_size": block_size, "bdlm_objective": objective,
             "bdlm_label_shift": shift, "bdlm_block_size": block_size}
     if shift:

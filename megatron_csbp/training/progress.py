@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from megatron_csbp.core import rules
+from megatron_csbp.core import objectives
 from megatron_csbp.core.device import default_device
 from megatron_csbp.bdlm.flops import bdlm_step_flops
 
@@ -25,7 +25,7 @@ def step_flops(args) -> int:
     return bdlm_step_flops(num_layers=args.num_layers, hidden_size=args.hidden_size,
                            num_attention_heads=args.num_attention_heads, padded_vocab_size=args.padded_vocab_size,
                            seq_length=args.seq_length, block_size=args.bdlm_block_size,
-                           batch_size=args.global_batch_size * rules.views_per_sample(args.bdlm_objective),
+                           batch_size=args.global_batch_size * objectives.objective_kind(args.bdlm_objective).views_per_sample,
                            ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
                            kv_channels=args.kv_channels, swiglu=args.swiglu)
 
@@ -92,7 +92,7 @@ class Progress:
         """Validation loss per token and `exp` of it: with the BD3-LM NELBO (1/t weights) an upper bound on
         perplexity; with unit weights or Fast-dLLM v2 only a loss, not a bound."""
         ppl = math.exp(min(nelbo, 700.0))
-        is_bound = self.args.bdlm_objective == "bd3lm" and self.args.bdlm_loss_weighting == "inverse-t"
+        is_bound = objectives.objective_kind(self.args.bdlm_objective).loss_is_bound(self.args.bdlm_loss_weighting)
         line = (f" validation loss at iteration {iteration} | lm loss value: {nelbo:.6E} | "
                 f"lm loss PPL{' (upper bound)' if is_bound else ''}: {ppl:.6E} |")
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))

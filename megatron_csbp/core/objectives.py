@@ -1,0 +1,79 @@
+"""The BDLM objectives — BD3-LM and Fast-dLLM v2 — as objects that state their own facts.
+
+What differs between objectives lives on its object: how many model rows a clean sample becomes, which
+token a noisy row predicts, the loss weighting it trains with (and which it refuses), whether its
+validation loss is a bound on perplexity, and how a sample's noise turns into scored views. The rules, the
+objective's rows (`bdlm.objective`), the progress line, the HF export and the sampler ask the object
+(`objective_kind(name)`) instead of testing its name (docs/algorithm.md §2–§3).
+
+Standard library only (the rules and the planner run without torch): `views()` works on the tensors it is
+given, importing torch only when it runs.
+"""
+
+import dataclasses
+
+LOSS_WEIGHTINGS = ("inverse-t", "unit")
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveKind:
+    """BD3-LM's facts (the base): one view per sample, row p predicts token p, the NELBO's `1/t` weights."""
+
+    name: str
+    summary: str
+    views_per_sample: int = 1  # model batch rows per clean sample
+    label_shift: int = 0  # positions from a noisy row to the token it predicts
+    default_weighting: str = "inverse-t"
+    weightings: tuple = LOSS_WEIGHTINGS  # the loss weightings it trains with
+
+    def weighting_problem(self, weighting: str) -> str | None:
+        """Why `weighting` cannot go with this objective (None when it can)."""
+        if weighting in self.weightings:
+            return None
+        return (f"--bdlm-loss-weighting={weighting} does not go with --bdlm-objective={self.name}, which uses "
+                f"{' or '.join(self.weightings)} weights: drop --bdlm-loss-weighting or set it to "
+                f"{self.default_weighting}")
+
+    def loss_is_bound(self, weighting: str) -> bool:
+        """Whether the weighted validation loss per token is the NELBO, so `exp` of it bounds perplexity."""
+        return weighting == "inverse-t"
+
+    def views(self, masked, tokens, supervised, weight):
+        """The model's views of a micro-batch from its noise (`masked [b, L]`, `weight [b, L]` per token),
+        its clean `tokens` and the `supervised` tokens: (masked, clean, labels, countable, scored, weight),
+        each `[views_per_sample·b, L]` but `countable` (`[b, L]`, the tokens the normaliser counts)."""
+        return masked, tokens, tokens, supervised, masked & supervised, weight
+
+
+class _ShiftedComplementary(ObjectiveKind):
+    """Fast-dLLM v2: the AR model's next-token head kept (row p predicts token p+1), each sample seen under a
+    mask and its complement so every token 1..L-1 is a target exactly once per pair, unit weights."""
+
+    def loss_is_bound(self, weighting):
+        return False  # shifted targets and complementary views: a loss, not the NELBO
+
+    def views(self, masked, tokens, supervised, weight):
+        import torch
+
+        masked = torch.cat([masked, ~masked])
+        clean = tokens.repeat(2, 1)
+        labels = torch.cat([clean[:, 1:], clean[:, -1:]], dim=1)
+        no_target = torch.zeros_like(supervised[:, :1])
+        countable = torch.cat([supervised[:, 1:], no_target], dim=1)
+        scored = torch.cat([masked[:, 1:], no_target.repeat(2, 1)], dim=1) & countable.repeat(2, 1)
+        return masked, clean, labels, countable, scored, weight.repeat(2, 1)
+
+
+BD3LM = ObjectiveKind("bd3lm", "BD3-LM: tokens predicted in place, loss weighted by 1/t (the NELBO)")
+FAST_DLLM_V2 = _ShiftedComplementary(
+    "fast-dllm-v2", "Fast-dLLM v2: next-token targets, a mask and its complement per sample, unit weights",
+    views_per_sample=2, label_shift=1, default_weighting="unit", weightings=("unit",))
+
+OBJECTIVES = {kind.name: kind for kind in (BD3LM, FAST_DLLM_V2)}  # the flag's choices, in its order
+
+
+def objective_kind(name: str) -> ObjectiveKind:
+    """The objective called `name` (a `--bdlm-objective` value); `ValueError` naming the choices otherwise."""
+    if name not in OBJECTIVES:
+        raise ValueError(f"--bdlm-objective {name!r}: choose one of {', '.join(OBJECTIVES)}")
+    return OBJECTIVES[name]
