@@ -29,6 +29,4 @@ setup(
         # PyPI: see the README). triton is not listed: on GPUs it comes with torch, on CPUs it is not needed.
         "megatron-lm": ["six>=1.16", "regex>=2023", "pydantic>=2,<3"],
     },
-    entry_points={"console_scripts": ["csbp-bench=megatron_csbp.tools.bench:main",
-                                      "csbp-plan=megatron_csbp.tools.plan:command"]},
 )

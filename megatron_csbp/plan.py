@@ -1,6 +1,6 @@
 """`python -m megatron_csbp.plan`: the command of `megatron_csbp.tools.plan`."""
 
-from megatron_csbp.tools.plan import command, main  # noqa: F401  (main: csbp-plan of older installs)
+from megatron_csbp.tools.plan import command
 
 if __name__ == "__main__":
     command()
