@@ -32,5 +32,6 @@ setup(
         "eval": ["lm-eval>=0.4.13,<0.5"],
     },
     entry_points={"console_scripts": ["csbp-bench=megatron_csbp.tools.bench:main",
-                                      "csbp-plan=megatron_csbp.tools.plan:command"]},
+                                      "csbp-plan=megatron_csbp.tools.plan:command",
+                                      "csbp-lm-eval=megatron_csbp.tools.harness:main"]},
 )

@@ -1,0 +1,17 @@
+"""`python -m megatron_csbp.harness ...`: lm-evaluation-harness's command line with `--model megatron_csbp`.
+
+lm-eval has no plugin entry point for models, so this registers ours (`megatron_csbp.tools.harness`) and then
+runs lm-eval's own CLI with the same flags, e.g.
+
+    python -m megatron_csbp.harness --model megatron_csbp --model_args load=runs/demo_sequences \\
+        --tasks my_task --include_path my_tasks/
+
+Also installed as the console script `csbp-lm-eval`. Needs the `[eval]` extra (`pip install -e ".[eval]"`).
+"""
+
+import sys
+
+from megatron_csbp.tools.harness import main
+
+if __name__ == "__main__":
+    sys.exit(main())
