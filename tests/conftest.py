@@ -59,6 +59,7 @@ MODULE_MARKERS = {
     "test_suite_rules": (),
     "test_refusals": (),
     "test_torchrun": ("spawn", "slow"),
+    "test_evaluate": ("spawn", "slow"),
 }
 
 

@@ -280,6 +280,7 @@ class Estimate:
     sequences: int
     noise_samples: int
     tokens: float  # supervised tokens, summed over sequences and draws
+    per_draw: tuple  # the NELBO per token of each draw alone (draw k's is the same whatever K is)
 
     @property
     def ppl(self) -> float:
@@ -306,7 +307,8 @@ def estimate(sums, counts) -> Estimate:
     if K >= 2:  # counts do not depend on the noise: Var(NELBO | sequences) = sum_i Var(S_i) / (K C²)
         within = sums.var(dim=0, correction=1).sum()
         noise_stderr = (torch.sqrt(within / K) / counts[0].sum()).item()
-    return Estimate(nelbo, stderr, noise_stderr, N, K, total.item())
+    per_draw = tuple((sums.sum(1) / counts.sum(1)).tolist())
+    return Estimate(nelbo, stderr, noise_stderr, N, K, total.item(), per_draw)
 
 
 def _error(value: float | None) -> str:
@@ -513,6 +515,7 @@ class Evaluator:
             "ppl_is_upper_bound": args.bdlm_objective == "bd3lm" and args.bdlm_loss_weighting == "inverse-t",
             "stderr": result.stderr, "stderr_of": STDERR_OF,
             "noise_stderr": result.noise_stderr, "noise_stderr_of": NOISE_STDERR_OF,
+            "nelbo_per_draw": list(result.per_draw),
             "supervised_tokens": result.tokens, "tokens": evaluated * args.seq_length, "seconds": seconds,
             "tokens_per_second": evaluated * args.seq_length / seconds, "sequences_per_second": evaluated / seconds,
             "layout": {"world_size": args.world_size, "tensor_model_parallel_size": args.tensor_model_parallel_size,
