@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-from pretrain_runs import REPO, base, environment, run
+from pretrain_runs import REPO, TINY, base, environment, run
+from spawn import on_cpu_backend
 
 pytest_plugins = ["pretrain_runs"]  # the corpus fixture
 SCRIPT = os.path.join(REPO, "scripts", "evaluate_bdlm.py")
@@ -38,11 +39,17 @@ def evaluate(nproc: int, *flags: str, expect: int = 0) -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(corpus, tmp_path_factory):
+def training(corpus, tmp_path_factory):
+    """The tiny config trained for TRAIN_ITERS iterations, saved, and validated once at the end (the split's
+    first eval_iters x global batch = 8 sequences)."""
     root = tmp_path_factory.mktemp("evaluate")
-    run(1, base(corpus, train_iters=TRAIN_ITERS, eval_interval=TRAIN_ITERS, save=root / "run",
-                save_interval=TRAIN_ITERS, log_interval=50))
-    return root
+    return root, run(1, base(corpus, train_iters=TRAIN_ITERS, eval_interval=TRAIN_ITERS, save=root / "run",
+                             save_interval=TRAIN_ITERS, log_interval=50))
+
+
+@pytest.fixture(scope="module")
+def trained(training):
+    return training[0]
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +158,49 @@ def test_a_different_seed_changes_the_estimate(evaluations):
     # ... and both estimate the same NELBO of the same sequences, within their noise.
     combined = math.hypot(seven["noise_stderr"], eight["noise_stderr"])
     assert abs(eight["nelbo"] - seven["nelbo"]) <= 5 * combined, (seven["nelbo"], eight["nelbo"], combined)
+
+
+def test_the_estimate_by_hand():
+    """Two draws of three sequences of 4 tokens: the NELBO is the weighted CE sum over the tokens; the error
+    over sequences is the spread of their 2-draw NELBOs (1.5, 2, 2) over sqrt(3); the noise's is the draws'
+    variance per sequence (8, 0, 32), summed, over K, rooted, over the 12 tokens of one draw."""
+    from megatron_csbp.tools.evaluation import draw_seed, estimate
+
+    result = estimate([[4.0, 8.0, 12.0], [8.0, 8.0, 4.0]], [[4.0] * 3, [4.0] * 3])
+    assert result.nelbo == pytest.approx(44 / 24, rel=1e-12)
+    assert result.stderr == pytest.approx(statistics.stdev([1.5, 2.0, 2.0]) / math.sqrt(3), rel=1e-12)
+    assert result.noise_stderr == pytest.approx(math.sqrt(40 / 2) / 12, rel=1e-12)
+    assert result.per_draw == pytest.approx((2.0, 20 / 12), rel=1e-12)
+    one = estimate([[4.0, 8.0]], [[4.0, 4.0]])
+    assert one.noise_stderr is None and one.stderr is not None  # one draw: no noise error to estimate
+    assert draw_seed(7, 0) == draw_seed(7, 0) != draw_seed(7, 1) != draw_seed(8, 1) and draw_seed(7, 3) >= 0
+
+
+@on_cpu_backend
+def _with_the_trainers_noise(rank, world, argv, seed, group):
+    """The evaluator's NELBO with the trainer's objective: its seed, stratified over each global batch."""
+    from dataclasses import replace
+
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.tools import evaluation
+
+    evaluator = evaluation.Evaluator(evaluation.prepare(argv, world),
+                                     lambda objective, draw: replace(objective, seed=seed, antithetic_group=group))
+    try:
+        return evaluator.evaluate()["nelbo"]
+    finally:
+        evaluator.close()
+        parallel_state.destroy_model_parallel()
+
+
+def test_given_the_trainers_noise_it_reproduces_the_trainers_validation(training, corpus):
+    """The evaluator and Trainer.evaluate compute the same thing: on the trainer's validation sequences (the
+    first 8 of the split) with the trainer's noise (seed, stratified per global batch of 4), the same NELBO."""
+    from megatron_csbp.training.launch import run_ranks
+
+    root, trained_run = training
+    logged = trained_run.validation[TRAIN_ITERS]
+    argv = ["--load", str(root / "run"), "--data-path", corpus, "--eval-sequences", "8", "--log-interval", "1000"]
+    (nelbo,) = run_ranks(_with_the_trainers_noise, 1, argv, TINY["seed"], TINY["global_batch_size"])
+    print(f"trainer's validation {logged:.6E}, evaluator with the trainer's noise {nelbo:.6E}")
+    assert nelbo == pytest.approx(logged, rel=2e-6)  # the trainer prints 7 significant digits

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "unless --overwrite.")
     parser.add_argument("--overwrite", action="store_true", help="Replace an existing --output-json file.")
     parser.add_argument("--tensorboard-dir", default=None, help="TensorBoard scalars at the checkpoint's iteration.")
+    parser.add_argument("--data-cache-path", default=None,
+                        help="Where the dataset's sample indices are cached. Default: a 'cache' folder beside it.")
     group = parser.add_argument_group("layout (the trainer's flags; any layout the checkpoint loads into)")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -207,7 +209,7 @@ def run_arguments(saved: dict, options, world_size: int, directory: str):
     # One sequence per micro-batch (each report is one sequence's); nothing is saved or resumed.
     args.micro_batch_size, args.global_batch_size = 1, None
     args.data_path, args.save, args.load = [options.data_path], None, None
-    args.tensorboard_dir, args.data_cache_path = options.tensorboard_dir, saved.get("data_cache_path")
+    args.tensorboard_dir, args.data_cache_path = options.tensorboard_dir, options.data_cache_path
     args.eval_iters = 0  # the validation share may be empty for --split all/train
     args.link_gbps = None
     null_as_byte_tokenizer(args)
@@ -359,7 +361,9 @@ class Evaluator:
     the forward-only schedule over them, draw after draw. Every rank of the launch makes one; the results
     (and the lines) are the last rank's, which is on the last pipeline stage, as in training."""
 
-    def __init__(self, prepared: Prepared):
+    def __init__(self, prepared: Prepared, objective_for_draw=None):
+        """`objective_for_draw(objective, draw)`: the objective of each noise draw, `draw_objective` with the
+        noise seed by default (the tests give the trainer's own noise, to reproduce its validation)."""
         import torch
         import torch.distributed as dist
         from megatron.core import parallel_state as mpu
@@ -372,6 +376,8 @@ class Evaluator:
         from megatron_csbp.training.progress import Progress
 
         self.prepared = prepared
+        self.objective_for_draw = objective_for_draw or (lambda objective, draw: draw_objective(objective,
+                                                                                                prepared.seed, draw))
         args = prepared.args
         self.run_providers = providers.RunProviders(args, prepared.vocabulary)
         parallel_state.initialize_model_parallel(
@@ -473,10 +479,10 @@ class Evaluator:
                             f"{args.context_parallel_size} (clean shards {args.context_block_parallel_clean_shards}) "
                             f"dp {args.data_parallel_size}")
         per_call = self.micro_batches * self.dp_size
-        total, done, logged = K * count, 0, 0
+        total, done, logged, last_logged = K * count, 0, 0, 0
         started = interval_start = time.perf_counter()
         for draw in range(K):
-            forward_step = BDLMForwardStep(draw_objective(self.run.objective, prepared.seed, draw), self.run.layout)
+            forward_step = BDLMForwardStep(self.objective_for_draw(self.run.objective, draw), self.run.layout)
             for start in range(0, count, per_call):
                 size = min(per_call, count - start)
                 with supervision.watch(f"evaluation: noise sample {draw}, sequences {start}-{start + size - 1}"):
@@ -486,9 +492,8 @@ class Evaluator:
                 done += size
                 if done // options.log_interval > logged or done == total:
                     now = time.perf_counter()
-                    seconds, evaluated = now - interval_start, done - logged * options.log_interval
-                    self._progress_line(done, total, draw, K, evaluated, seconds)
-                    logged, interval_start = done // options.log_interval, now
+                    self._progress_line(done, total, draw, K, done - last_logged, now - interval_start)
+                    logged, last_logged, interval_start = done // options.log_interval, done, now
         seconds = time.perf_counter() - started
         if not self.last_stage:
             return None
