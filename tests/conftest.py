@@ -61,6 +61,7 @@ MODULE_MARKERS = {
     "test_refusals": (),
     "test_torchrun": ("spawn", "slow"),
     "test_evaluate": ("spawn", "slow"),
+    "test_harness": ("spawn", "slow"),
 }
 
 

@@ -176,6 +176,10 @@ class MegatronCSBPLM(LM):
         if not dist.is_initialized():
             init_distributed(args.distributed_timeout_minutes)
             atexit.register(_shut_down)
+        from megatron_csbp.mcore import parallel_state
+
+        if parallel_state.is_initialized():  # a second model in one process (simple_evaluate called again)
+            parallel_state.destroy_model_parallel()
         with self._backend():
             self.sampler = inference.build_model(args, directory)
             self.model = self._training_model(args)
@@ -262,6 +266,8 @@ class MegatronCSBPLM(LM):
     def _blocks(self, start: int, end: int) -> list:
         """Per block that holds positions `[start, end)`: those positions, as indices from `start`."""
         B = self.block_size
+        if end <= start:
+            return []
         return [list(range(max(start, b * B) - start, min(end, (b + 1) * B) - start))
                 for b in range(start // B, (end - 1) // B + 1)]
 
