@@ -126,14 +126,14 @@ def exports(tmp_path_factory):
               "lr-warmup-iters=0", "eval-iters=0", "split=100,0,0", f"save={finetuned}", "save-interval=1", "micro-batch-size=1",
               "global-batch-size=1", f"data-cache-path={os.path.join(root, 'cache')}")
 
-    jobs = {"qwen3_hf": (os.path.join(root, "qwen3", "ckpt"), "hf"),
-            "qwen3_sdar": (os.path.join(root, "qwen3", "ckpt"), "sdar"),
-            "qwen2_hf": (finetuned, "hf"),
-            "qwen2_fast_dllm_v2": (finetuned, "fast-dllm-v2")}
+    qwen3 = os.path.join(root, "qwen3", "ckpt")
+    jobs = [("qwen3_hf", qwen3, "hf", False), ("qwen3_sdar", qwen3, "sdar", False),
+            ("qwen2_hf", finetuned, "hf", False), ("qwen2_fast_dllm_v2", finetuned, "fast-dllm-v2", False),
+            ("replaced", qwen3, "sdar", False), ("replaced", qwen3, "hf", True)]  # an SDAR export, then hf over it
     logs = run_ranks(_conversions, 1, [("export_checkpoint", dict(load=load, out=os.path.join(root, "exports", name),
-                                                                  export_format=fmt))
-                                       for name, (load, fmt) in jobs.items()], timeout=600)[0]
-    return root, dict(zip(jobs, logs))
+                                                                  export_format=fmt, overwrite=overwrite))
+                                       for name, load, fmt, overwrite in jobs], timeout=600)[0]
+    return root, {name: lines for (name, *_), lines in zip(jobs, logs)}  # "replaced": the last export's
 
 
 def _config(root, name):
@@ -261,6 +261,10 @@ def test_the_plain_export_has_none_of_the_engines_fields(exports):
         assert "configuration_sdar.py" not in os.listdir(os.path.join(root, "exports", name))
         assert not [line for line in logs[name] if "note:" in line]
     assert "bd_size" not in _config(root, "qwen3_hf") and _config(root, "qwen2_hf")["bd_size"] == BLOCK
+    # --overwrite replaces an SDAR export whole: the plain export over it keeps no SDAR file or key
+    assert sorted(os.listdir(os.path.join(root, "exports", "replaced"))) == \
+        sorted(os.listdir(os.path.join(root, "exports", "qwen3_hf")))
+    assert _config(root, "replaced") == _config(root, "qwen3_hf")
 
 
 @pytest.mark.parametrize("name, fmt, message", [
