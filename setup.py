@@ -33,5 +33,5 @@ setup(
     },
     entry_points={"console_scripts": ["csbp-bench=megatron_csbp.tools.bench:main",
                                       "csbp-plan=megatron_csbp.tools.plan:command",
-                                      "csbp-lm-eval=megatron_csbp.tools.harness:main"]},
+                                      "csbp-lm-eval=megatron_csbp.harness:main"]},
 )

@@ -6,12 +6,24 @@ runs lm-eval's own CLI with the same flags, e.g.
     python -m megatron_csbp.harness --model megatron_csbp --model_args load=runs/demo_sequences \\
         --tasks my_task --include_path my_tasks/
 
-Also installed as the console script `csbp-lm-eval`. Needs the `[eval]` extra (`pip install -e ".[eval]"`).
+Also installed as the console script `csbp-lm-eval`. Needs the `[eval]` extra (`pip install -e ".[eval]"`);
+without it, says so in one line (exit 2).
 """
 
 import sys
 
-from megatron_csbp.tools.harness import main
+
+def main(argv: list | None = None) -> int:
+    try:
+        from megatron_csbp.tools.harness import main as run
+    except ModuleNotFoundError as error:
+        if (error.name or "").split(".")[0] != "lm_eval":
+            raise
+        print("csbp-lm-eval: error: lm-eval is not installed; install the extra: pip install -e \".[eval]\"",
+              file=sys.stderr, flush=True)
+        return 2
+    return run(argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())
