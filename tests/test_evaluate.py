@@ -20,12 +20,12 @@ pytest_plugins = ["pretrain_runs"]  # the corpus fixture
 SCRIPT = os.path.join(REPO, "scripts", "evaluate_bdlm.py")
 TRAIN_ITERS = 100  # ~5 s of training: the loss is well below its start, the model far from uniform
 SEQUENCES = 32
-SUMMARY = re.compile(r" evaluation at iteration (\d+) \| split: (\w+) \| sequences: (\d+) \| noise samples per sequence: "
-                     r"(\d+) \| lm loss value \(NELBO per token\): (\S+) \| standard error \(sequences\): (\S+) \| "
-                     r"standard error \(noise\): (\S+) \| lm loss PPL \(upper bound\): (\S+) \| tokens/s: (\S+) \| "
-                     r"sequences/s: (\S+) \|")
-PROGRESS = re.compile(r" \[[\d :-]+\] evaluated +(\d+)/ +(\d+) sequences x noise samples \(noise sample (\d+)/(\d+)\) \| "
-                      r"sequences/s: [\d.]+ \| tokens/s: [\d.]+ \|")
+SUMMARY = re.compile(r" evaluation at iteration (\d+) \| split: (\w+) \| sequences: (\d+) \| "
+                     r"noise samples per sequence: (\d+) \| lm loss value \(NELBO per token\): (\S+) \| "
+                     r"standard error \(sequences\): (\S+) \| standard error \(noise\): (\S+) \| "
+                     r"lm loss PPL \(upper bound\): (\S+) \| tokens/s: (\S+) \| sequences/s: (\S+) \|")
+PROGRESS = re.compile(r" \[[\d :-]+\] evaluated +(\d+)/ +(\d+) sequences x noise samples "
+                      r"\(noise sample (\d+)/(\d+)\) \| sequences/s: [\d.]+ \| tokens/s: [\d.]+ \|")
 
 
 def evaluate(nproc: int, *flags: str, expect: int = 0) -> str:
