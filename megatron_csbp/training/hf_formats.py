@@ -6,9 +6,9 @@ the same weights (byte for byte) loadable by an engine that decodes block diffus
 architecture, `model_type` and config keys that engine reads. Each format states its own facts, all read
 from the engines' sources (the README's "Exports for serving engines" names the files):
 
-* `sdar`: SDAR (JetAstra/SDAR) is Qwen3 with the BD3-LM decoding: SGLang's `DllmConfig` and lmdeploy's
-  `SDARModelConfigBuilder` recognise it by `architectures[0] == "SDARForCausalLM"` and `model_type ==
-  "sdar"`, and both hard-code MASK id 151669 (Qwen3's first id past its tokenizer) and a default block of 4
+* `sdar`: SDAR (JetAstra/SDAR) is Qwen3 with the BD3-LM decoding: SGLang's `DllmConfig` recognises it by
+  `architectures[0] == "SDARForCausalLM"`, lmdeploy's `SDARModelConfigBuilder` by `model_type == "sdar"`
+  (and its model by the architecture), and both hard-code MASK id 151669 (Qwen3's first id past its tokenizer) and a default block of 4
   (SGLang's `--dllm-algorithm-config` YAML `block_size`, lmdeploy's `--dllm-block-length` change it).
   SDAR decodes in place (`generate.py` writes the token sampled at row p to position p): our `bd3lm`.
 * `fast-dllm-v2`: Fast-dLLM v2 is Qwen2.5 (QKV bias) with shifted labels (its `generate` reads position
