@@ -204,17 +204,35 @@ def _in_process(rank, world_size, load):
     longer = lm.nelbo_samples([lm.encode_pair("january february march april", " april")], samples=16)[0]
     padding = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(lone, batched + padded))
     control = float((longer - lone[0]).abs().max() / lone[0].abs().max())
+    # The rows are the objective's: BDLMObjective.rows with the same noise lays out the same ids, labels, weights.
+    from megatron_csbp.bdlm.objective import BDLMObjective, Noise
+
+    generator = torch.Generator().manual_seed(3)
+    L, B = lm.seq_length, lm.block_size
+    tokens = torch.randint(0, 256, (L,), generator=generator)
+    t = torch.rand(1, L // B, generator=generator, dtype=torch.float64).clamp(min=0.05)
+    masked = torch.rand(1, L, generator=generator, dtype=torch.float64) < t.repeat_interleave(B, dim=1)
+
+    class GivenNoise(BDLMObjective):
+        def noise(self, sample_index, seq_length):
+            return Noise(t, masked)
+
+    expected = GivenNoise(block_size=B, mask_token_id=lm.mask_token_id).rows(tokens.unsqueeze(0), [0], lm.layout)
+    weight = torch.where(masked, 1.0 / t.repeat_interleave(B, dim=1), 0.0)
+    got = lm.request_rows(tokens.tolist(), 0, masked, weight)
+    same_rows = (torch.equal(got[0], expected.input_ids.cpu()) and torch.equal(got[1], expected.labels.cpu())
+                 and torch.allclose(got[2].float(), expected.loss_weights.cpu()))
     lm.args.bdlm_objective = "fast-dllm-v2"
     try:
         lm.nelbo_samples(pairs[:1])
     except ConfigError as error:
         refusals["fast-dllm-v2"] = str(error)
     assert torch.isfinite(torch.stack(lone)).all()
-    return summary, padding, control, refusals
+    return summary, padding, control, refusals, same_rows
 
 
-def test_estimators_agree_and_scores_do_not_depend_on_padding(harness_runs):
-    summary, padding, control, refusals = run_ranks(_in_process, 1, str(harness_runs / "trained"), timeout=300)[0]
+def test_estimators_agree_scores_do_not_depend_on_padding_and_rows_are_the_objectives(harness_runs):
+    summary, padding, control, refusals, same_rows = run_ranks(_in_process, 1, str(harness_runs / "trained"), timeout=300)[0]
     for index in range(3):
         (a, sa), (b, sb), (u, su) = (summary[name][index] for name in ("inverse-t", "count", "unweighted"))
         gap, unweighted = abs(a - b) / (sa ** 2 + sb ** 2) ** 0.5, abs(a - u) / (sa ** 2 + su ** 2) ** 0.5
@@ -224,6 +242,7 @@ def test_estimators_agree_and_scores_do_not_depend_on_padding(harness_runs):
         assert unweighted > 4, summary
     print(f"padding/batching: largest relative difference {padding:.1e}; a different context: {control:.1e}")
     assert padding <= 1e-5 and control > 1e-2
+    assert same_rows, "the harness's [x_t ; x_0] rows differ from BDLMObjective.rows under the same noise"
     messages = {"{'tensor_parallel_size': 2}": "tensor_parallel_size=1", "{'estimator': 'median'}": "inverse-t, count",
                 "{'mc_sample': 4}": "did you mean mc_samples", "{'strategy': 'best'}": "strategy",
                 "fast-dllm-v2": "bdlm-objective: bd3lm"}

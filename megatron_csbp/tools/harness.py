@@ -277,6 +277,26 @@ class MegatronCSBPLM(LM):
                  f"(shifted labels, unit weights): it has no BD3-LM bound to score; give model_args config=FILE.yaml "
                  f"with 'bdlm-objective: bd3lm' to score it as one, or run generate_until tasks only")
 
+    def request_rows(self, tokens: list, start: int, masked, weight, padding_id: int | None = None):
+        """One request's model rows for its `M` noise draws, as `BDLMObjective.rows` lays them out (tested
+        equal): input ids `[M, 2L]` (`[x_t at the layout's noisy positions ; x0 at its clean positions]`), labels
+        and loss weights `[M, L]` at the noisy positions. `tokens[start:]` is the continuation, `masked` and
+        `weight` `[M, len(tokens) - start]` its noise; the context is clean in both copies. Past the tokens:
+        MASK in the rest of the last block's noisy copy, `padding_id` (default MASK) everywhere else."""
+        L, layout, samples = self.seq_length, self.layout, masked.shape[0]
+        end = len(tokens)
+        padding_id = self.mask_token_id if padding_id is None else padding_id
+        row = torch.full((L,), padding_id, dtype=torch.long)
+        row[:end] = torch.tensor(tokens, dtype=torch.long)
+        x_t = row.repeat(samples, 1)
+        x_t[:, end:-(-end // self.block_size) * self.block_size] = self.mask_token_id  # the unknown rest of the block
+        x_t[:, start:end] = torch.where(masked, self.mask_token_id, x_t[:, start:end])
+        full_weight = torch.zeros(samples, L, dtype=torch.float64)
+        full_weight[:, start:end] = weight
+        labels = torch.where(row == self.mask_token_id, 0, row).repeat(samples, 1)  # padding: weight 0, any label
+        inputs = torch.cat([x_t[:, layout.noisy_positions], row.repeat(samples, 1)[:, layout.clean_positions]], dim=1)
+        return inputs, labels[:, layout.noisy_positions], full_weight[:, layout.noisy_positions]
+
     def nelbo_samples(self, pairs: list, estimator: str | None = None, samples: int | None = None,
                       padding_id: int | None = None, disable_tqdm: bool = True) -> list:
         """Per `(context ids, continuation ids)`: the [M] NELBO estimates of the continuation (nats, summed over
@@ -285,7 +305,7 @@ class MegatronCSBPLM(LM):
         self._check_objective()
         estimator, samples = estimator or self.estimator, samples or self.mc_samples
         padding_id = self.mask_token_id if padding_id is None else padding_id
-        L, layout = self.seq_length, self.layout
+        layout = self.layout
         unit = self.loss_weighting == "unit"
         results = [None] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: -sum(map(len, pairs[i])))
@@ -293,35 +313,22 @@ class MegatronCSBPLM(LM):
         with self._backend():
             for first in range(0, len(order), self.batch_size):
                 chunk = order[first:first + self.batch_size]
-                clean, noisy, labels, weights, spans = [], [], [], [], []
+                inputs, labels, weights = [], [], []
                 for i in chunk:
                     context, continuation = self._fit(*pairs[i])
                     tokens = context + continuation
                     start, end = len(context), len(tokens)
                     masked, weight = noise_draws(estimator, self.seed, tokens, self._blocks(start, end), samples)
-                    if unit:
-                        weight = masked.double()
-                    row = torch.full((L,), padding_id, dtype=torch.long)
-                    row[:end] = torch.tensor(tokens, dtype=torch.long)
-                    x_t = row.repeat(samples, 1)
-                    last_block_end = -(-end // self.block_size) * self.block_size
-                    x_t[:, end:last_block_end] = self.mask_token_id  # the unknown rest of the last block
-                    x_t[:, start:end] = torch.where(masked, self.mask_token_id, x_t[:, start:end])
-                    full_weight = torch.zeros(samples, L, dtype=torch.float64)
-                    full_weight[:, start:end] = weight
-                    clean.append(row.repeat(samples, 1))
-                    noisy.append(x_t)
-                    labels.append(torch.where(row == self.mask_token_id, 0, row).repeat(samples, 1))
-                    weights.append(full_weight)
-                    spans.append(i)
-                x0, xt = torch.cat(clean), torch.cat(noisy)
-                inputs = torch.cat([xt[:, layout.noisy_positions], x0[:, layout.clean_positions]], dim=1)
+                    rows = self.request_rows(tokens, start, masked, masked.double() if unit else weight, padding_id)
+                    for into, part in zip((inputs, labels, weights), rows):
+                        into.append(part)
+                inputs = torch.cat(inputs)
                 positions = layout.row_positions.expand(inputs.shape[0], -1).contiguous()
-                target = torch.cat(labels)[:, layout.noisy_positions]
+                target = torch.cat(labels)
                 ce = self.model(inputs.to(self._device), positions.to(self._device), attention_mask=None,
                                 labels=target.to(self._device)).double().cpu()
-                scored = ce * torch.cat(weights)[:, layout.noisy_positions]
-                for k, i in enumerate(spans):
+                scored = ce * torch.cat(weights)
+                for k, i in enumerate(chunk):
                     results[i] = scored[k * samples:(k + 1) * samples].sum(1)
                 progress.update(len(chunk))
         progress.close()
