@@ -11,7 +11,7 @@ $(VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,megatron-lm,hf]"
+	$(PY) -m pip install --quiet -e ".[test,megatron-lm,hf,eval]"
 	touch $@
 
 venv: $(VENV)/.installed

@@ -28,5 +28,7 @@ setup(
         # What Megatron-LM's `megatron.training` imports beyond megatron-core (Megatron-LM itself is not on
         # PyPI: see the README). triton is not listed: on GPUs it comes with torch, on CPUs it is not needed.
         "megatron-lm": ["six>=1.16", "regex>=2023", "pydantic>=2,<3"],
+        # python -m megatron_csbp.harness (lm-evaluation-harness benchmarks); lm-eval's base install pulls no torch.
+        "eval": ["lm-eval>=0.4.13,<0.5"],
     },
 )

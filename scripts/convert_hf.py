@@ -3,7 +3,7 @@
 
     python scripts/convert_hf.py import --hf-dir DIR --save CKPT [--tensor-model-parallel-size T]
                                         [--make-vocab-size-divisible-by N] [--mask-token TOKEN]
-    python scripts/convert_hf.py export --load CKPT --hf-dir OUT [--max-shard-size-mb M]
+    python scripts/convert_hf.py export --load CKPT --hf-dir OUT [--max-shard-size-mb M] [--format hf|sdar|fast-dllm-v2]
 
 import: a dense Llama / Mistral / Qwen2 / Qwen3 directory (`config.json`, `*.safetensors`, tokenizer files;
 nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only checkpoint (fp32) that training loads with
@@ -20,6 +20,9 @@ export: the latest checkpoint of any of our runs (saved at any TP / PP) becomes 
 `transformers` loads offline with `from_pretrained(OUT)`: safetensors shards, `config.json` (with how it
 decodes: `mask_token_id`, `block_size`, `bdlm_objective`, `bdlm_label_shift`; see `hf.bdlm_config`), and the
 tokenizer with its MASK token. A non-empty OUT is refused unless `--overwrite`, which replaces it whole.
+`--format sdar` / `fast-dllm-v2` write the same weights under the architecture and config keys SGLang /
+lmdeploy (SDAR) and Fast-dLLM v2's code read, and refuse a checkpoint they cannot serve (see
+`megatron_csbp.training.hf_formats`).
 
 Both write into a private directory beside the target and publish it by one rename (see
 `megatron_csbp.training.publish`): a kill at any point leaves the target as it was. import refuses a
@@ -298,10 +301,11 @@ def _write_import(hf_dir, save, private, config, flags, weights, tokenizer, mask
 
 
 # ------------------------------------------------------------------------------------------------ export
-def export_config(args, base: dict | None, rows: int, dtype) -> dict:
+def export_config(args, base: dict | None, rows: int, dtype, export_format: str = "hf") -> dict:
     """The HF `config.json` of our model (the imported one updated, or one built from the flags), with the
-    keys that say how it decodes (`hf.bdlm_config`)."""
-    from megatron_csbp.training import hf
+    keys that say how it decodes (`hf.bdlm_config`), as `export_format` writes it (`hf_formats`; it refuses
+    a checkpoint the format's engine cannot serve)."""
+    from megatron_csbp.training import hf, hf_formats
 
     if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear or \
             getattr(args, "position_embedding_type", "rope") != "rope":
@@ -316,14 +320,16 @@ def export_config(args, base: dict | None, rows: int, dtype) -> dict:
     for stale in ("rope_scaling", "rope_theta", "bd_size"):  # bd_size: only a shifted-label model may claim it
         config.pop(stale, None)
     config["rope_parameters"] = {**config.get("rope_parameters", {}), **rope}
+    objective = getattr(args, "bdlm_objective", "bd3lm")
     config.update(hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
                   num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
                   num_key_value_heads=args.num_query_groups, head_dim=args.kv_channels,
                   rms_norm_eps=args.norm_epsilon, max_position_embeddings=args.max_position_embeddings,
                   vocab_size=rows, tie_word_embeddings=not args.untie_embeddings_and_output_weights,
                   dtype=str(dtype).removeprefix("torch."),
-                  **hf.bdlm_config(getattr(args, "bdlm_objective", "bd3lm"), args.bdlm_block_size, args.mask_token_id))
-    return config
+                  **hf.bdlm_config(objective, args.bdlm_block_size, args.mask_token_id))
+    return hf_formats.export_format(export_format).config(config, family, objective, args.bdlm_block_size,
+                                                          args.mask_token_id)
 
 
 def _export_tokenizer(hf_side: str, out: str, mask_id: int, log) -> None:
@@ -359,17 +365,19 @@ def _check_export_target(out: str, overwrite: bool, protected: list[str]) -> Non
 
 
 def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, overwrite: bool = False,
-                      log=print) -> str:
-    """The latest checkpoint under `load` -> an HF directory `out`; returns `out`.
+                      export_format: str = "hf", log=print) -> str:
+    """The latest checkpoint under `load` -> an HF directory `out` in `export_format` (`hf_formats`: `hf`,
+    `sdar`, `fast-dllm-v2`; the weights are the same in each); returns `out`.
 
     Written into a private directory beside `out` and published by one rename: `out` is never a mixture of
     two exports, and a kill leaves the previous one as it was. A non-empty `out` is refused unless
     `overwrite`, which replaces it whole."""
     import torch
 
-    from megatron_csbp.training import checkpointing, hf, publish
+    from megatron_csbp.training import checkpointing, hf, hf_formats, publish
     from megatron_csbp.training.data import Vocabulary, build_tokenizer
 
+    fmt = hf_formats.export_format(export_format)
     if max_shard_bytes <= 0:
         raise ConfigError(f"--max-shard-size-mb must be positive (got {max_shard_bytes >> 20}): the largest "
                           f"safetensors file, in MiB")
@@ -395,7 +403,9 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
     vocabulary = Vocabulary(build_tokenizer(args), args.mask_token_id, args.padded_vocab_size)  # the checkpoint's
     rows = _vocabulary_rows(vocabulary)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    config = export_config(args, base, rows, dtype)  # refuses, before any tensor is read
+    config = export_config(args, base, rows, dtype, fmt.name)  # refuses, before any tensor is read
+    for note in fmt.notes(args.bdlm_block_size):
+        log(f" {note}")
 
     shape = hf.Shape.from_args(args)
     vocab = hf.Vocabulary(hf_rows=rows, padded=args.padded_vocab_size, mask_id=args.mask_token_id,
@@ -420,6 +430,9 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
     with publish.private_directory(out, "--hf-dir") as private:
         try:
             _write_export(private, shards, parameters, names, shape, vocab, dtype, config, hf_side, args, log)
+            for name, text in fmt.files.items():
+                with open(os.path.join(private, name), "w", encoding="utf-8") as handle:
+                    handle.write(text)
         except Exception as error:
             if publish.out_of_space(error):
                 raise ConfigError(f"--hf-dir {out}: no space left on device while writing the export; nothing was "
@@ -427,7 +440,8 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
                                   f"another --hf-dir") from None
             raise
         publish.publish_directory(private, out, replace=overwrite, flag="--hf-dir")
-    log(f" exported {directory} (iteration {iteration}) to {out}: {len(shards)} shard(s), vocabulary {rows}, "
+    log(f" exported {directory} (iteration {iteration}) to {out} as --format {fmt.name} "
+        f"({config['architectures'][0]}): {len(shards)} shard(s), vocabulary {rows}, "
         f"MASK id {args.mask_token_id}, block size {args.bdlm_block_size}, objective "
         f"{config['bdlm_objective']} (row p predicts token p+{config['bdlm_label_shift']})")
     return out
@@ -466,6 +480,8 @@ def _write_export(out, shards, parameters, names, shape, vocab, dtype, config, h
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_csbp.training import hf_formats
+
     parser = argparse.ArgumentParser(description="Hugging Face <-> megatron_csbp checkpoints.", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
     to_ours = commands.add_parser("import", help="a local HF directory -> a torch_dist checkpoint to fine-tune")
@@ -482,6 +498,10 @@ def build_parser() -> argparse.ArgumentParser:
     to_ours_back.add_argument("--load", required=True, help="Checkpoint root (its latest iteration is exported).")
     to_ours_back.add_argument("--hf-dir", required=True, help="HF directory to write.")
     to_ours_back.add_argument("--max-shard-size-mb", type=int, default=2048, help="Largest safetensors file.")
+    to_ours_back.add_argument("--format", default="hf", choices=tuple(hf_formats.FORMATS),
+                              help="hf: the source family's own architecture (Llama/Qwen2/Qwen3); sdar: SDAR for "
+                                   "SGLang / lmdeploy (Qwen3, MASK 151669); fast-dllm-v2: Fast-dLLM v2 (Qwen2.5, "
+                                   "MASK 151665). The weights are the same.")
     to_ours_back.add_argument("--overwrite", action="store_true",
                               help="Replace a non-empty --hf-dir (an HF model directory) whole, once the new "
                                    "export is complete; without it a non-empty --hf-dir is refused.")
@@ -510,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise ConfigError(f"--max-shard-size-mb {args.max_shard_size_mb}: the largest safetensors file, "
                                   f"in MiB, must be positive")
             export_checkpoint(args.load, args.hf_dir, max_shard_bytes=args.max_shard_size_mb << 20,
-                              overwrite=args.overwrite)
+                              overwrite=args.overwrite, export_format=args.format)
     except ConfigError as error:
         print(f"convert_hf.py: error: {error}", file=sys.stderr, flush=True)
         return 2

@@ -28,6 +28,9 @@ sys.path.insert(0, os.path.dirname(SCRIPTS))
 sys.path.insert(1, SCRIPTS)
 
 from megatron_csbp.training.arguments import ConfigError  # noqa: E402
+# Reading a checkpoint (directory, recorded arguments, the sampling model) is shared with the lm-eval harness.
+from megatron_csbp.tools.inference import (_checkpoint_directory, build_model, model_args,  # noqa: E402,F401
+                                           parser_dest)
 
 NAME = os.path.basename(__file__)
 
@@ -93,67 +96,6 @@ def build_parser() -> argparse.ArgumentParser:
                         help="Never produce the end-of-document token (the sample fills --max-new-tokens).")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     return parser
-
-
-def _checkpoint_directory(load: str) -> str:
-    from megatron_csbp.training import checkpointing
-
-    if os.path.isfile(os.path.join(load, checkpointing.MANIFEST)):
-        return load
-    if not os.path.isdir(load):
-        raise ConfigError(f"--load {load}: no such directory; give the --save directory of a training run")
-    return checkpointing.checkpoint_dir(load, checkpointing.find_checkpoint(load, fallback=False))
-
-
-def model_args(directory: str, config: str | None, tensor_parallel: int) -> argparse.Namespace:
-    """The training arguments of the checkpoint (then `--config`), set up for one model replica over TP."""
-    from megatron_csbp.training import checkpointing
-    from megatron_csbp.training.arguments import build_parser as training_parser
-    from megatron_csbp.training.arguments import null_as_byte_tokenizer
-    from megatron_csbp.training.config import parse_args
-    from megatron_csbp.core import rules
-    from megatron_csbp.training.data import build_tokenizer
-
-    checkpointing.check_complete(directory)
-    try:
-        saved = checkpointing.saved_args(checkpointing.common_state(directory))
-    except Exception as error:
-        raise ConfigError(f"checkpoint {directory} is corrupt: its common state cannot be read ({error})") from None
-    if not saved:
-        raise ConfigError(f"checkpoint {directory} records no training arguments: it was not written by "
-                          f"megatron_csbp's training loop (scripts/pretrain_bdlm.py)")
-    args = training_parser().parse_args([])
-    vars(args).update(saved)
-    if config is not None:  # every key the YAML sets, whatever its value (the parser's default too)
-        from megatron_csbp.training.config import load_config
-
-        parser = training_parser()
-        given = vars(parse_args(["--config", config]))
-        vars(args).update({parser_dest(parser, name): given[parser_dest(parser, name)]
-                           for name in load_config(config, parser)})
-    args.tensor_model_parallel_size = tensor_parallel
-    args.tokenizer = build_tokenizer(null_as_byte_tokenizer(args))
-    # The MASK id and the real ids are the checkpoint's; the padding is this TP size's (the real rows load into
-    # any padding, and no padding id is ever produced). A checkpoint recording no real ids keeps its padding.
-    args.mask_token_id, args.padded_vocab_size = saved["mask_token_id"], saved["padded_vocab_size"]
-    if "vocab_ids" in saved:
-        args.padded_vocab_size = rules.padded_vocab_size(saved["vocab_ids"], args.make_vocab_size_divisible_by,
-                                                         tensor_parallel)
-    args.pipeline_model_parallel_size = args.context_parallel_size = 1
-    args.context_block_parallel = 1
-    args.sequence_parallel = False
-    problem = rules.tensor_parallel_problem(args.num_attention_heads, args.num_query_groups, tensor_parallel)
-    if problem is None and args.padded_vocab_size % tensor_parallel:  # padded for the TP size it was trained at
-        problem = (f"--tensor-model-parallel-size {tensor_parallel} does not divide the padded vocabulary "
-                   f"{args.padded_vocab_size}; use a TP size dividing it")
-    if problem:
-        raise ConfigError(f"checkpoint {directory}: {problem}")
-    return args
-
-
-def parser_dest(parser: argparse.ArgumentParser, flag: str) -> str:
-    """The attribute a flag name (`bdlm-objective`) is stored under."""
-    return next(action.dest for action in parser._actions if f"--{flag}" in action.option_strings)
 
 
 def stop_sequences(options, tokenizer, strategy) -> tuple:
@@ -271,29 +213,6 @@ def warn_past_trained_length(args, settings, encoded, max_new_tokens: int) -> No
     warning = past_trained_length([len(ids) for ids in encoded], max_new_tokens, settings, args.seq_length)
     if warning and int(os.environ.get("RANK", "0")) == 0:
         print(f"{NAME}: warning: {warning}", file=sys.stderr, flush=True)
-
-
-def build_model(args, directory: str | None):
-    """The sampling model over this rank's TP shard, with the weights of checkpoint `directory` (None:
-    freshly initialised, an untrained model)."""
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_csbp.training import checkpointing, providers
-    from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.tools import sampling
-    from megatron_csbp.training.arguments import transformer_config_from_args
-    from megatron_csbp.core.device import default_device
-
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1, context_block_parallel_size=1,
-                                             clean_shards=1, distributed_timeout_minutes=args.distributed_timeout_minutes)
-    model_parallel_cuda_manual_seed(args.seed)
-    model = sampling.sampling_model(  # the GPTModel keywords RunProviders.model_provider gives the training model
-        transformer_config_from_args(args), args.padded_vocab_size, args.bdlm_block_size,
-        **providers.gpt_model_kwargs(args)).to(default_device())
-    if directory is not None:
-        checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,
-                                      log=lambda *_: None)
-    return model
 
 
 def describe(args, directory, settings) -> str:

@@ -53,12 +53,15 @@ MODULE_MARKERS = {
     "test_flag_table_megatron_lm": ("spawn", "slow", "megatron_lm"),
     "test_sampling": ("spawn", "slow"),
     "test_hf": ("spawn", "slow"),
+    "test_export_formats": ("spawn", "slow"),
     "test_vocabulary_padding": ("spawn", "slow"),
     "test_start_up_output": ("spawn", "slow"),
     "test_demo": ("spawn", "slow"),
     "test_suite_rules": (),
     "test_refusals": (),
     "test_torchrun": ("spawn", "slow"),
+    "test_evaluate": ("spawn", "slow"),
+    "test_harness": ("spawn", "slow"),
 }
 
 

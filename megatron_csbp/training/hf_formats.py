@@ -1,0 +1,173 @@
+"""Export formats: the Hugging Face directory `scripts/convert_hf.py export --format NAME` writes, per serving engine.
+
+`hf` (the default) is the plain export: the source family's own architecture (`LlamaForCausalLM`,
+`Qwen2ForCausalLM`, `Qwen3ForCausalLM`) and our decoding keys (`hf.bdlm_config`). The other formats make
+the same weights (byte for byte) loadable by an engine that decodes block diffusion LMs, under the
+architecture, `model_type` and config keys that engine reads. Each format states its own facts, all read
+from the engines' sources (the README's "Exports for serving engines" names the files):
+
+* `sdar`: SDAR (JetAstra/SDAR) is Qwen3 with the BD3-LM decoding: SGLang's `DllmConfig` recognises it by
+  `architectures[0] == "SDARForCausalLM"`, lmdeploy's `SDARModelConfigBuilder` by `model_type == "sdar"`
+  (and its model by the architecture), and both hard-code MASK id 151669 (Qwen3's first id past its tokenizer) and a default block of 4
+  (SGLang's `--dllm-algorithm-config` YAML `block_size`, lmdeploy's `--dllm-block-length` change it).
+  SDAR decodes in place (`generate.py` writes the token sampled at row p to position p): our `bd3lm`.
+* `fast-dllm-v2`: Fast-dLLM v2 is Qwen2.5 (QKV bias) with shifted labels (its `generate` reads position
+  p's token from row p-1): our `fast-dllm-v2`. Its model code reads `bd_size` (the training mask's block)
+  and `layer_types` from `config.json` and takes MASK id 151665 (Qwen2.5's first id past its tokenizer)
+  and block 32 as defaults of `generate`.
+
+Why refuse or only warn: an engine that hard-codes the MASK id would feed the model an id it never
+learned as MASK, and an engine decoding the other label shift would read every token one position off:
+those exports are refused before anything is written. The block size is a flag of each engine, so a block
+other than the engine's default is exported with a note that says which flag to give.
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from megatron_csbp.training.arguments import ConfigError
+
+# Our own config class for model_type "sdar": transformers has none, so SGLang's get_config (AutoConfig, with
+# --trust-remote-code) needs one named by auto_map. It is Qwen3's config under SDAR's name (SDAR is Qwen3).
+SDAR_CONFIGURATION = '''"""SDAR's config: Qwen3's fields under model_type "sdar" (written by megatron_csbp's `convert_hf.py export
+--format sdar`, so that `AutoConfig.from_pretrained(DIR, trust_remote_code=True)` knows the model type)."""
+
+from transformers import Qwen3Config
+
+
+class SDARConfig(Qwen3Config):
+    model_type = "sdar"
+'''
+
+FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2 / Qwen2.5 (QKV bias)", "qwen3": "Qwen3 (QK-norm)"}
+
+
+def _rope_keys(config: dict) -> dict:
+    """RoPE in the v4 spelling the engines read (`rope_theta`, `rope_scaling`) beside transformers 5's
+    `rope_parameters`: SGLang's SDAR model and Fast-dLLM v2's config fall back to theta 10000 without it."""
+    rope = config.get("rope_parameters") or {}
+    scaling = None if rope.get("rope_type", "default") == "default" else \
+        {key: value for key, value in rope.items() if key != "rope_theta"}
+    return {"rope_theta": rope.get("rope_theta", 10000.0), "rope_scaling": scaling}
+
+
+def _full_attention_keys(config: dict) -> dict:
+    """Full attention in every layer, said explicitly: lmdeploy's default builder takes `use_sliding_window`
+    as true when absent, its SDAR attention reads `config.sliding_window`, Fast-dLLM v2 indexes `layer_types`."""
+    return {"use_sliding_window": False, "sliding_window": None,
+            "layer_types": ["full_attention"] * config["num_hidden_layers"]}
+
+
+def _sdar_keys(config: dict, block_size: int) -> dict:
+    return {**_rope_keys(config), **_full_attention_keys(config), "attention_bias": False,
+            "torch_dtype": config["dtype"], "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig"}}
+
+
+def _fast_dllm_v2_keys(config: dict, block_size: int) -> dict:
+    return {**_rope_keys(config), **_full_attention_keys(config), "bd_size": block_size,
+            "torch_dtype": config["dtype"],
+            "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig", "AutoModel": "modeling.Fast_dLLM_QwenModel",
+                         "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"}}
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One export format and the facts of the engine it is for (None: the plain export does not constrain it).
+
+    `families`: the source families it accepts; `architecture` / `model_type`: what `config.json` names;
+    `objective`: the `--bdlm-objective` whose label shift the engine decodes; `mask_token_id` /
+    `block_size`: the ids the engine hard-codes (`mask_source` says where), `block_size_flag` how the
+    engine is given another block; `keys(config, block_size)`: the config keys it adds; `files`: files
+    written beside `config.json` (name -> text); `needs`: what the user adds before the engine loads it."""
+
+    name: str
+    engines: str = ""
+    families: tuple[str, ...] | None = None
+    architecture: str | None = None
+    model_type: str | None = None
+    objective: str | None = None
+    mask_token_id: int | None = None
+    mask_source: str = ""
+    block_size: int | None = None
+    block_size_flag: str = ""
+    keys: Callable[[dict, int], dict] = lambda config, block_size: {}
+    files: dict = field(default_factory=dict)
+    needs: str = ""
+
+    def problem(self, family: str, objective: str, mask_token_id: int) -> str | None:
+        """One line naming `--format` and the fix, or None: what this format cannot honour for a checkpoint."""
+        flag = f"--format {self.name}"
+        if self.families is not None and family not in self.families:
+            wanted = " or ".join(FAMILY_NAMES[name] for name in self.families)
+            return (f"{flag}: {self.architecture} ({self.engines}) is a {wanted} model and this checkpoint is a "
+                    f"{FAMILY_NAMES.get(family, family)} model; export it with --format hf, or fine-tune an import "
+                    f"of a {wanted} model")
+        if self.objective is not None and objective != self.objective:
+            shift = {"bd3lm": "noisy row p predicts token p", "fast-dllm-v2": "noisy row p predicts token p+1"}
+            other = [fmt.name for fmt in FORMATS.values() if fmt.objective == objective]
+            return (f"{flag}: the decoding of {self.engines} is --bdlm-objective {self.objective}'s "
+                    f"({shift[self.objective]}) but this checkpoint records --bdlm-objective {objective} ({shift.get(objective, 'another label shift')}; an import "
+                    f"not yet fine-tuned records bd3lm); fine-tune it with --bdlm-objective {self.objective}, or "
+                    f"export it with --format {' / '.join(other + ['hf'])}")
+        if self.mask_token_id is not None and mask_token_id != self.mask_token_id:
+            return (f"{flag}: this checkpoint's MASK id is {mask_token_id} but the MASK id of {self.engines} is "
+                    f"hard-coded to {self.mask_token_id} ({self.mask_source}); "
+                    f"import the model with its own tokenizer ({self.mask_token_id} ids: the new MASK lands on "
+                    f"id {self.mask_token_id}) or with --mask-token naming its token at id {self.mask_token_id}, "
+                    f"and fine-tune from that import")
+        return None
+
+    def notes(self, block_size: int) -> list[str]:
+        """What the user must tell the engine or add to the directory (printed by the export, not refusals)."""
+        notes = []
+        if self.block_size is not None and block_size != self.block_size:
+            notes.append(f"note: --format {self.name}: this model decodes blocks of {block_size}, the default of "
+                         f"{self.engines} is {self.block_size}: "
+                         f"{self.block_size_flag.format(block_size=block_size)}")
+        if self.needs:
+            notes.append(f"note: --format {self.name}: {self.needs}")
+        return notes
+
+    def config(self, config: dict, family: str, objective: str, block_size: int, mask_token_id: int) -> dict:
+        """`config` (the plain export's config.json) as this format writes it; refuses (ConfigError) first."""
+        problem = self.problem(family, objective, mask_token_id)
+        if problem:
+            raise ConfigError(problem)
+        config = dict(config)
+        if self.architecture:
+            config.update(architectures=[self.architecture], model_type=self.model_type)
+        config.update(self.keys(config, block_size))
+        return config
+
+
+HF = ExportFormat("hf")
+SDAR = ExportFormat(
+    "sdar", engines="SGLang and lmdeploy", families=("qwen3",), architecture="SDARForCausalLM", model_type="sdar",
+    objective="bd3lm", mask_token_id=151669,
+    mask_source="SGLang's DLLM_PARAMS in python/sglang/srt/dllm/config.py, lmdeploy's "
+                "lmdeploy/pytorch/configurations/sdar.py",
+    block_size=4,
+    block_size_flag="serve it with block_size: {block_size} in SGLang's --dllm-algorithm-config YAML, or lmdeploy's "
+                    "--dllm-block-length {block_size}",
+    keys=_sdar_keys, files={"configuration_sdar.py": SDAR_CONFIGURATION})
+FAST_DLLM_V2 = ExportFormat(
+    "fast-dllm-v2", engines="Fast-dLLM v2's model code", families=("qwen2",),
+    architecture="Fast_dLLM_QwenForCausalLM", model_type="Fast_dLLM_Qwen", objective="fast-dllm-v2",
+    mask_token_id=151665,
+    mask_source="the mask_id=151665 default of Fast_dLLM_QwenForCausalLM.forward and .generate in its modeling.py",
+    block_size=32,
+    block_size_flag="call its generate(..., block_size={block_size}) (bd_size in config.json only sets its training "
+                    "mask)",
+    keys=_fast_dllm_v2_keys,
+    needs="Fast-dLLM v2's own configuration.py and modeling.py (its release's code, which config.json's auto_map "
+          "names) are not included: copy them from the Fast_dLLM_v2 release (e.g. Efficient-Large-Model/"
+          "Fast_dLLM_v2_1.5B) into the directory to load it with trust_remote_code=True")
+
+FORMATS = {fmt.name: fmt for fmt in (HF, SDAR, FAST_DLLM_V2)}
+
+
+def export_format(name: str) -> ExportFormat:
+    """The format `--format name` names; refuses an unknown one in one line."""
+    if name not in FORMATS:
+        raise ConfigError(f"--format {name}: not an export format; choose one of {', '.join(FORMATS)}")
+    return FORMATS[name]

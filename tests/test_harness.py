@@ -1,0 +1,258 @@
+"""lm-evaluation-harness on our checkpoints, through lm-eval's real command line (`python -m megatron_csbp.harness`)
+with local tasks (JSON files written here, nothing downloaded): a model trained briefly on the sequences corpus
+(`scripts/prepare_data.py --corpus sequences`) picks the next word of a run of months, weekdays, planets or
+colours among four far above chance, the same model untrained (one step at learning rate 0: the initial weights)
+at chance; `generate_until` answers what `scripts/generate_bdlm.py` prints for the same greedy settings; the two
+NELBO estimators agree (and a biased one does not), and a continuation's score does not depend on the padding
+or the batch it ran in.
+"""
+
+import ast
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pretrain_runs import REPO, SCRIPT, _load_prepare_data, environment
+from spawn import run_ranks
+
+GENERATE = os.path.join(REPO, "scripts", "generate_bdlm.py")
+CHOICES = 4  # the right next word and three other words of the same run: chance is 1/4
+CHANCE_BAND = 0.15  # untrained accuracy within 0.25 +- 0.15 (about 3 standard errors over 80 questions)
+# The demo's config on one rank, smaller and at L = 64 so that ~300 steps (~30 s) learn the runs.
+SMALL = ["context-block-parallel=1", "num-layers=2", "hidden-size=64", "ffn-hidden-size=192", "seq-length=64",
+         "eval-interval=1000", "log-interval=50", "lr=5e-3"]
+GEN_PROMPTS = ["january february march", "monday tuesday", "mercury venus earth", "red orange"]
+GEN_STOPS = ["\n", "y", "nn"]  # byte-level: "y" and "nn" cut some of the samples short
+GEN_TOKENS = 24
+
+
+def _run(command, timeout=300):
+    done = subprocess.run(command, cwd=REPO, env=environment({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}),
+                          timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return done
+
+
+def _ok(command, timeout=300):
+    done = _run(command, timeout)
+    assert done.returncode == 0, f"exit status {done.returncode}:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    return done
+
+
+def _questions(count: int, seed: int = 0) -> list:
+    """Three consecutive words of a run, the next word among `CHOICES` words of that run (order shuffled)."""
+    runs = _load_prepare_data().SEQUENCES
+    generator = random.Random(seed)
+    questions = []
+    for index in range(count):
+        words = runs[sorted(runs)[index % len(runs)]].split()
+        start = generator.randrange(len(words))
+        right = words[(start + 3) % len(words)]
+        choices = generator.sample([word for word in words if word != right], CHOICES - 1) + [right]
+        generator.shuffle(choices)
+        questions.append({"context": " ".join(words[(start + k) % len(words)] for k in range(3)),
+                          "choices": choices, "answer": choices.index(right)})
+    return questions
+
+
+def _write_tasks(folder) -> None:
+    """Three local tasks: multiple choice (loglikelihood), perplexity (loglikelihood_rolling), generation."""
+    folder.mkdir()
+    (folder / "next_word.json").write_text(json.dumps(_questions(80)))
+    runs = _load_prepare_data().sequence_documents(count=6, seed=7)
+    (folder / "texts.json").write_text(json.dumps([{"text": text} for text in runs]))
+    (folder / "prompts.json").write_text(json.dumps([{"context": prompt} for prompt in GEN_PROMPTS]))
+    common = "dataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n    test: {file}\n"
+    (folder / "next_word.yaml").write_text(
+        "task: csbp_next_word\n" + common.format(file=folder / "next_word.json")
+        + "output_type: multiple_choice\ndoc_to_text: \"{{context}}\"\ndoc_to_choice: \"{{choices}}\"\n"
+          "doc_to_target: answer\nmetric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    (folder / "texts.yaml").write_text(
+        "task: csbp_texts\n" + common.format(file=folder / "texts.json")
+        + "output_type: loglikelihood_rolling\ndoc_to_text: \"\"\ndoc_to_target: \"{{text}}\"\n"
+          "metric_list:\n  - metric: bits_per_byte\n    aggregation: bits_per_byte\n    higher_is_better: false\n")
+    (folder / "prompts.yaml").write_text(
+        "task: csbp_prompts\n" + common.format(file=folder / "prompts.json")
+        + "output_type: generate_until\ndoc_to_text: \"{{context}}\"\ndoc_to_target: \"\"\n"
+          f"generation_kwargs:\n  until: {json.dumps(GEN_STOPS)}\n  max_gen_toks: {GEN_TOKENS}\n  do_sample: false\n"
+          "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
+
+
+@pytest.fixture(scope="module")
+def harness_runs(tmp_path_factory):
+    """The sequences corpus, a model trained 300 steps on it and the same model untrained, the local tasks."""
+    root = tmp_path_factory.mktemp("harness")
+    assert _load_prepare_data().main(["--corpus", "sequences", "--output-prefix", str(root / "sequences")]) == 0
+    config = ["--config", os.path.join(REPO, "configs", "demo_sequences.yaml"), f"data-path={root / 'sequences'}",
+              f"tensorboard-dir={root / 'tensorboard'}", *SMALL]
+    _ok([sys.executable, SCRIPT, *config, f"save={root / 'trained'}", f"load={root / 'trained'}", "train-iters=300",
+         "save-interval=300"])
+    # The untrained control: the same config and seed, one step at learning rate 0 (the weights stay the initial
+    # ones; pretrain_bdlm.py refuses train-iters=0).
+    _ok([sys.executable, SCRIPT, *config, f"save={root / 'untrained'}", f"load={root / 'untrained'}",
+         "train-iters=1", "save-interval=1", "lr=0", "min-lr=0"])
+    _write_tasks(root / "tasks")
+    return root
+
+
+def _harness(root, load, tasks, *model_args, output=None):
+    command = [sys.executable, "-m", "megatron_csbp.harness", "--model", "megatron_csbp", "--model_args",
+               ",".join([f"load={load}", *model_args]), "--tasks", tasks, "--include_path", str(root / "tasks"),
+               "--batch_size", "16"]
+    if output is not None:
+        command += ["--output_path", str(output), "--log_samples"]
+    return command
+
+
+def _results(output) -> dict:
+    files = [os.path.join(folder, name) for folder, _, names in os.walk(output) for name in names
+             if name.startswith("results") and name.endswith(".json")]
+    assert len(files) == 1, files
+    with open(files[0]) as handle:
+        return json.load(handle)["results"]
+
+
+def _samples(output, task) -> list:
+    files = [os.path.join(folder, name) for folder, _, names in os.walk(output) for name in names
+             if name.startswith(f"samples_{task}") and name.endswith(".jsonl")]
+    assert len(files) == 1, files
+    with open(files[0]) as handle:
+        return [json.loads(line) for line in handle]
+
+
+@pytest.fixture(scope="module")
+def evaluations(harness_runs):
+    """lm-eval's command line on both models, `--log_samples` kept: the trained one on the three tasks (with the
+    greedy check), the untrained one on the two scored ones. Each start indexes lm-eval's own tasks (~10-30 s)."""
+    outputs = {}
+    for name, tasks, greedy in (("trained", "csbp_next_word,csbp_texts,csbp_prompts", "true"),
+                                ("untrained", "csbp_next_word,csbp_texts", "false")):
+        outputs[name] = harness_runs / f"results_{name}"
+        started = time.time()
+        done = _ok(_harness(harness_runs, harness_runs / name, tasks, "mc_samples=8", f"greedy_check={greedy}",
+                            output=outputs[name]))
+        assert "loglikelihood (BDLM NELBO)" in done.stderr  # the progress bar
+        print(f"lm-eval on the {name} model ({tasks}): {time.time() - started:.0f} s")
+    return outputs
+
+
+def test_multiple_choice_far_above_chance_when_trained_and_at_chance_untrained(evaluations):
+    scores = {}
+    for name, output in evaluations.items():
+        results = _results(output)
+        scores[name] = (results["csbp_next_word"]["acc,none"], results["csbp_texts"]["bits_per_byte,none"])
+    print(f"next word among {CHOICES} (chance {1 / CHOICES:.2f}): trained acc {scores['trained'][0]:.3f}, "
+          f"untrained acc {scores['untrained'][0]:.3f}; NELBO bits per byte: trained {scores['trained'][1]:.3f}, "
+          f"untrained {scores['untrained'][1]:.3f}")
+    assert scores["trained"][0] >= 0.8, scores
+    assert abs(scores["untrained"][0] - 1 / CHOICES) <= CHANCE_BAND, scores
+    assert scores["trained"][1] < scores["untrained"][1] - 1, scores  # the bound of the texts, per byte
+    # is_greedy: the sampler's greedy decode is at most one of the choices, and mostly the right one.
+    rows = _samples(evaluations["trained"], "csbp_next_word")
+    greedy = [[str(response[0][1]) == "True" for response in row["resps"]] for row in rows]
+    right = sum(flags[int(row["target"])] for flags, row in zip(greedy, rows))
+    print(f"is_greedy: the right choice in {right} of {len(rows)} questions")
+    assert all(sum(flags) <= 1 for flags in greedy) and right >= len(rows) // 2, greedy
+
+
+def test_generate_until_answers_what_the_generate_script_prints(harness_runs, evaluations):
+    answers = {row["doc"]["context"]: row["resps"][0][0] for row in _samples(evaluations["trained"], "csbp_prompts")}
+    prompts = [flag for prompt in GEN_PROMPTS for flag in ("--prompt", prompt)]
+    stops = [flag for stop in GEN_STOPS for flag in ("--stop", stop)]
+    printed = _ok([sys.executable, GENERATE, "--load", str(harness_runs / "trained"), *prompts, *stops,
+                   "--max-new-tokens", str(GEN_TOKENS), "--temperature", "0"]).stdout
+    samples = [ast.literal_eval(line.split(": ", 1)[1]) for line in printed.splitlines() if line.startswith("sample ")]
+    print("\n".join(f"{prompt!r} -> {answers[prompt]!r}" for prompt in GEN_PROMPTS))
+    assert [answers[prompt] for prompt in GEN_PROMPTS] == samples
+    assert any(sample.strip() for sample in samples) and not any(stop in sample for sample in samples
+                                                                 for stop in GEN_STOPS)
+
+
+def _in_process(rank, world_size, load):
+    """The model from Python (as `lm_eval.simple_evaluate` makes it): estimator agreement, padding, refusals."""
+    import torch
+
+    from megatron_csbp.tools.harness import MegatronCSBPLM
+    from megatron_csbp.training.arguments import ConfigError
+
+    refusals = {}
+    for arguments in ({"tensor_parallel_size": 2}, {"estimator": "median"}, {"mc_sample": 4}, {"strategy": "best"}):
+        try:
+            MegatronCSBPLM(load=load, **arguments)
+        except ConfigError as error:
+            refusals[str(arguments)] = str(error)
+    lm = MegatronCSBPLM(load=load, batch_size=3)
+    pairs = [lm.encode_pair("january february march", " april"), lm.encode_pair("mercury venus", " earth mars"),
+             lm.encode_pair("red orange yellow green blue indigo violet red", " orange yellow green blue indigo")]
+    draws = 512
+    estimates = {name: lm.nelbo_samples(pairs, estimator=name, samples=draws) for name in ("inverse-t", "count")}
+    lm.loss_weighting = "unit"  # negative control: the masked tokens' CE without the 1/t weight is no NELBO
+    estimates["unweighted"] = lm.nelbo_samples(pairs, estimator="inverse-t", samples=draws)
+    lm.loss_weighting = "inverse-t"
+    summary = {name: [(float(e.mean()), float(e.std() / draws ** 0.5)) for e in values]
+               for name, values in estimates.items()}
+    # Padding and batching: alone, in batches of other lengths, and with the padding after the last block the
+    # letter 'x' instead of MASK, a request scores the same.
+    lone = [lm.nelbo_samples([pair], samples=16)[0] for pair in pairs]
+    batched = lm.nelbo_samples(pairs[::-1] + [lm.encode_pair("a", " b")], samples=16)[:3][::-1]
+    padded = lm.nelbo_samples(pairs, samples=16, padding_id=ord("x"))
+    longer = lm.nelbo_samples([lm.encode_pair("january february march april", " april")], samples=16)[0]
+    padding = max(float((a - b).abs().max() / a.abs().max()) for a, b in zip(lone, batched + padded))
+    control = float((longer - lone[0]).abs().max() / lone[0].abs().max())
+    # The rows are the objective's: BDLMObjective.rows with the same noise lays out the same ids, labels, weights.
+    from megatron_csbp.bdlm.objective import BDLMObjective, Noise
+
+    generator = torch.Generator().manual_seed(3)
+    L, B = lm.seq_length, lm.block_size
+    tokens = torch.randint(0, 256, (L,), generator=generator)
+    t = torch.rand(1, L // B, generator=generator, dtype=torch.float64).clamp(min=0.05)
+    masked = torch.rand(1, L, generator=generator, dtype=torch.float64) < t.repeat_interleave(B, dim=1)
+
+    class GivenNoise(BDLMObjective):
+        def noise(self, sample_index, seq_length):
+            return Noise(t, masked)
+
+    expected = GivenNoise(block_size=B, mask_token_id=lm.mask_token_id).rows(tokens.unsqueeze(0), [0], lm.layout)
+    weight = torch.where(masked, 1.0 / t.repeat_interleave(B, dim=1), 0.0)
+    got = lm.request_rows(tokens.tolist(), 0, masked, weight)
+    same_rows = (torch.equal(got[0], expected.input_ids.cpu()) and torch.equal(got[1], expected.labels.cpu())
+                 and torch.allclose(got[2].float(), expected.loss_weights.cpu()))
+    lm.args.bdlm_objective = "fast-dllm-v2"
+    try:
+        lm.nelbo_samples(pairs[:1])
+    except ConfigError as error:
+        refusals["fast-dllm-v2"] = str(error)
+    assert torch.isfinite(torch.stack(lone)).all()
+    return summary, padding, control, refusals, same_rows
+
+
+def test_estimators_agree_scores_do_not_depend_on_padding_and_rows_are_the_objectives(harness_runs):
+    summary, padding, control, refusals, same_rows = run_ranks(_in_process, 1, str(harness_runs / "trained"), timeout=300)[0]
+    for index in range(3):
+        (a, sa), (b, sb), (u, su) = (summary[name][index] for name in ("inverse-t", "count", "unweighted"))
+        gap, unweighted = abs(a - b) / (sa ** 2 + sb ** 2) ** 0.5, abs(a - u) / (sa ** 2 + su ** 2) ** 0.5
+        print(f"request {index}: NELBO inverse-t {a:.3f} +- {sa:.3f}, count {b:.3f} +- {sb:.3f} ({gap:.1f} s.e. apart);"
+              f" unweighted (biased control) {u:.3f} ({unweighted:.1f} s.e. away)")
+        assert gap <= 4, summary
+        assert unweighted > 4, summary
+    print(f"padding/batching: largest relative difference {padding:.1e}; a different context: {control:.1e}")
+    assert padding <= 1e-5 and control > 1e-2
+    assert same_rows, "the harness's [x_t ; x_0] rows differ from BDLMObjective.rows under the same noise"
+    messages = {"{'tensor_parallel_size': 2}": "tensor_parallel_size=1", "{'estimator': 'median'}": "inverse-t, count",
+                "{'mc_sample': 4}": "did you mean mc_samples", "{'strategy': 'best'}": "strategy",
+                "fast-dllm-v2": "bdlm-objective: bd3lm"}
+    for case, message in messages.items():
+        assert case in refusals and message in refusals[case] and "\n" not in refusals[case], (case, refusals)
+
+
+def test_a_refusal_through_the_command_line_is_one_line_with_exit_2(harness_runs):
+    done = _run(_harness(harness_runs, harness_runs / "trained", "csbp_next_word", "tensor_parallel_size=2"))
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1].startswith("python -m megatron_csbp.harness: error: model_args: tensor_parallel_size=2"), lines[-1]
+    assert re.fullmatch(r"[^\n]+", lines[-1])
