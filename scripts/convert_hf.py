@@ -311,8 +311,8 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
             getattr(args, "position_embedding_type", "rope") != "rope":
         raise hf.UnsupportedModel("export needs a Llama-family model (--normalization RMSNorm --swiglu "
                                   "--disable-bias-linear, rope); this checkpoint has another shape")
-    family = "qwen3" if args.qk_layernorm else "qwen2" if args.add_qkv_bias else "llama"
-    config = dict(base) if base else {"architectures": [hf.EXPORT_ARCHITECTURE[family]], "model_type": family,
+    family = hf.exported_family(qkv_bias=args.add_qkv_bias, qk_norm=args.qk_layernorm).name
+    config = dict(base) if base else {"architectures": [hf.FAMILIES[family].architecture], "model_type": family,
                                       "hidden_act": "silu", "attention_bias": False}
     rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
     if getattr(args, "use_rope_scaling", False):

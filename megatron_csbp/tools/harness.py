@@ -51,8 +51,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from megatron_csbp.core.objectives import objective_kind
 from megatron_csbp.training.arguments import ConfigError
 
+COMMAND = "python -m megatron_csbp.harness"  # as its refusals name it
 NAME = "megatron_csbp"
 ESTIMATORS = ("inverse-t", "count")
 
@@ -272,7 +274,7 @@ class MegatronCSBPLM(LM):
                 for b in range(start // B, (end - 1) // B + 1)]
 
     def _check_objective(self) -> None:
-        _require(self.args.bdlm_objective == "bd3lm",
+        _require(objective_kind(self.args.bdlm_objective).label_shift == 0,  # the rows below predict in place
                  f"checkpoint {self.directory} was trained with --bdlm-objective {self.args.bdlm_objective} "
                  f"(shifted labels, unit weights): it has no BD3-LM bound to score; give model_args config=FILE.yaml "
                  f"with 'bdlm-objective: bd3lm' to score it as one, or run generate_until tasks only")
@@ -402,7 +404,7 @@ class MegatronCSBPLM(LM):
                 threshold=options["threshold"], temperature=temperature, top_p=options["top_p"],
                 top_k=options["top_k"], seed=self.seed, eos_token_id=self.eod if eos else None,
                 stop_sequences=stops, start_token_id=self.eod, context_window=context_window,
-                shifted_labels=self.args.bdlm_objective == "fast-dllm-v2", vocab_size=self.tokenizer.vocab_size)
+                shifted_labels=bool(objective_kind(self.args.bdlm_objective).label_shift), vocab_size=self.tokenizer.vocab_size)
         except ConfigError as error:  # the sampler names script flags: name the model_args
             named = re.sub(r"--([a-z][a-z-]*)", lambda flag: flag.group(1).replace("-", "_"), str(error))
             raise ConfigError(f"model_args: {named}") from None
@@ -483,13 +485,13 @@ def main(argv: list | None = None) -> int:
     from megatron_csbp.training import quiet
 
     quiet.quiet_start_up()
-    sys.argv = ["csbp-lm-eval", *(sys.argv[1:] if argv is None else argv)]
+    sys.argv = [COMMAND, *(sys.argv[1:] if argv is None else argv)]
     try:
         cli_evaluate()
     except ConfigError as error:
-        print(f"csbp-lm-eval: error: {error}", file=sys.stderr, flush=True)
+        print(f"{COMMAND}: error: {error}", file=sys.stderr, flush=True)
         return 2
     except KeyboardInterrupt:
-        print("csbp-lm-eval: interrupted", file=sys.stderr, flush=True)
+        print(f"{COMMAND}: interrupted", file=sys.stderr, flush=True)
         return 130
     return 0

@@ -59,7 +59,7 @@ class GPU:
         """(linear, attention) FLOP/s of `mode`."""
         peak = self.bf16_tflops * 1e12
         attention = self.attention_fraction or self.achievable_fraction
-        if mode == "cp" and self.cp_attention_fraction:
+        if modes.parallel_mode(mode).is_baseline and self.cp_attention_fraction:
             attention = self.cp_attention_fraction
         return peak * self.achievable_fraction, peak * attention
 

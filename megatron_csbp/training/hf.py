@@ -33,9 +33,30 @@ import torch
 from megatron_csbp.core import objectives
 from megatron_csbp.training.arguments import ConfigError
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3"}
-EXPORT_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+@dataclass(frozen=True)
+class Family:
+    """A dense HF model family the mapping converts, and what sets its weights apart from Llama's."""
+
+    name: str  # our name for it (`model_type`)
+    display: str  # as messages name it
+    architecture: str  # its transformers class (`config.json`'s `architectures[0]`)
+    qkv_bias: bool = False  # biases on Q, K and V only (megatron's --add-qkv-bias)
+    qk_norm: bool = False  # RMSNorm of each query and key head (megatron's --qk-layernorm)
+    exported: bool = True  # export writes this family (Mistral's dense weights are exported as Llama's)
+
+
+LLAMA = Family("llama", "Llama", "LlamaForCausalLM")
+MISTRAL = Family("mistral", "Mistral", "MistralForCausalLM", exported=False)
+QWEN2 = Family("qwen2", "Qwen2 / Qwen2.5 (QKV bias)", "Qwen2ForCausalLM", qkv_bias=True)
+QWEN3 = Family("qwen3", "Qwen3 (QK-norm)", "Qwen3ForCausalLM", qk_norm=True)
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+ARCHITECTURES = {family.architecture: family.name for family in FAMILIES.values()}
+
+
+def exported_family(qkv_bias: bool, qk_norm: bool) -> Family:
+    """The family export writes for a model with (or without) QKV biases and QK-norm."""
+    return next(family for family in FAMILIES.values()
+                if family.exported and (family.qkv_bias, family.qk_norm) == (bool(qkv_bias), bool(qk_norm)))
 
 
 class UnsupportedModel(ConfigError):
@@ -106,7 +127,7 @@ def model_family(config: dict) -> str:
     _refuse(config.get("hidden_act", "silu") != "silu", f"{name}: hidden_act {config.get('hidden_act')}: only "
                                                         f"SiLU-gated MLPs convert")
     _refuse(bool(config.get("mlp_bias")), f"{name}: mlp_bias cannot be expressed (megatron biases all or no linears)")
-    _refuse(family != "qwen2" and bool(config.get("attention_bias")),
+    _refuse(not FAMILIES[family].qkv_bias and bool(config.get("attention_bias")),
             f"{name}: attention_bias on q/k/v/o without an MLP bias cannot be expressed")
     return family
 
@@ -120,7 +141,7 @@ def model_flags(config: dict, hf_dir: str = ".") -> dict:
     if missing:
         raise ConfigError(f"--hf-dir {hf_dir}: {os.path.join(hf_dir, 'config.json')} lacks {', '.join(missing)} (or "
                           f"holds no positive integer there); restore the model's config.json")
-    family = model_family(config)
+    family = FAMILIES[model_family(config)]
     heads = config["num_attention_heads"]
     groups = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -133,7 +154,7 @@ def model_flags(config: dict, hf_dir: str = ".") -> dict:
         "use-rope-scaling": _rope(config)[0] == "llama3",
         "rope-scaling-factor": float(_rope(config)[2].get("factor", 8.0)) if _rope(config)[0] == "llama3" else None,
         "normalization": "RMSNorm", "norm-epsilon": float(config.get("rms_norm_eps", 1e-6)), "swiglu": True,
-        "disable-bias-linear": True, "add-qkv-bias": family == "qwen2", "qk-layernorm": family == "qwen3",
+        "disable-bias-linear": True, "add-qkv-bias": family.qkv_bias, "qk-layernorm": family.qk_norm,
         "untie-embeddings-and-output-weights": not config.get("tie_word_embeddings", False),
         "attention-dropout": 0.0, "hidden-dropout": 0.0,
     }

@@ -25,7 +25,9 @@ other than the engine's default is exported with a note that says which flag to 
 from dataclasses import dataclass, field
 from typing import Callable
 
+from megatron_csbp.core import objectives
 from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.training.hf import FAMILIES
 
 # Our own config class for model_type "sdar": transformers has none, so SGLang's get_config (AutoConfig, with
 # --trust-remote-code) needs one named by auto_map. It is Qwen3's config under SDAR's name (SDAR is Qwen3).
@@ -39,7 +41,6 @@ class SDARConfig(Qwen3Config):
     model_type = "sdar"
 '''
 
-FAMILY_NAMES = {"llama": "Llama", "qwen2": "Qwen2 / Qwen2.5 (QKV bias)", "qwen3": "Qwen3 (QK-norm)"}
 
 
 def _rope_keys(config: dict) -> dict:
@@ -98,15 +99,17 @@ class ExportFormat:
         """One line naming `--format` and the fix, or None: what this format cannot honour for a checkpoint."""
         flag = f"--format {self.name}"
         if self.families is not None and family not in self.families:
-            wanted = " or ".join(FAMILY_NAMES[name] for name in self.families)
+            wanted = " or ".join(FAMILIES[name].display for name in self.families)
             return (f"{flag}: {self.architecture} ({self.engines}) is a {wanted} model and this checkpoint is a "
-                    f"{FAMILY_NAMES.get(family, family)} model; export it with --format hf, or fine-tune an import "
+                    f"{FAMILIES[family].display if family in FAMILIES else family} model; export it with --format hf, or fine-tune an import "
                     f"of a {wanted} model")
         if self.objective is not None and objective != self.objective:
-            shift = {"bd3lm": "noisy row p predicts token p", "fast-dllm-v2": "noisy row p predicts token p+1"}
+            def shift(name):
+                return f"noisy row p predicts token p+{objectives.objective_kind(name).label_shift}"
+
             other = [fmt.name for fmt in FORMATS.values() if fmt.objective == objective]
             return (f"{flag}: the decoding of {self.engines} is --bdlm-objective {self.objective}'s "
-                    f"({shift[self.objective]}) but this checkpoint records --bdlm-objective {objective} ({shift.get(objective, 'another label shift')}; an import "
+                    f"({shift(self.objective)}) but this checkpoint records --bdlm-objective {objective} ({shift(objective)}; an import "
                     f"not yet fine-tuned records bd3lm); fine-tune it with --bdlm-objective {self.objective}, or "
                     f"export it with --format {' / '.join(other + ['hf'])}")
         if self.mask_token_id is not None and mask_token_id != self.mask_token_id:
