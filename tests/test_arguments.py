@@ -1,10 +1,12 @@
 """Argument wiring, Megatron-LM defaults, derived values, and every refusal of `validate_args`."""
 
 import argparse
+import dataclasses
 
 import pytest
 
-from megatron_csbp.training.arguments import ConfigError, add_csbp_args, build_parser, parse_data_path, validate_args
+from megatron_csbp.training.arguments import (ConfigError, add_csbp_args, build_parser, parse_data_path, run_config,
+                                              validate_args)
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--data-path", "unused/prefix",
@@ -69,14 +71,25 @@ def test_extra_args_provider_reuses_megatron_flags():
 def test_validate_fills_derived_values():
     args = validate("--context-block-parallel", "2", "--tensor-model-parallel-size", "2", "--swiglu",
                     "--micro-batch-size", "2", "--sequence-parallel", world=8)
-    assert (args.context_block_parallel, args.context_block_parallel_clean_shards) == (2, 2)
+    assert args.context_block_parallel == 2
     assert (args.data_parallel_size, args.global_batch_size) == (2, 4)
     assert args.ffn_hidden_size == int(4 * 64 * 2 / 3 / 64) * 64 and args.kv_channels == 16
     assert args.num_query_groups == 4 and args.max_position_embeddings == 64 and args.lr_decay_iters == 10
-    assert args.bdlm_loss_weighting == "inverse-t" and args.split == "969, 30, 1" and args.sequence_parallel
-    assert validate("--bdlm-objective", "fast-dllm-v2").bdlm_loss_weighting == "unit"
-    assert validate("--context-block-parallel", "4", "--bdlm-parallel-mode", "bp",
-                    world=4).context_block_parallel_clean_shards == 1
+    assert args.split == "969, 30, 1" and args.sequence_parallel
+
+
+def test_the_run_config_resolves_what_the_flags_leave_to_defaults():
+    """The defaults the run leaves (C, the weighting) are resolved once, in the RunConfig, not written to args."""
+    args = validate("--context-block-parallel", "2", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
+                    world=8)
+    settings = run_config(args)
+    assert (settings.block_parallel_size, settings.clean_shards, settings.data_parallel_size) == (2, 2, 2)
+    assert (settings.loss_weighting, settings.global_batch_size, settings.kv_channels) == ("inverse-t", 4, 16)
+    assert args.context_block_parallel_clean_shards is None and args.bdlm_loss_weighting is None  # args untouched
+    assert run_config(validate("--bdlm-objective", "fast-dllm-v2")).loss_weighting == "unit"
+    assert run_config(validate("--context-block-parallel", "4", "--bdlm-parallel-mode", "bp", world=4)).clean_shards == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.clean_shards = 1
     assert validate("--sequence-parallel").sequence_parallel is False  # as Megatron-LM: no SP without TP
     assert validate("--context-parallel-size", "2", world=2).context_block_parallel == 2
     assert validate("--bf16", "--use-distributed-optimizer", on_accelerator=True).bf16

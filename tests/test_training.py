@@ -125,7 +125,7 @@ def test_providers_read_megatron_lm_globals_when_given_no_args(monkeypatch, corp
     assert sample["tokens"].shape == (64,) and int(sample["sample_index"]) == 5
     assert isinstance(run_providers.vocabulary.tokenizer, NullTokenizer)  # Megatron-LM's, not one of ours
     assert int(sample["tokens"].max()) < run_providers.vocabulary.mask_token_id == 257
-    objective = providers.objective_from_args(megatron_args, run_providers.vocabulary.mask_token_id)
+    objective = providers.objective_for(run_providers.settings, megatron_args, run_providers.vocabulary.mask_token_id)
     assert (objective.block_size, objective.mask_token_id, objective.antithetic_group) == (8, 257, 4)
     # Megatron-LM's args are what its checkpoints save: they record the model's vocabulary.
     assert (megatron_args.mask_token_id, megatron_args.padded_vocab_size) == (257, 384)
@@ -137,6 +137,7 @@ def _count_assembly(rank, world, args):
     from collections import Counter
 
     from megatron_csbp.bdlm import objective as bdlm
+    from megatron_csbp.core.run_config import RunConfig
     from megatron_csbp.training import data, providers, loop as training
 
     counts = Counter()
@@ -148,7 +149,7 @@ def _count_assembly(rank, world, args):
         return wrapper
 
     providers.build_run = counted("run", providers.build_run)
-    providers.layout_from_args = counted("layout", providers.layout_from_args)
+    RunConfig.layout = counted("layout", RunConfig.layout)
     data.build_tokenizer = counted("tokenizer", data.build_tokenizer)
     bdlm._check_model_matches = counted("model check", bdlm._check_model_matches)
     bdlm.BDLMForwardStep.__call__ = counted("micro-batch", bdlm.BDLMForwardStep.__call__)
@@ -182,13 +183,13 @@ EXPECTED_ROWS = {
 
 
 @pytest.mark.parametrize("mode,clean_shards", [("csbp", 2), ("cp", 2), ("bp", 1)])
-def test_layout_from_args(corpus, mode, clean_shards):
-    from megatron_csbp.training import providers
+def test_the_run_configs_layouts(corpus, mode, clean_shards):
+    from megatron_csbp.training.arguments import run_config
 
-    args = validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode=mode)
-    assert providers.clean_shards(args) == clean_shards
+    settings = run_config(validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode=mode))
+    assert settings.clean_shards == clean_shards
     for rank in (0, 1):
-        layout = providers.layout_from_args(args, block_parallel_rank=rank)
+        layout = settings.layout(rank)
         assert layout.row_positions.tolist() == EXPECTED_ROWS[mode][rank], (mode, rank)
 
 

@@ -161,11 +161,21 @@ def parameter_count(*, num_layers: int, hidden_size: int, num_attention_heads: i
                     swiglu: bool = False, add_bias_linear: bool = True, layernorm_bias: bool = True,
                     untied_output: bool = False) -> int:
     """Parameters of the GPT-style BDLM (what a checkpoint stores per weight copy or optimizer moment)."""
+    layer = layer_parameter_count(hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                                  ffn_hidden_size=ffn_hidden_size, num_query_groups=num_query_groups,
+                                  kv_channels=kv_channels, swiglu=swiglu, add_bias_linear=add_bias_linear,
+                                  layernorm_bias=layernorm_bias)
+    final_norm = hidden_size * (2 if layernorm_bias else 1)
+    return num_layers * layer + final_norm + padded_vocab_size * hidden_size * (2 if untied_output else 1)
+
+
+def layer_parameter_count(*, hidden_size: int, num_attention_heads: int, ffn_hidden_size: int = None,
+                          num_query_groups: int = None, kv_channels: int = None, swiglu: bool = False,
+                          add_bias_linear: bool = True, layernorm_bias: bool = True) -> int:
+    """Parameters of one transformer layer: QKV, projection, MLP, two norms, and the biases the flags give."""
     ffn, groups, kv = _shape(hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels,
                              swiglu)
     h, qkv, fc1 = hidden_size, (num_attention_heads + 2 * groups) * kv, ffn * (2 if swiglu else 1)
     norm = 2 * h if layernorm_bias else h
     layer = h * qkv + num_attention_heads * kv * h + h * fc1 + ffn * h + 2 * norm
-    if add_bias_linear:
-        layer += qkv + h + fc1 + h
-    return num_layers * layer + norm + padded_vocab_size * h * (2 if untied_output else 1)
+    return layer + (qkv + h + fc1 + h if add_bias_linear else 0)

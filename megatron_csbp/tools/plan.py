@@ -36,6 +36,7 @@ import yaml
 
 from megatron_csbp.bdlm import flops
 from megatron_csbp.core import modes, rules, transports
+from megatron_csbp.core.run_config import RunConfig
 
 GIB = 2 ** 30
 MODES = tuple(sorted(rules.PARALLEL_MODES, key=lambda name: not modes.parallel_mode(name).is_baseline))  # baseline first
@@ -103,7 +104,7 @@ class Model:
     ffn_hidden_size: int = None
     num_query_groups: int = None
     kv_channels: int = None
-    vocab_size: int = 131072
+    vocab_size: int = 131070  # ids before EOD and MASK, as the trainer's --vocab-size (131072 rows)
     swiglu: bool = False
     untie_embeddings: bool = False
     recompute: str = None
@@ -138,13 +139,17 @@ class Model:
         return self.recompute == "full"
 
     def padded_vocab_size(self, tp: int) -> int:
-        """Megatron's padding at its default multiple (`--make-vocab-size-divisible-by` x TP)."""
-        return rules.padded_vocab_size(self.vocab_size, rules.MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
+        """The model's rows as the trainer pads them: the ids, EOD and MASK, to Megatron's default multiple
+        (`--make-vocab-size-divisible-by` x TP)."""
+        return rules.padded_vocab_size(self.vocab_size + 2, rules.MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
 
     def layer_params(self) -> int:
-        query, kv = self.num_attention_heads * self.kv_channels, self.num_query_groups * self.kv_channels
-        mlp = self.hidden_size * self.ffn_hidden_size * (3 if self.swiglu else 2)
-        return self.hidden_size * (query + 2 * kv) + query * self.hidden_size + mlp + 2 * self.hidden_size
+        """One layer's parameters as the trainer counts them (`flops.layer_parameter_count`), for the planner's
+        models: RMSNorm, no linear biases."""
+        return flops.layer_parameter_count(
+            hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+            ffn_hidden_size=self.ffn_hidden_size, num_query_groups=self.num_query_groups,
+            kv_channels=self.kv_channels, swiglu=self.swiglu, add_bias_linear=False, layernorm_bias=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,27 +177,30 @@ def _divisors(n: int):
 def topology_problem(model: Model, cluster: Cluster, topo: Topology):
     """Why `topo` cannot run `model` on `cluster`, or None when it can.
 
-    The trainer's rules (`megatron_csbp.core.rules`, in the order `arguments.validate_args` asks them, so a refusal
-    reads as the trainer's own), for the trainer's flags of this layout (`--context-block-parallel p
-    --context-block-parallel-clean-shards c`, the dual-end schedule, the zigzag clean layout), and two of the
-    planner's own: DP is what the cluster leaves, and a TP group stays inside a node.
+    The trainer's own refusal: the layout's `RunConfig` is built as the trainer builds it (for the trainer's
+    flags of this layout: `--context-block-parallel p --context-block-parallel-clean-shards c`, the dual-end
+    schedule, the zigzag clean layout), so the planner refuses exactly what the trainer refuses, in its
+    words; then two of the planner's own: DP is what the cluster leaves, and a TP group stays inside a node.
     """
-    L, B, heads, groups = model.seq_length, model.block_size, model.num_attention_heads, model.num_query_groups
-    mode, tp, pp, p, c = topo.mode, topo.tp, topo.pp, topo.p, topo.c
     if topo.gpus != cluster.gpus:
         return f"TP·PP·P·DP = {topo.gpus} is not the {cluster.gpus} GPUs"
-    problem = (rules.clean_shards_problem(mode, p, c)
-               or rules.world_size_problem(tp, pp, p, cluster.gpus)
-               or rules.sequence_problem(mode, L, B, p, rules.clean_shards(mode, p, c))
-               or rules.query_groups_problem(heads, groups) or rules.tensor_parallel_problem(heads, groups, tp)
-               or rules.pipeline_problem(model.num_layers, pp))
-    if problem:
-        return problem
-    if tp > cluster.gpus_per_node or cluster.gpus_per_node % tp:
-        return f"TP{tp} would leave the node"
-    if model.global_batch_size is not None:
-        return rules.batch_problem(model.global_batch_size, model.micro_batch_size, topo.dp)
+    try:
+        run_config(model, topo, cluster)
+    except rules.ConfigError as error:
+        return str(error)
+    if topo.tp > cluster.gpus_per_node or cluster.gpus_per_node % topo.tp:
+        return f"TP{topo.tp} would leave the node"
     return None
+
+
+def run_config(model: Model, topo: Topology, cluster: Cluster) -> RunConfig:
+    """The trainer's `RunConfig` of `model` in layout `topo` on `cluster` (`ConfigError` where it refuses)."""
+    return RunConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
+                     num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
+                     kv_channels=model.kv_channels, seq_length=model.seq_length, block_size=model.block_size,
+                     mode=topo.mode, block_parallel_size=topo.p, clean_shards=topo.c, transport=model.transport,
+                     tensor_parallel_size=topo.tp, pipeline_parallel_size=topo.pp, world_size=cluster.gpus,
+                     micro_batch_size=model.micro_batch_size, global_batch_size=model.global_batch_size)
 
 
 def candidate_topologies(cluster: Cluster):
@@ -540,7 +548,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--group-query-attention", action="store_true")
     add("--num-query-groups", type=int)
     add("--kv-channels", type=int)
-    add("--vocab-size", type=int, default=131072, help="vocabulary including the MASK id (padded here)")
+    add("--vocab-size", type=int, default=131070,
+        help="ids before EOD and MASK, as the trainer's --vocab-size (default: 131072 rows with both)")
     add("--swiglu", action="store_true")
     add("--untie-embeddings-and-output-weights", action="store_true")
     add("--seq-length", type=int, help="clean context length L")

@@ -17,6 +17,7 @@ import shutil
 import sys
 
 from megatron_csbp.core import rules
+from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.core.rules import (BYTE_TOKENIZER, PARALLEL_MODES, RING_CP_REFUSALS, TOKENIZERS,  # noqa: F401
                                       ConfigError, refused_features)
 
@@ -464,18 +465,30 @@ def check_output_paths(args: argparse.Namespace, free_space: bool = True) -> Non
         print(f"WARNING: --save {args.save}: {sizes}: room for one checkpoint only", file=sys.stderr, flush=True)
 
 
-def clean_shards(args: argparse.Namespace) -> int:
-    """`C`: the clean shards of the run's mode (1 for pure BP, `P` for the CP baseline, else the flag or `P`)."""
-    return rules.clean_shards(args.bdlm_parallel_mode, args.context_block_parallel or args.context_parallel_size,
-                              args.context_block_parallel_clean_shards)
+def run_config(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
+    """The run's `RunConfig` from either loop's parsed arguments (the plugin's rules checked as it is built)."""
+    heads = args.num_attention_heads
+    return RunConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+        num_query_groups=query_groups(args) if heads is not None else None, kv_channels=args.kv_channels,
+        seq_length=args.seq_length, block_size=args.bdlm_block_size,
+        objective=args.bdlm_objective, loss_weighting=args.bdlm_loss_weighting,
+        noise_range=tuple(args.bdlm_noise_range), mode=args.bdlm_parallel_mode,
+        block_parallel_size=args.context_block_parallel or args.context_parallel_size,
+        clean_shards=args.context_block_parallel_clean_shards, schedule=args.csbp_block_schedule,
+        clean_layout=args.csbp_clean_layout, transport=args.csbp_transport,
+        tensor_parallel_size=args.tensor_model_parallel_size, pipeline_parallel_size=args.pipeline_model_parallel_size,
+        world_size=world_size or getattr(args, "world_size", None), micro_batch_size=args.micro_batch_size,
+        global_batch_size=args.global_batch_size)
 
 
 def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """The plugin's rules, on our loop's arguments and on Megatron-LM's alike (one line: flag and fix).
 
-    Block size and layout geometry, block-parallel vs CP sizes, the refused ring-CP features, the noise
-    range, RoPE and the transformer implementation. Fills `context_block_parallel` (P),
-    `context_block_parallel_clean_shards` (C) and `bdlm_loss_weighting` where they are left to defaults.
+    Block-parallel vs CP sizes, the simulated link, the run's own settings (`RunConfig`: block size, layout
+    geometry, world size, noise range, loss weighting), the refused ring-CP features, RoPE and the
+    transformer implementation. Fills `context_block_parallel` (P) from `--context-parallel-size` when only
+    that is given; the defaults the run leaves (C, the weighting) are the `RunConfig`'s, resolved there.
     """
     for flag in ("bdlm_block_size", "context_parallel_size", "max_consecutive_bad_steps"):
         _refuse(rules.at_least(f"--{flag.replace('_', '-')}", getattr(args, flag)))
@@ -486,14 +499,9 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
     _require(P == args.context_parallel_size,
              f"--context-block-parallel {P} contradicts --context-parallel-size {args.context_parallel_size}: "
              f"the block-parallel dimension lives in Megatron's CP slot; give only --context-block-parallel")
-    mode = args.bdlm_parallel_mode
-    _refuse(rules.clean_shards_problem(mode, P, args.context_block_parallel_clean_shards))
-    C = clean_shards(args)
-    args.context_block_parallel, args.context_block_parallel_clean_shards = P, C
-    TP, PP = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    _refuse(rules.world_size_problem(TP, PP, P, world_size))
+    args.context_block_parallel = P
     _require(args.seq_length is not None, "--seq-length is required")
-    _refuse(rules.sequence_problem(mode, args.seq_length, args.bdlm_block_size, P, C, args.csbp_clean_layout))
+    run_config(args, world_size)
 
     for message in refused_features(args):
         raise ConfigError(message)
@@ -505,9 +513,6 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
         _require(importlib.util.find_spec("transformer_engine") is not None,
                  "--transformer-impl transformer_engine needs Transformer Engine (pip install -e '.[gpu]' on a GPU "
                  "machine); use --transformer-impl local")
-    _refuse(rules.noise_range_problem(*args.bdlm_noise_range))
-    _refuse(rules.loss_weighting_problem(args.bdlm_objective, args.bdlm_loss_weighting))
-    args.bdlm_loss_weighting = args.bdlm_loss_weighting or rules.default_loss_weighting(args.bdlm_objective)
     return args
 
 

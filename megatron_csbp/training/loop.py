@@ -144,7 +144,9 @@ class Trainer:
         # What checkpoints record and the FLOPs count read: the arguments with the run's vocabulary.
         self.args = args = run.vocabulary.recorded(run_providers.args)
         self.hooks = _TestHooks.from_environment()
-        self.progress = Progress(args, enabled=dist.get_rank() == dist.get_world_size() - 1)
+        settings = run_providers.settings
+        self.progress = Progress(args, enabled=dist.get_rank() == dist.get_world_size() - 1,
+                                 loss_is_bound=settings.objective_kind.loss_is_bound(settings.loss_weighting))
         _set_seed(args.seed)
         self.config = run.config
         self.model = run_providers.model_provider(mpu.is_pipeline_first_stage(),
@@ -395,7 +397,7 @@ def _train(args) -> LoopState:
     timeout = supervision.distributed_timeout_seconds(args)
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        context_block_parallel_size=args.context_parallel_size, clean_shards=providers.clean_shards(args),
+        context_block_parallel_size=args.context_parallel_size, clean_shards=run_providers.settings.clean_shards,
         get_embedding_ranks=run_providers.get_embedding_ranks, distributed_timeout_minutes=timeout / 60)
     signals = _StopSignals(args.exit_signal_handler)  # from the start: a signal while loading is not lost
     supervision.start_watchdog(timeout, dist.get_rank(), dist.get_world_size())

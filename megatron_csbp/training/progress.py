@@ -50,8 +50,9 @@ def _stamp() -> str:
 class Progress:
     """Formats and emits the run's lines (only where `enabled`) and TensorBoard scalars (`--tensorboard-dir`)."""
 
-    def __init__(self, args, enabled: bool, stream=None):
+    def __init__(self, args, enabled: bool, stream=None, *, loss_is_bound: bool = False):
         self.args = args
+        self.loss_is_bound = loss_is_bound  # the validation loss is the NELBO (its exp bounds perplexity)
         self.enabled = enabled
         self.stream = stream or sys.stdout
         self.flops_per_step = step_flops(args)
@@ -92,9 +93,8 @@ class Progress:
         """Validation loss per token and `exp` of it: with the BD3-LM NELBO (1/t weights) an upper bound on
         perplexity; with unit weights or Fast-dLLM v2 only a loss, not a bound."""
         ppl = math.exp(min(nelbo, 700.0))
-        is_bound = objectives.objective_kind(self.args.bdlm_objective).loss_is_bound(self.args.bdlm_loss_weighting)
         line = (f" validation loss at iteration {iteration} | lm loss value: {nelbo:.6E} | "
-                f"lm loss PPL{' (upper bound)' if is_bound else ''}: {ppl:.6E} |")
+                f"lm loss PPL{' (upper bound)' if self.loss_is_bound else ''}: {ppl:.6E} |")
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         if self.writer is not None:
             self.writer.add_scalar("lm loss validation", nelbo, iteration)

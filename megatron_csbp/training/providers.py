@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from megatron_csbp.core import rules
-from megatron_csbp.training.arguments import ConfigError, clean_shards
+from megatron_csbp.core.run_config import RunConfig
+from megatron_csbp.training.arguments import ConfigError, run_config
 from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
 from megatron_csbp.training.data import Vocabulary
 
@@ -40,23 +40,12 @@ def _megatron_lm_args() -> argparse.Namespace:
     return get_args()
 
 
-def layout_from_args(args: argparse.Namespace, block_parallel_rank: int | None = None):
-    """This rank's row layout (CSBP, conventional CP or pure BP) for the run's mode."""
-    from megatron_csbp.core.layout import layout_for
-    from megatron_csbp.mcore.parallel_state import get_block_parallel_rank
-
-    rank = get_block_parallel_rank() if block_parallel_rank is None else block_parallel_rank
-    return layout_for(args.bdlm_parallel_mode, args.seq_length, args.bdlm_block_size, args.context_parallel_size,
-                      clean_shards(args), rank, schedule=args.csbp_block_schedule, clean_layout=args.csbp_clean_layout)
-
-
-def objective_from_args(args: argparse.Namespace, mask_token_id: int) -> BDLMObjective:
-    """The BDLM objective; noise times are stratified over each global batch (`antithetic_group`)."""
-    weighting = args.bdlm_loss_weighting or rules.default_loss_weighting(args.bdlm_objective)
+def objective_for(settings: RunConfig, args: argparse.Namespace, mask_token_id: int) -> BDLMObjective:
+    """The BDLM objective of the run; noise times are stratified over each global batch (`antithetic_group`)."""
     return BDLMObjective(
-        block_size=args.bdlm_block_size, mask_token_id=mask_token_id, objective=args.bdlm_objective,
-        loss_weighting=weighting, noise_range=tuple(args.bdlm_noise_range),
-        antithetic=args.bdlm_noise_sampling == "antithetic", antithetic_group=args.global_batch_size,
+        block_size=settings.block_size, mask_token_id=mask_token_id, objective=settings.objective,
+        loss_weighting=settings.loss_weighting, noise_range=settings.noise_range,
+        antithetic=args.bdlm_noise_sampling == "antithetic", antithetic_group=settings.global_batch_size,
         seed=args.seed)
 
 
@@ -124,6 +113,7 @@ class SampleIndexed(torch.utils.data.Dataset):
 class BDLMRun:
     """One run on this rank, assembled once (`build_run`) and handed to the model and the forward step."""
 
+    settings: RunConfig  # the run's model shape, sequence, objective and layout, validated
     vocabulary: Vocabulary  # the tokenizer, the MASK id, the padded vocabulary
     attention: "AttentionContext"  # this rank's layout, the block-parallel groups, the K/V transport
     config: "TransformerConfig"  # the model's (`for_bdlm` applied); the schedule reads it off the model
@@ -138,18 +128,20 @@ class BDLMRun:
         return self.forward_step.objective
 
 
-def build_run(args: argparse.Namespace, vocabulary: Vocabulary, config: "TransformerConfig") -> BDLMRun:
-    """This rank's run from validated `args`, once Megatron's parallel state (with the CSBP sub-groups) exists."""
+def build_run(settings: RunConfig, args: argparse.Namespace, vocabulary: Vocabulary,
+              config: "TransformerConfig") -> BDLMRun:
+    """This rank's run, once Megatron's parallel state (with the CSBP sub-groups) exists: `settings` says what
+    the run is; `args` what it checks (NaN and spiky losses) and its noise seed."""
     from megatron_csbp.mcore import parallel_state
     from megatron_csbp.mcore.spec import AttentionContext
 
-    layout = layout_from_args(args)
-    step = BDLMForwardStep(objective_from_args(args, vocabulary.mask_token_id), layout,
+    layout = settings.layout(parallel_state.get_block_parallel_rank())
+    step = BDLMForwardStep(objective_for(settings, args, vocabulary.mask_token_id), layout,
                            check_results=getattr(args, "check_for_nan_in_loss_and_grad", False),
                            check_spiky_loss=getattr(args, "check_for_spiky_loss", False))
     attention = AttentionContext(layout=layout, group=parallel_state.get_block_parallel_groups(),
-                                 transport=args.csbp_transport)
-    return BDLMRun(vocabulary, attention, for_bdlm(config), step)
+                                 transport=settings.transport)
+    return BDLMRun(settings, vocabulary, attention, for_bdlm(config), step)
 
 
 class RunProviders:
@@ -164,6 +156,7 @@ class RunProviders:
     def __init__(self, args: argparse.Namespace | None = None, vocabulary: Vocabulary | None = None):
         self._args = args
         self._vocabulary = vocabulary
+        self._settings = None
         self._run = None
 
     @property
@@ -193,6 +186,13 @@ class RunProviders:
         return self._vocabulary
 
     @property
+    def settings(self) -> RunConfig:
+        """The run's `RunConfig`, built once from the (validated) arguments; needs no parallel state."""
+        if self._settings is None:
+            self._settings = run_config(self.args)
+        return self._settings
+
+    @property
     def run(self) -> BDLMRun:
         if self._run is None:
             self._run = self._build_run()
@@ -204,13 +204,14 @@ class RunProviders:
 
         args = self.args
         if not parallel_state.is_initialized():  # under Megatron-LM's pretrain(): add the CSBP sub-groups
-            parallel_state.initialize_block_parallel_groups(clean_shards(args), args.distributed_timeout_minutes)
+            parallel_state.initialize_block_parallel_groups(self.settings.clean_shards,
+                                                            args.distributed_timeout_minutes)
         comm.set_link(comm.SimulatedLink(args.link_gbps, args.link_latency_us) if args.link_gbps else None)
         if self.megatron_lm:
             from megatron.training.arguments import core_transformer_config_from_args as config_from_args
         else:
             from megatron_csbp.training.arguments import transformer_config_from_args as config_from_args
-        return build_run(args, self.vocabulary, config_from_args(args))
+        return build_run(self.settings, args, self.vocabulary, config_from_args(args))
 
     def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
                        **unused):
