@@ -133,7 +133,8 @@ def test_the_json_holds_the_printed_numbers(evaluations, trained):
 
 
 def test_refusals_are_one_line_before_any_work(trained, corpus, tmp_path):
-    checkpoint, existing = trained / "run", trained / "1_rank.json"
+    checkpoint, existing = trained / "run", tmp_path / "earlier.json"
+    existing.write_text('{"nelbo": 1.0}\n')
     cases = {
         "--load": ["--load", tmp_path / "no_run", "--data-path", corpus],
         "--data-path": ["--load", checkpoint, "--data-path", tmp_path / "no_data"],
@@ -147,6 +148,10 @@ def test_refusals_are_one_line_before_any_work(trained, corpus, tmp_path):
         lines = output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("evaluate_bdlm.py: error: ") and flag in lines[0], output
     assert existing.read_bytes() == before
+    # Under the launcher every rank refuses; they leave together, so it is still one line and exit status 2.
+    output = evaluate(2, "--load", checkpoint, "--data-path", corpus, "--tensor-model-parallel-size", 3, expect=2)
+    lines = output.strip().splitlines()
+    assert len(lines) == 1 and "--tensor-model-parallel-size 3 does not divide" in lines[0], output
 
 
 def test_a_different_seed_changes_the_estimate(evaluations):
