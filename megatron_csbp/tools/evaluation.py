@@ -382,7 +382,8 @@ class Evaluator:
         self.run_providers = providers.RunProviders(args, prepared.vocabulary)
         parallel_state.initialize_model_parallel(
             args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            context_block_parallel_size=args.context_parallel_size, clean_shards=providers.clean_shards(args),
+            context_block_parallel_size=args.context_parallel_size,
+            clean_shards=self.run_providers.settings.clean_shards,
             get_embedding_ranks=self.run_providers.get_embedding_ranks,
             distributed_timeout_minutes=args.distributed_timeout_minutes)
         torch.manual_seed(args.seed)
@@ -476,7 +477,7 @@ class Evaluator:
                             f"{available} sequences of the {options.split} split x {K} noise samples (seed "
                             f"{prepared.seed}) | tp {args.tensor_model_parallel_size} pp "
                             f"{args.pipeline_model_parallel_size} {args.bdlm_parallel_mode} "
-                            f"{args.context_parallel_size} (clean shards {args.context_block_parallel_clean_shards}) "
+                            f"{args.context_parallel_size} (clean shards {self.run_providers.settings.clean_shards}) "
                             f"dp {args.data_parallel_size}")
         per_call = self.micro_batches * self.dp_size
         total, done, logged, last_logged = K * count, 0, 0, 0
@@ -507,6 +508,7 @@ class Evaluator:
 
     def _record(self, result: Estimate, seconds: float) -> dict:
         prepared, args = self.prepared, self.prepared.args
+        settings = self.run_providers.settings
         seconds = max(seconds, 1e-9)
         evaluated = result.sequences * result.noise_samples
         return {
@@ -514,10 +516,10 @@ class Evaluator:
             "data_path": prepared.options.data_path, "split": prepared.options.split,
             "checkpoint_split": args.split if prepared.options.split != "all" else None,
             "sequences": result.sequences, "noise_samples": result.noise_samples, "seed": prepared.seed,
-            "seq_length": args.seq_length, "objective": args.bdlm_objective, "loss_weighting": args.bdlm_loss_weighting,
+            "seq_length": args.seq_length, "objective": settings.objective, "loss_weighting": settings.loss_weighting,
             "noise_sampling": args.bdlm_noise_sampling,
             "nelbo": result.nelbo, "ppl": result.ppl,
-            "ppl_is_upper_bound": args.bdlm_objective == "bd3lm" and args.bdlm_loss_weighting == "inverse-t",
+            "ppl_is_upper_bound": settings.objective_kind.loss_is_bound(settings.loss_weighting),
             "stderr": result.stderr, "stderr_of": STDERR_OF,
             "noise_stderr": result.noise_stderr, "noise_stderr_of": NOISE_STDERR_OF,
             "nelbo_per_draw": list(result.per_draw),
@@ -526,7 +528,7 @@ class Evaluator:
             "layout": {"world_size": args.world_size, "tensor_model_parallel_size": args.tensor_model_parallel_size,
                        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                        "context_block_parallel": args.context_parallel_size,
-                       "context_block_parallel_clean_shards": args.context_block_parallel_clean_shards,
+                       "context_block_parallel_clean_shards": settings.clean_shards,
                        "bdlm_parallel_mode": args.bdlm_parallel_mode, "data_parallel_size": args.data_parallel_size},
         }
 

@@ -191,9 +191,7 @@ class MegatronCSBPLM(LM):
 
     @staticmethod
     def _loss_weighting(args) -> str:
-        from megatron_csbp.core import rules
-
-        return args.bdlm_loss_weighting or rules.default_loss_weighting(args.bdlm_objective)
+        return args.bdlm_loss_weighting or objective_kind(args.bdlm_objective).default_weighting
 
     def _training_model(self, args):
         """The training forward's model (one-rank CSBP layout at the trained length) sharing the sampler's
