@@ -239,7 +239,7 @@ def _rank_run(rank, world_size, args, mode, seq_length):
 def _least_disturbed(before, after):
     """Rates calibrated before and after the steps, each the faster of the two: the planner is compared with
     the fastest measured step, so it gets the least disturbed calibration too; a load burst during one of
-    the two (minutes on a shared machine) no longer decides the prediction."""
+    the two (minutes on a shared machine) does not decide the prediction."""
     fastest = {key: max(before[key], after[key]) for key in ("linear_gflops", "attention_gflops")}
     return dict(before, **fastest, gather_s=min(before["gather_s"], after["gather_s"]),
                 latency_s=min(before["latency_s"], after["latency_s"]))
