@@ -26,6 +26,11 @@ class ObjectiveKind:
     default_weighting: str = "inverse-t"
     weightings: tuple = LOSS_WEIGHTINGS  # the loss weightings it trains with
 
+    @property
+    def target(self) -> str:
+        """Which token a noisy row predicts, in words."""
+        return "noisy row p predicts token p" + (f"+{self.label_shift}" if self.label_shift else "")
+
     def weighting_problem(self, weighting: str) -> str | None:
         """Why `weighting` cannot go with this objective (None when it can)."""
         if weighting in self.weightings:

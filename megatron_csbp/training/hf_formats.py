@@ -105,7 +105,7 @@ class ExportFormat:
                     f"of a {wanted} model")
         if self.objective is not None and objective != self.objective:
             def shift(name):
-                return f"noisy row p predicts token p+{objectives.objective_kind(name).label_shift}"
+                return objectives.objective_kind(name).target
 
             other = [fmt.name for fmt in FORMATS.values() if fmt.objective == objective]
             return (f"{flag}: the decoding of {self.engines} is --bdlm-objective {self.objective}'s "
