@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training import data
-from megatron_csbp.training.arguments import ConfigError, validate_args
+from megatron_csbp.training.arguments import validate_args
 from megatron_csbp.training.config import parse_args
 from spawn import run_ranks
 
@@ -130,7 +131,7 @@ def test_prepare_data_refuses_an_output_prefix_under_a_file(tmp_path, capsys, un
     assert err.startswith(f"prepare_data: --output-prefix {tmp_path / under}: {tmp_path / 'file'} is a file"), err
     assert (tmp_path / "file").read_text() == "not a directory"
     assert sorted(os.listdir(tmp_path)) == ["file", "in.txt"]
-    with pytest.raises(data.ConfigError, match="is a file"):  # the writer refuses it too, called directly
+    with pytest.raises(ConfigError, match="is a file"):  # the writer refuses it too, called directly
         data.write_indexed_dataset([[1, 2]], str(tmp_path / under), 257)
 
 

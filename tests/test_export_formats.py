@@ -298,7 +298,7 @@ def test_each_format_states_its_engines_facts():
     """The facts each format refuses or notes by, without a checkpoint: SDAR wants a BD3-LM Qwen3 at MASK 151669,
     Fast-dLLM v2 a shifted-label Qwen2 at 151665; the plain export takes anything."""
     from megatron_csbp.training import hf_formats
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
 
     sdar, fast, plain = hf_formats.SDAR, hf_formats.FAST_DLLM_V2, hf_formats.HF
     assert sdar.problem("qwen3", "bd3lm", 151669) is None and fast.problem("qwen2", "fast-dllm-v2", 151665) is None

@@ -84,7 +84,8 @@ def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_
     flag stops the run with one line naming it, and with the same line under our loop; an honoured or neutral one
     is taken, or refused by a rule in one line."""
     from megatron_csbp.training import flag_table
-    from megatron_csbp.training.arguments import ConfigError, build_parser
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.training.arguments import build_parser
 
     parser, ours = megatron.build_parser(), build_parser()
     monkeypatch.setattr(megatron, "build_parser", lambda: parser)  # built once: parsing does not change it
@@ -141,7 +142,7 @@ def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_
     (["--load-fallback-to-previous"], "--load-fallback-to-previous is our loop's own"),
 ])
 def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatron, extra, message):
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
 
     with pytest.raises(ConfigError) as refused:
         megatron.parse_args(BASE + extra, 1)

@@ -410,7 +410,7 @@ def test_an_import_the_trainer_refuses_leaves_nothing_behind(converted, tmp_path
 def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
     """`--bdlm-mask-token-id`: a new id further on grows the vocabulary; an existing id does not."""
     from megatron_csbp.training import data
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
     from megatron_csbp.training.checkpointing import CheckpointError, check_compatible
     from megatron_csbp.training.config import parse_args
 

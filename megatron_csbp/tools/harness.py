@@ -52,7 +52,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from megatron_csbp.core.objectives import objective_kind
-from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.rules import ConfigError
 
 COMMAND = "python -m megatron_csbp.harness"  # as its refusals name it
 NAME = "megatron_csbp"

@@ -10,7 +10,7 @@ Refusals are `ConfigError`s of one line that name the flag.
 import argparse
 import os
 
-from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.rules import ConfigError
 
 
 def checkpoint_directory(load: str) -> str:

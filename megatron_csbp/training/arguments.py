@@ -17,8 +17,7 @@ import shutil
 import sys
 
 from megatron_csbp.core import rules
-from megatron_csbp.core.rules import (BYTE_TOKENIZER, PARALLEL_MODES, RING_CP_REFUSALS, TOKENIZERS,  # noqa: F401
-                                      ConfigError, refused_features)
+from megatron_csbp.core.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS, ConfigError, refused_features
 
 TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")

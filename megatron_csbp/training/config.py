@@ -19,7 +19,8 @@ import os
 
 import yaml
 
-from megatron_csbp.training.arguments import ConfigError, build_parser
+from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training.arguments import build_parser
 
 SECTION_PREFIXES = {"csbp": ("csbp-", "context-block-parallel-"), "bdlm": ("bdlm-",)}
 

@@ -23,7 +23,8 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from megatron_csbp.core import rules
-from megatron_csbp.training.arguments import MEGATRON_SPLIT_DEFAULT, ConfigError, check_data_prefixes, parse_data_path
+from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training.arguments import MEGATRON_SPLIT_DEFAULT, check_data_prefixes, parse_data_path
 
 _HF_EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
 

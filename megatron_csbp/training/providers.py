@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from megatron_csbp.core import rules
-from megatron_csbp.training.arguments import ConfigError, clean_shards
+from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training.arguments import clean_shards
 from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
 from megatron_csbp.training.data import Vocabulary
 
