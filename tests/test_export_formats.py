@@ -99,7 +99,7 @@ def exports(tmp_path_factory):
     """root/<name>/{hf,ckpt}: Qwen3- and Qwen2.5-sized imports and a tiny Qwen3 (300 ids, MASK 300); the
     Qwen2 import fine-tuned one step at lr 0 with the Fast-dLLM v2 recipe (root/qwen2/finetuned); and the
     exports root/exports/<name>, with the log lines of each."""
-    from megatron_csbp.training.data import write_indexed_dataset
+    from megatron_csbp.training.datasets import write_indexed_dataset
 
     root = str(tmp_path_factory.mktemp("formats"))
     _qwen_sized_model("qwen3", os.path.join(root, "qwen3", "hf"))

@@ -206,7 +206,7 @@ def _architecture_rank(rank, world_size, cases):
 
     from megatron_csbp.mcore import cpu_backend, parallel_state
     from megatron_csbp.training import arguments, megatron_lm, providers
-    from megatron_csbp.training.data import Vocabulary
+    from megatron_csbp.training.tokenizers import Vocabulary
 
     megatron_lm.import_pretrain()
     sys.path.append(os.environ["MEGATRON_LM_PATH"])

@@ -196,7 +196,7 @@ def loss_func(loss_weights, num_tokens, output_tensor):
 def _sample_index(batch):
     _require("sample_index" in batch,
              "the batch has no 'sample_index': BDLM noise is drawn from (seed, sample index); make the dataset "
-             "return {'tokens': ..., 'sample_index': idx} (megatron_csbp.training.data does)")
+             "return {'tokens': ..., 'sample_index': idx} (megatron_csbp.training.providers.SampleIndexed does)")
     return batch["sample_index"]
 
 

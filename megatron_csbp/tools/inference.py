@@ -32,7 +32,7 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
     from megatron_csbp.training.arguments import null_as_byte_tokenizer
     from megatron_csbp.training.config import parse_args
     from megatron_csbp.core import rules
-    from megatron_csbp.training.data import build_tokenizer
+    from megatron_csbp.training.tokenizers import build_tokenizer
 
     checkpointing.check_complete(directory)
     try:

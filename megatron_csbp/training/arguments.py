@@ -10,7 +10,6 @@ sequence dimension pipeline stages exchange, where Megatron would use `seq_lengt
 """
 
 import argparse
-import math
 import os
 import re
 import shutil
@@ -18,10 +17,11 @@ import sys
 
 from megatron_csbp.core import rules
 from megatron_csbp.core.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS, ConfigError, refused_features
+from megatron_csbp.training.datasets import MEGATRON_SPLIT_DEFAULT, check_data_prefixes, parse_data_path
+from megatron_csbp.training.tokenizers import tokenizer_file
 
 TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
-MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
 
 
 class _ContextBlockParallel(argparse.Action):
@@ -259,45 +259,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_and_io_args(parser)
     from megatron_csbp.training import flag_table
     return flag_table.add_refusals(add_csbp_args(parser))
-
-
-def parse_data_path(values: list[str] | None) -> tuple[list[str], list[float] | None]:
-    """`--data-path p` or `--data-path w1 p1 w2 p2` -> (prefixes, weights or None), as Megatron's blend."""
-    if not values:
-        return [], None
-    if len(values) == 1:
-        return list(values), None
-    try:
-        weights = [float(w) for w in values[0::2]]
-    except ValueError:
-        raise ConfigError(f"--data-path: several datasets need weights, 'w1 prefix1 w2 prefix2 ...'; got {values}")
-    if len(values) % 2:
-        raise ConfigError(f"--data-path: {len(values)} values; weighted datasets come in pairs 'weight prefix'")
-    if not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
-        raise ConfigError(f"--data-path: weights must be finite, >= 0 and not all 0; got {weights}")
-    return list(values[1::2]), weights
-
-
-def check_data_prefixes(prefixes: list[str]) -> None:
-    """Each `--data-path` prefix must have a readable `.bin` and `.idx`; the error says how to make one."""
-    for prefix in prefixes:
-        if prefix.endswith((".bin", ".idx")):
-            raise ConfigError(f"--data-path {prefix}: give the prefix without the extension "
-                              f"(--data-path {prefix[:-4]})")
-        bin_path, idx_path = prefix + ".bin", prefix + ".idx"
-        has_bin, has_idx = os.path.isfile(bin_path), os.path.isfile(idx_path)
-        if not has_bin and not has_idx:
-            raise ConfigError(f"--data-path {prefix}: no {bin_path} / {idx_path}; build the dataset with "
-                              f"scripts/prepare_data.py (no arguments builds the default one)")
-        if not has_idx:
-            raise ConfigError(f"--data-path {prefix}: {bin_path} has no {idx_path} beside it (an interrupted "
-                              f"build?); rebuild it with scripts/prepare_data.py --force")
-        if not has_bin:
-            raise ConfigError(f"--data-path {prefix}: {idx_path} has no {bin_path} beside it; rebuild it with "
-                              f"scripts/prepare_data.py --force")
-        for path in (bin_path, idx_path):
-            if not os.access(path, os.R_OK):
-                raise ConfigError(f"--data-path {prefix}: {path} is not readable; fix its permissions")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -569,7 +530,6 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
     if check_paths:
         check_data_prefixes(args.data_prefixes)
         if args.tokenizer_model is not None:
-            from megatron_csbp.training.data import tokenizer_file
             tokenizer_file(args.tokenizer_model)
         check_output_paths(args)
     return args

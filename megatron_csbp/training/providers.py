@@ -28,7 +28,7 @@ from megatron_csbp.core import rules
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training.arguments import clean_shards
 from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
-from megatron_csbp.training.data import Vocabulary
+from megatron_csbp.training.tokenizers import Vocabulary
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -177,7 +177,7 @@ class RunProviders:
 
     @property
     def vocabulary(self) -> Vocabulary:
-        """The run's tokenizer (Megatron-LM's under `pretrain()`, else `data.build_tokenizer`'s), MASK id and
+        """The run's tokenizer (Megatron-LM's under `pretrain()`, else `tokenizers.build_tokenizer`'s), MASK id and
         padded vocabulary: needs no parallel state, so the datasets provider may come first."""
         if self._vocabulary is None:
             if self.megatron_lm:
@@ -229,7 +229,7 @@ class RunProviders:
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
         """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
         built on this rank), sized by Megatron-LM's sample counts."""
-        from megatron_csbp.training.data import build_datasets, split_sizes
+        from megatron_csbp.training.datasets import build_datasets, split_sizes
 
         args = self.args
         sizes = list(train_val_test_num_samples) if train_val_test_num_samples is not None else split_sizes(args)
