@@ -5,8 +5,9 @@ import argparse
 import pytest
 
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training.arguments import add_csbp_args, build_parser, validate_args
+from megatron_csbp.training.arguments import validate_args
 from megatron_csbp.training.datasets import parse_data_path
+from megatron_csbp.training.flags import add_csbp_args, build_parser
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--data-path", "unused/prefix",

@@ -275,7 +275,7 @@ def test_splits_without_documents_are_refused(corpus):
 
 
 def test_transformer_and_optimizer_configs_from_tiny_cpu():
-    from megatron_csbp.training.arguments import optimizer_config_from_args, transformer_config_from_args
+    from megatron_csbp.training.megatron_config import optimizer_config_from_args, transformer_config_from_args
 
     args = validate_args(parse_args(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml")]), 2,
                          on_accelerator=False, check_paths=False)

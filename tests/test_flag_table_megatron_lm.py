@@ -85,7 +85,7 @@ def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_
     is taken, or refused by a rule in one line."""
     from megatron_csbp.training import flag_table
     from megatron_csbp.core.rules import ConfigError
-    from megatron_csbp.training.arguments import build_parser
+    from megatron_csbp.training.flags import build_parser
 
     parser, ours = megatron.build_parser(), build_parser()
     monkeypatch.setattr(megatron, "build_parser", lambda: parser)  # built once: parsing does not change it
@@ -205,7 +205,7 @@ def _architecture_rank(rank, world_size, cases):
     import torch
 
     from megatron_csbp.mcore import cpu_backend, parallel_state
-    from megatron_csbp.training import arguments, megatron_lm, providers
+    from megatron_csbp.training import arguments, flags, megatron_lm, providers
     from megatron_csbp.training.tokenizers import Vocabulary
 
     megatron_lm.import_pretrain()
@@ -239,10 +239,10 @@ def _architecture_rank(rank, world_size, cases):
             argv = BASE + ["--use-cpu-initialization", "--no-persist-layer-norm"] + extra
             expanded, _ = megatron_lm.parse_args(argv, 1)  # our validation under Megatron-LM's parser
             sys.argv = ["pretrain_bdlm.py", *expanded]
-            args = megatron_arguments.parse_args(extra_args_provider=arguments.add_csbp_args)
+            args = megatron_arguments.parse_args(extra_args_provider=flags.add_csbp_args)
             with contextlib.redirect_stdout(io.StringIO()):
                 megatron_arguments.validate_args(args, {"max_position_embeddings": args.seq_length})
-            our_args = arguments.validate_args(arguments.build_parser().parse_args(argv + ["--data-path", "x"]), 1,
+            our_args = arguments.validate_args(flags.build_parser().parse_args(argv + ["--data-path", "x"]), 1,
                                                on_accelerator=False, check_paths=False)
             vocabulary = Vocabulary.from_args(our_args)
             args.padded_vocab_size = vocabulary.padded_vocab_size
@@ -275,7 +275,7 @@ def _architecture_rank(rank, world_size, cases):
                 }
             dropped = [word for word in argv if word not in ("--swiglu", "--qk-layernorm", "--add-qkv-bias")]
             if dropped != argv:  # negative control: the same comparison, our model built without the flag
-                control = arguments.validate_args(arguments.build_parser().parse_args(dropped + ["--data-path", "x"]),
+                control = arguments.validate_args(flags.build_parser().parse_args(dropped + ["--data-path", "x"]),
                                                   1, on_accelerator=False, check_paths=False)
                 got = tensors(seeded(lambda: providers.RunProviders(control, vocabulary=vocabulary).model_provider()))
                 case["control"] = ({key: tuple(value.shape) for key, value in got.items()}

@@ -129,7 +129,8 @@ def _our_logits(rank, world, root, families, tp, cp, controls):
 
     from megatron_csbp.training import checkpointing, providers
     from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.training.arguments import transformer_config_from_args, validate_args
+    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.megatron_config import transformer_config_from_args
     from megatron_csbp.training.config import parse_args
     from megatron_csbp.training.hf import split_qkv, Shape
 

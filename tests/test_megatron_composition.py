@@ -92,7 +92,7 @@ def _config(topology):
         context_parallel_size=topology.block_parallel, sequence_parallel=topology.sequence_parallel,
         normalization="RMSNorm", use_cpu_initialization=True, calculate_per_token_loss=True,
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
-        # as arguments.transformer_config_kwargs sets them
+        # as megatron_config.transformer_config_kwargs sets them
         variable_seq_lengths=topology.pp > 1, moe_token_dispatcher_type="alltoall" if topology.pp > 1 else "allgather")
 
 

@@ -190,8 +190,9 @@ def run_arguments(saved: dict, options, world_size: int, directory: str):
     """The checkpoint's training arguments with this launch's layout, data and output, validated as the
     trainer validates (a layout the checkpoint cannot load is refused here), and its vocabulary."""
     from megatron_csbp.core import rules
-    from megatron_csbp.training.arguments import build_parser as training_parser
-    from megatron_csbp.training.arguments import null_as_byte_tokenizer, validate_args
+    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.flags import build_parser as training_parser
+    from megatron_csbp.training.flags import null_as_byte_tokenizer
     from megatron_csbp.training.tokenizers import Vocabulary, build_tokenizer
 
     args = training_parser().parse_args([])

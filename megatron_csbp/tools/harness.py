@@ -203,7 +203,7 @@ class MegatronCSBPLM(LM):
         from megatron_csbp.mcore import parallel_state
         from megatron_csbp.mcore.model import model_provider
         from megatron_csbp.training import providers
-        from megatron_csbp.training.arguments import transformer_config_from_args
+        from megatron_csbp.training.megatron_config import transformer_config_from_args
 
         self.layout = layout_for("csbp", args.seq_length, args.bdlm_block_size, 1, 1, 0)
         vocab_ids = getattr(args, "vocab_ids", None) or max(args.tokenizer.vocab_size, args.mask_token_id + 1)

@@ -3,7 +3,7 @@
 Both loops call the same providers, with the contracts of Megatron-LM's `pretrain_gpt.py` (tag
 `core_v0.16.1`): they are the bound methods of one `RunProviders`, made at the loop's entry. Our own loop
 (`megatron_csbp.training.loop`) makes `RunProviders(args)` with its validated `args` (the config comes from
-`arguments.transformer_config_from_args`); Megatron-LM's `pretrain()`, which parses its arguments itself, is
+`megatron_config.transformer_config_from_args`); Megatron-LM's `pretrain()`, which parses its arguments itself, is
 given the methods of a `RunProviders()`, which reads Megatron-LM's global `args`, tokenizer and
 `core_transformer_config_from_args` when first called.
 
@@ -210,7 +210,7 @@ class RunProviders:
         if self.megatron_lm:
             from megatron.training.arguments import core_transformer_config_from_args as config_from_args
         else:
-            from megatron_csbp.training.arguments import transformer_config_from_args as config_from_args
+            from megatron_csbp.training.megatron_config import transformer_config_from_args as config_from_args
         return build_run(args, self.vocabulary, config_from_args(args))
 
     def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
