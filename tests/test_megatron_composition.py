@@ -176,7 +176,7 @@ def _train_step(topology, weights):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.bdlm.objective import BDLMForwardStep
+    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
     from megatron_csbp.mcore.model import pipeline_seq_length
 
     parallel_state.initialize_model_parallel(topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,

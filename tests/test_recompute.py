@@ -41,7 +41,8 @@ def _step(topology, fields, weights):
 
     from megatron_csbp.core import comm
     from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
+    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+    from megatron_csbp.bdlm.objective import BDLMObjective
     from megatron_csbp.mcore.model import pipeline_seq_length
 
     parallel_state.initialize_model_parallel(context_block_parallel_size=topology.block_parallel,

@@ -136,7 +136,7 @@ def _count_assembly(rank, world, args):
     """Trains `args` on this rank, counting how often the run's parts are built, checked and used."""
     from collections import Counter
 
-    from megatron_csbp.bdlm import objective as bdlm
+    from megatron_csbp.bdlm import forward_step as bdlm
     from megatron_csbp.training import providers, tokenizers, loop as training
 
     counts = Counter()

@@ -464,7 +464,7 @@ class Evaluator:
         """Scores the sequences under every draw; the result record on the last pipeline stage, else None."""
         import torch
 
-        from megatron_csbp.bdlm.objective import BDLMForwardStep
+        from megatron_csbp.bdlm.forward_step import BDLMForwardStep
         from megatron_csbp.core import supervision
 
         prepared, args = self.prepared, self.prepared.args

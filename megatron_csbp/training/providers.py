@@ -27,7 +27,8 @@ import torch
 from megatron_csbp.core import rules
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training.arguments import clean_shards
-from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
+from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+from megatron_csbp.bdlm.objective import BDLMObjective
 from megatron_csbp.training.tokenizers import Vocabulary
 
 if TYPE_CHECKING:
