@@ -244,7 +244,7 @@ def _write_import(hf_dir, save, private, config, flags, weights, tokenizer, mask
     from megatron_csbp.training import checkpointing, hf
     from megatron_csbp.training.arguments import validate_args
     from megatron_csbp.training.config import parse_args
-    from megatron_csbp.training.data import HuggingFaceTokenizer, Vocabulary
+    from megatron_csbp.training.tokenizers import HuggingFaceTokenizer, Vocabulary
 
     side = os.path.join(private, HF_SIDE)
     os.makedirs(side)
@@ -375,7 +375,7 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
     import torch
 
     from megatron_csbp.training import checkpointing, hf, hf_formats, publish
-    from megatron_csbp.training.data import Vocabulary, build_tokenizer
+    from megatron_csbp.training.tokenizers import Vocabulary, build_tokenizer
 
     fmt = hf_formats.export_format(export_format)
     if max_shard_bytes <= 0:

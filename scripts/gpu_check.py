@@ -421,7 +421,8 @@ def train(args, device, records):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
+    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+    from megatron_csbp.bdlm.objective import BDLMObjective
     from megatron_csbp.bdlm.flops import bdlm_step_flops
     from megatron_csbp.core.layout import CSBPLayout
     from megatron_csbp.mcore.model import model_provider

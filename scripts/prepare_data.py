@@ -11,7 +11,7 @@ here. A tiny model learns them in a few minutes on two CPU cores, so its samples
 Inputs ending in `.jsonl`/`.json` hold one JSON object per line (text under `--json-key`); any other file
 is one document. A malformed line is reported as `file:line: why` and skipped (counted) or fatal, per
 `--on-bad-line`. The dataset is read back and checked before it replaces anything (see
-`megatron_csbp.training.data.write_indexed_dataset`).
+`megatron_csbp.training.datasets.write_indexed_dataset`).
 """
 
 import argparse
@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet.quiet_start_up()  # before megatron is imported
     from megatron_csbp.training.arguments import ConfigError
-    from megatron_csbp.training.data import build_tokenizer, check_output_prefix, dataset_stats, write_indexed_dataset
+    from megatron_csbp.training.datasets import check_output_prefix, dataset_stats, write_indexed_dataset
+    from megatron_csbp.training.tokenizers import build_tokenizer
 
     args = build_parser().parse_args(argv)
     args.make_vocab_size_divisible_by, args.tensor_model_parallel_size = 1, 1

@@ -5,8 +5,10 @@ import dataclasses
 
 import pytest
 
-from megatron_csbp.training.arguments import (ConfigError, add_csbp_args, build_parser, parse_data_path, run_config,
-                                              validate_args)
+from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training.arguments import run_config, validate_args
+from megatron_csbp.training.datasets import parse_data_path
+from megatron_csbp.training.flags import add_csbp_args, build_parser
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
         "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--data-path", "unused/prefix",

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective, loss_func
+from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+from megatron_csbp.bdlm.objective import BDLMObjective, loss_func
 from megatron_csbp.core.layout import CPLayout, CSBPLayout, layout_for
 
 VOCAB = 5  # real ids 0..4

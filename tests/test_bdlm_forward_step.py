@@ -27,7 +27,8 @@ def _megatron_step(rank, world_size, layout_rank):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
+    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+    from megatron_csbp.bdlm.objective import BDLMObjective
     from megatron_csbp.core.layout import CSBPLayout
 
     parallel_state.initialize_model_parallel(context_parallel_size=world_size)

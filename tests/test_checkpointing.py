@@ -57,7 +57,7 @@ def _train_cases(rank, world_size, cases):
     import io
 
     from megatron_csbp.training import loop as training
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
 
     results = {}
     for name, args in cases:

@@ -6,7 +6,10 @@ import re
 
 import pytest
 
-from megatron_csbp.training.arguments import ConfigError, add_csbp_args, lr_schedule_steps, validate_args
+from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training.arguments import validate_args
+from megatron_csbp.training.flags import add_csbp_args
+from megatron_csbp.training.megatron_config import lr_schedule_steps
 from megatron_csbp.training.config import expand_argv, load_config, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

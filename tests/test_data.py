@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_csbp.training import data
-from megatron_csbp.training.arguments import ConfigError, validate_args
+from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training import datasets, tokenizers
+from megatron_csbp.training.arguments import validate_args
 from megatron_csbp.training.config import parse_args
 from spawn import run_ranks
 
@@ -44,17 +45,17 @@ def corpus(tmp_path_factory):
 
 def test_byte_tokenizer_and_padded_vocabulary():
     args = parse_args(["tensor-model-parallel-size=1"])
-    tokenizer = data.build_tokenizer(args)
+    tokenizer = tokenizers.build_tokenizer(args)
     assert tokenizer.tokenize("hé") == [104, 195, 169] and tokenizer.detokenize([104, 195, 169, 256]) == "hé"
-    assert (tokenizer.eod, tokenizer.vocab_size) == (256, 257) and data.vocabulary(args, tokenizer) == (257, 384)
+    assert (tokenizer.eod, tokenizer.vocab_size) == (256, 257) and tokenizers.vocabulary(args, tokenizer) == (257, 384)
     args = parse_args(["tensor-model-parallel-size=4"])
-    assert data.vocabulary(args, data.build_tokenizer(args))[1] == 512
+    assert tokenizers.vocabulary(args, tokenizers.build_tokenizer(args))[1] == 512
     args = parse_args(["vocab-size=383"])
-    tokenizer = data.build_tokenizer(args)
-    assert tokenizer.eod == 383 and data.vocabulary(args, tokenizer) == (384, 512)
+    tokenizer = tokenizers.build_tokenizer(args)
+    assert tokenizer.eod == 383 and tokenizers.vocabulary(args, tokenizer) == (384, 512)
     with pytest.raises(ConfigError, match="--vocab-size 100: the byte tokenizer needs at least 256"):
-        data.build_tokenizer(parse_args(["vocab-size=100"]))
-    null = data.build_tokenizer(parse_args(["tokenizer-type=NullTokenizer", "vocab-size=256"]))
+        tokenizers.build_tokenizer(parse_args(["vocab-size=100"]))
+    null = tokenizers.build_tokenizer(parse_args(["tokenizer-type=NullTokenizer", "vocab-size=256"]))
     assert (null.eod, null.vocab_size) == (256, 257) and null.tokenize("104 195") == [104, 195]
 
 
@@ -77,17 +78,17 @@ def test_huggingface_tokenizer_is_optional_and_local(tmp_path, monkeypatch):
     args = parse_args(["tokenizer-type=HuggingFaceTokenizer", f"tokenizer-model={path}"])
     monkeypatch.setitem(sys.modules, "tokenizers", None)
     with pytest.raises(ConfigError, match="needs the 'tokenizers' package"):
-        data.build_tokenizer(args)
+        tokenizers.build_tokenizer(args)
     vocabulary = {f"w{i}": i for i in range(1000)} | {"</s>": 1000}
     monkeypatch.setitem(sys.modules, "tokenizers", _fake_tokenizers(vocabulary))
-    tokenizer = data.build_tokenizer(args)
-    assert (tokenizer.eod, tokenizer.vocab_size, *data.vocabulary(args, tokenizer)) == (1000, 1001, 1001, 1024)
+    tokenizer = tokenizers.build_tokenizer(args)
+    assert (tokenizer.eod, tokenizer.vocab_size, *tokenizers.vocabulary(args, tokenizer)) == (1000, 1001, 1001, 1024)
     assert tokenizer.tokenize("w5 w7") == [5, 7]
     monkeypatch.setitem(sys.modules, "tokenizers", _fake_tokenizers({f"w{i}": i for i in range(1024)}))
-    tokenizer = data.build_tokenizer(args)
-    assert (tokenizer.eod, *data.vocabulary(args, tokenizer)) == (1024, 1025, 1152)
+    tokenizer = tokenizers.build_tokenizer(args)
+    assert (tokenizer.eod, *tokenizers.vocabulary(args, tokenizer)) == (1024, 1025, 1152)
     with pytest.raises(ConfigError, match="--tokenizer-model .*missing.json: no such file"):
-        data.build_tokenizer(parse_args(["tokenizer-type=HuggingFaceTokenizer",
+        tokenizers.build_tokenizer(parse_args(["tokenizer-type=HuggingFaceTokenizer",
                                          f"tokenizer-model={tmp_path / 'missing.json'}"]))
 
 
@@ -110,7 +111,7 @@ def test_prepare_data_reports_bad_jsonl_lines(tmp_path, capsys, mode):
     assert f"skipped {source}:2: not valid JSON" in err
     assert f"skipped {source}:3: no 'text' key" in err and f"skipped {source}:4: 'text' is a int" in err
     assert "2 documents, 13 tokens (verified), skipped 3 bad line(s)" in out
-    stats = data.dataset_stats(prefix)
+    stats = datasets.dataset_stats(prefix)
     assert (stats.num_documents, stats.num_tokens, stats.max_token_id) == (2, 13, 256)
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     dataset = IndexedDataset(prefix)  # keep it alive: its items are views of its memory map
@@ -130,8 +131,8 @@ def test_prepare_data_refuses_an_output_prefix_under_a_file(tmp_path, capsys, un
     assert err.startswith(f"prepare_data: --output-prefix {tmp_path / under}: {tmp_path / 'file'} is a file"), err
     assert (tmp_path / "file").read_text() == "not a directory"
     assert sorted(os.listdir(tmp_path)) == ["file", "in.txt"]
-    with pytest.raises(data.ConfigError, match="is a file"):  # the writer refuses it too, called directly
-        data.write_indexed_dataset([[1, 2]], str(tmp_path / under), 257)
+    with pytest.raises(ConfigError, match="is a file"):  # the writer refuses it too, called directly
+        datasets.write_indexed_dataset([[1, 2]], str(tmp_path / under), 257)
 
 
 def test_prepare_data_json_key_and_text_files(tmp_path):
@@ -140,12 +141,12 @@ def test_prepare_data_json_key_and_text_files(tmp_path):
     prefix = str(tmp_path / "out")
     assert prepare_data.main(["--input", str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt"), "--json-key", "content",
                               "--output-prefix", prefix, "--no-append-eod"]) == 0
-    assert data.dataset_stats(prefix) == data.DatasetStats(2, 2 + 11, max(b"xy" + b"plain text\n"))
+    assert datasets.dataset_stats(prefix) == datasets.DatasetStats(2, 2 + 11, max(b"xy" + b"plain text\n"))
 
 
 def test_default_dataset_is_the_standard_library(corpus, capsys):
     prefix, texts = corpus
-    stats = data.dataset_stats(prefix)
+    stats = datasets.dataset_stats(prefix)
     assert stats.num_documents == len(texts) > 10
     assert stats.num_tokens == sum(len(text) + 1 for text in texts)
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -162,18 +163,18 @@ def test_default_dataset_is_the_standard_library(corpus, capsys):
 
 def test_interrupted_write_keeps_the_previous_dataset(tmp_path):
     prefix = str(tmp_path / "d")
-    data.write_indexed_dataset([[1, 2, 3], [4]], prefix, 257)
+    datasets.write_indexed_dataset([[1, 2, 3], [4]], prefix, 257)
 
     def crashing():
         yield [5, 6]
         raise KeyboardInterrupt("preempted")
     with pytest.raises(KeyboardInterrupt):
-        data.write_indexed_dataset(crashing(), prefix, 257)
-    assert data.dataset_stats(prefix) == data.DatasetStats(2, 4, 4)
+        datasets.write_indexed_dataset(crashing(), prefix, 257)
+    assert datasets.dataset_stats(prefix) == datasets.DatasetStats(2, 4, 4)
     assert sorted(os.listdir(tmp_path)) == ["d.bin", "d.idx", "d.stats.json"]
     with pytest.raises(RuntimeError, match="nothing was replaced"):
-        data.write_indexed_dataset([[1, 300]], prefix, 257)
-    assert data.dataset_stats(prefix) == data.DatasetStats(2, 4, 4)
+        datasets.write_indexed_dataset([[1, 300]], prefix, 257)
+    assert datasets.dataset_stats(prefix) == datasets.DatasetStats(2, 4, 4)
 
 
 @pytest.mark.parametrize("max_id, needle", [(256, None), (257, "collides with the MASK id 257"),
@@ -181,49 +182,49 @@ def test_interrupted_write_keeps_the_previous_dataset(tmp_path):
                                             (400, "token id 400 exceeds the model's vocabulary (384 padded ids)")])
 def test_vocabulary_check(tmp_path, max_id, needle):
     prefix = str(tmp_path / "ids")
-    data.write_indexed_dataset([[0, 5, max_id], [7]], prefix, 1000)
+    datasets.write_indexed_dataset([[0, 5, max_id], [7]], prefix, 1000)
     if needle is None:
-        assert data.check_vocabulary([prefix], 257, 384) == max_id
+        assert datasets.check_vocabulary([prefix], 257, 384) == max_id
         return
     with pytest.raises(ConfigError) as caught:
-        data.check_vocabulary([prefix], 257, 384)
+        datasets.check_vocabulary([prefix], 257, 384)
     assert str(caught.value).startswith(f"--data-path {prefix}: ") and needle in str(caught.value)
     with pytest.raises(ConfigError, match="--data-path"):
-        data.build_datasets(training_args(prefix, "seq-length=16"))
+        datasets.build_datasets(training_args(prefix, "seq-length=16"))
 
 
 def test_recorded_stats_are_used_only_for_unchanged_files(tmp_path):
     prefix = str(tmp_path / "d")
-    written = data.write_indexed_dataset([[1, 2, 3], [4, 5]], prefix, 257)
-    assert written == data.DatasetStats(2, 5, 5) == data.dataset_stats(prefix)
+    written = datasets.write_indexed_dataset([[1, 2, 3], [4, 5]], prefix, 257)
+    assert written == datasets.DatasetStats(2, 5, 5) == datasets.dataset_stats(prefix)
     os.remove(prefix + ".stats.json")
-    assert data.dataset_stats(prefix) == written  # read from the files
-    data.write_indexed_dataset([[1, 2, 3], [4, 5]], prefix, 257)
+    assert datasets.dataset_stats(prefix) == written  # read from the files
+    datasets.write_indexed_dataset([[1, 2, 3], [4, 5]], prefix, 257)
     with open(prefix + ".bin", "r+b") as handle:  # same size, new content (uint16 tokens): id 300 appears
         handle.seek(2)
         handle.write(np.array([300], dtype=np.uint16).tobytes())
     os.utime(prefix + ".bin", ns=(0, 0))
-    assert data.dataset_stats(prefix).max_token_id == 300
+    assert datasets.dataset_stats(prefix).max_token_id == 300
     with pytest.raises(ConfigError, match="token id 300"):
-        data.check_vocabulary([prefix], 257, 384)
+        datasets.check_vocabulary([prefix], 257, 384)
 
 
 def test_missing_and_corrupt_datasets_are_refused(tmp_path):
     prefix = str(tmp_path / "d")
     with pytest.raises(ConfigError, match=f"--data-path {prefix}: no {prefix}.bin"):
-        data.dataset_stats(prefix)
-    data.write_indexed_dataset([list(range(50))], prefix, 257)
+        datasets.dataset_stats(prefix)
+    datasets.write_indexed_dataset([list(range(50))], prefix, 257)
     with open(prefix + ".bin", "r+b") as handle:
         handle.truncate(40)
     with pytest.raises(ConfigError, match="d.bin has 40 bytes, its .idx describes 100"):
-        data.dataset_stats(prefix)
+        datasets.dataset_stats(prefix)
     with open(prefix + ".idx", "wb") as handle:
         handle.write(b"not an index")
     with pytest.raises(ConfigError, match="corrupt"):
-        data.dataset_stats(prefix)
+        datasets.dataset_stats(prefix)
     os.remove(prefix + ".idx")
     with pytest.raises(ConfigError, match="has no .*d.idx beside it"):
-        data.build_datasets(parse_args(MODEL + [f"data-path={prefix}", "seq-length=16"]))
+        datasets.build_datasets(parse_args(MODEL + [f"data-path={prefix}", "seq-length=16"]))
 
 
 def _pieces_come_from(tokens: list[int], texts: list[bytes]) -> bool:
@@ -241,7 +242,7 @@ def _pieces_come_from(tokens: list[int], texts: list[bytes]) -> bool:
 def test_gpt_dataset_samples_are_clean_sequences_of_length_L(corpus):
     prefix, texts = corpus
     args = training_args(prefix, "seq-length=64", "split=90,10,0")
-    train, valid, test = data.build_datasets(args)
+    train, valid, test = datasets.build_datasets(args)
     assert test is None and len(train) >= 6 * 2 and len(valid) >= (6 // 3 + 1) * 2 * 2
     for dataset in (train, valid):
         for index in (0, 1, len(dataset) - 1):
@@ -253,8 +254,8 @@ def test_gpt_dataset_samples_are_clean_sequences_of_length_L(corpus):
     assert not _pieces_come_from([ord("\x07")] * 8, texts)  # the content check can fail
 
     other = os.path.join(os.path.dirname(prefix), "other")
-    data.write_indexed_dataset([list(b"zzzz" * 40)] * 20, other, 257)
-    blended = data.build_datasets(training_args(f"0.5 {prefix} 0.5 {other}", "seq-length=32", "split=90,10,0"))[0]
+    datasets.write_indexed_dataset([list(b"zzzz" * 40)] * 20, other, 257)
+    blended = datasets.build_datasets(training_args(f"0.5 {prefix} 0.5 {other}", "seq-length=32", "split=90,10,0"))[0]
     tokens = torch.stack([blended[i]["tokens"] for i in range(len(blended))])
     from_other = (tokens == ord("z")).float().mean(dim=1) > 0.5
     assert 0.25 < from_other.float().mean() < 0.75  # both sources, in proportion to their weights
@@ -263,18 +264,18 @@ def test_gpt_dataset_samples_are_clean_sequences_of_length_L(corpus):
 def test_splits_without_documents_are_refused(corpus):
     prefix, texts = corpus
     with pytest.raises(ConfigError) as caught:  # megatron-core would loop forever on an empty split
-        data.build_datasets(training_args(prefix, "seq-length=64"))
+        datasets.build_datasets(training_args(prefix, "seq-length=64"))
     assert str(caught.value) == (f"--split '969, 30, 1' leaves the valid split 0 of the {len(texts)} documents of "
                                  f"--data-path {prefix}; give it at least {math.ceil(100 / len(texts))}% of the "
                                  f"documents, a zero share, or use more data")
     with pytest.raises(ConfigError, match="--split '0,0,0': give up to three"):
-        data.build_datasets(training_args(prefix, "seq-length=64", "split=0,0,0"))
-    assert data.build_datasets(training_args(prefix, "seq-length=64", "split=100,0,0", "eval-iters=0"))[1:] == (None,
-                                                                                                          None)
+        datasets.build_datasets(training_args(prefix, "seq-length=64", "split=0,0,0"))
+    splits = datasets.build_datasets(training_args(prefix, "seq-length=64", "split=100,0,0", "eval-iters=0"))
+    assert splits[1:] == (None, None)
 
 
 def test_transformer_and_optimizer_configs_from_tiny_cpu():
-    from megatron_csbp.training.arguments import optimizer_config_from_args, transformer_config_from_args
+    from megatron_csbp.training.megatron_config import optimizer_config_from_args, transformer_config_from_args
 
     args = validate_args(parse_args(["--config", os.path.join(REPO, "configs", "tiny_cpu.yaml")]), 2,
                          on_accelerator=False, check_paths=False)
@@ -289,7 +290,7 @@ def test_transformer_and_optimizer_configs_from_tiny_cpu():
 def _build_on_rank(rank, world_size, prefix, cache):
     args = training_args(prefix, "seq-length=64", "global-batch-size=4", "split=90,10,0", f"data-cache-path={cache}",
                          world=world_size)
-    train, valid, _ = data.build_datasets(args)
+    train, valid, _ = datasets.build_datasets(args)
     return torch.stack([train[i]["tokens"] for i in range(8)]), torch.stack([valid[i]["tokens"] for i in range(4)])
 
 

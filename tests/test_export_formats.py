@@ -99,7 +99,7 @@ def exports(tmp_path_factory):
     """root/<name>/{hf,ckpt}: Qwen3- and Qwen2.5-sized imports and a tiny Qwen3 (300 ids, MASK 300); the
     Qwen2 import fine-tuned one step at lr 0 with the Fast-dLLM v2 recipe (root/qwen2/finetuned); and the
     exports root/exports/<name>, with the log lines of each."""
-    from megatron_csbp.training.data import write_indexed_dataset
+    from megatron_csbp.training.datasets import write_indexed_dataset
 
     root = str(tmp_path_factory.mktemp("formats"))
     _qwen_sized_model("qwen3", os.path.join(root, "qwen3", "hf"))
@@ -298,7 +298,7 @@ def test_each_format_states_its_engines_facts():
     """The facts each format refuses or notes by, without a checkpoint: SDAR wants a BD3-LM Qwen3 at MASK 151669,
     Fast-dLLM v2 a shifted-label Qwen2 at 151665; the plain export takes anything."""
     from megatron_csbp.training import hf_formats
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
 
     sdar, fast, plain = hf_formats.SDAR, hf_formats.FAST_DLLM_V2, hf_formats.HF
     assert sdar.problem("qwen3", "bd3lm", 151669) is None and fast.problem("qwen2", "fast-dllm-v2", 151665) is None

@@ -6,8 +6,10 @@ import re
 
 import pytest
 
+from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training import flag_table
-from megatron_csbp.training.arguments import ConfigError, build_parser, validate_args
+from megatron_csbp.training.arguments import validate_args
+from megatron_csbp.training.flags import build_parser
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

@@ -84,7 +84,8 @@ def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_
     flag stops the run with one line naming it, and with the same line under our loop; an honoured or neutral one
     is taken, or refused by a rule in one line."""
     from megatron_csbp.training import flag_table
-    from megatron_csbp.training.arguments import ConfigError, build_parser
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.training.flags import build_parser
 
     parser, ours = megatron.build_parser(), build_parser()
     monkeypatch.setattr(megatron, "build_parser", lambda: parser)  # built once: parsing does not change it
@@ -141,7 +142,7 @@ def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_
     (["--load-fallback-to-previous"], "--load-fallback-to-previous is our loop's own"),
 ])
 def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatron, extra, message):
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
 
     with pytest.raises(ConfigError) as refused:
         megatron.parse_args(BASE + extra, 1)
@@ -204,8 +205,8 @@ def _architecture_rank(rank, world_size, cases):
     import torch
 
     from megatron_csbp.mcore import cpu_backend, parallel_state
-    from megatron_csbp.training import arguments, megatron_lm, providers
-    from megatron_csbp.training.data import Vocabulary
+    from megatron_csbp.training import arguments, flags, megatron_lm, providers
+    from megatron_csbp.training.tokenizers import Vocabulary
 
     megatron_lm.import_pretrain()
     sys.path.append(os.environ["MEGATRON_LM_PATH"])
@@ -238,10 +239,10 @@ def _architecture_rank(rank, world_size, cases):
             argv = BASE + ["--use-cpu-initialization", "--no-persist-layer-norm"] + extra
             expanded, _ = megatron_lm.parse_args(argv, 1)  # our validation under Megatron-LM's parser
             sys.argv = ["pretrain_bdlm.py", *expanded]
-            args = megatron_arguments.parse_args(extra_args_provider=arguments.add_csbp_args)
+            args = megatron_arguments.parse_args(extra_args_provider=flags.add_csbp_args)
             with contextlib.redirect_stdout(io.StringIO()):
                 megatron_arguments.validate_args(args, {"max_position_embeddings": args.seq_length})
-            our_args = arguments.validate_args(arguments.build_parser().parse_args(argv + ["--data-path", "x"]), 1,
+            our_args = arguments.validate_args(flags.build_parser().parse_args(argv + ["--data-path", "x"]), 1,
                                                on_accelerator=False, check_paths=False)
             vocabulary = Vocabulary.from_args(our_args)
             args.padded_vocab_size = vocabulary.padded_vocab_size
@@ -274,7 +275,7 @@ def _architecture_rank(rank, world_size, cases):
                 }
             dropped = [word for word in argv if word not in ("--swiglu", "--qk-layernorm", "--add-qkv-bias")]
             if dropped != argv:  # negative control: the same comparison, our model built without the flag
-                control = arguments.validate_args(arguments.build_parser().parse_args(dropped + ["--data-path", "x"]),
+                control = arguments.validate_args(flags.build_parser().parse_args(dropped + ["--data-path", "x"]),
                                                   1, on_accelerator=False, check_paths=False)
                 got = tensors(seeded(lambda: providers.RunProviders(control, vocabulary=vocabulary).model_provider()))
                 case["control"] = ({key: tuple(value.shape) for key, value in got.items()}

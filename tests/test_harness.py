@@ -178,7 +178,7 @@ def _in_process(rank, world_size, load):
     import torch
 
     from megatron_csbp.tools.harness import MegatronCSBPLM
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
 
     refusals = {}
     for arguments in ({"tensor_parallel_size": 2}, {"estimator": "median"}, {"mc_sample": 4}, {"strategy": "best"}):

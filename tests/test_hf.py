@@ -129,7 +129,8 @@ def _our_logits(rank, world, root, families, tp, cp, controls):
 
     from megatron_csbp.training import checkpointing, providers
     from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.training.arguments import transformer_config_from_args, validate_args
+    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.megatron_config import transformer_config_from_args
     from megatron_csbp.training.config import parse_args
     from megatron_csbp.training.hf import split_qkv, Shape
 
@@ -277,7 +278,7 @@ def test_import_export_round_trip_is_bit_exact(converted, tmp_path):
 @pytest.fixture(scope="module")
 def llama_data(converted):
     """A small dataset in the Llama tokenizer's ids (never MASK)."""
-    from megatron_csbp.training.data import write_indexed_dataset
+    from megatron_csbp.training.datasets import write_indexed_dataset
 
     generator = torch.Generator().manual_seed(5)
     documents = [torch.randint(0, _mask_id("llama"), (int(n),), generator=generator).tolist()
@@ -409,25 +410,26 @@ def test_an_import_the_trainer_refuses_leaves_nothing_behind(converted, tmp_path
 
 def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
     """`--bdlm-mask-token-id`: a new id further on grows the vocabulary; an existing id does not."""
-    from megatron_csbp.training import data
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.training import datasets, tokenizers
     from megatron_csbp.training.checkpointing import CheckpointError, check_compatible
     from megatron_csbp.training.config import parse_args
 
     args = parse_args([])
-    assert data.vocabulary(args, data.build_tokenizer(args)) == (257, 384)  # the default: right after the tokenizer's
+    # The default: right after the tokenizer's.
+    assert tokenizers.vocabulary(args, tokenizers.build_tokenizer(args)) == (257, 384)
     args = parse_args(["bdlm-mask-token-id=400"])
-    assert data.vocabulary(args, data.build_tokenizer(args)) == (400, 512)
+    assert tokenizers.vocabulary(args, tokenizers.build_tokenizer(args)) == (400, 512)
     args = parse_args(["bdlm-mask-token-id=100"])
-    args.mask_token_id, args.padded_vocab_size = data.vocabulary(args, data.build_tokenizer(args))
+    args.mask_token_id, args.padded_vocab_size = tokenizers.vocabulary(args, tokenizers.build_tokenizer(args))
     assert (args.mask_token_id, args.padded_vocab_size) == (100, 384)
     with pytest.raises(CheckpointError, match="--bdlm-mask-token-id 257, this run has --bdlm-mask-token-id 100"):
         check_compatible({"mask_token_id": 257}, args, "ckpt")
     prefix = str(tmp_path / "ids")
-    data.write_indexed_dataset([[5, 200, 256]], prefix, 257)
-    assert data.check_vocabulary([prefix], 100, 384, 257) == 256  # ids above an existing MASK id are data
+    datasets.write_indexed_dataset([[5, 200, 256]], prefix, 257)
+    assert datasets.check_vocabulary([prefix], 100, 384, 257) == 256  # ids above an existing MASK id are data
     with pytest.raises(ConfigError, match="beyond the tokenizer's ids"):
-        data.check_vocabulary([prefix], 100, 384, 200)
+        datasets.check_vocabulary([prefix], 100, 384, 200)
 
 
 def test_existing_token_as_mask_round_trips_exactly(converted, tmp_path):

@@ -92,7 +92,7 @@ def _config(topology):
         context_parallel_size=topology.block_parallel, sequence_parallel=topology.sequence_parallel,
         normalization="RMSNorm", use_cpu_initialization=True, calculate_per_token_loss=True,
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
-        # as arguments.transformer_config_kwargs sets them
+        # as megatron_config.transformer_config_kwargs sets them
         variable_seq_lengths=topology.pp > 1, moe_token_dispatcher_type="alltoall" if topology.pp > 1 else "allgather")
 
 
@@ -176,7 +176,7 @@ def _train_step(topology, weights):
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.bdlm.objective import BDLMForwardStep
+    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
     from megatron_csbp.mcore.model import pipeline_seq_length
 
     parallel_state.initialize_model_parallel(topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,

@@ -115,7 +115,7 @@ def test_a_yaml_with_megatron_lm_only_flags_runs_under_megatron_lm(corpus, tmp_p
 def _megatron_lm_refusal(argv, world=2):
     sys.path.append(MEGATRON_LM)
     from megatron_csbp.training import megatron_lm
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
 
     assert megatron_lm.import_pretrain() is not None
     with pytest.raises(ConfigError) as refused:

@@ -41,7 +41,8 @@ def _step(topology, fields, weights):
 
     from megatron_csbp.core import comm
     from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
+    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+    from megatron_csbp.bdlm.objective import BDLMObjective
     from megatron_csbp.mcore.model import pipeline_seq_length
 
     parallel_state.initialize_model_parallel(context_block_parallel_size=topology.block_parallel,
@@ -104,15 +105,15 @@ def test_recompute_equals_no_recompute_and_sends_the_forward_twice():
 def test_selective_recompute_passes_validation():
     """`--recompute-granularity selective` (no method, no layer count) validates and reaches the config as
     megatron-core's selective core-attention recompute."""
-    from megatron_csbp.training import arguments
+    from megatron_csbp.training import arguments, flags, megatron_config
 
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
             "--bdlm-block-size", "4", "--micro-batch-size", "1", "--train-iters", "1", "--lr", "1e-3",
             "--data-path", "unused", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64",
             "--recompute-granularity", "selective"]
-    args = arguments.validate_args(arguments.build_parser().parse_args(argv), 1, on_accelerator=False,
+    args = arguments.validate_args(flags.build_parser().parse_args(argv), 1, on_accelerator=False,
                                    check_paths=False)
-    config = arguments.transformer_config_from_args(args)
+    config = megatron_config.transformer_config_from_args(args)
     assert config.recompute_granularity == "selective" and config.recompute_modules == ["core_attn"]
 
 

@@ -8,7 +8,9 @@ import sys
 
 import pytest
 
-from megatron_csbp.training.arguments import ConfigError, build_parser, checkpoint_bytes, validate_args
+from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training.arguments import checkpoint_bytes, validate_args
+from megatron_csbp.training.flags import build_parser
 from spawn import on_cpu_backend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -12,7 +12,8 @@ from test_suite_rules import _modules_added_by
 
 from megatron_csbp.tools import plan
 from megatron_csbp.core import rules
-from megatron_csbp.training.arguments import ConfigError, validate_args
+from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training.arguments import validate_args
 from megatron_csbp.training.config import load_config, parse_args
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

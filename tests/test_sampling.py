@@ -550,7 +550,7 @@ def _run(command, expect=0):
 @pytest.fixture(scope="module")
 def alphabet_checkpoints(tmp_path_factory):
     """A tiny BDLM trained 120 iterations on the repeated alphabet by scripts/pretrain_bdlm.py."""
-    from megatron_csbp.training.data import write_indexed_dataset
+    from megatron_csbp.training.datasets import write_indexed_dataset
 
     root = tmp_path_factory.mktemp("alphabet")
     documents = [list((ALPHABET * 20)[i:i + 400].encode()) for i in range(26) for _ in range(3)]
@@ -662,7 +662,7 @@ def test_bad_flags_are_one_line_refusals_with_exit_2(alphabet_checkpoints, tmp_p
 def test_config_sets_every_key_it_names_even_a_default(alphabet_checkpoints, tmp_path):
     """A YAML value equal to the parser's default still overrides the checkpoint (so `bdlm-objective: bd3lm`
     decodes a fast-dllm-v2 checkpoint as bd3lm): the checkpoint's block size is 8, the parser's default 16."""
-    from megatron_csbp.training.arguments import build_parser
+    from megatron_csbp.training.flags import build_parser
 
     assert build_parser().parse_args([]).bdlm_block_size == 16
     script = _script()

@@ -57,7 +57,7 @@ def test_a_given_layer_spec_is_honoured_with_csbp_core_attention():
 
     from megatron_csbp.training import providers
     from megatron_csbp.mcore import spec
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
 
     given = get_gpt_layer_local_spec(qk_layernorm=True)
     given.submodules.self_attention.submodules.core_attention = DotProductAttention
@@ -74,7 +74,7 @@ def test_a_given_layer_spec_is_honoured_with_csbp_core_attention():
 
 def test_forward_step_refuses_the_megatron_arguments_it_cannot_honour():
     from megatron_csbp.training import providers
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
 
     run_providers = providers.RunProviders(object())
     with pytest.raises(ConfigError, match="--num-microbatches-with-partial-activation-checkpoints"):

@@ -126,3 +126,38 @@ def test_every_module_has_one_import_path():
     assert imports("from megatron_csbp.core.layout import CSBPLayout, CPLayout, layout_for; "
                    "from megatron_csbp.core.ops import context_sharded_block_attention")
     assert not imports("import megatron_csbp.layout") and not imports("import megatron_csbp.ops")
+
+
+def _imported_modules(path: str) -> set[str]:
+    """The `megatron_csbp` modules a source file imports, anywhere in it."""
+    with open(os.path.join(PACKAGE, path), encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_csbp"):
+            found.update([node.module] + [f"{node.module}.{alias.name}" for alias in node.names])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("megatron_csbp"))
+    return found
+
+
+def test_the_data_modules_do_not_import_the_arguments():
+    """Arguments import the tokenizers and datasets (data-path parsing, the tokenizer file), never the reverse."""
+    for path in ("training/tokenizers.py", "training/datasets.py"):
+        assert "megatron_csbp.training.arguments" not in _imported_modules(path), path
+    assert "megatron_csbp.training.datasets" in _imported_modules("training/arguments.py")  # the check sees imports
+
+
+def _imports_megatron(path: str) -> bool:
+    """Whether a source file imports megatron (core or Megatron-LM) anywhere, function-level imports too."""
+    with open(os.path.join(PACKAGE, path), encoding="utf-8") as handle:
+        tree = ast.parse(handle.read())
+    names = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)] + \
+        [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
+    return any(name.split(".")[0] == "megatron" for name in names)
+
+
+def test_the_objective_imports_no_megatron():
+    """`bdlm.objective` is torch only (noise, rows, loss); megatron-core's forward step on it is `bdlm.forward_step`."""
+    assert not _imports_megatron("bdlm/objective.py")
+    assert _imports_megatron("bdlm/forward_step.py")  # negative control: the check sees lazy imports

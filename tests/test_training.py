@@ -107,7 +107,7 @@ def test_providers_read_megatron_lm_globals_when_given_no_args(monkeypatch, corp
     """Under `pretrain()` the providers get no `args`: they read Megatron-LM's global args and tokenizer (a
     stand-in `megatron.training` here; tests/test_megatron_lm.py runs the real one)."""
     from megatron_csbp.training import providers
-    from megatron_csbp.training.data import NullTokenizer
+    from megatron_csbp.training.tokenizers import NullTokenizer
 
     megatron_args = validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode="csbp")
     fake = types.ModuleType("megatron.training")
@@ -136,9 +136,9 @@ def _count_assembly(rank, world, args):
     """Trains `args` on this rank, counting how often the run's parts are built, checked and used."""
     from collections import Counter
 
-    from megatron_csbp.bdlm import objective as bdlm
+    from megatron_csbp.bdlm import forward_step as bdlm
     from megatron_csbp.core.run_config import RunConfig
-    from megatron_csbp.training import data, providers, loop as training
+    from megatron_csbp.training import providers, tokenizers, loop as training
 
     counts = Counter()
 
@@ -150,7 +150,7 @@ def _count_assembly(rank, world, args):
 
     providers.build_run = counted("run", providers.build_run)
     RunConfig.layout = counted("layout", RunConfig.layout)
-    data.build_tokenizer = counted("tokenizer", data.build_tokenizer)
+    tokenizers.build_tokenizer = counted("tokenizer", tokenizers.build_tokenizer)
     bdlm._check_model_matches = counted("model check", bdlm._check_model_matches)
     bdlm.BDLMForwardStep.__call__ = counted("micro-batch", bdlm.BDLMForwardStep.__call__)
     training.train(args)

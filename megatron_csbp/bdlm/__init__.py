@@ -2,5 +2,5 @@
 step, and its exact FLOPs. Imports `core` and `mcore`.
 """
 
-from megatron_csbp.bdlm.objective import (BDLMForwardStep, BDLMObjective, batch_on_this_rank,  # noqa: E402,F401
-                                          checked_loss_func, loss_func)
+from megatron_csbp.bdlm.forward_step import BDLMForwardStep, batch_on_this_rank, checked_loss_func  # noqa: F401
+from megatron_csbp.bdlm.objective import BDLMObjective, loss_func  # noqa: F401

@@ -1,4 +1,5 @@
-"""The BDLM objective: deterministic noise, this rank's `[x_t ; x_0]` rows, the loss, the forward step.
+"""The BDLM objective: deterministic noise, this rank's `[x_t ; x_0]` rows, the loss. Torch only; the
+megatron-core forward step built on it is `forward_step`.
 
 API (what the model, the training loop and the tests use)::
 
@@ -13,16 +14,11 @@ API (what the model, the training loop and the tests use)::
            micro_batch_size = views_per_sample x the data's micro-batch size: it sizes pipeline messages)
     loss_func(loss_weights, num_tokens, per_token_ce [m, n_noisy])
         -> (loss_sum, num_tokens, {"lm loss": tensor([loss_sum, num_tokens])})
-    forward_step = BDLMForwardStep(objective, layout)   # layout: this rank's CSBPLayout / CPLayout
-    forward_step(data_iterator, model) -> (per_token_ce, partial(loss_func, loss_weights, num_tokens))
-                                           # each model checked against the step on its first micro-batch
 
-The batch that `data_iterator` yields is a dict with `tokens [b, L]` (clean `x0`), `sample_index [b]`
-(global sample indices, e.g. the `idx` a GPTDataset was asked for) and optionally `loss_mask [b, L]`
-(1 where token `j` of `x0` is supervised; aligned with `tokens`, NOT with shifted AR labels — the
-GPTDataset's own `loss_mask` is shifted and always drops the last token). Every rank of a model replica
-(TP, block-parallel, first and last pipeline stage) must get the same samples; the noise is then the
-same everywhere because it depends on `(seed, sample index)` alone.
+`tokens [b, L]` is the clean `x0`, `sample_index [b]` its global sample indices (e.g. the `idx` a GPTDataset
+was asked for), `loss_mask [b, L]` (optional) 1 where token `j` of `x0` is supervised: aligned with `tokens`,
+NOT with shifted AR labels (the GPTDataset's own `loss_mask` is shifted and always drops the last token).
+The noise depends on `(seed, sample index)` alone, so every rank given the same samples draws the same.
 
 Noise. Sample `s` draws its mask from a generator seeded by `(seed, s)`. Noise times are antithetic:
 samples `[g·G, (g+1)·G)` (`G = antithetic_group`) share one `u` drawn from `(seed, g)`, and the `N = G·NB`
@@ -45,7 +41,6 @@ are unit and the normaliser counts each target once per sample (not once per vie
 
 import hashlib
 from dataclasses import dataclass
-from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -191,115 +186,3 @@ def loss_func(loss_weights, num_tokens, output_tensor):
     loss_sum = (output_tensor.float() * loss_weights).sum()
     report = torch.stack([loss_sum.detach(), num_tokens.to(loss_sum.dtype)])
     return loss_sum, num_tokens, {"lm loss": report}
-
-
-def _sample_index(batch):
-    _require("sample_index" in batch,
-             "the batch has no 'sample_index': BDLM noise is drawn from (seed, sample index); make the dataset "
-             "return {'tokens': ..., 'sample_index': idx} (megatron_csbp.training.data does)")
-    return batch["sample_index"]
-
-
-def _unwrapped(model):
-    """The model inside Megatron's wrappers (DDP, Float16Module), which keep it as `.module`."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
-def _check_model_matches(objective, layout, model):
-    """A model built for another layout or MASK id would train on the wrong rows or score the MASK logit."""
-    inner = _unwrapped(model)
-    model_layout = getattr(inner, "layout", layout)
-    _require(model_layout == layout, f"the model was built for {model_layout}, the forward step for {layout}: "
-                                     f"build both from the same layout of this rank")
-    model_mask = getattr(inner, "mask_token_id", objective.mask_token_id)
-    _require(model_mask == objective.mask_token_id,
-             f"the model excludes the logit of mask_token_id={model_mask}, the objective masks with "
-             f"--bdlm-mask-token-id={objective.mask_token_id}: give the model the objective's id")
-
-
-def checked_loss_func(loss_weights, num_tokens, output_tensor, *, check_results=False, check_spiky_loss=False):
-    """`loss_func`, then Megatron's rerun state machine on this rank's loss, as `pretrain_gpt.py` does: NaN/Inf
-    are fatal (`--check-for-nan-in-loss-and-grad`), a loss 10x the largest seen is flagged
-    (`--check-for-spiky-loss`). The machine does nothing in its disabled mode (our own loop's)."""
-    loss, num_tokens, report = loss_func(loss_weights, num_tokens, output_tensor)
-    if check_results or check_spiky_loss:
-        from megatron.core.rerun_state_machine import get_rerun_state_machine
-
-        machine = get_rerun_state_machine()
-        if check_results:
-            for reject, what in ((torch.isnan, "NaN"), (torch.isinf, "Inf")):
-                machine.validate_result(result=loss, rejection_func=reject, tolerance=0.0, fatal=True,
-                                        message=f"found {what} in local forward loss calculation")
-        if check_spiky_loss:
-            machine.validate_result(result=loss, rejection_func=partial(machine.is_unexpectedly_large, threshold=10,
-                                                                        context="loss"),
-                                    message="Spiky loss", tolerance=0.0, fatal=False)
-    return loss, num_tokens, report
-
-
-def batch_on_this_rank(data_iterator):
-    """This micro-batch's `tokens` and `sample_index`: read at TP rank 0, broadcast to the other TP ranks (as
-    `pretrain_gpt.py`'s `get_batch_on_this_tp_rank`: only TP rank 0 builds the datasets). Without tensor
-    parallelism (or Megatron's groups) the rank reads its own."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import broadcast_data
-
-    tp_group = mpu.get_tensor_model_parallel_group(check_initialized=False)
-    if tp_group is None or dist.get_world_size(tp_group) == 1:
-        return next(data_iterator)
-    batch = None
-    if dist.get_rank(tp_group) == 0:
-        batch = next(data_iterator)
-        _sample_index(batch)
-        _require("loss_mask" not in batch, "a batch 'loss_mask' is not broadcast over tensor-parallel ranks; "
-                                           "drop it or use --tensor-model-parallel-size 1")
-        batch = {key: torch.as_tensor(batch[key]).long() for key in ("tokens", "sample_index")}
-    return broadcast_data(["tokens", "sample_index"], batch, torch.int64, tp_group=tp_group)
-
-
-class BDLMForwardStep:
-    """`forward_step(data_iterator, model)` for megatron-core's `get_forward_backward_func`.
-
-    First and last pipeline stages take one micro-batch (the first needs the rows, the last the labels
-    and weights; TP rank 0 reads it, the other TP ranks receive it); middle stages read nothing and only
-    pass the row positions. A model (each chunk under virtual pipelining) is checked against the step once,
-    on its first micro-batch: the layout, the MASK id and the per-token loss a model is built with stay.
-    """
-
-    def __init__(self, objective: BDLMObjective, layout, *, check_results: bool = False,
-                 check_spiky_loss: bool = False):
-        _require(layout.block_size == objective.block_size,
-                 f"--bdlm-block-size={objective.block_size} differs from the layout's block_size={layout.block_size}")
-        self.objective = objective
-        self.layout = layout
-        self.loss_func = partial(checked_loss_func, check_results=check_results, check_spiky_loss=check_spiky_loss)
-        self._checked_models = []  # held: a freed model's identity can never pass for a new model's
-
-    def _check_once(self, model) -> None:
-        from megatron.core.utils import get_model_config
-
-        if any(model is checked for checked in self._checked_models):
-            return
-        _require(get_model_config(model).calculate_per_token_loss,
-                 "BDLM needs --calculate-per-token-loss (TransformerConfig.calculate_per_token_loss=True): the loss "
-                 "is normalised by the token count of the whole global batch, not averaged per rank")
-        _check_model_matches(self.objective, self.layout, model)
-        self._checked_models.append(model)
-
-    def __call__(self, data_iterator, model):
-        from megatron.core.utils import get_attr_wrapped_model
-
-        self._check_once(model)
-        first_stage = get_attr_wrapped_model(model, "pre_process")
-        last_stage = get_attr_wrapped_model(model, "post_process")
-        if not (first_stage or last_stage):
-            positions = self.layout.row_positions.unsqueeze(0).to(default_device())
-            return model(None, positions, attention_mask=None), partial(self.loss_func, None, None)
-        batch = batch_on_this_rank(data_iterator)
-        rows = self.objective.rows(batch["tokens"], _sample_index(batch), self.layout, batch.get("loss_mask"))
-        output = model(rows.input_ids if first_stage else None, rows.position_ids, attention_mask=None,
-                       labels=rows.labels if last_stage else None)
-        return output, partial(self.loss_func, rows.loss_weights, rows.num_tokens)

@@ -259,7 +259,8 @@ def _rank_record(rank, world_size, args, mode, seq_length):
 
     from megatron_csbp.core import comm
     from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
+    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+    from megatron_csbp.bdlm.objective import BDLMObjective
     from megatron_csbp.core.device import default_device
     from megatron_csbp.mcore.model import model_provider
 

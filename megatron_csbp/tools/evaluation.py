@@ -46,7 +46,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.rules import ConfigError
 
 SPLITS = ("valid", "test", "train", "all")
 _SPLIT_INDEX = {"train": 0, "valid": 1, "test": 2, "all": 0}
@@ -112,7 +112,7 @@ class Prepared:
 
     options: argparse.Namespace
     args: argparse.Namespace  # the checkpoint's arguments with this launch's layout, validated
-    vocabulary: object  # data.Vocabulary: the checkpoint's MASK id and real ids, this TP's padding
+    vocabulary: object  # tokenizers.Vocabulary: the checkpoint's MASK id and real ids, this TP's padding
     directory: str  # the iter_XXXXXXX directory
     iteration: int
     seed: int  # the noise seed (--seed, or the checkpoint's)
@@ -169,7 +169,7 @@ def _check_options(options) -> None:
     if options.data_path.endswith((".bin", ".idx")):
         raise ConfigError(f"--data-path {options.data_path}: give the prefix without the extension "
                           f"(--data-path {options.data_path[:-4]})")
-    from megatron_csbp.training.arguments import check_data_prefixes
+    from megatron_csbp.training.datasets import check_data_prefixes
 
     check_data_prefixes([options.data_path])
     _check_output_json(options)
@@ -190,9 +190,10 @@ def run_arguments(saved: dict, options, world_size: int, directory: str):
     """The checkpoint's training arguments with this launch's layout, data and output, validated as the
     trainer validates (a layout the checkpoint cannot load is refused here), and its vocabulary."""
     from megatron_csbp.core import rules
-    from megatron_csbp.training.arguments import build_parser as training_parser
-    from megatron_csbp.training.arguments import null_as_byte_tokenizer, validate_args
-    from megatron_csbp.training.data import Vocabulary, build_tokenizer
+    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.flags import build_parser as training_parser
+    from megatron_csbp.training.flags import null_as_byte_tokenizer
+    from megatron_csbp.training.tokenizers import Vocabulary, build_tokenizer
 
     args = training_parser().parse_args([])
     vars(args).update(saved)
@@ -230,7 +231,7 @@ def run_arguments(saved: dict, options, world_size: int, directory: str):
 
 
 def _check_data(args, vocabulary, split: str) -> None:
-    from megatron_csbp.training.data import check_split, check_vocabulary
+    from megatron_csbp.training.datasets import check_split, check_vocabulary
 
     check_vocabulary(args.data_prefixes, vocabulary.mask_token_id, vocabulary.padded_vocab_size,
                      vocabulary.tokenizer.vocab_size)
@@ -464,7 +465,7 @@ class Evaluator:
         """Scores the sequences under every draw; the result record on the last pipeline stage, else None."""
         import torch
 
-        from megatron_csbp.bdlm.objective import BDLMForwardStep
+        from megatron_csbp.bdlm.forward_step import BDLMForwardStep
         from megatron_csbp.core import supervision
 
         prepared, args = self.prepared, self.prepared.args

@@ -52,7 +52,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from megatron_csbp.core.objectives import objective_kind
-from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.rules import ConfigError
 
 COMMAND = "python -m megatron_csbp.harness"  # as its refusals name it
 NAME = "megatron_csbp"
@@ -201,7 +201,7 @@ class MegatronCSBPLM(LM):
         from megatron_csbp.mcore import parallel_state
         from megatron_csbp.mcore.model import model_provider
         from megatron_csbp.training import providers
-        from megatron_csbp.training.arguments import transformer_config_from_args
+        from megatron_csbp.training.megatron_config import transformer_config_from_args
 
         self.layout = layout_for("csbp", args.seq_length, args.bdlm_block_size, 1, 1, 0)
         vocab_ids = getattr(args, "vocab_ids", None) or max(args.tokenizer.vocab_size, args.mask_token_id + 1)

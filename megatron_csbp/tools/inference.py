@@ -10,7 +10,7 @@ Refusals are `ConfigError`s of one line that name the flag.
 import argparse
 import os
 
-from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.rules import ConfigError
 
 
 def checkpoint_directory(load: str) -> str:
@@ -28,11 +28,11 @@ def checkpoint_directory(load: str) -> str:
 def model_args(directory: str, config: str | None, tensor_parallel: int) -> argparse.Namespace:
     """The training arguments of the checkpoint (then `--config`), set up for one model replica over TP."""
     from megatron_csbp.training import checkpointing
-    from megatron_csbp.training.arguments import build_parser as training_parser
-    from megatron_csbp.training.arguments import null_as_byte_tokenizer
+    from megatron_csbp.training.flags import build_parser as training_parser
+    from megatron_csbp.training.flags import null_as_byte_tokenizer
     from megatron_csbp.training.config import parse_args
     from megatron_csbp.core import rules
-    from megatron_csbp.training.data import build_tokenizer
+    from megatron_csbp.training.tokenizers import build_tokenizer
 
     checkpointing.check_complete(directory)
     try:
@@ -84,7 +84,7 @@ def build_model(args, directory: str | None):
     from megatron_csbp.training import checkpointing, providers
     from megatron_csbp.mcore import parallel_state
     from megatron_csbp.tools import sampling
-    from megatron_csbp.training.arguments import transformer_config_from_args
+    from megatron_csbp.training.megatron_config import transformer_config_from_args
     from megatron_csbp.core.device import default_device
 
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1, context_block_parallel_size=1,

@@ -64,7 +64,7 @@ from typing import Callable, NamedTuple
 import torch
 from megatron.core.transformer.module import MegatronModule
 
-from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.kernels import default_kernels
 
 def _require(condition: bool, message: str) -> None:

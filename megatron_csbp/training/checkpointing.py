@@ -48,8 +48,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_csbp.core import supervision
+from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training import publish, safe_load
-from megatron_csbp.training.arguments import ConfigError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "csbp_manifest.json"

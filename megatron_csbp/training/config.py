@@ -19,7 +19,8 @@ import os
 
 import yaml
 
-from megatron_csbp.training.arguments import ConfigError, build_parser
+from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training.flags import build_parser
 
 SECTION_PREFIXES = {"csbp": ("csbp-", "context-block-parallel-"), "bdlm": ("bdlm-",)}
 
@@ -227,7 +228,7 @@ def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | 
 def training_loop(argv: list[str]) -> str:
     """`--training-loop` as given on the command line (flag or `key=value`) or in the `--config` YAML, read
     before any parser exists: which parser (ours or Megatron-LM's) reads the rest depends on it."""
-    from megatron_csbp.training.arguments import TRAINING_LOOPS
+    from megatron_csbp.training.flags import TRAINING_LOOPS
 
     path, rest = _split_config_flag(list(argv))
     value = None

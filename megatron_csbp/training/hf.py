@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_csbp.core import objectives
-from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.rules import ConfigError
 
 @dataclass(frozen=True)
 class Family:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_csbp.core import objectives
-from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training.hf import FAMILIES
 
 # Our own config class for model_type "sdar": transformers has none, so SGLang's get_config (AutoConfig, with

@@ -136,7 +136,7 @@ class Trainer:
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-        from megatron_csbp.training.arguments import lr_schedule_steps, optimizer_config_from_args
+        from megatron_csbp.training.megatron_config import lr_schedule_steps, optimizer_config_from_args
         from megatron_csbp.mcore.model import pipeline_seq_length
 
         self.providers = run_providers

@@ -11,7 +11,7 @@ import datetime
 import os
 from typing import Callable
 
-from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.rules import ConfigError
 
 
 def uses_megatron_lm(loop: str) -> bool:

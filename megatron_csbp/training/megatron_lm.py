@@ -27,10 +27,12 @@ import os
 import sys
 
 from megatron_csbp.core import rules
+from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training import flag_table
-from megatron_csbp.training.arguments import (ConfigError, add_csbp_args, byte_tokenizer_as_null, check_data_prefixes,
-                                     check_output_paths, check_shared_values, parse_data_path, validate_plugin_args)
+from megatron_csbp.training.arguments import check_output_paths, check_shared_values, validate_plugin_args
 from megatron_csbp.training.config import expand_argv
+from megatron_csbp.training.datasets import check_data_prefixes, parse_data_path
+from megatron_csbp.training.flags import add_csbp_args, byte_tokenizer_as_null
 
 
 def import_pretrain():

@@ -3,7 +3,7 @@
 Both loops call the same providers, with the contracts of Megatron-LM's `pretrain_gpt.py` (tag
 `core_v0.16.1`): they are the bound methods of one `RunProviders`, made at the loop's entry. Our own loop
 (`megatron_csbp.training.loop`) makes `RunProviders(args)` with its validated `args` (the config comes from
-`arguments.transformer_config_from_args`); Megatron-LM's `pretrain()`, which parses its arguments itself, is
+`megatron_config.transformer_config_from_args`); Megatron-LM's `pretrain()`, which parses its arguments itself, is
 given the methods of a `RunProviders()`, which reads Megatron-LM's global `args`, tokenizer and
 `core_transformer_config_from_args` when first called.
 
@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.run_config import RunConfig
-from megatron_csbp.training.arguments import ConfigError, run_config
-from megatron_csbp.bdlm.objective import BDLMForwardStep, BDLMObjective
-from megatron_csbp.training.data import Vocabulary
+from megatron_csbp.training.arguments import run_config
+from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+from megatron_csbp.bdlm.objective import BDLMObjective
+from megatron_csbp.training.tokenizers import Vocabulary
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -169,7 +171,7 @@ class RunProviders:
 
     @property
     def vocabulary(self) -> Vocabulary:
-        """The run's tokenizer (Megatron-LM's under `pretrain()`, else `data.build_tokenizer`'s), MASK id and
+        """The run's tokenizer (Megatron-LM's under `pretrain()`, else `tokenizers.build_tokenizer`'s), MASK id and
         padded vocabulary: needs no parallel state, so the datasets provider may come first."""
         if self._vocabulary is None:
             if self.megatron_lm:
@@ -210,7 +212,7 @@ class RunProviders:
         if self.megatron_lm:
             from megatron.training.arguments import core_transformer_config_from_args as config_from_args
         else:
-            from megatron_csbp.training.arguments import transformer_config_from_args as config_from_args
+            from megatron_csbp.training.megatron_config import transformer_config_from_args as config_from_args
         return build_run(self.settings, args, self.vocabulary, config_from_args(args))
 
     def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
@@ -229,7 +231,7 @@ class RunProviders:
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
         """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
         built on this rank), sized by Megatron-LM's sample counts."""
-        from megatron_csbp.training.data import build_datasets, split_sizes
+        from megatron_csbp.training.datasets import build_datasets, split_sizes
 
         args = self.args
         sizes = list(train_val_test_num_samples) if train_val_test_num_samples is not None else split_sizes(args)

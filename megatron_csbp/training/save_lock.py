@@ -15,7 +15,7 @@ import json
 import os
 import socket
 
-from megatron_csbp.training.arguments import ConfigError
+from megatron_csbp.core.rules import ConfigError
 
 LOCK = "csbp_writer.lock"
 

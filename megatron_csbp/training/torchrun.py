@@ -31,7 +31,7 @@ def _refusal(args) -> str | None:
     if os.path.basename(args.training_script) != "pretrain_bdlm.py" or args.no_python or args.module:
         return None
     from megatron_csbp.training import loops
-    from megatron_csbp.training.arguments import ConfigError
+    from megatron_csbp.core.rules import ConfigError
 
     world = _world_size(args)
     if world is None:

@@ -103,7 +103,8 @@ def refuse_own_checkpoint_flags(overrides: list[str]) -> None:
 def check_topology(cli: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """The training script's own parsing and validation, run here with the allocation's world size."""
     sys.path.insert(0, str(REPO_ROOT))
-    from megatron_csbp.training.arguments import ConfigError, build_parser, validate_args
+    from megatron_csbp.training.arguments import ConfigError, validate_args
+    from megatron_csbp.training.flags import build_parser
     from megatron_csbp.training.config import parse_args
 
     parser = build_parser()

@@ -1,0 +1,254 @@
+"""The trainer's flags: the plugin's (`add_csbp_args`, also Megatron-LM's `extra_args_provider`) and, with
+Megatron-LM's names, defaults and meanings, the subset of Megatron-LM's flags our own loop supports
+(`build_parser`; Megatron-LM's parser is not installable from PyPI). They are checked in `arguments`.
+
+`--seq-length` is the clean context length `L` ("256K context"). The model sees `2L` rows, `[x_t ; x_0]`;
+each block-parallel rank holds `|owned noisy rows| + L/C` of them (`2L/P` when `P == C`), which is the
+sequence dimension pipeline stages exchange, where Megatron would use `seq_length / cp`.
+"""
+
+import argparse
+
+from megatron_csbp.core import rules
+from megatron_csbp.core.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS
+from megatron_csbp.training.datasets import MEGATRON_SPLIT_DEFAULT
+
+TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+
+
+class _ContextBlockParallel(argparse.Action):
+    """`--context-block-parallel N` also fills Megatron's CP slot, where the block-parallel dimension lives."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, value)
+        namespace.context_parallel_size = value
+
+
+def _has_flag(parser: argparse.ArgumentParser, flag: str) -> bool:
+    return flag in parser._option_string_actions
+
+
+def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The plugin's flags; usable as Megatron-LM's `extra_args_provider` (flags Megatron has are reused)."""
+    group = parser.add_argument_group(title="context-block parallel / BDLM")
+    group.add_argument("--context-block-parallel", type=int, default=None, action=_ContextBlockParallel,
+                       metavar="P", help="Block-parallel size P: ranks that share the noisy blocks of one sample. "
+                                         "Occupies Megatron's context-parallel slot (sets --context-parallel-size).")
+    group.add_argument("--context-block-parallel-clean-shards", type=int, default=None, metavar="C",
+                       help="Ranks the clean sequence is sharded over (a ring); divides P. Default: P.")
+    group.add_argument("--bdlm-block-size", type=int, default=16, metavar="B", help="Diffusion block size B.")
+    group.add_argument("--bdlm-objective", choices=rules.OBJECTIVES, default="bd3lm",
+                       help="BD3-LM NELBO, or Fast-dLLM v2 (complementary masks, shifted labels, unit weights).")
+    group.add_argument("--bdlm-loss-weighting", choices=rules.LOSS_WEIGHTINGS, default=None,
+                       help="Per-block loss weight 1/t (the NELBO) or 1. Default: inverse-t for bd3lm, unit for "
+                            "fast-dllm-v2.")
+    group.add_argument("--bdlm-noise-range", type=float, nargs=2, default=[1e-3, 1.0], metavar=("T_MIN", "T_MAX"),
+                       help="Noise times are drawn in [T_MIN, T_MAX], inside (0, 1].")
+    group.add_argument("--bdlm-noise-sampling", choices=rules.NOISE_SAMPLINGS, default="antithetic",
+                       help="Stratified noise times over the (sample, block) pairs of a batch, or i.i.d. uniform.")
+    group.add_argument("--bdlm-parallel-mode", choices=PARALLEL_MODES, default="csbp",
+                       help="csbp: context-sharded block parallelism; cp: conventional context parallelism over "
+                            "[x_t ; x_0] (baseline); bp: pure block parallelism (C = 1, clean prefix replicated).")
+    group.add_argument("--csbp-transport", choices=rules.TRANSPORTS, default="collective",
+                       help="All-gather the clean K/V (collective) or pass shards around the ring (bounded memory).")
+    group.add_argument("--link-gbps", type=float, default=None, metavar="GBPS",
+                       help="Simulate a link this slow for the attention collectives (comm.simulated_link).")
+    group.add_argument("--link-latency-us", type=float, default=10.0, help="Latency of each simulated transfer.")
+    group.add_argument("--csbp-block-schedule", choices=rules.SCHEDULES, default="dual_end",
+                       help="How noisy blocks are dealt to ranks (contiguous is an ablation).")
+    group.add_argument("--csbp-clean-layout", choices=rules.CLEAN_LAYOUTS, default="zigzag",
+                       help="How the clean sequence is sharded over a ring (contiguous is an ablation).")
+    group.add_argument("--bdlm-mask-token-id", type=int, default=None, metavar="ID",
+                       help="The MASK id: a new id right after the tokenizer's (the default), or an existing id "
+                            "the data never uses (e.g. what scripts/convert_hf.py import chose).")
+    group.add_argument("--max-consecutive-bad-steps", type=int, default=3, metavar="N",
+                       help="Steps with a NaN/Inf loss or grad norm are skipped; stop after N in a row.")
+    group.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
+                       help="YAML of flag names; command-line key=value overrides and flags win over it.")
+    group.add_argument("--training-loop", choices=TRAINING_LOOPS, default="auto",
+                       help="megatron-lm: Megatron-LM's pretrain(); megatron-core: the plugin's own loop built from "
+                            "megatron-core parts; auto: Megatron-LM's where megatron.training imports, else ours.")
+    if not _has_flag(parser, "--distributed-timeout-minutes"):
+        group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                           help="Timeout minutes for torch.distributed.")
+    if _has_flag(parser, "--tokenizer-type") and BYTE_TOKENIZER not in parser._option_string_actions[
+            "--tokenizer-type"].choices:
+        parser._option_string_actions["--tokenizer-type"].choices.append(BYTE_TOKENIZER)  # see byte_tokenizer_as_null
+    parser.set_defaults(**bdlm_defaults())
+    return parser
+
+
+def bdlm_defaults() -> dict:
+    """Defaults a BDLM run needs where Megatron-LM's differ, set on whichever parser takes the plugin's flags.
+
+    Attention dropout is 0 (the CSBP kernel has none; Megatron-LM's 0.1 would be refused), positions are
+    RoPE (a token's noisy and clean copy share one), the loss is per-token (the BDLM normaliser), and the
+    transformer implementation is Transformer Engine where it is installed, else megatron-core's local one
+    (and then without the RoPE fusion and the fused weight-gradient accumulation: Transformer Engine and
+    apex CUDA kernels).
+    """
+    import importlib.util
+
+    has_te = importlib.util.find_spec("transformer_engine") is not None
+    has_apex_wgrad = importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+    return dict(attention_dropout=0.0, position_embedding_type="rope", calculate_per_token_loss=True,
+                transformer_impl="transformer_engine" if has_te else "local",
+                **({} if has_te else {"apply_rope_fusion": False}),
+                **({} if has_te or has_apex_wgrad else {"gradient_accumulation_fusion": False}))
+
+
+def null_as_byte_tokenizer(args: argparse.Namespace) -> argparse.Namespace:
+    """The inverse of `byte_tokenizer_as_null`, for a checkpoint Megatron-LM saved: NullTokenizer over 256 ids
+    reads back as the byte tokenizer (text in and out), which numbers exactly alike."""
+    if args.tokenizer_type == "NullTokenizer" and args.vocab_size == 256:
+        args.tokenizer_type = BYTE_TOKENIZER
+    return args
+
+
+def byte_tokenizer_as_null(argv: list[str]) -> list[str]:
+    """Megatron-LM has no byte tokenizer, but its NullTokenizer over 256 ids is ours exactly (ids 0..255 are
+    the bytes, EOD is 256): under `pretrain()` the plugin's `--tokenizer-type ByteLevelTokenizer` becomes that."""
+    argv = list(argv)
+    for index in range(len(argv) - 1):
+        if argv[index] == "--tokenizer-type" and argv[index + 1] == BYTE_TOKENIZER:
+            argv[index + 1] = "NullTokenizer"
+            if "--vocab-size" not in argv:
+                argv += ["--vocab-size", "256"]
+    return argv
+
+
+def _add_model_args(parser):
+    group = parser.add_argument_group(title="network size")
+    group.add_argument("--num-layers", type=int, default=None)
+    group.add_argument("--hidden-size", type=int, default=None)
+    group.add_argument("--ffn-hidden-size", type=int, default=None,
+                       help="Default: 4 x hidden-size, or 2/3 of that rounded down to a multiple of 64 with --swiglu.")
+    group.add_argument("--num-attention-heads", type=int, default=None)
+    group.add_argument("--group-query-attention", action="store_true")
+    group.add_argument("--num-query-groups", type=int, default=1)
+    group.add_argument("--kv-channels", type=int, default=None, help="Default: hidden-size / num-attention-heads.")
+    group.add_argument("--max-position-embeddings", type=int, default=None, help="Default: --seq-length.")
+    group.add_argument("--position-embedding-type", choices=("rope",), default="rope",
+                       help="Only rope: a token's noisy and clean copy share its RoPE position. (Megatron-LM's "
+                            "default, learned_absolute, is not supported.)")
+    group.add_argument("--rotary-base", type=int, default=10000)
+    group.add_argument("--rotary-percent", type=float, default=1.0)
+    group.add_argument("--use-rope-scaling", action="store_true",
+                       help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency factors 1/4, "
+                            "original context 8192).")
+    group.add_argument("--rope-scaling-factor", type=float, default=8.0, help="Its factor (Llama 3.1: 8).")
+    group.add_argument("--normalization", choices=("LayerNorm", "RMSNorm"), default="LayerNorm")
+    group.add_argument("--norm-epsilon", type=float, default=1e-5)
+    group.add_argument("--swiglu", action="store_true")
+    group.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    group.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    group.add_argument("--add-qkv-bias", action="store_true",
+                       help="Bias on the QKV projection only (Qwen2), even with --disable-bias-linear.")
+    group.add_argument("--qk-layernorm", action="store_true",
+                       help="Normalise each head's query and key (Qwen3's QK-norm), with --normalization.")
+    group.add_argument("--init-method-std", type=float, default=0.02)
+    group.add_argument("--attention-dropout", type=float, default=0.0,
+                       help="Must be 0: the CSBP attention kernel has no attention-probability dropout.")
+    group.add_argument("--hidden-dropout", type=float, default=0.1)
+    group.add_argument("--transformer-impl", choices=TRANSFORMER_IMPLS, default=None,
+                       help="transformer_engine: Transformer Engine layers; local: megatron-core's own. "
+                            "Default: transformer_engine where it is installed, else local.")
+    group.add_argument("--spec", nargs=2, default=None, metavar=("MODULE", "NAME"),
+                       help="A layer ModuleSpec to start from (its core attention becomes CSBP's).")
+    group.add_argument("--make-vocab-size-divisible-by", type=int, default=rules.MAKE_VOCAB_SIZE_DIVISIBLE_BY,
+                       help="Pad the vocabulary (data ids + MASK) to a multiple of this x TP.")
+
+
+def _add_training_args(parser):
+    group = parser.add_argument_group(title="training")
+    group.add_argument("--seq-length", type=int, default=None, help="Clean context length L (tokens of x0).")
+    group.add_argument("--micro-batch-size", type=int, default=None)
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="Default: micro-batch-size x data-parallel size.")
+    group.add_argument("--train-iters", type=int, default=None)
+    group.add_argument("--optimizer", choices=("adam", "sgd"), default="adam")
+    group.add_argument("--lr", type=float, default=None)
+    group.add_argument("--min-lr", type=float, default=0.0)
+    group.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine", "inverse-square-root", "WSD"),
+                       default="linear")
+    group.add_argument("--lr-warmup-iters", type=int, default=0)
+    group.add_argument("--lr-warmup-fraction", type=float, default=None,
+                       help="Warmup as a share of the decay length (exclusive with --lr-warmup-iters).")
+    group.add_argument("--lr-wsd-decay-iters", type=int, default=None,
+                       help="With --lr-decay-style WSD: the final iterations over which the lr anneals.")
+    group.add_argument("--lr-wsd-decay-style", choices=("exponential", "linear", "cosine", "minus_sqrt"),
+                       default="exponential", help="With --lr-decay-style WSD: the anneal's shape.")
+    group.add_argument("--lr-decay-iters", type=int, default=None, help="Default: --train-iters.")
+    group.add_argument("--weight-decay", type=float, default=0.01)
+    group.add_argument("--adam-beta1", type=float, default=0.9)
+    group.add_argument("--adam-beta2", type=float, default=0.999)
+    group.add_argument("--adam-eps", type=float, default=1e-8)
+    group.add_argument("--clip-grad", type=float, default=1.0)
+    group.add_argument("--bf16", action="store_true")
+    group.add_argument("--fp16", action="store_true")
+    group.add_argument("--use-distributed-optimizer", action="store_true")
+    group.add_argument("--calculate-per-token-loss", action="store_true", default=True,
+                       help="Always on here (Megatron-LM's default is off): the BDLM loss is a per-token NELBO over "
+                            "the global batch, which sharded rows only reproduce with per-token normalisation.")
+    group.add_argument("--use-cpu-initialization", action="store_true", default=None)
+    group.add_argument("--recompute-granularity", choices=rules.RECOMPUTE_GRANULARITIES, default=None)
+    group.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
+    group.add_argument("--recompute-num-layers", type=int, default=None)
+    group.add_argument("--exit-duration-in-mins", type=int, default=None)
+    group.add_argument("--exit-signal-handler", action="store_true")
+    group.add_argument("--exit-interval", type=int, default=None, help="Save and exit when the iteration is a multiple of this.")
+    group.add_argument("--seed", type=int, default=1234)
+
+
+def _add_parallel_args(parser):
+    group = parser.add_argument_group(title="distributed")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--context-parallel-size", type=int, default=1,
+                       help="Megatron's CP slot; holds the block-parallel size (prefer --context-block-parallel).")
+    group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--distributed-timeout-minutes", type=int, default=10,
+                       help="Timeout minutes for torch.distributed: a dead rank stops the others within it.")
+
+
+def _add_data_and_io_args(parser):
+    group = parser.add_argument_group(title="data and checkpoints")
+    group.add_argument("--data-path", nargs="*", default=None,
+                       help="Dataset prefix(es) of .bin/.idx files, optionally weighted: 'w1 prefix1 w2 prefix2'.")
+    group.add_argument("--split", type=str, default=None,
+                       help=f"Train,valid,test proportions of documents. Default: '{MEGATRON_SPLIT_DEFAULT}'.")
+    group.add_argument("--data-cache-path", type=str, default=None,
+                       help="Where dataset indices are cached. Default: a 'cache' folder beside the first dataset.")
+    group.add_argument("--num-workers", type=int, default=2)
+    group.add_argument("--tokenizer-type", choices=TOKENIZERS, default="ByteLevelTokenizer",
+                       help="ByteLevelTokenizer: 256 byte ids + EOD. HuggingFaceTokenizer: a local tokenizer.json.")
+    group.add_argument("--tokenizer-model", type=str, default=None, help="Local tokenizer.json (HuggingFaceTokenizer).")
+    group.add_argument("--vocab-size", type=int, default=None,
+                       help="Tokenizer ids before EOD, MASK and padding (byte tokenizer: 256, the default).")
+    group.add_argument("--save", type=str, default=None)
+    group.add_argument("--load", type=str, default=None)
+    group.add_argument("--save-interval", type=int, default=None)
+    group.add_argument("--no-load-optim", action="store_true", default=None)
+    group.add_argument("--no-load-rng", action="store_true", default=None)
+    group.add_argument("--finetune", action="store_true")
+    group.add_argument("--exit-on-missing-checkpoint", action="store_true")
+    group.add_argument("--load-fallback-to-previous", action="store_true",
+                       help="If the latest checkpoint under --load is incomplete or corrupt, load the newest complete older one.")
+    group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
+    group.add_argument("--eval-interval", type=int, default=1000)
+    group.add_argument("--eval-iters", type=int, default=100)
+    group.add_argument("--log-interval", type=int, default=100)
+    group.add_argument("--tensorboard-dir", type=str, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Megatron-LM's flags (names, defaults, meanings) for the subset we support, plus the plugin's."""
+    parser = argparse.ArgumentParser(description="Block diffusion LM pretraining with context-sharded block "
+                                                 "parallelism (CSBP) on Megatron-Core.", allow_abbrev=False)
+    _add_model_args(parser)
+    _add_training_args(parser)
+    _add_parallel_args(parser)
+    _add_data_and_io_args(parser)
+    from megatron_csbp.training import flag_table
+    return flag_table.add_refusals(add_csbp_args(parser))
