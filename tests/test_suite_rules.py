@@ -1,6 +1,7 @@
 """Rules the suite keeps about itself: every module has its markers in conftest.py, tests start
 subprocesses with the interpreter they run under; and the package's layers: each imports only the ones
-below it, and the core (the op, layouts, kernels, collectives, rules) nothing but torch."""
+below it, the core (the op, layouts, kernels, collectives, rules) nothing but torch, and no product code
+knows about the tests (their faults are injected from tests/faults.py)."""
 
 import ast
 import json
@@ -126,3 +127,29 @@ def test_every_module_has_one_import_path():
     assert imports("from megatron_csbp.core.layout import CSBPLayout, CPLayout, layout_for; "
                    "from megatron_csbp.core.ops import context_sharded_block_attention")
     assert not imports("import megatron_csbp.layout") and not imports("import megatron_csbp.ops")
+
+
+def _test_hooks(source: str) -> list[str]:
+    """Test-only environment variables a source names (`MEGATRON_CSBP_TEST_*`)."""
+    import re
+
+    return re.findall(r"MEGATRON_CSBP_TEST_\w*", source)
+
+
+def test_product_code_holds_no_test_hooks():
+    """Faults are injected by tests/faults.py wrapping the package's functions; the package and the scripts
+    read no test switch."""
+    offenders = {}
+    for root in (PACKAGE, os.path.join(REPO, "scripts")):
+        for folder, _, files in os.walk(root):
+            for name in files:
+                if name.endswith((".py", ".sh")):
+                    path = os.path.join(folder, name)
+                    with open(path, encoding="utf-8") as handle:
+                        found = _test_hooks(handle.read())
+                    if found:
+                        offenders[os.path.relpath(path, REPO)] = found
+    assert not offenders, offenders
+    # Negative control: the check sees the variables where they live.
+    with open(os.path.join(TESTS, "faults.py"), encoding="utf-8") as handle:
+        assert "MEGATRON_CSBP_TEST_FAIL" in _test_hooks(handle.read())
