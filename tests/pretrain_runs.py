@@ -5,7 +5,6 @@ Shared by the training, checkpointing and reliability tests. Each run costs ~10-
 tests share runs through module-scoped fixtures and check many things per run.
 """
 
-import importlib.util
 import os
 import re
 import shutil
@@ -32,18 +31,13 @@ TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_hea
             use_cpu_initialization=True, log_interval=1, distributed_timeout_minutes=1)
 
 
-def _load_prepare_data():
-    spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "scripts", "prepare_data.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
     """A small default-like dataset: byte-tokenized standard-library sources, ~100K tokens."""
     prefix = str(tmp_path_factory.mktemp("corpus") / "stdlib")
-    assert _load_prepare_data().main(["--output-prefix", prefix, "--max-bytes", "300000"]) == 0
+    from megatron_csbp.tools import prepare_data
+
+    assert prepare_data.main(["--output-prefix", prefix, "--max-bytes", "300000"]) == 0
     return prefix
 
 
