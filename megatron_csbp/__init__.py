@@ -3,7 +3,8 @@
 Layers, each importing only the ones before it (`tests/test_suite_rules.py` checks):
 `core` (layouts, the op, kernels, collectives, groups, device, rules: torch only) -> `mcore` (megatron-core
 glue: parallel state, spec, model, CPU backend) -> `bdlm` (objective, forward step, FLOPs) -> `training`
-(arguments, config, data, providers, both loops, checkpoints) -> `tools` (bench, plan, sampler).
+(arguments, config, data, providers, both loops, checkpoints) -> `tools` (bench, plan, sampler, the scripts'
+commands).
 Each module has one import path, in its layer (`megatron_csbp.core.layout`, `megatron_csbp.core.ops`, ...);
 the top-level `bench`, `plan` and `torchrun` are only the commands `python -m megatron_csbp.bench`, `.plan`
 and `.torchrun`.

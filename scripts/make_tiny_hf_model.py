@@ -3,94 +3,15 @@
 
     python scripts/make_tiny_hf_model.py --family llama --output runs/tiny_llama_hf
 
-A byte-level BPE tokenizer trained on a slice of this Python's standard library, and a Llama / Qwen2 / Qwen3
-(or Mistral without sliding window) with random weights, norms and biases (so none is trivially 1 or 0),
-saved as `config.json`, `model.safetensors` and the tokenizer files, in fp32.
+The command is `megatron_csbp.tools.tiny_hf_model.main`, where its flags and exit statuses are documented.
 """
 
-import argparse
 import os
 import sys
-import sysconfig
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-SPECIAL_TOKENS = ["<|endoftext|>", "<|unused_0|>"]  # EOD, and an unused special token (for --mask-token)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def training_text(max_bytes: int = 200_000) -> list[str]:
-    """A deterministic slice of the standard library's sources."""
-    root = sysconfig.get_paths()["stdlib"]
-    texts, total = [], 0
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".py") and total < max_bytes:
-            with open(os.path.join(root, name), encoding="utf-8", errors="replace") as handle:
-                texts.append(handle.read())
-            total += len(texts[-1])
-    return texts
-
-
-def make_tokenizer(vocab_size: int):
-    """A byte-level BPE `PreTrainedTokenizerFast` of exactly `vocab_size` ids (special tokens included)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(training_text(), trainer=trainer)
-    if tokenizer.get_vocab_size() != vocab_size:
-        raise RuntimeError(f"the BPE trainer made {tokenizer.get_vocab_size()} ids, not {vocab_size}")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
-
-
-def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows: int | None = None,
-               hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-               head_dim: int = 16, intermediate_size: int = 96, tied: bool = False, rope_parameters: dict | None = None,
-               seed: int = 0) -> str:
-    """Writes a tiny random `family` model with a `tokenizer_ids`-id tokenizer and `model_rows` (default:
-    as many) embedding rows to `output`; returns `output`."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
-
-    configs = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-    extra = {"sliding_window": None} if family == "mistral" else {}
-    if rope_parameters:
-        extra["rope_parameters"] = rope_parameters
-    config = configs[family](
-        vocab_size=model_rows or tokenizer_ids, hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        head_dim=head_dim, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=tied,
-        initializer_range=0.1, eos_token_id=0, bos_token_id=0, pad_token_id=None, **extra)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith("norm.weight"):
-                parameter.copy_(1 + 0.2 * torch.randn_like(parameter))
-            elif name.endswith("bias"):
-                parameter.copy_(0.1 * torch.randn_like(parameter))
-    os.makedirs(output, exist_ok=True)
-    model.save_pretrained(output)
-    make_tokenizer(tokenizer_ids).save_pretrained(output)
-    return output
-
-
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=FAMILIES, default="llama")
-    parser.add_argument("--output", required=True)
-    parser.add_argument("--tokenizer-ids", type=int, default=383, help="Tokenizer size (>= 258: byte-level BPE).")
-    parser.add_argument("--model-rows", type=int, default=None, help="Embedding rows (default: the tokenizer's ids).")
-    parser.add_argument("--tied", action="store_true", help="Tie the embeddings and the LM head.")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    make_model(args.family, args.output, tokenizer_ids=args.tokenizer_ids, model_rows=args.model_rows,
-               tied=args.tied, seed=args.seed)
-    print(f"wrote a tiny random {args.family} model to {args.output}")
-    return 0
-
+from megatron_csbp.tools.tiny_hf_model import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,10 +1,10 @@
-"""Runs scripts/pretrain_bdlm.py as users do (python for one rank, torchrun for several) on a tiny model.
+"""Runs scripts/pretrain_bdlm.py as users do (python for one rank, torchrun for several) on a tiny model, or
+tests/faults.py (the same command with faults injected) where a test injects faults.
 
 Shared by the training, checkpointing and reliability tests. Each run costs ~10-15 s of start-up, so
 tests share runs through module-scoped fixtures and check many things per run.
 """
 
-import importlib.util
 import os
 import re
 import shutil
@@ -17,6 +17,7 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "pretrain_bdlm.py")
+FAULTS = os.path.join(REPO, "tests", "faults.py")  # the script's command with the faults its environment names
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?lm loss:\s*([-+0-9.eE]+|[-+]?(?:nan|NAN|inf|INF))")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+)")
@@ -30,18 +31,13 @@ TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_hea
             use_cpu_initialization=True, log_interval=1, distributed_timeout_minutes=1)
 
 
-def _load_prepare_data():
-    spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "scripts", "prepare_data.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> str:
     """A small default-like dataset: byte-tokenized standard-library sources, ~100K tokens."""
     prefix = str(tmp_path_factory.mktemp("corpus") / "stdlib")
-    assert _load_prepare_data().main(["--output-prefix", prefix, "--max-bytes", "300000"]) == 0
+    from megatron_csbp.tools import prepare_data
+
+    assert prepare_data.main(["--output-prefix", prefix, "--max-bytes", "300000"]) == 0
     return prefix
 
 
@@ -75,9 +71,9 @@ class Run:
         return {int(m.group(1)): float(m.group(2)) for m in VALIDATION.finditer(self.output)}
 
 
-def command(nproc: int, settings: dict, *extra: str) -> list[str]:
+def command(nproc: int, settings: dict, *extra: str, entry: str = SCRIPT) -> list[str]:
     launcher = [sys.executable] if nproc == 1 else [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
-    return [*launcher, SCRIPT, *flags({**TINY, **settings}), *extra]
+    return [*launcher, entry, *flags({**TINY, **settings}), *extra]
 
 
 def environment(extra: dict | None = None) -> dict:
@@ -87,11 +83,13 @@ def environment(extra: dict | None = None) -> dict:
     return env
 
 
-def run(nproc: int, settings: dict, *extra: str, env: dict | None = None, timeout: float = 300,
-        expect: int | None = 0) -> Run:
-    """Runs the script to completion; `expect` is the exit status required (None: any)."""
+def run(nproc: int, settings: dict, *extra: str, env: dict | None = None, faults: dict | None = None,
+        timeout: float = 300, expect: int | None = 0) -> Run:
+    """Runs the script to completion; `expect` is the exit status required (None: any). `faults`: the
+    tests/faults.py variables to inject (the run then takes that entry)."""
     started = time.time()
-    done = subprocess.run(command(nproc, settings, *extra), cwd=REPO, env=environment(env), timeout=timeout,
+    done = subprocess.run(command(nproc, settings, *extra, entry=FAULTS if faults else SCRIPT), cwd=REPO,
+                          env=environment({**(env or {}), **(faults or {})}), timeout=timeout,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     result = Run(done.returncode, done.stdout, time.time() - started)
     if expect is not None:

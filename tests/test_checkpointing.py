@@ -19,7 +19,7 @@ def interrupted(corpus, tmp_path_factory):
     its requeued run (--load == --save)."""
     save = tmp_path_factory.mktemp("interrupted") / "checkpoints"
     settings = base(corpus, train_iters=6, save=save, load=save, save_interval=3, eval_iters=0)
-    crashed = run(1, settings, env={"MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH": "6"}, expect=1, timeout=150)
+    crashed = run(1, settings, faults={"MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH": "6"}, expect=1, timeout=150)
     assert f"rank 0 failed: RuntimeError: injected crash before publishing {save}/iter_0000006" in crashed.output
     listing = sorted(os.listdir(save))
     tracker = (save / "latest_checkpointed_iteration.txt").read_text()

@@ -1,7 +1,6 @@
 """Tokenizers and vocabulary, prepare_data (bad lines, default corpus, atomic writes), vocabulary checks, and
 GPTDataset splits of L-token samples, in one process and on 2 gloo ranks."""
 
-import importlib.util
 import math
 import os
 import sys
@@ -12,15 +11,13 @@ import pytest
 import torch
 
 from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.tools import prepare_data
 from megatron_csbp.training import datasets, tokenizers
 from megatron_csbp.training.arguments import validate_args
 from megatron_csbp.training.config import parse_args
 from spawn import run_ranks
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location("prepare_data", os.path.join(REPO, "scripts", "prepare_data.py"))
-prepare_data = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(prepare_data)
 
 MODEL = ["num-layers=2", "hidden-size=64", "num-attention-heads=4", "micro-batch-size=2", "train-iters=6",
          "lr=1e-3", "bdlm-block-size=8", "eval-interval=3", "eval-iters=2", "seed=7"]

@@ -3,7 +3,6 @@ greedy samples that continue each prompt's sequence, which only a model that lea
 one continues none: its logits are near uniform over 258 ids). Also: the corpus is the same on every machine.
 """
 
-import importlib.util
 import os
 import re
 import subprocess
@@ -19,16 +18,11 @@ PROMPTS = {"january february ": "march april may", "monday tuesday ": "wednesday
            "mercury venus ": "earth mars jupiter", "red orange ": "yellow green blue"}
 
 
-def _prepare_data():
-    spec = importlib.util.spec_from_file_location("prepare_data", PREPARE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_the_sequences_corpus_is_deterministic():
-    documents = _prepare_data().sequence_documents()
-    assert documents == _prepare_data().sequence_documents() and len(documents) == 4000
+    from megatron_csbp.tools.prepare_data import sequence_documents
+
+    documents = sequence_documents()
+    assert documents == sequence_documents() and len(documents) == 4000
     assert documents[0].endswith("\n") and all(8 <= len(text.split()) <= 40 for text in documents)
 
 

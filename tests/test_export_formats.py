@@ -14,7 +14,6 @@ they are, the new MASK lands on 151669 / 151665, the ids the engines hard-code.
 * negative control: the plain export (`--format hf`, the default) has none of the engines' fields.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +22,7 @@ import sys
 import pytest
 import torch
 
+from megatron_csbp.tools import convert_hf, tiny_hf_model
 from spawn import run_ranks
 
 pytest.importorskip("transformers")
@@ -35,13 +35,6 @@ DIVISIBLE_BY = 64             # QWEN_ROWS is a multiple: no padding rows
 BLOCK = 16                    # the import's block size (configs/ar_to_bdlm_fast_dllm_v2.yaml's too)
 QWEN_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}  # Qwen2.5's and Qwen3's (engines fall back to 10000)
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=48)
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _word_level_tokenizer(num_ids: int):
@@ -57,9 +50,8 @@ def _word_level_tokenizer(num_ids: int):
 
 def _qwen_sized_model(family: str, out: str) -> str:
     """A tiny random `family` model with Qwen's embedding rows and the real tokenizer's id count."""
-    make = _script("make_tiny_hf_model")
-    make.make_model(family, out, tokenizer_ids=300, model_rows=QWEN_ROWS, tied=family == "qwen2", rope_parameters=QWEN_ROPE,
-                    **TINY)
+    tiny_hf_model.make_model(family, out, tokenizer_ids=300, model_rows=QWEN_ROWS, tied=family == "qwen2",
+                             rope_parameters=QWEN_ROPE, **TINY)
     for name in os.listdir(out):
         if name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
             os.remove(os.path.join(out, name))
@@ -71,11 +63,10 @@ def _qwen_sized_model(family: str, out: str) -> str:
 
 def _conversions(rank, world, jobs):
     """On one spawned rank: `convert_hf` calls in order; returns each call's log lines."""
-    convert = _script("convert_hf")
     logs = []
     for function, kwargs in jobs:
         lines = []
-        getattr(convert, function)(**kwargs, log=lambda *parts: lines.append(" ".join(map(str, parts))))
+        getattr(convert_hf, function)(**kwargs, log=lambda *parts: lines.append(" ".join(map(str, parts))))
         logs.append(lines)
     return logs
 
@@ -104,8 +95,8 @@ def exports(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("formats"))
     _qwen_sized_model("qwen3", os.path.join(root, "qwen3", "hf"))
     _qwen_sized_model("qwen2", os.path.join(root, "qwen2", "hf"))
-    _script("make_tiny_hf_model").make_model("qwen3", os.path.join(root, "tiny_qwen3", "hf"), tokenizer_ids=300,
-                                             model_rows=384, **TINY)
+    tiny_hf_model.make_model("qwen3", os.path.join(root, "tiny_qwen3", "hf"), tokenizer_ids=300, model_rows=384,
+                             **TINY)
     run_ranks(_conversions, 1, [("import_checkpoint", dict(hf_dir=os.path.join(root, name, "hf"),
                                                             save=os.path.join(root, name, "ckpt"),
                                                             make_vocab_size_divisible_by=DIVISIBLE_BY))
@@ -287,7 +278,7 @@ def test_what_a_format_cannot_honour_is_one_line_exit_2_and_nothing_written(expo
     if fmt == "sdar" and name == "qwen2/ckpt":
         code, stdout, stderr = _convert(*argv)
     else:
-        code = _script("convert_hf").main(argv)
+        code = convert_hf.main(argv)
         stdout, stderr = capsys.readouterr()
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and message in stderr, stderr
     assert stderr.startswith("convert_hf.py: error: --format ") and "Traceback" not in stdout + stderr

@@ -1,10 +1,9 @@
-"""scripts/gpu_check.{sh,py} on the CPU: the parts that run without a GPU (CPU kernels; FlexKernels'
+"""scripts/gpu_check.{sh,py} (`megatron_csbp.tools.gpu_check`) on the CPU: the parts that run without a GPU (CPU kernels; FlexKernels'
 forward in eager flex, and its whole forward/backward code around a dense stand-in for the fused kernel;
 a tiny training step), its refusals, the JSON summary and the shell wrapper's timeout.
 The GPU numbers themselves come only from a GPU run."""
 
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from megatron_csbp.tools import gpu_check
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT, SHELL = ROOT / "scripts" / "gpu_check.py", ROOT / "scripts" / "gpu_check.sh"
@@ -30,14 +31,6 @@ FP32 = ["--check-dtypes", "fp32", "--bench-dtype", "fp32", "--train-dtype", "fp3
 CPU = torch.device("cpu")
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_check = _load_script()
 needs_no_accelerator = pytest.mark.skipif(torch.accelerator.is_available(), reason="this machine has an accelerator")
 
 

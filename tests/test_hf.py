@@ -19,7 +19,6 @@ both copies); the MASK token's input embedding is the documented initialisation,
 
 import errno
 import hashlib
-import importlib.util
 import json
 import os
 import re
@@ -32,6 +31,7 @@ import torch
 
 from attention_reference import bdlm_mask
 from pretrain_runs import TORCHRUN
+from megatron_csbp.tools import convert_hf, tiny_hf_model
 from spawn import on_cpu_backend, run_ranks
 
 pytest.importorskip("transformers")
@@ -52,27 +52,18 @@ CONTROLS = {"rope interleaved": MODELS, "qkv concatenated": MODELS, "rope unscal
 DIVISIBLE_BY = 64
 
 
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _make_and_import(rank, world, root):
     """On one spawned rank: the tiny HF models and their imports (`root/<family>/{hf,ckpt}`)."""
-    make, convert = _script("make_tiny_hf_model"), _script("convert_hf")
     for name, settings in MODELS.items():
-        hf_dir = make.make_model(**settings, output=os.path.join(root, name, "hf"))
-        convert.import_checkpoint(hf_dir, os.path.join(root, name, "ckpt"), make_vocab_size_divisible_by=DIVISIBLE_BY,
-                                  log=lambda *_: None)
+        hf_dir = tiny_hf_model.make_model(**settings, output=os.path.join(root, name, "hf"))
+        convert_hf.import_checkpoint(hf_dir, os.path.join(root, name, "ckpt"),
+                                     make_vocab_size_divisible_by=DIVISIBLE_BY, log=lambda *_: None)
 
 
 def _run_conversions(rank, world, jobs):
     """On one spawned rank: `convert_hf.import_checkpoint` / `export_checkpoint` calls, one after the other."""
-    convert = _script("convert_hf")
     for function, kwargs in jobs:
-        getattr(convert, function)(**kwargs, log=lambda *_: None)
+        getattr(convert_hf, function)(**kwargs, log=lambda *_: None)
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +361,7 @@ def test_import_refuses_what_the_mapping_cannot_express(converted, tmp_path, cap
     config = json.load(open(os.path.join(hf_dir, "config.json")))
     config.update(change)
     json.dump(config, open(os.path.join(hf_dir, "config.json"), "w"))
-    code = _script("convert_hf").main(["import", "--hf-dir", hf_dir, "--save", str(tmp_path / "ckpt")])
+    code = convert_hf.main(["import", "--hf-dir", hf_dir, "--save", str(tmp_path / "ckpt")])
     error = capsys.readouterr().err.strip()
     assert code == 2 and message in error and len(error.splitlines()) == 1, error
     assert error.startswith("convert_hf.py: error: ")
@@ -385,7 +376,7 @@ def test_a_damaged_config_json_is_one_line_exit_2(tmp_path, capsys, text, messag
     hf_dir = tmp_path / "model"
     hf_dir.mkdir()
     (hf_dir / "config.json").write_text(text)
-    code = _script("convert_hf").main(["import", "--hf-dir", str(hf_dir), "--save", str(tmp_path / "ckpt")])
+    code = convert_hf.main(["import", "--hf-dir", str(hf_dir), "--save", str(tmp_path / "ckpt")])
     error = capsys.readouterr().err.strip()
     assert code == 2 and len(error.splitlines()) == 1, error
     assert error.startswith(f"convert_hf.py: error: --hf-dir {hf_dir}: {hf_dir}/config.json ") and message in error
@@ -397,14 +388,14 @@ def test_an_import_the_trainer_refuses_leaves_nothing_behind(converted, tmp_path
     tokenizer and model.yaml are written; the refusal must take them away again (a model.yaml pointing at a
     checkpoint that was never written looks like a finished import)."""
     save = tmp_path / "ckpt"
-    code = _script("convert_hf").main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
-                                       "--save", str(save), "--tensor-model-parallel-size", "3"])
+    code = convert_hf.main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
+                            "--save", str(save), "--tensor-model-parallel-size", "3"])
     error = capsys.readouterr().err.strip()
     assert code == 2 and len(error.splitlines()) == 1 and "--tensor-model-parallel-size" in error, error
     assert not save.exists() and not _leftovers(save)
     save.mkdir()  # an empty --save that existed before stays, empty
-    assert _script("convert_hf").main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
-                                       "--save", str(save), "--tensor-model-parallel-size", "3"]) == 2
+    assert convert_hf.main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
+                            "--save", str(save), "--tensor-model-parallel-size", "3"]) == 2
     assert os.listdir(save) == [] and not _leftovers(save)
 
 
@@ -473,7 +464,7 @@ def _digests(directory):
 # waits for a line on stdin; the test kills it there (SIGKILL) or lets it go on. The points are the functions
 # the conversion calls, wrapped here, in this process only.
 _STOPPING_RUN = r'''
-import collections, importlib.util, os, sys
+import collections, sys
 
 seen = collections.Counter()
 
@@ -497,10 +488,7 @@ def wrap(owner, attribute, stage, before=None, after=None):
     setattr(owner, attribute, wrapped)
 
 
-def main(repo, stage, argv):
-    spec = importlib.util.spec_from_file_location("convert_hf", os.path.join(repo, "scripts", "convert_hf.py"))
-    convert = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert)
+def main(stage, argv):
     import safetensors.torch
     from megatron.core import dist_checkpointing
     from megatron_csbp.training import checkpointing, publish
@@ -509,11 +497,12 @@ def main(repo, stage, argv):
     wrap(dist_checkpointing, "save", stage, after="iteration half-written")
     wrap(publish, "publish_directory", stage, before="before publish")
     wrap(publish, "_exchange", stage, after="exchanged")
-    return convert.main(argv)
+    from megatron_csbp.tools import convert_hf
+    return convert_hf.main(argv)
 
 
 if __name__ == "__main__":  # not in the helper processes megatron's checkpoint writer spawns
-    sys.exit(main(sys.argv[1], sys.argv[2], sys.argv[3:]))
+    sys.exit(main(sys.argv[1], sys.argv[2:]))
 '''
 
 
@@ -522,7 +511,7 @@ def _stopped_run(tmp_path, stage, *argv):
     """Starts convert_hf.py stopping at `stage`; returns the process once it stands there."""
     script = tmp_path / "stopping_run.py"
     script.write_text(_STOPPING_RUN)
-    process = subprocess.Popen([sys.executable, str(script), REPO, stage, *argv], cwd=REPO, stdin=subprocess.PIPE,
+    process = subprocess.Popen([sys.executable, str(script), stage, *argv], cwd=REPO, stdin=subprocess.PIPE,
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
     lines = []
@@ -587,7 +576,7 @@ def test_export_refuses_a_non_empty_hf_dir_without_overwrite(converted, sharded_
     out = str(tmp_path / "export")
     shutil.copytree(sharded_export, out)
     earlier = _digests(out)
-    code = _script("convert_hf").main(["export", "--load", os.path.join(converted, "llama", "ckpt"), "--hf-dir", out])
+    code = convert_hf.main(["export", "--load", os.path.join(converted, "llama", "ckpt"), "--hf-dir", out])
     error = capsys.readouterr().err.strip()
     assert code == 2 and len(error.splitlines()) == 1 and "--overwrite" in error and "is not empty" in error, error
     assert _digests(out) == earlier
@@ -627,7 +616,7 @@ def test_a_second_import_into_the_same_save_is_refused_and_takes_nothing(convert
             "--make-vocab-size-divisible-by", str(DIVISIBLE_BY)]
     first = _stopped_run(tmp_path, "checkpoint written", *argv)
     try:
-        code = _script("convert_hf").main(argv)
+        code = convert_hf.main(argv)
         error = capsys.readouterr().err.strip()
         assert code == 2 and len(error.splitlines()) == 1 and "is in use by another run" in error, error
         assert f"pid {first.pid}" in error
@@ -650,8 +639,8 @@ def test_import_refuses_a_training_runs_save(converted, tmp_path, capsys):
     (save / "iter_0000020" / "common.pt").write_bytes(b"weights")
     (save / "latest_checkpointed_iteration.txt").write_text("20")
     before = {path: path.read_bytes() for path in save.rglob("*") if path.is_file()}
-    code = _script("convert_hf").main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
-                                       "--save", str(save)])
+    code = convert_hf.main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"),
+                            "--save", str(save)])
     error = capsys.readouterr().err.strip()
     assert code == 2 and len(error.splitlines()) == 1 and "holds a training checkpoint" in error, error
     assert {path: path.read_bytes() for path in save.rglob("*") if path.is_file()} == before
@@ -724,7 +713,7 @@ REFUSED_INPUTS = ["garbage safetensors", "truncated safetensors", "config disagr
 def test_bad_import_inputs_are_one_line_exit_2_and_nothing_written(converted, tmp_path, capsys, kind):
     argv, message, target = _damage(kind, os.path.join(converted, "llama", "hf"), tmp_path)
     existed = os.path.exists(target)
-    code = _script("convert_hf").main(argv)
+    code = convert_hf.main(argv)
     error = capsys.readouterr().err.strip()
     assert code == 2 and len(error.splitlines()) == 1 and error.startswith("convert_hf.py: error: "), error
     assert message in error, error
@@ -736,14 +725,13 @@ def _refusal(argv, patches):
     import contextlib
     import io
 
-    convert = _script("convert_hf")
     originals = [(owner, attribute, getattr(owner, attribute)) for owner, attribute, _ in patches]
     stderr = io.StringIO()
     try:
         for owner, attribute, replacement in patches:
             setattr(owner, attribute, replacement)
         with contextlib.redirect_stderr(stderr):
-            code = convert.main(argv)
+            code = convert_hf.main(argv)
     finally:
         for owner, attribute, original in originals:
             setattr(owner, attribute, original)
@@ -825,22 +813,22 @@ def test_a_full_disk_or_read_only_target_is_one_line_and_nothing_published(refus
 ], ids=["zero", "negative"])
 def test_export_refuses_a_shard_size_that_is_not_positive(converted, tmp_path, capsys, argv, message):
     out = tmp_path / "export"
-    code = _script("convert_hf").main(["export", "--load", os.path.join(converted, "llama", "ckpt"), "--hf-dir",
-                                       str(out), *argv])
+    code = convert_hf.main(["export", "--load", os.path.join(converted, "llama", "ckpt"), "--hf-dir",
+                            str(out), *argv])
     error = capsys.readouterr().err.strip()
     assert code == 2 and len(error.splitlines()) == 1 and message in error, error
     assert not out.exists()
 
 
 def test_export_refuses_a_file_a_non_model_directory_and_its_own_checkpoint(converted, tmp_path, capsys):
-    convert, load = _script("convert_hf"), os.path.join(converted, "llama", "ckpt")
+    load = os.path.join(converted, "llama", "ckpt")
     (tmp_path / "file").write_text("x")
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "mine.txt").write_text("mine")
     for target, flags, message in [(tmp_path / "file", [], "is a file"),
                                    (tmp_path / "notes", ["--overwrite"], "holds no config.json"),
                                    (os.path.join(converted, "llama"), ["--overwrite"], "which the export reads")]:
-        code = convert.main(["export", "--load", load, "--hf-dir", str(target), *flags])
+        code = convert_hf.main(["export", "--load", load, "--hf-dir", str(target), *flags])
         error = capsys.readouterr().err.strip()
         assert code == 2 and len(error.splitlines()) == 1 and message in error, error
     assert (tmp_path / "notes" / "mine.txt").read_text() == "mine"
@@ -859,13 +847,12 @@ def test_export_config_says_how_the_model_decodes(converted):
 
     directory = os.path.join(converted, "llama", "ckpt", "iter_0000000")
     args = argparse.Namespace(**checkpointing.saved_args(dist_checkpointing.load_common_state_dict(directory)))
-    convert = _script("convert_hf")
     expected = {"bd3lm": {"bdlm_objective": "bd3lm", "bdlm_label_shift": 0, "block_size": 8, "bdlm_block_size": 8},
                 "fast-dllm-v2": {"bdlm_objective": "fast-dllm-v2", "bdlm_label_shift": 1, "block_size": 8,
                                  "bdlm_block_size": 8, "bd_size": 8}}
     for objective, keys in expected.items():
         args.bdlm_objective, args.bdlm_block_size = objective, 8
-        config = convert.export_config(args, {"bd_size": 99, "architectures": ["LlamaForCausalLM"]}, 384,
+        config = convert_hf.export_config(args, {"bd_size": 99, "architectures": ["LlamaForCausalLM"]}, 384,
                                        torch.float32)
         assert {key: config.get(key) for key in (*keys, "bd_size")} == {"bd_size": None, **keys}, objective
         assert config["mask_token_id"] == _mask_id("llama")
@@ -891,10 +878,9 @@ def small_disks(tmp_path):
 
 
 def test_a_real_full_or_read_only_disk_is_one_line_and_nothing_written(converted, small_disks, capsys):
-    convert = _script("convert_hf")
     for disk, message in (("small", "are to be written but only"), ("read-only", "(Read-only file system)")):
         save = small_disks[disk] / "ckpt"
-        code = convert.main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"), "--save", str(save)])
+        code = convert_hf.main(["import", "--hf-dir", os.path.join(converted, "llama", "hf"), "--save", str(save)])
         error = capsys.readouterr().err.strip()
         assert code == 2 and len(error.splitlines()) == 1 and message in error, error
         assert os.listdir(small_disks[disk]) == []

@@ -1,7 +1,6 @@
 """Bad input never reaches a traceback: every numeric flag out of range, every unusable directory and a
 --save too small for a checkpoint are one line naming the flag, exit status 2, before any work."""
 
-import importlib.util
 import os
 import subprocess
 import sys
@@ -74,13 +73,6 @@ REFUSALS = [
 ]
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("pretrain_bdlm", os.path.join(REPO, "scripts", "pretrain_bdlm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture
 def places(tmp_path):
     prefix = tmp_path / "corpus"
@@ -96,12 +88,13 @@ def _fill(values, places):
 
 
 def test_every_out_of_range_flag_is_one_line_naming_it_exit_2(places, capsys):
-    script = _script()
+    from megatron_csbp.training import pretrain
+
     for extra, message in REFUSALS:
         # Our loop, in this process: importing Megatron-LM's (where present) enables faulthandler on stderr,
         # which pytest's capture cannot give a file descriptor; tests/test_flag_table_megatron_lm.py runs its refusals.
         argv = BASE + ["--training-loop", "megatron-core", "--data-path", places["prefix"]] + _fill(extra, places)
-        assert script.main(argv) == 2, extra
+        assert pretrain.main(argv) == 2, extra
         captured = capsys.readouterr()
         assert captured.err.strip().splitlines() == [f"pretrain_bdlm.py: error: {message.format(**places)}"], extra
         assert captured.out == "", extra

@@ -12,8 +12,8 @@ import time
 import psutil
 import pytest
 
-from pretrain_runs import (K, REPO, SCRIPT, TINY, Run, base, command, environment, flags, lines_until_iteration,
-                           run)
+from pretrain_runs import (FAULTS, K, REPO, SCRIPT, TINY, Run, base, command, environment, flags,
+                           lines_until_iteration, run)
 
 pytest_plugins = ["pretrain_runs"]
 
@@ -21,7 +21,7 @@ pytest_plugins = ["pretrain_runs"]
 def _worker(launcher_pid: int, rank: int) -> psutil.Process:
     for child in psutil.Process(launcher_pid).children(recursive=True):
         try:
-            if child.environ().get("RANK") == str(rank) and "pretrain_bdlm.py" in " ".join(child.cmdline()):
+            if child.environ().get("RANK") == str(rank) and {SCRIPT, FAULTS} & set(child.cmdline()):
                 return child
         except psutil.NoSuchProcess:
             continue
@@ -64,7 +64,7 @@ def test_nan_steps_are_skipped_counted_and_a_run_of_them_stops_training(corpus, 
     save = tmp_path / "checkpoints"
     settings = dict(base(corpus, context_block_parallel=2, save=save, save_interval=4, eval_iters=0),
                     max_consecutive_bad_steps=3)
-    result = run(2, settings, env={"MEGATRON_CSBP_TEST_NAN_ITERATIONS": "3,9,10,11"}, expect=1)
+    result = run(2, settings, faults={"MEGATRON_CSBP_TEST_NAN_ITERATIONS": "3,9,10,11"}, expect=1)
     output = result.output
     assert "iteration 3: non-finite loss" in output and "step skipped (1 in a row, limit 3)" in output
     counts = {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
@@ -81,14 +81,15 @@ def test_nan_steps_are_skipped_counted_and_a_run_of_them_stops_training(corpus, 
     check_complete(str(save / "iter_0000008"))
 
 
-def _srun_like(settings: dict, env: dict, world: int = 2):
-    """One plain process per rank with RANK/WORLD_SIZE/MASTER_* in the environment, as `srun` starts them."""
+def _srun_like(settings: dict, faults: dict, world: int = 2):
+    """One plain process per rank with RANK/WORLD_SIZE/MASTER_* in the environment, as `srun` starts them;
+    tests/faults.py's entry, injecting `faults`."""
     from spawn import free_port
 
     port = free_port()
-    args = [sys.executable, SCRIPT, *flags({**TINY, **settings})]
+    args = [sys.executable, FAULTS, *flags({**TINY, **settings})]
     return [subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=environment({**env, "RANK": str(rank), "WORLD_SIZE": str(world),
+                             env=environment({**faults, "RANK": str(rank), "WORLD_SIZE": str(world),
                                               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
                                               "MASTER_PORT": str(port)}))
             for rank in range(world)]
@@ -106,8 +107,8 @@ def test_a_rank_that_raises_stops_every_rank_naming_it(corpus):
 
 def test_a_killed_rank_stops_the_job_within_the_timeout(corpus):
     """A rank killed mid-step (SIGKILL: no goodbye): torchrun names it and no rank is left behind."""
-    result = run(2, base(corpus, context_block_parallel=2, eval_iters=0), env={"MEGATRON_CSBP_TEST_FAIL": "1:3:kill"},
-                 expect=None, timeout=150)  # a hang fails here
+    result = run(2, base(corpus, context_block_parallel=2, eval_iters=0),
+                 faults={"MEGATRON_CSBP_TEST_FAIL": "1:3:kill"}, expect=None, timeout=150)  # a hang fails here
     assert result.returncode != 0
     assert re.search(r"rank\s*:\s*1 \(local_rank: 1\)", result.output) and "Signal 9 (SIGKILL)" in result.output, \
         result.output[-3000:]
@@ -116,7 +117,7 @@ def test_a_killed_rank_stops_the_job_within_the_timeout(corpus):
 def test_a_non_finite_grad_norm_skips_the_step_with_a_finite_loss(corpus):
     """An infinite gradient with a finite loss (e.g. an overflow in backward) is caught by the grad norm."""
     result = run(2, base(corpus, context_block_parallel=2, eval_iters=0, train_iters=6),
-                 env={"MEGATRON_CSBP_TEST_INF_GRAD_ITERATIONS": "4"})
+                 faults={"MEGATRON_CSBP_TEST_INF_GRAD_ITERATIONS": "4"})
     output, losses = result.output, result.losses
     assert re.search(r"iteration 4: non-finite grad norm \(loss [0-9.]+, grad norm (inf|nan)\); step skipped "
                      r"\(1 in a row, limit 3\)", output), output[-3000:]
@@ -264,7 +265,8 @@ def test_killing_torchrun_takes_its_ranks_with_it(corpus, tmp_path):
 def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(corpus):
     """SIGSTOP on one rank: it never fails, so only the watchdog can end the job; the other rank names it."""
     timeout = 15
-    launched = subprocess.Popen(command(2, base(corpus, context_block_parallel=2, train_iters=400, eval_iters=0)),
+    launched = subprocess.Popen(command(2, base(corpus, context_block_parallel=2, train_iters=400, eval_iters=0),
+                                        entry=FAULTS),
                                 cwd=REPO, env=environment({"MEGATRON_CSBP_TEST_TIMEOUT_SECONDS": str(timeout)}),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:

@@ -5,7 +5,6 @@ window do what they say, a briefly trained model completes its corpus (an untrai
 and under TP 2, and generate_bdlm.py refuses bad input in one line."""
 
 import ast
-import importlib.util
 import os
 import re
 import signal
@@ -578,14 +577,13 @@ def _complete(rank, world_size, load):
     """The script's own steps (arguments, model, generation) with the checkpoint's weights, then without
     them (the untrained model, freshly initialised)."""
     from megatron_csbp.mcore import cpu_backend, parallel_state
-    from megatron_csbp.tools import sampling
+    from megatron_csbp.tools import generate, sampling
 
-    script = _script()
     completions = []
-    options, args, directory, settings, prompts, encoded = script.prepare(["--load", load, *_prompt_flags()])
+    options, args, directory, settings, prompts, encoded = generate.prepare(["--load", load, *_prompt_flags()])
     with cpu_backend.active():
         for weights in (directory, None):
-            model = script.build_model(args, weights)
+            model = generate.build_model(args, weights)
             generation = sampling.generate(model, encoded, options.max_new_tokens, settings)
             parallel_state.destroy_model_parallel()
             completions.append([args.tokenizer.detokenize(tokens) for tokens in generation.tokens])
@@ -612,13 +610,6 @@ def test_generate_script_under_tp2_gives_the_one_rank_tokens(alphabet_checkpoint
     assert re.search(r"generated 40 tokens in [\d.]+ s \([\d.]+ tokens/s\) \| \d+ model calls", output), output
     settings = next(line for line in output.splitlines() if line.startswith("checkpoint "))
     assert "tp 2" in settings and "strategy confidence" in settings, output
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("generate_bdlm", os.path.join(REPO, "scripts", "generate_bdlm.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_bad_flags_are_one_line_refusals_with_exit_2(alphabet_checkpoints, tmp_path, capsys, monkeypatch):
@@ -651,9 +642,10 @@ def test_bad_flags_are_one_line_refusals_with_exit_2(alphabet_checkpoints, tmp_p
         (["--load", str(tmp_path / "nothing"), "--prompt", "a", "--max-new-tokens", "8"], "--load"),
         ([*base, "--prompt", "a", "--config", str(tmp_path / "none.yaml")], "--config"),
     ]
-    script = _script()
+    from megatron_csbp.tools import generate
+
     for argv, message in cases:
-        assert script.main(argv) == 2, argv
+        assert generate.main(argv) == 2, argv
         error = capsys.readouterr().err.strip()
         assert len(error.splitlines()) == 1 and message in error and error.startswith("generate_bdlm.py: error:"), \
             (argv, error)
@@ -662,22 +654,24 @@ def test_bad_flags_are_one_line_refusals_with_exit_2(alphabet_checkpoints, tmp_p
 def test_config_sets_every_key_it_names_even_a_default(alphabet_checkpoints, tmp_path):
     """A YAML value equal to the parser's default still overrides the checkpoint (so `bdlm-objective: bd3lm`
     decodes a fast-dllm-v2 checkpoint as bd3lm): the checkpoint's block size is 8, the parser's default 16."""
+    from megatron_csbp.tools import inference
     from megatron_csbp.training.flags import build_parser
 
     assert build_parser().parse_args([]).bdlm_block_size == 16
-    script = _script()
-    directory = script._checkpoint_directory(str(alphabet_checkpoints / "trained"))
-    assert script.model_args(directory, None, 1).bdlm_block_size == 8
+    directory = inference.checkpoint_directory(str(alphabet_checkpoints / "trained"))
+    assert inference.model_args(directory, None, 1).bdlm_block_size == 8
     for block in (16, 4):  # the default, and a control that is not
         config = tmp_path / f"block{block}.yaml"
         config.write_text(f"bdlm:\n  block-size: {block}\nbdlm-objective: bd3lm\n")
-        args = script.model_args(directory, str(config), 1)
+        args = inference.model_args(directory, str(config), 1)
         assert args.bdlm_block_size == block and args.bdlm_objective == "bd3lm"
 
 
 def test_an_empty_prompt_samples_unconditionally_from_the_end_of_document_token(alphabet_checkpoints, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    options, args, _, settings, prompts, encoded = _script().prepare(
+    from megatron_csbp.tools import generate
+
+    options, args, _, settings, prompts, encoded = generate.prepare(
         ["--load", str(alphabet_checkpoints / "trained"), "--prompt", "", "--prompt", "ab", "--max-new-tokens", "8"])
     assert prompts == ["", "ab"] and encoded == [[], [97, 98]]
     assert settings.start_token_id == args.tokenizer.eod == 256
@@ -738,9 +732,9 @@ def test_fast_dllm_v2_stops_at_the_chat_end_token_when_the_tokenizer_has_one():
     tokenizer (ten ids for the text) does not; other strategies only stop where asked."""
     from types import SimpleNamespace
 
+    from megatron_csbp.tools.generate import stop_sequences
     from megatron_csbp.tools.sampling import STRATEGY
 
-    script = _script()
 
     class Chat:
         vocab_size = 100
@@ -753,6 +747,6 @@ def test_fast_dllm_v2_stops_at_the_chat_end_token_when_the_tokenizer_has_one():
             return list(text.encode())[:1] * len(text)
 
     options = SimpleNamespace(stop=["ab"], stop_id=[5])
-    assert script.stop_sequences(options, Chat(), STRATEGY["fast-dllm-v2"]) == ((97 % 90, 98 % 90), (5,), (99,))
-    assert script.stop_sequences(options, Chat(), STRATEGY["confidence"]) == ((97 % 90, 98 % 90), (5,))
-    assert script.stop_sequences(options, Bytes(), STRATEGY["fast-dllm-v2"]) == ((97, 97), (5,))
+    assert stop_sequences(options, Chat(), STRATEGY["fast-dllm-v2"]) == ((97 % 90, 98 % 90), (5,), (99,))
+    assert stop_sequences(options, Chat(), STRATEGY["confidence"]) == ((97 % 90, 98 % 90), (5,))
+    assert stop_sequences(options, Bytes(), STRATEGY["fast-dllm-v2"]) == ((97, 97), (5,))

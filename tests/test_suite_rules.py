@@ -1,6 +1,8 @@
 """Rules the suite keeps about itself: every module has its markers in conftest.py, tests start
 subprocesses with the interpreter they run under; and the package's layers: each imports only the ones
-below it, and the core (the op, layouts, kernels, collectives, rules) nothing but torch."""
+below it, the core (the op, layouts, kernels, collectives, rules) nothing but torch, and no product code
+knows about the tests (their faults are injected from tests/faults.py); the tests import the scripts' commands
+from the package, and each script is a thin entry."""
 
 import ast
 import json
@@ -161,3 +163,65 @@ def test_the_objective_imports_no_megatron():
     """`bdlm.objective` is torch only (noise, rows, loss); megatron-core's forward step on it is `bdlm.forward_step`."""
     assert not _imports_megatron("bdlm/objective.py")
     assert _imports_megatron("bdlm/forward_step.py")  # negative control: the check sees lazy imports
+
+
+def _test_hooks(source: str) -> list[str]:
+    """Test-only environment variables a source names (`MEGATRON_CSBP_TEST_*`)."""
+    import re
+
+    return re.findall(r"MEGATRON_CSBP_TEST_\w*", source)
+
+
+def test_product_code_holds_no_test_hooks():
+    """Faults are injected by tests/faults.py wrapping the package's functions; the package and the scripts
+    read no test switch."""
+    offenders = {}
+    for root in (PACKAGE, os.path.join(REPO, "scripts")):
+        for folder, _, files in os.walk(root):
+            for name in files:
+                if name.endswith((".py", ".sh")):
+                    path = os.path.join(folder, name)
+                    with open(path, encoding="utf-8") as handle:
+                        found = _test_hooks(handle.read())
+                    if found:
+                        offenders[os.path.relpath(path, REPO)] = found
+    assert not offenders, offenders
+    # Negative control: the check sees the variables where they live.
+    with open(os.path.join(TESTS, "faults.py"), encoding="utf-8") as handle:
+        assert "MEGATRON_CSBP_TEST_FAIL" in _test_hooks(handle.read())
+
+
+_BY_PATH = ("spec_from_file_location", "SourceFileLoader", "run_path", "import runpy")
+
+
+def _scripts_loaded_by_path(source: str) -> list[str]:
+    """The ways of loading a file as a module that a source uses (a script's logic belongs in the package)."""
+    return [way for way in _BY_PATH if way in source]
+
+
+def test_tests_import_the_package_not_scripts_by_path_and_scripts_are_thin_entries():
+    """A script's logic is a package module the tests import; a test runs `scripts/` only as the user does, in a
+    subprocess. Each script is an entry: it imports its command from the package, and defines nothing."""
+    offenders = {}
+    for name in os.listdir(TESTS):
+        if name.endswith(".py") and name != "test_suite_rules.py":
+            with open(os.path.join(TESTS, name), encoding="utf-8") as handle:
+                found = _scripts_loaded_by_path(handle.read())
+            if found:
+                offenders[name] = found
+    assert not offenders, offenders
+    definers = {}
+    for folder, _, files in os.walk(os.path.join(REPO, "scripts")):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as handle:
+                    tree = ast.parse(handle.read())
+                defined = [node.name for node in tree.body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+                if defined:
+                    definers[os.path.relpath(path, REPO)] = defined
+    assert not definers, definers
+    # Negative controls: a by-path load is seen.
+    assert _scripts_loaded_by_path("spec = importlib.util.spec_from_file_location('x', 'scripts/x.py')") == \
+        ["spec_from_file_location"]
+    assert _scripts_loaded_by_path("import runpy\nrunpy.run_path('scripts/x.py')") == ["run_path", "import runpy"]

@@ -3,15 +3,16 @@
 import subprocess
 import sys
 
-from pretrain_runs import REPO, SCRIPT, TINY, base, environment, flags
+from pretrain_runs import FAULTS, REPO, SCRIPT, TINY, base, environment, flags
 
 pytest_plugins = ["pretrain_runs"]
 
 
-def _launch(settings: dict, env: dict | None = None, timeout: float = 200):
-    command = [sys.executable, "-m", "megatron_csbp.training.torchrun", "--standalone", "--nproc-per-node", "2", SCRIPT,
-               *flags({**TINY, **settings})]
-    return subprocess.run(command, cwd=REPO, env=environment(env), capture_output=True, text=True, timeout=timeout)
+def _launch(settings: dict, faults: dict | None = None, timeout: float = 200):
+    """Our torchrun over the script, or over tests/faults.py injecting `faults`."""
+    command = [sys.executable, "-m", "megatron_csbp.training.torchrun", "--standalone", "--nproc-per-node", "2",
+               FAULTS if faults else SCRIPT, *flags({**TINY, **settings})]
+    return subprocess.run(command, cwd=REPO, env=environment(faults), capture_output=True, text=True, timeout=timeout)
 
 
 def test_a_refused_argument_is_one_line_exit_2_before_any_rank_starts(corpus):
@@ -35,7 +36,7 @@ def test_a_refusal_found_by_the_ranks_and_a_failed_rank(corpus, tmp_path):
     assert refused.stderr.strip().splitlines()[-1] == (
         f"pretrain_bdlm.py: error: --load {empty}: no checkpoint there (no latest_checkpointed_iteration.txt); "
         f"give the --save directory of an earlier run, or drop --load to start from scratch")
-    failed = _launch(base(corpus, context_block_parallel=2, eval_iters=0), env={"MEGATRON_CSBP_TEST_FAIL": "1:2"})
+    failed = _launch(base(corpus, context_block_parallel=2, eval_iters=0), faults={"MEGATRON_CSBP_TEST_FAIL": "1:2"})
     assert failed.returncode == 1
     assert "ChildFailedError" not in failed.stderr
     assert "rank 1 failed: RuntimeError: injected failure at iteration 2" in failed.stderr

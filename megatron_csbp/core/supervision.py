@@ -56,13 +56,9 @@ def die_with_launcher() -> bool:
 
 
 # ------------------------------------------------------------------------------------------------ watchdog
-_TEST_TIMEOUT_SECONDS = "MEGATRON_CSBP_TEST_TIMEOUT_SECONDS"  # test hook: the timeout in seconds
-
-
 def distributed_timeout_seconds(args) -> float:
-    """`--distributed-timeout-minutes` in seconds (`MEGATRON_CSBP_TEST_TIMEOUT_SECONDS` overrides it in tests)."""
-    override = os.environ.get(_TEST_TIMEOUT_SECONDS)
-    return float(override) if override else float(args.distributed_timeout_minutes) * 60
+    """`--distributed-timeout-minutes` in seconds: the watchdog's and the model-parallel groups' timeout."""
+    return float(args.distributed_timeout_minutes) * 60
 
 
 def _describe(stack: tuple) -> str:

@@ -99,4 +99,3 @@ def build_model(args, directory: str | None):
     return model
 
 
-_checkpoint_directory = checkpoint_directory  # the name scripts/generate_bdlm.py always had

@@ -63,7 +63,6 @@ MODEL_SHAPE_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attenti
                     "kv_channels", "vocab_ids", "swiglu", "normalization", "add_bias_linear",
                     "add_qkv_bias", "qk_layernorm", "untie_embeddings_and_output_weights", "mask_token_id")
 _ACCELERATOR_RNG_KEY = "cuda_rng_state"  # Megatron-LM's name for the accelerator's RNG state (the CPU's here)
-_TEST_CRASH_BEFORE_PUBLISH = "MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH"  # iteration: fail after writing, pre-rename
 
 
 class CheckpointError(ConfigError):
@@ -365,8 +364,6 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
             raise
         raise explained from error
     if rank == 0:
-        if os.environ.get(_TEST_CRASH_BEFORE_PUBLISH) == str(state.iteration):
-            raise RuntimeError(f"injected crash before publishing {final} ({_TEST_CRASH_BEFORE_PUBLISH})")
         # An older save of this iteration (e.g. --finetune into the same --save) is replaced whole.
         publish.publish_directory(temporary, final, replace=True, flag="--save")
         _write_tracker(root, state.iteration)

@@ -21,21 +21,12 @@ What it adds to a plain loop, and why:
 * Validation: the per-token NELBO (and `exp` of it, a perplexity bound) over `--eval-iters` global batches
   of the validation split. As in Megatron-LM's `pretrain()`, every evaluation takes the next batches of the
   split (the consumed validation samples are checkpointed), so both loops report the same numbers.
-
-Test hooks (environment variables, read once; unset in normal runs):
-`MEGATRON_CSBP_TEST_NAN_ITERATIONS=3,7` poisons the loss of those iterations with NaN;
-`MEGATRON_CSBP_TEST_INF_GRAD_ITERATIONS=4` makes a gradient of those iterations infinite (finite loss);
-`MEGATRON_CSBP_TEST_FAIL=RANK:ITERATION[:kill]` makes that rank raise (or SIGKILL itself) in that
-iteration's forward step; `checkpointing` reads `MEGATRON_CSBP_TEST_CRASH_BEFORE_PUBLISH`;
-`MEGATRON_CSBP_TEST_TIMEOUT_SECONDS=12` replaces `--distributed-timeout-minutes` for the model-parallel
-groups and the watchdog (`supervision`), so a hang test need not wait a minute.
 """
 
 import math
 import os
 import signal
 import time
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -49,25 +40,6 @@ from megatron_csbp.training.progress import Progress
 
 class TrainingError(RuntimeError):
     """The run cannot continue (e.g. too many non-finite steps in a row)."""
-
-
-@dataclass(frozen=True)
-class _TestHooks:
-    nan_iterations: frozenset
-    inf_grad_iterations: frozenset
-    fail_rank: int | None
-    fail_iteration: int | None
-    fail_by_kill: bool
-
-    @classmethod
-    def from_environment(cls):
-        def iterations(name):
-            return frozenset(int(i) for i in os.environ.get(name, "").split(",") if i.strip())
-
-        fail = os.environ.get("MEGATRON_CSBP_TEST_FAIL", "").split(":")
-        return cls(iterations("MEGATRON_CSBP_TEST_NAN_ITERATIONS"), iterations("MEGATRON_CSBP_TEST_INF_GRAD_ITERATIONS"),
-                   int(fail[0]) if fail[0] else None, int(fail[1]) if len(fail) > 1 else None,
-                   len(fail) > 2 and fail[2] == "kill")
 
 
 class _StopSignals:
@@ -143,7 +115,6 @@ class Trainer:
         run = run_providers.run  # built here, once
         # What checkpoints record and the FLOPs count read: the arguments with the run's vocabulary.
         self.args = args = run.vocabulary.recorded(run_providers.args)
-        self.hooks = _TestHooks.from_environment()
         settings = run_providers.settings
         self.progress = Progress(args, enabled=dist.get_rank() == dist.get_world_size() - 1,
                                  loss_is_bound=settings.objective_kind.loss_is_bound(settings.loss_weighting))
@@ -225,24 +196,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- steps
     def _forward_step(self, iteration):
-        hooks = self.hooks
-        poison = iteration in hooks.nan_iterations
-        fails = hooks.fail_iteration == iteration and hooks.fail_rank == dist.get_rank()
-
+        """The run's forward step for the micro-batches of `iteration`, marking progress for the watchdog."""
         def forward_step(data_iterator, model):
             supervision.progress()  # one mark per micro-batch: a long schedule is not a hang
-            if fails:
-                if hooks.fail_by_kill:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                raise RuntimeError(f"injected failure at iteration {iteration} (MEGATRON_CSBP_TEST_FAIL)")
-            output, loss_func = self.forward_step(data_iterator, model)
-            if not poison:
-                return output, loss_func
-
-            def poisoned_loss(output_tensor):
-                loss, num_tokens, report = loss_func(output_tensor)
-                return loss * float("nan"), num_tokens, {"lm loss": report["lm loss"] * float("nan")}
-            return output, poisoned_loss
+            return self.forward_step(data_iterator, model)
         return forward_step
 
     def _forward_backward(self, forward_step, data_iterator, num_micro_batches, forward_only):
@@ -327,8 +284,6 @@ class Trainer:
                     loss = None if total is None else (total[0] / total[1]).item()
                 with supervision.watch(f"iteration {iteration}: the stop-flag all-reduce"):
                     bad_loss, stop_reason = self._stop_reason(signals, started, loss is None or math.isfinite(loss))
-                if iteration in self.hooks.inf_grad_iterations:
-                    next(self.model.parameters()).main_grad.view(-1)[0] = float("inf")
                 with supervision.watch(f"iteration {iteration}: optimizer step (grad-norm all-reduce)"):
                     updated, grad_norm, bad = self._guarded_step(not bad_loss)
                 state.iteration = iteration

@@ -1,0 +1,184 @@
+"""Build a Megatron indexed dataset (.bin/.idx) from JSONL or plain-text files.
+
+With no arguments it builds the default dataset, `data/stdlib_bytes_text_document`, that
+`configs/tiny_cpu.yaml` trains on: real text present on every machine — this Python's standard-library
+sources (a sorted, deterministic list, about 4 MB) — byte-tokenized, one document per file.
+`--corpus sequences` builds `data/sequences_bytes_text_document`, the demo's (`configs/demo_sequences.yaml`):
+runs of well-known sequences (months, weekdays, planets, rainbow colours) from random starts, generated
+here. A tiny model learns them in a few minutes on two CPU cores, so its samples can be checked by eye.
+
+Inputs ending in `.jsonl`/`.json` hold one JSON object per line (text under `--json-key`); any other file
+is one document. A malformed line is reported as `file:line: why` and skipped (counted) or fatal, per
+`--on-bad-line`. The dataset is read back and checked before it replaces anything (see
+`megatron_csbp.training.datasets.write_indexed_dataset`).
+
+`main(argv)` is the command of `scripts/prepare_data.py`.
+"""
+
+import argparse
+import itertools
+import json
+import os
+import random
+import sys
+import sysconfig
+
+# The checkout this package runs from, whose data/ the default datasets go to (configs/ name them there).
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_PREFIX = os.path.join("data", "stdlib_bytes_text_document")
+DEFAULT_MAX_BYTES = 4_000_000
+SEQUENCES = {
+    "months": "january february march april may june july august september october november december",
+    "weekdays": "monday tuesday wednesday thursday friday saturday sunday",
+    "planets": "mercury venus earth mars jupiter saturn uranus neptune",
+    "colours": "red orange yellow green blue indigo violet",
+}
+CORPUS_PREFIXES = {"stdlib": DEFAULT_PREFIX, "sequences": os.path.join("data", "sequences_bytes_text_document")}
+
+
+class BadInput(ValueError):
+    """A malformed input line or file (reported with file and line number)."""
+
+
+def stdlib_sources(max_bytes: int | None = DEFAULT_MAX_BYTES) -> list[str]:
+    """The standard library's .py files, sorted by relative path, up to `max_bytes` in total."""
+    root = sysconfig.get_paths()["stdlib"]
+    skip = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+    found = []
+    for directory, subdirectories, files in os.walk(root):
+        subdirectories[:] = sorted(d for d in subdirectories if d not in skip)
+        found += [os.path.relpath(os.path.join(directory, name), root) for name in files if name.endswith(".py")]
+    chosen, total = [], 0
+    for relative in sorted(found):
+        size = os.path.getsize(os.path.join(root, relative))
+        if max_bytes is not None and total + size > max_bytes:
+            break
+        chosen.append(os.path.join(root, relative))
+        total += size
+    return chosen
+
+
+def sequence_documents(count: int = 4000, seed: int = 0) -> list[str]:
+    """`count` documents, each one of `SEQUENCES` continued cyclically from a random word for 8 to 40 words:
+    every word after the first follows from the one before, which is what the demo's samples show learned."""
+    generator = random.Random(seed)
+    documents = []
+    for _ in range(count):
+        words = SEQUENCES[generator.choice(sorted(SEQUENCES))].split()
+        start, length = generator.randrange(len(words)), generator.randint(8, 40)
+        documents.append(" ".join(words[(start + k) % len(words)] for k in range(length)) + "\n")
+    return documents
+
+
+def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
+    """Yield document texts; `report` gets one line per skipped bad line."""
+
+    def bad(where: str, why: str):
+        if on_bad_line == "error":
+            raise BadInput(f"{where}: {why} (use --on-bad-line skip to skip such lines)")
+        report(f"skipped {where}: {why}")
+
+    for path in paths:
+        if not os.path.isfile(path):
+            raise BadInput(f"{path}: no such input file")
+        if not path.endswith((".jsonl", ".json")):
+            try:
+                with open(path, encoding="utf-8") as handle:
+                    yield handle.read()
+            except UnicodeDecodeError as error:
+                bad(path, f"not UTF-8 text ({error.reason} at byte {error.start})")
+            continue
+        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+            for number, line in enumerate(handle, start=1):
+                where = f"{path}:{number}"
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as error:
+                    bad(where, f"not valid JSON ({error.msg} at column {error.colno})")
+                    continue
+                if not isinstance(record, dict) or json_key not in record:
+                    bad(where, f"no '{json_key}' key (set --json-key)")
+                elif not isinstance(record[json_key], str):
+                    bad(where, f"'{json_key}' is a {type(record[json_key]).__name__}, not a string")
+                else:
+                    try:
+                        record[json_key].encode("utf-8")
+                    except UnicodeEncodeError:
+                        bad(where, "not UTF-8 text")
+                        continue
+                    yield record[json_key]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from megatron_csbp.core.rules import BYTE_TOKENIZER, TEXT_TOKENIZERS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser.add_argument("--input", nargs="+", default=None,
+                        help="JSONL (.jsonl/.json) or text files. Default: the --corpus.")
+    parser.add_argument("--corpus", choices=sorted(CORPUS_PREFIXES), default="stdlib",
+                        help="Without --input: the Python standard library's sources (default), or the demo's "
+                             "generated sequences.")
+    parser.add_argument("--output-prefix", default=None,
+                        help="Writes PREFIX.bin/.idx. Default (without --input): the corpus's, "
+                             f"{DEFAULT_PREFIX} or {CORPUS_PREFIXES['sequences']}, in the repository.")
+    parser.add_argument("--json-key", default="text", help="Key holding the text in each JSONL object.")
+    parser.add_argument("--on-bad-line", choices=("skip", "error"), default="error",
+                        help="A malformed JSONL line (or undecodable text file) is fatal (default) or skipped.")
+    parser.add_argument("--append-eod", action=argparse.BooleanOptionalAction, default=True,
+                        help="End every document with the EOD id (default on).")
+    parser.add_argument("--tokenizer-type", choices=TEXT_TOKENIZERS, default=BYTE_TOKENIZER)
+    parser.add_argument("--tokenizer-model", default=None, help="Local tokenizer.json (HuggingFaceTokenizer).")
+    parser.add_argument("--vocab-size", type=int, default=None, help="Tokenizer ids before EOD (as in training).")
+    parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
+                        help="Only for the default corpus: standard-library bytes to take.")
+    parser.add_argument("--force", action="store_true", help="Rebuild even if a verified dataset is already there.")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from megatron_csbp.training import quiet
+
+    quiet.quiet_start_up()  # before megatron is imported
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.training.datasets import check_output_prefix, dataset_stats, write_indexed_dataset
+    from megatron_csbp.training.tokenizers import build_tokenizer
+
+    args = build_parser().parse_args(argv)
+    args.make_vocab_size_divisible_by, args.tensor_model_parallel_size = 1, 1
+    prefix = args.output_prefix or os.path.join(REPO_ROOT, CORPUS_PREFIXES[args.corpus])
+    generated = None if args.input or args.corpus == "stdlib" else sequence_documents()
+    inputs = args.input or ([] if generated else stdlib_sources(args.max_bytes))
+    try:
+        check_output_prefix(prefix)
+        tokenizer = build_tokenizer(args)
+        if not args.force and os.path.exists(prefix + ".idx"):
+            stats = dataset_stats(prefix)
+            if stats.max_token_id < tokenizer.vocab_size:
+                print(f"{prefix}: already built ({stats.num_documents} documents, {stats.num_tokens} tokens); "
+                      f"--force rebuilds it")
+                return 0
+        eod = [tokenizer.eod] if args.append_eod else []
+        skipped = []
+
+        def report(line):
+            skipped.append(line)
+            print(line, file=sys.stderr)
+        texts = generated or read_documents(inputs, args.json_key, args.on_bad_line, report)
+        documents = (ids for ids in (tokenizer.tokenize(text) + eod for text in texts if text) if ids)
+        first = next(documents, None)
+        if first is None:  # nothing to write: say why, before any file is made
+            named = ", ".join(inputs) if len(inputs) <= 3 else f"{len(inputs)} input files"
+            why = f"all {len(skipped)} non-empty line(s) were skipped" if skipped else "the input is empty"
+            raise BadInput(f"{named}: no documents to write ({why}); give input with text in it")
+        stats = write_indexed_dataset(itertools.chain([first], documents), prefix, tokenizer.vocab_size)
+    except (ConfigError, BadInput) as error:  # refused input: one line, exit 2 (as every entry of ours)
+        print(f"prepare_data: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"prepare_data: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {prefix}.bin/.idx: {stats.num_documents} documents, {stats.num_tokens} tokens (verified)"
+          + (f", skipped {len(skipped)} bad line(s)" if skipped else ""))
+    return 0
