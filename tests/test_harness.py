@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from pretrain_runs import REPO, SCRIPT, _load_prepare_data, environment
+from megatron_csbp.tools import prepare_data
+from pretrain_runs import REPO, SCRIPT, environment
 from spawn import run_ranks
 
 GENERATE = os.path.join(REPO, "scripts", "generate_bdlm.py")
@@ -46,7 +47,7 @@ def _ok(command, timeout=300):
 
 def _questions(count: int, seed: int = 0) -> list:
     """Three consecutive words of a run, the next word among `CHOICES` words of that run (order shuffled)."""
-    runs = _load_prepare_data().SEQUENCES
+    runs = prepare_data.SEQUENCES
     generator = random.Random(seed)
     questions = []
     for index in range(count):
@@ -64,7 +65,7 @@ def _write_tasks(folder) -> None:
     """Three local tasks: multiple choice (loglikelihood), perplexity (loglikelihood_rolling), generation."""
     folder.mkdir()
     (folder / "next_word.json").write_text(json.dumps(_questions(80)))
-    runs = _load_prepare_data().sequence_documents(count=6, seed=7)
+    runs = prepare_data.sequence_documents(count=6, seed=7)
     (folder / "texts.json").write_text(json.dumps([{"text": text} for text in runs]))
     (folder / "prompts.json").write_text(json.dumps([{"context": prompt} for prompt in GEN_PROMPTS]))
     common = "dataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n    test: {file}\n"
@@ -87,7 +88,7 @@ def _write_tasks(folder) -> None:
 def harness_runs(tmp_path_factory):
     """The sequences corpus, a model trained 300 steps on it and the same model untrained, the local tasks."""
     root = tmp_path_factory.mktemp("harness")
-    assert _load_prepare_data().main(["--corpus", "sequences", "--output-prefix", str(root / "sequences")]) == 0
+    assert prepare_data.main(["--corpus", "sequences", "--output-prefix", str(root / "sequences")]) == 0
     config = ["--config", os.path.join(REPO, "configs", "demo_sequences.yaml"), f"data-path={root / 'sequences'}",
               f"tensorboard-dir={root / 'tensorboard'}", *SMALL]
     _ok([sys.executable, SCRIPT, *config, f"save={root / 'trained'}", f"load={root / 'trained'}", "train-iters=300",

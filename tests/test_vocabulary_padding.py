@@ -17,7 +17,8 @@ import re
 import pytest
 import torch
 
-from test_hf import BLOCK, SEQ, TOLERANCE, _pretrain, _script, hf_reference
+from megatron_csbp.tools import convert_hf, tiny_hf_model
+from test_hf import BLOCK, SEQ, TOLERANCE, _pretrain, hf_reference
 from spawn import run_ranks
 
 TOKENIZER_IDS = 300
@@ -29,7 +30,7 @@ PADDED = {1: 384, 2: 512}  # the real ids padded to a multiple of 128 x TP
 
 
 def _make_and_import(rank, world, root):
-    make, convert = _script("make_tiny_hf_model"), _script("convert_hf")
+    make, convert = tiny_hf_model, convert_hf
     for name, settings in FAMILIES.items():
         hf_dir = make.make_model(**settings, output=os.path.join(root, name, "hf"))
         convert.import_checkpoint(hf_dir, os.path.join(root, name, "ckpt"), log=lambda *_: None)  # at TP1
