@@ -642,7 +642,7 @@ def _print_setting(model: Model, cluster: Cluster, out):
     gpu = cluster.gpu
     print(f"model: {model.num_layers} layers, hidden {model.hidden_size}, ffn {model.ffn_hidden_size}, "
           f"{model.num_attention_heads} heads / {model.num_query_groups} KV groups x {model.kv_channels}, "
-          f"vocab {model.vocab_size}, L = {model.seq_length}, B = {model.block_size}, "
+          f"vocab {model.vocab_size} ids + EOD + MASK, L = {model.seq_length}, B = {model.block_size}, "
           f"recompute {model.recompute or 'none'}, {'bf16' if model.bytes_per_elem == 2 else 'fp32'}, "
           f"micro-batch {model.micro_batch_size}, {model.transport} transport"
           f"{'' if model.bytes_per_elem == 2 else ' (FLOP rate is still the bf16 peak)'}", file=out)
