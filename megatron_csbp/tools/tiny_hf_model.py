@@ -55,7 +55,9 @@ def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     configs = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
-    extra = {"sliding_window": None} if family == "mistral" else {}
+    from megatron_csbp.training.hf import FAMILIES
+
+    extra = {"sliding_window": None} if FAMILIES[family].windowed_by_default else {}
     if rope_parameters:
         extra["rope_parameters"] = rope_parameters
     config = configs[family](

@@ -43,10 +43,11 @@ class Family:
     qkv_bias: bool = False  # biases on Q, K and V only (megatron's --add-qkv-bias)
     qk_norm: bool = False  # RMSNorm of each query and key head (megatron's --qk-layernorm)
     exported: bool = True  # export writes this family (Mistral's dense weights are exported as Llama's)
+    windowed_by_default: bool = False  # its transformers config has a sliding window unless told `None`
 
 
 LLAMA = Family("llama", "Llama", "LlamaForCausalLM")
-MISTRAL = Family("mistral", "Mistral", "MistralForCausalLM", exported=False)
+MISTRAL = Family("mistral", "Mistral", "MistralForCausalLM", exported=False, windowed_by_default=True)
 QWEN2 = Family("qwen2", "Qwen2 / Qwen2.5 (QKV bias)", "Qwen2ForCausalLM", qkv_bias=True)
 QWEN3 = Family("qwen3", "Qwen3 (QK-norm)", "Qwen3ForCausalLM", qk_norm=True)
 FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3)}
