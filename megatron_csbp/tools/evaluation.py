@@ -616,24 +616,15 @@ def main(argv: list[str] | None = None, name: str = "evaluate_bdlm.py") -> int:
     0 done, 2 refused, 130 interrupted, 1 a failure (`rank R failed: ...`)."""
     import traceback
 
-    from megatron_csbp.training import quiet
+    from megatron_csbp.training import entry, quiet
 
     argv = sys.argv[1:] if argv is None else list(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     quiet.quiet_start_up()
-    try:
-        prepared = prepare(argv, world)
-    except ConfigError as error:
-        if rank == 0:
-            print(f"{name}: error: {error}", file=sys.stderr, flush=True)
-        leave_together(world)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted", file=sys.stderr, flush=True)
-        return 130
-    note = quiet.start_up_note()
-    if note and rank == 0:
-        print(note, flush=True)
+    prepared, status = entry.accepted(name, lambda: prepare(argv, world), rank,
+                                      on_refusal=lambda: leave_together(world))
+    if status is not None:
+        return status
 
     import torch.distributed as dist
 

@@ -230,23 +230,15 @@ def report(options, args, directory, settings, prompts, generation) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_csbp.training import quiet
+    from megatron_csbp.training import entry, quiet
 
     argv = sys.argv[1:] if argv is None else list(argv)
     rank = int(os.environ.get("RANK", "0"))
     quiet.quiet_start_up()
-    try:
-        options, args, directory, settings, prompts, encoded = prepare(argv)
-    except ConfigError as error:
-        if rank == 0:
-            print(f"{NAME}: error: {error}", file=sys.stderr, flush=True)
-        return 2
-    except KeyboardInterrupt:
-        print(f"{NAME}: interrupted", file=sys.stderr, flush=True)
-        return 130
-    note = quiet.start_up_note()
-    if note and rank == 0:
-        print(note, flush=True)
+    prepared, status = entry.accepted(NAME, lambda: prepare(argv), rank)
+    if status is not None:
+        return status
+    options, args, directory, settings, prompts, encoded = prepared
     warn_past_trained_length(args, settings, encoded, options.max_new_tokens)
 
     import torch.distributed as dist

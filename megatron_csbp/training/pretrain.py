@@ -40,7 +40,7 @@ def _announce_failure(rank: int, error: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_csbp.training import quiet
+    from megatron_csbp.training import entry, quiet
 
     argv = sys.argv[1:] if argv is None else list(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -49,15 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_csbp.training import loops
     from megatron_csbp.core.rules import ConfigError
 
-    try:
-        run = loops.prepare(argv, world)
-    except ConfigError as error:
-        if rank == 0:
-            print(f"pretrain_bdlm.py: error: {error}", file=sys.stderr, flush=True)
-        return 2
-    note = quiet.start_up_note()
-    if note and rank == 0:
-        print(note, flush=True)
+    run, status = entry.accepted("pretrain_bdlm.py", lambda: loops.prepare(argv, world), rank)
+    if status is not None:
+        return status
 
     import torch.distributed as dist
 
