@@ -6,6 +6,11 @@ runs lm-eval's own CLI with the same flags, e.g.
     python -m megatron_csbp.harness --model megatron_csbp --model_args load=runs/demo_sequences \\
         --tasks my_task --include_path my_tasks/
 
+and under tensor parallelism, as many ranks as `tensor_parallel_size` (torchrun's `-m` runs this module):
+
+    python -m megatron_csbp.torchrun --standalone --nproc-per-node 2 -m megatron_csbp.harness --model megatron_csbp \
+        --model_args load=runs/demo_sequences,tensor_parallel_size=2 --tasks my_task --include_path my_tasks/
+
 Needs the `[eval]` extra (`pip install -e ".[eval]"`);
 without it, says so in one line (exit 2).
 """

@@ -4,7 +4,8 @@ with local tasks (JSON files written here, nothing downloaded): a model trained 
 colours among four far above chance, the same model untrained (one step at learning rate 0: the initial weights)
 at chance; `generate_until` answers what `scripts/generate_bdlm.py` prints for the same greedy settings; the two
 NELBO estimators agree (and a biased one does not), and a continuation's score does not depend on the padding
-or the batch it ran in.
+or the batch it ran in. Under tensor parallelism (2 ranks through `python -m megatron_csbp.torchrun -m
+megatron_csbp.harness`) the same tasks give the 1-rank answers, and only rank 0 writes them.
 """
 
 import ast
@@ -244,7 +245,7 @@ def test_estimators_agree_scores_do_not_depend_on_padding_and_rows_are_the_objec
     print(f"padding/batching: largest relative difference {padding:.1e}; a different context: {control:.1e}")
     assert padding <= 1e-5 and control > 1e-2
     assert same_rows, "the harness's [x_t ; x_0] rows differ from BDLMObjective.rows under the same noise"
-    messages = {"{'tensor_parallel_size': 2}": "tensor_parallel_size=1", "{'estimator': 'median'}": "inverse-t, count",
+    messages = {"{'tensor_parallel_size': 2}": "this launch has 1 rank:", "{'estimator': 'median'}": "inverse-t, count",
                 "{'mc_sample': 4}": "did you mean mc_samples", "{'strategy': 'best'}": "strategy",
                 "fast-dllm-v2": "bdlm-objective: bd3lm"}
     for case, message in messages.items():
@@ -257,3 +258,48 @@ def test_a_refusal_through_the_command_line_is_one_line_with_exit_2(harness_runs
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert lines[-1].startswith("python -m megatron_csbp.harness: error: model_args: tensor_parallel_size=2"), lines[-1]
     assert re.fullmatch(r"[^\n]+", lines[-1])
+
+
+LAUNCHER = [sys.executable, "-m", "megatron_csbp.torchrun", "--standalone", "--nproc-per-node", "2"]
+
+
+def test_two_tensor_parallel_ranks_answer_as_one_rank(harness_runs, evaluations):
+    """TP2 (each rank a shard of both models, lm-eval in lockstep on both) against the 1-rank run of `evaluations`
+    with the same model_args: the same accuracy, the same is_greedy flags, loglikelihoods within 1e-5 relative
+    (the shards sum their partial products in another order), identical generated text; one results file and
+    one printed table (rank 0's)."""
+    output = harness_runs / "results_tp2"
+    command = _harness(harness_runs, harness_runs / "trained", "csbp_next_word,csbp_prompts", "mc_samples=8",
+                       "greedy_check=true", "tensor_parallel_size=2", output=output)
+    started = time.time()
+    done = _ok(LAUNCHER + command[1:], timeout=900)
+    print(f"lm-eval under TP2 (csbp_next_word,csbp_prompts): {time.time() - started:.0f} s")
+    assert done.stdout.count("megatron_csbp (") == 1 and done.stderr.count("loglikelihood (BDLM NELBO)") >= 1
+    one, two = _results(evaluations["trained"]), _results(output)
+    print(f"accuracy: 1 rank {one['csbp_next_word']['acc,none']:.4f}, TP2 {two['csbp_next_word']['acc,none']:.4f}")
+    assert two["csbp_next_word"]["acc,none"] == one["csbp_next_word"]["acc,none"]
+    rows = {name: {row["doc_id"]: row for row in _samples(folder, "csbp_next_word")}
+            for name, folder in (("one", evaluations["trained"]), ("two", output))}
+    assert rows["one"].keys() == rows["two"].keys() and rows["one"]
+    gaps = []
+    for doc, row in rows["one"].items():
+        answers = zip((r[0] for r in row["resps"]), (r[0] for r in rows["two"][doc]["resps"]), strict=True)
+        for (a, greedy_a), (b, greedy_b) in answers:
+            gaps.append(abs(float(a) - float(b)) / abs(float(a)))
+            assert str(greedy_a) == str(greedy_b), (doc, row["resps"], rows["two"][doc]["resps"])
+    print(f"loglikelihood: {len(gaps)} values, largest relative difference TP2 vs 1 rank {max(gaps):.1e}")
+    assert max(gaps) <= 1e-5
+    texts = [{row["doc"]["context"]: row["resps"][0][0] for row in _samples(folder, "csbp_prompts")}
+             for folder in (evaluations["trained"], output)]
+    print("\n".join(f"{prompt!r} -> 1 rank {texts[0][prompt]!r}, TP2 {texts[1][prompt]!r}" for prompt in GEN_PROMPTS))
+    assert texts[0] == texts[1] and len(texts[0]) == len(GEN_PROMPTS)
+
+
+def test_a_world_size_other_than_tensor_parallel_size_is_refused_in_one_line(harness_runs):
+    done = _run(LAUNCHER + _harness(harness_runs, harness_runs / "trained", "csbp_next_word")[1:])
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert lines[-1] == ("python -m megatron_csbp.harness: error: model_args: tensor_parallel_size=1 but this launch "
+                         "has 2 ranks: launch exactly tensor_parallel_size ranks (python -m megatron_csbp.torchrun "
+                         "--standalone --nproc-per-node 1 -m megatron_csbp.harness ...)"), lines[-3:]
+    assert sum("error:" in line for line in lines) == 1, lines  # rank 0's line only

@@ -33,15 +33,28 @@ What each request type means for a BDLM (a model that gives no left-to-right tok
   `threshold`, `temperature`, `top_k`, `top_p`, `seed` model_args; gen_kwargs' `until`, `max_gen_toks`,
   `temperature`/`do_sample` honoured): a sample ends at EOS or a stop string, cut before it.
 
-Checkpoints load on one rank (`megatron_csbp.tools.inference`). Refused in one line (`ConfigError`):
-`tensor_parallel_size` > 1 (lm-eval would run the whole harness on every rank; sampling under TP is
-`scripts/generate_bdlm.py`'s), loglikelihood on a `fast-dllm-v2` checkpoint (its shifted labels give no
-BD3-LM bound; `config=` a YAML with `bdlm-objective: bd3lm` to score it as one), unknown or bad model_args.
+Checkpoints load on one rank, or over `tensor_parallel_size` ranks (`megatron_csbp.tools.inference`, as
+`scripts/generate_bdlm.py` samples under TP):
+
+    python -m megatron_csbp.torchrun --standalone --nproc-per-node 2 -m megatron_csbp.harness \
+        --model megatron_csbp --model_args load=runs/demo_sequences,tensor_parallel_size=2 --tasks my_task ...
+
+Every rank runs lm-eval's whole command line in lockstep: each builds its TP shard of both models and sees
+every request in the same order (the LM tells lm-eval it is rank 0 of 1, so lm-eval splits no requests for
+data parallelism), because each model call is a collective of all the ranks. Only rank 0 prints and writes:
+on the other ranks stdout goes to /dev/null, lm-eval logs errors only, and the output flags (`--output_path`,
+`--log_samples`, `--predict_only`, the W&B/Trackio/Hub loggers, `--show_config`, `--write_out`,
+`--cache_requests`) are dropped from the configuration lm-eval builds, whether they came from the command line
+or from its `--config` YAML. Refused in one line (`ConfigError`, exit 2): a launch whose world size is not
+`tensor_parallel_size`, `--use_cache` under TP (a rank answering from its cache would skip a collective the
+others enter), loglikelihood on a `fast-dllm-v2` checkpoint (its shifted labels give no BD3-LM bound;
+`config=` a YAML with `bdlm-objective: bd3lm` to score it as one), unknown or bad model_args.
 """
 
 import atexit
 import difflib
 import hashlib
+import os
 import re
 import sys
 from contextlib import contextmanager
@@ -71,6 +84,20 @@ def _flag(value) -> bool:
     text = str(value).strip().lower()
     _require(text in ("1", "0", "true", "false", "yes", "no"), f"model_args: {value!r} is not true or false")
     return text in ("1", "true", "yes")
+
+
+def check_world_size(tensor_parallel_size) -> int:
+    """`tensor_parallel_size` as an int, refused unless the launch has exactly that many ranks: the ranks hold
+    one model replica's TP shards and all answer every request (the harness does no data parallelism)."""
+    text = str(tensor_parallel_size).strip()
+    _require(text.isdigit() and int(text) >= 1, f"model_args: tensor_parallel_size={tensor_parallel_size} must be "
+                                                 f"an integer >= 1")
+    size, world = int(text), int(os.environ.get("WORLD_SIZE", "1"))
+    _require(size == world, f"model_args: tensor_parallel_size={size} but this launch has {world} "
+                            f"rank{'s' if world != 1 else ''}: launch exactly tensor_parallel_size ranks "
+                            f"(python -m megatron_csbp.torchrun --standalone --nproc-per-node {size} "
+                            f"-m megatron_csbp.harness ...)")
+    return size
 
 
 def _uniforms(seed: int, key: str, count: int) -> torch.Tensor:
@@ -120,8 +147,8 @@ class MegatronCSBPLM(LM):
     `config` (a training YAML overriding what the checkpoint recorded), `mc_samples` (noise draws per
     request, 32), `estimator` (`inverse-t` | `count`), `seed` (0), `greedy_check` (true), `strategy`
     (confidence), `steps_per_block` (the block size), `threshold` (0.9), `temperature` (0), `top_k` (0),
-    `top_p` (1), `max_gen_toks` (default for gen_kwargs, 128), `tensor_parallel_size` (1 only);
-    lm-eval's `--batch_size` is the requests per model call ("auto": 8).
+    `top_p` (1), `max_gen_toks` (default for gen_kwargs, 128), `tensor_parallel_size` (1: the launch's world
+    size must equal it); lm-eval's `--batch_size` is the requests per model call ("auto": 8).
     """
 
     ARGUMENTS = ("load", "config", "mc_samples", "estimator", "seed", "greedy_check", "strategy", "steps_per_block",
@@ -139,9 +166,11 @@ class MegatronCSBPLM(LM):
             raise ConfigError(f"model_args: unknown argument {name!r}{hint}; known: {', '.join(self.ARGUMENTS)}")
         _require(load is not None and str(load) != "", "model_args: give load=DIR, a --save directory of a training "
                                                        "run or one of its iter_XXXXXXX directories")
-        _require(int(tensor_parallel_size) == 1,
-                 f"model_args: tensor_parallel_size={tensor_parallel_size}: the harness runs one rank (lm-eval would "
-                 f"run on every rank); use tensor_parallel_size=1 (scripts/generate_bdlm.py samples under TP)")
+        self.tensor_parallel_size = check_world_size(tensor_parallel_size)
+        # Every rank answers every request (a model call is a collective of the TP ranks): to lm-eval this LM is
+        # rank 0 of 1 on each of them (LM's defaults, stated here because TP depends on them).
+        self._rank, self._world_size = 0, 1
+        self._shard_rank = int(os.environ.get("RANK", "0"))  # only rank 0 shows progress bars and warnings
         _require(estimator in ESTIMATORS, f"model_args: estimator={estimator!r}: choose one of {', '.join(ESTIMATORS)}")
         _require(int(mc_samples) >= 1, f"model_args: mc_samples={mc_samples} must be >= 1")
         _require(int(seed) >= 0, f"model_args: seed={seed} must be >= 0")
@@ -160,11 +189,12 @@ class MegatronCSBPLM(LM):
 
     # ------------------------------------------------------------------------------------------ set-up
     def _load(self, load: str, config: str | None) -> None:
-        """Arguments and tokenizer from the checkpoint, then both models on one rank (as generate_bdlm.py)."""
+        """Arguments and tokenizer from the checkpoint, then both models over `tensor_parallel_size` ranks, this
+        rank's shard (as generate_bdlm.py: the process group, then megatron-core's TP groups)."""
         from megatron_csbp.tools import inference
 
         directory = inference.checkpoint_directory(load)
-        args = inference.model_args(directory, config, 1)
+        args = inference.model_args(directory, config, self.tensor_parallel_size)
         self.args, self.directory, self.tokenizer = args, directory, args.tokenizer
         self.seq_length, self.block_size = args.seq_length, args.bdlm_block_size
         self.mask_token_id, self.eod = args.mask_token_id, args.tokenizer.eod
@@ -220,7 +250,7 @@ class MegatronCSBPLM(LM):
             yield
 
     def _warn_once(self, key: str, message: str) -> None:
-        if key not in self._warned:
+        if key not in self._warned and self._shard_rank == 0:
             self._warned.add(key)
             print(f"{NAME}: warning: {message}", file=sys.stderr, flush=True)
 
@@ -309,7 +339,8 @@ class MegatronCSBPLM(LM):
         unit = self.loss_weighting == "unit"
         results = [None] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: -sum(map(len, pairs[i])))
-        progress = tqdm(total=len(pairs), disable=disable_tqdm, desc="loglikelihood (BDLM NELBO)")
+        progress = tqdm(total=len(pairs), disable=disable_tqdm or self._shard_rank != 0,
+                        desc="loglikelihood (BDLM NELBO)")
         with self._backend():
             for first in range(0, len(order), self.batch_size):
                 chunk = order[first:first + self.batch_size]
@@ -426,7 +457,8 @@ class MegatronCSBPLM(LM):
         for index, request in enumerate(requests):
             context, gen_kwargs = request.args
             groups.setdefault(self._generation_options(gen_kwargs), []).append(index)
-        progress = tqdm(total=len(requests), disable=disable_tqdm, desc="generate_until (BDLM sampler)")
+        progress = tqdm(total=len(requests), disable=disable_tqdm or self._shard_rank != 0,
+                        desc="generate_until (BDLM sampler)")
         L, B = self.seq_length, self.block_size
         for (until, max_gen, temperature), indices in groups.items():
             stops = tuple(tuple(self.tok_encode(text)) for text in until)
@@ -476,18 +508,76 @@ def _shut_down() -> None:
 register_model(NAME)(MegatronCSBPLM)
 
 
+# What rank != 0 must not do under TP: write, log or print lm-eval's output (rank 0 does), as configuration
+# fields of lm-eval's `EvaluatorConfig` and the value each gets there.
+SILENT = {"output_path": None, "log_samples": False, "predict_only": False, "wandb_args": {}, "trackio_args": {},
+          "hf_hub_log_args": {}, "show_config": False, "write_out": False, "cache_requests": {}}
+
+
+@contextmanager
+def _lockstep(rank: int, world: int):
+    """lm-eval's configuration (`EvaluatorConfig.from_cli`, which merges the command line and its `--config`
+    YAML) checked and, on rank != 0, silenced, before lm-eval indexes its tasks or builds the model.
+
+    Every launch: `--model megatron_csbp`'s `tensor_parallel_size` must equal the world size (refused at once,
+    not after the task index). Under TP, `--use_cache` is refused, and on rank != 0 the `SILENT` fields are
+    dropped, so whichever way the user asked for output only rank 0 writes it. lm-eval's own CLI runs
+    unchanged around this one hook (its config class is the one place both flag sources meet)."""
+    from lm_eval.config.evaluate_config import EvaluatorConfig
+
+    original = EvaluatorConfig.__dict__["from_cli"]
+
+    def from_cli(cls, namespace):
+        config = original.__func__(cls, namespace)
+        if config.model == NAME:
+            check_world_size((config.model_args or {}).get("tensor_parallel_size", 1))
+        if world > 1:
+            _require(not config.use_cache, f"--use_cache {config.use_cache}: not under tensor_parallel_size > 1 (a "
+                                           f"rank answering from its cache would leave the others waiting); drop it")
+            if rank != 0:
+                for name, value in SILENT.items():
+                    setattr(config, name, value)
+        return config
+
+    EvaluatorConfig.from_cli = classmethod(from_cli)
+    try:
+        yield
+    finally:
+        EvaluatorConfig.from_cli = original
+
+
+def _silence_stdout() -> None:
+    """This process's stdout (Python's and the file descriptor's, so lm-eval's prints and any library's) to
+    /dev/null: a rank other than 0 under TP, whose output would repeat rank 0's."""
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.close(devnull)
+
+
 def main(argv: list | None = None) -> int:
-    """lm-eval's command line, unchanged, with `--model megatron_csbp` registered; refusals are one line, exit 2."""
+    """lm-eval's command line, unchanged, with `--model megatron_csbp` registered; refusals are one line, exit 2
+    (printed by rank 0 under TP: every rank refuses alike, and all leave at once). Under a launcher
+    (`WORLD_SIZE` > 1) each rank runs it in lockstep and only rank 0 prints or writes (see the module doc)."""
     from lm_eval.__main__ import cli_evaluate
 
     from megatron_csbp.training import quiet
 
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     quiet.quiet_start_up()
     sys.argv = [COMMAND, *(sys.argv[1:] if argv is None else argv)]
+    if rank != 0:
+        _silence_stdout()
+        os.environ["LMEVAL_LOG_LEVEL"] = "ERROR"  # lm-eval's setup_logging reads it: rank 0 logs for all
     try:
-        cli_evaluate()
+        with _lockstep(rank, world):
+            cli_evaluate()
     except ConfigError as error:
-        print(f"{COMMAND}: error: {error}", file=sys.stderr, flush=True)
+        if rank == 0:
+            print(f"{COMMAND}: error: {error}", file=sys.stderr, flush=True)
+        from megatron_csbp.tools.evaluation import leave_together
+
+        leave_together(world)  # under torchrun: every rank at once, or the launcher reports the late ones killed
         return 2
     except KeyboardInterrupt:
         print(f"{COMMAND}: interrupted", file=sys.stderr, flush=True)
