@@ -582,35 +582,6 @@ def run(prepared: Prepared) -> dict | None:
             parallel_state.destroy_model_parallel()
 
 
-def leave_together(world: int, status: int = 2, timeout_seconds: float = 30.0) -> None:
-    """Under torchrun, makes the ranks that refused (every rank refuses the same input) exit at one instant,
-    with `status`; returns only where there is nothing to wait for (one rank, or no torchrun store: srun).
-
-    The launcher checks its ranks every 0.1 s and stops those still running once one has failed: a rank that
-    refused a moment later than the first would be reported as killed (and the launch as a failure, exit 1)
-    instead of as a refusal (exit 2). So each rank announces itself in the launcher's store, the last one sets
-    an exit time a little ahead, and all leave then, at once (`os._exit`: no interpreter teardown to differ)."""
-    if world == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
-    import datetime
-
-    import torch.distributed as dist
-
-    try:
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_seconds))
-        key = f"megatron_csbp/evaluate_bdlm/refused/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        if store.add(key + "/ranks", 1) == world:
-            store.set(key + "/at", str(time.time() + 0.2))
-        store.wait([key + "/at"])
-        time.sleep(max(0.0, float(store.get(key + "/at")) - time.time()))
-    except Exception:  # noqa: BLE001 - a rank that never comes (or no store): leave now
-        pass
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(status)
-
-
 def main(argv: list[str] | None = None, name: str = "evaluate_bdlm.py") -> int:
     """The script: refusals (one line, exit 2) before any work, then the evaluation on every rank. Exit status
     0 done, 2 refused, 130 interrupted, 1 a failure (`rank R failed: ...`)."""
@@ -622,7 +593,7 @@ def main(argv: list[str] | None = None, name: str = "evaluate_bdlm.py") -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     quiet.quiet_start_up()
     prepared, status = entry.accepted(name, lambda: prepare(argv, world), rank,
-                                      on_refusal=lambda: leave_together(world))
+                                      on_refusal=lambda: entry.leave_together(world))
     if status is not None:
         return status
 
@@ -640,7 +611,7 @@ def main(argv: list[str] | None = None, name: str = "evaluate_bdlm.py") -> int:
         if rank == 0 or isinstance(error, OutputError):
             print(f"{name}: error: {error}", file=sys.stderr, flush=True)
         if not isinstance(error, OutputError):  # the other ranks finished (exit 0) before the last rank's JSON
-            leave_together(world)
+            entry.leave_together(world)
         sys.stderr.flush()
         os._exit(2)
     except KeyboardInterrupt:

@@ -575,7 +575,7 @@ def main(argv: list | None = None) -> int:
     except ConfigError as error:
         if rank == 0:
             print(f"{COMMAND}: error: {error}", file=sys.stderr, flush=True)
-        from megatron_csbp.tools.evaluation import leave_together
+        from megatron_csbp.training.entry import leave_together
 
         leave_together(world)  # under torchrun: every rank at once, or the launcher reports the late ones killed
         return 2
