@@ -27,18 +27,25 @@ def uses_megatron_lm(loop: str) -> bool:
     return found
 
 
+def lone_process_rendezvous() -> None:
+    """A command started without a launcher is one rank: it meets itself on this machine (either loop's
+    process group reads MASTER_ADDR and MASTER_PORT from the environment)."""
+    from megatron_csbp.training.launch import free_port
+
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+
+
 def init_distributed(timeout_minutes: float) -> tuple[int, int]:
     """The default process group from the launcher's environment (torchrun or srun); (rank, world size)."""
     import torch
     import torch.distributed as dist
 
     from megatron_csbp.core.device import default_backend
-    from megatron_csbp.training.launch import free_port
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    lone_process_rendezvous()
     if torch.accelerator.is_available():
         torch.accelerator.set_device_index(int(os.environ.get("LOCAL_RANK", "0")) % torch.accelerator.device_count())
     dist.init_process_group(default_backend(), rank=rank, world_size=world,
@@ -66,7 +73,11 @@ def _megatron_lm_loop(argv: list[str], world_size: int) -> Callable[[], None]:
     from megatron_csbp.training import megatron_lm
 
     expanded, args = megatron_lm.parse_args(argv, world_size)
-    return lambda: megatron_lm.pretrain(expanded, args)
+
+    def run():
+        lone_process_rendezvous()
+        megatron_lm.pretrain(expanded, args)
+    return run
 
 
 def prepare(argv: list[str], world_size: int) -> Callable[[], None]:
