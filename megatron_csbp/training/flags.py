@@ -108,8 +108,11 @@ def null_as_byte_tokenizer(args: argparse.Namespace) -> argparse.Namespace:
 
 def byte_tokenizer_as_null(argv: list[str]) -> list[str]:
     """Megatron-LM has no byte tokenizer, but its NullTokenizer over 256 ids is ours exactly (ids 0..255 are
-    the bytes, EOD is 256): under `pretrain()` the plugin's `--tokenizer-type ByteLevelTokenizer` becomes that."""
-    argv = list(argv)
+    the bytes, EOD is 256): under `pretrain()` the plugin's `--tokenizer-type ByteLevelTokenizer` becomes that,
+    and so does no `--tokenizer-type` at all (the byte tokenizer is our loop's default: one command, both loops)."""
+    argv = [part for arg in argv for part in (arg.split("=", 1) if arg.startswith("--tokenizer-type=") else [arg])]
+    if "--tokenizer-type" not in argv:
+        argv += ["--tokenizer-type", BYTE_TOKENIZER]
     for index in range(len(argv) - 1):
         if argv[index] == "--tokenizer-type" and argv[index + 1] == BYTE_TOKENIZER:
             argv[index + 1] = "NullTokenizer"
