@@ -24,6 +24,7 @@ import torch
 
 from megatron_csbp.tools import convert_hf, tiny_hf_model
 from spawn import run_ranks
+from test_hf import _safetensors
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -130,16 +131,6 @@ def exports(tmp_path_factory):
 def _config(root, name):
     with open(os.path.join(root, "exports", name, "config.json"), encoding="utf-8") as handle:
         return json.load(handle)
-
-
-def _safetensors(directory):
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            tensors.update(load_file(os.path.join(directory, name)))
-    return tensors
 
 
 def _assert_same_weights(root, name, plain):
