@@ -47,6 +47,7 @@ import time
 from dataclasses import dataclass, replace
 
 from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training import entry
 
 SPLITS = ("valid", "test", "train", "all")
 _SPLIT_INDEX = {"train": 0, "valid": 1, "test": 2, "all": 0}
@@ -56,7 +57,7 @@ NOISE_STDERR_OF = ("the exact NELBO per token of these sequences (the expectatio
                    "Monte-Carlo error of the K draws, shrinking as 1/sqrt(K)")
 
 
-class OutputError(ConfigError):
+class OutputError(entry.RankRefusal):
     """The `--output-json` file could not be published (found by the last rank alone, which says so)."""
 
 
@@ -585,9 +586,7 @@ def run(prepared: Prepared) -> dict | None:
 def main(argv: list[str] | None = None, name: str = "evaluate_bdlm.py") -> int:
     """The script: refusals (one line, exit 2) before any work, then the evaluation on every rank. Exit status
     0 done, 2 refused, 130 interrupted, 1 a failure (`rank R failed: ...`)."""
-    import traceback
-
-    from megatron_csbp.training import entry, quiet
+    from megatron_csbp.training import quiet
 
     argv = sys.argv[1:] if argv is None else list(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -599,32 +598,15 @@ def main(argv: list[str] | None = None, name: str = "evaluate_bdlm.py") -> int:
 
     import torch.distributed as dist
 
-    from megatron_csbp.core import supervision
     from megatron_csbp.mcore import cpu_backend
     from megatron_csbp.training.loops import init_distributed
 
-    try:
+    def work():
         init_distributed(prepared.args.distributed_timeout_minutes)
         with cpu_backend.active():
             run(prepared)
-    except ConfigError as error:  # found on every rank (the checkpoint, the data), or the JSON on the last: one line
-        if rank == 0 or isinstance(error, OutputError):
-            print(f"{name}: error: {error}", file=sys.stderr, flush=True)
-        if not isinstance(error, OutputError):  # the other ranks finished (exit 0) before the last rank's JSON
-            entry.leave_together(world)
-        sys.stderr.flush()
-        os._exit(2)
-    except KeyboardInterrupt:
-        print(f"{name}: interrupted (rank {rank})", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(130)
-    except BaseException as error:  # noqa: BLE001 - a failed rank must never leave the others hanging
-        traceback.print_exc()
-        print(f"rank {rank} failed: {type(error).__name__}: {' '.join(str(error).split())[:300]}", file=sys.stderr,
-              flush=True)
-        sys.stdout.flush()
-        supervision.end_helper_processes()
-        os._exit(1)
+
+    entry.run(name, rank, world, work)  # returns only when the evaluation is done
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

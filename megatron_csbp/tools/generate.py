@@ -22,7 +22,6 @@ import argparse
 import os
 import sys
 import textwrap
-import traceback
 
 from megatron_csbp.core.rules import ConfigError
 # Reading a checkpoint (directory, recorded arguments, the sampling model) is shared with the lm-eval harness.
@@ -233,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_csbp.training import entry, quiet
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     quiet.quiet_start_up()
     prepared, status = entry.accepted(NAME, lambda: prepare(argv), rank)
     if status is not None:
@@ -247,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_csbp.tools import sampling
     from megatron_csbp.training.loops import init_distributed
 
-    try:
+    def work():
         init_distributed(args.distributed_timeout_minutes)
         with cpu_backend.active():
             model = build_model(args, directory)
@@ -256,23 +255,10 @@ def main(argv: list[str] | None = None) -> int:
             generation = sampling.generate(model, encoded, options.max_new_tokens, settings)
         if rank == 0:
             report(options, args, directory, settings, prompts, generation)
-    except ConfigError as error:  # e.g. a checkpoint that does not load into this model: every rank agrees
-        if rank == 0:
-            print(f"{NAME}: error: {error}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        os._exit(2)
-    except KeyboardInterrupt:  # Ctrl-C: a requested stop, not a failure
-        print(f"{NAME}: interrupted (rank {rank})", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(130)
-    except BaseException:  # noqa: BLE001
-        traceback.print_exc()
-        print(f"rank {rank} failed", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(1)
-    finally:
-        if parallel_state.is_initialized():
-            parallel_state.destroy_model_parallel()
+
+    entry.run(NAME, rank, world, work)  # returns only when the prompts are answered
+    if parallel_state.is_initialized():
+        parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0

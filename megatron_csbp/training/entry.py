@@ -1,11 +1,14 @@
-"""How every command of ours starts: its input checked before any work, a refusal as one line with exit
-status 2, Ctrl-C as one line with exit status 130, and, once the input is accepted, the start-up note
-(`quiet.start_up_note`) on rank 0. Pretraining, generation and evaluation start through `accepted`, so
-the rule is written once; under torchrun, ranks that refuse leave together (`leave_together`)."""
+"""How every command of ours starts and ends: its input checked before any work, a refusal as one line with
+exit status 2, Ctrl-C as one line with exit status 130, and, once the input is accepted, the start-up note
+(`quiet.start_up_note`) on rank 0; then the work on every rank (`run`), where a failure is one named rank
+and exit status 1. Pretraining, generation and evaluation start through `accepted` and run through `run`,
+so the rules are written once; under torchrun, ranks that refuse leave together (`leave_together`)."""
 
+import datetime
 import os
 import sys
 import time
+import traceback
 
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training import quiet
@@ -41,8 +44,6 @@ def leave_together(world: int, status: int = 2, timeout_seconds: float = 30.0) -
     an exit time a little ahead, and all leave then, at once (`os._exit`: no interpreter teardown to differ)."""
     if world == 1 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return
-    import datetime
-
     import torch.distributed as dist
 
     try:
@@ -58,3 +59,63 @@ def leave_together(world: int, status: int = 2, timeout_seconds: float = 30.0) -
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+class RankRefusal(ConfigError):
+    """A refusal one rank alone meets (e.g. publishing the output file the last rank writes): that rank says it,
+    and leaves without waiting for the others, which have finished."""
+
+
+_FAILED_RANK_KEY = "megatron_csbp/failed_rank"
+
+
+def _announce_failure(rank: int, error: BaseException) -> str:
+    """Tells the other ranks (through the rendezvous store) who failed; returns who failed first."""
+    import torch.distributed as dist
+
+    mine = f"rank {rank} failed: {type(error).__name__}: {' '.join(str(error).split())}"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(datetime.timedelta(seconds=5))
+        first = store.compare_set(_FAILED_RANK_KEY, "", mine).decode()
+        if first != mine and f"rank {rank} " not in first:
+            return f"rank {rank} stopping: {first} (this rank then saw {type(error).__name__}: " \
+                   f"{' '.join(str(error).split())[:300]})"
+    except Exception:  # noqa: BLE001 - no store (rank 0 gone, or no process group): say what this rank knows
+        pass
+    return mine
+
+
+def run(name: str, rank: int, world: int, work) -> int:
+    """Runs `work()` on this rank once its input was accepted; the command's exit status.
+
+    0 done. 2 a refusal found only now (`ConfigError`: a checkpoint or data every rank reads alike, so rank 0
+    says it and the ranks leave together; a `RankRefusal` is said by its rank). 130 Ctrl-C. 1 any other
+    failure: the traceback, then `rank R failed: ...` (or, on a rank caught waiting for it, `rank R stopping:`
+    naming the first rank that failed, announced through the rendezvous store), the helper processes ended,
+    and an immediate exit, so the launcher (torchrun, `srun --kill-on-bad-exit`) stops the others and no rank
+    is left hanging in a collective."""
+    from megatron_csbp.core import supervision
+
+    try:
+        work()
+    except ConfigError as error:
+        if rank == 0 or isinstance(error, RankRefusal):
+            print(f"{name}: error: {error}", file=sys.stderr, flush=True)
+        if not isinstance(error, RankRefusal):
+            leave_together(world)
+        sys.stderr.flush()
+        os._exit(2)
+    except KeyboardInterrupt:
+        print(f"{name}: interrupted (rank {rank})", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+    except BaseException as error:  # noqa: BLE001 - a failed rank must never leave the others hanging
+        if isinstance(error, SystemExit) and error.code in (0, None):
+            raise
+        traceback.print_exc()
+        print(_announce_failure(rank, error), file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        supervision.end_helper_processes()
+        os._exit(1)
+    return 0
