@@ -93,7 +93,8 @@ def test_the_run_config_resolves_what_the_flags_leave_to_defaults():
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.clean_shards = 1
     assert validate("--sequence-parallel").sequence_parallel is False  # as Megatron-LM: no SP without TP
-    assert validate("--context-parallel-size", "2", world=2).context_block_parallel == 2
+    cp_slot_only = validate("--context-parallel-size", "2", world=2)  # P has one home: Megatron's CP slot
+    assert run_config(cp_slot_only).block_parallel_size == 2 and cp_slot_only.context_block_parallel is None
     assert validate("--bf16", "--use-distributed-optimizer", on_accelerator=True).bf16
 
 

@@ -9,6 +9,7 @@ megatron_csbp.harness`) the same tasks give the 1-rank answers, and only rank 0 
 """
 
 import ast
+import dataclasses
 import json
 import os
 import random
@@ -193,9 +194,10 @@ def _in_process(rank, world_size, load):
              lm.encode_pair("red orange yellow green blue indigo violet red", " orange yellow green blue indigo")]
     draws = 512
     estimates = {name: lm.nelbo_samples(pairs, estimator=name, samples=draws) for name in ("inverse-t", "count")}
-    lm.loss_weighting = "unit"  # negative control: the masked tokens' CE without the 1/t weight is no NELBO
-    estimates["unweighted"] = lm.nelbo_samples(pairs, estimator="inverse-t", samples=draws)
-    lm.loss_weighting = "inverse-t"
+    trained = lm.run_config
+    lm.run_config = dataclasses.replace(trained, loss_weighting="unit")  # negative control: the masked tokens' CE
+    estimates["unweighted"] = lm.nelbo_samples(pairs, estimator="inverse-t", samples=draws)  # without 1/t: no NELBO
+    lm.run_config = trained
     summary = {name: [(float(e.mean()), float(e.std() / draws ** 0.5)) for e in values]
                for name, values in estimates.items()}
     # Padding and batching: alone, in batches of other lengths, and with the padding after the last block the
@@ -224,7 +226,7 @@ def _in_process(rank, world_size, load):
     got = lm.request_rows(tokens.tolist(), 0, masked, weight)
     same_rows = (torch.equal(got[0], expected.input_ids.cpu()) and torch.equal(got[1], expected.labels.cpu())
                  and torch.allclose(got[2].float(), expected.loss_weights.cpu()))
-    lm.args.bdlm_objective = "fast-dllm-v2"
+    lm.run_config = dataclasses.replace(lm.run_config, objective="fast-dllm-v2", loss_weighting=None)
     try:
         lm.nelbo_samples(pairs[:1])
     except ConfigError as error:

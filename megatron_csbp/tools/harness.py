@@ -64,7 +64,7 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from megatron_csbp.core.objectives import objective_kind
+from megatron_csbp.training.arguments import run_config
 from megatron_csbp.core.rules import ConfigError
 
 COMMAND = "python -m megatron_csbp.harness"  # as its refusals name it
@@ -198,8 +198,8 @@ class MegatronCSBPLM(LM):
         self.args, self.directory, self.tokenizer = args, directory, args.tokenizer
         self.seq_length, self.block_size = args.seq_length, args.bdlm_block_size
         self.mask_token_id, self.eod = args.mask_token_id, args.tokenizer.eod
+        self.run_config = run_config(args, world_size=self.tensor_parallel_size)  # the objective and weighting it trained
         self.settings(temperature=self.sampling["temperature"])  # refuse bad decoding model_args before any work
-        self.loss_weighting = self._loss_weighting(args)
 
         import torch.distributed as dist
 
@@ -218,10 +218,6 @@ class MegatronCSBPLM(LM):
         self.sampler.eval()
         self.model.eval()
         self._device = next(self.model.parameters()).device
-
-    @staticmethod
-    def _loss_weighting(args) -> str:
-        return args.bdlm_loss_weighting or objective_kind(args.bdlm_objective).default_weighting
 
     def _training_model(self, args):
         """The training forward's model (one-rank CSBP layout at the trained length) sharing the sampler's
@@ -302,8 +298,8 @@ class MegatronCSBPLM(LM):
                 for b in range(start // B, (end - 1) // B + 1)]
 
     def _check_objective(self) -> None:
-        _require(objective_kind(self.args.bdlm_objective).label_shift == 0,  # the rows below predict in place
-                 f"checkpoint {self.directory} was trained with --bdlm-objective {self.args.bdlm_objective} "
+        _require(self.run_config.objective_kind.label_shift == 0,  # the rows below predict in place
+                 f"checkpoint {self.directory} was trained with --bdlm-objective {self.run_config.objective} "
                  f"(shifted labels, unit weights): it has no BD3-LM bound to score; give model_args config=FILE.yaml "
                  f"with 'bdlm-objective: bd3lm' to score it as one, or run generate_until tasks only")
 
@@ -336,7 +332,7 @@ class MegatronCSBPLM(LM):
         estimator, samples = estimator or self.estimator, samples or self.mc_samples
         padding_id = self.mask_token_id if padding_id is None else padding_id
         layout = self.layout
-        unit = self.loss_weighting == "unit"
+        unit = self.run_config.loss_weighting == "unit"
         results = [None] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: -sum(map(len, pairs[i])))
         progress = tqdm(total=len(pairs), disable=disable_tqdm or self._shard_rank != 0,
@@ -433,7 +429,7 @@ class MegatronCSBPLM(LM):
                 threshold=options["threshold"], temperature=temperature, top_p=options["top_p"],
                 top_k=options["top_k"], seed=self.seed, eos_token_id=self.eod if eos else None,
                 stop_sequences=stops, start_token_id=self.eod, context_window=context_window,
-                shifted_labels=bool(objective_kind(self.args.bdlm_objective).label_shift), vocab_size=self.tokenizer.vocab_size)
+                shifted_labels=bool(self.run_config.objective_kind.label_shift), vocab_size=self.tokenizer.vocab_size)
         except ConfigError as error:  # the sampler names script flags: name the model_args
             named = re.sub(r"--([a-z][a-z-]*)", lambda flag: flag.group(1).replace("-", "_"), str(error))
             raise ConfigError(f"model_args: {named}") from None

@@ -60,7 +60,7 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
         args.padded_vocab_size = rules.padded_vocab_size(saved["vocab_ids"], args.make_vocab_size_divisible_by,
                                                          tensor_parallel)
     args.pipeline_model_parallel_size = args.context_parallel_size = 1
-    args.context_block_parallel = 1
+    args.context_block_parallel, args.context_block_parallel_clean_shards = 1, None
     args.sequence_parallel = False
     problem = rules.tensor_parallel_problem(args.num_attention_heads, args.num_query_groups, tensor_parallel)
     if problem is None and args.padded_vocab_size % tensor_parallel:  # padded for the TP size it was trained at

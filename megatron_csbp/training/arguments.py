@@ -189,7 +189,7 @@ def run_config(args: argparse.Namespace, world_size: int | None = None) -> RunCo
         seq_length=args.seq_length, block_size=args.bdlm_block_size,
         objective=args.bdlm_objective, loss_weighting=args.bdlm_loss_weighting,
         noise_range=tuple(args.bdlm_noise_range), mode=args.bdlm_parallel_mode,
-        block_parallel_size=args.context_block_parallel or args.context_parallel_size,
+        block_parallel_size=args.context_parallel_size,  # Megatron's CP slot (`--context-block-parallel` fills it)
         clean_shards=args.context_block_parallel_clean_shards, schedule=args.csbp_block_schedule,
         clean_layout=args.csbp_clean_layout, transport=args.csbp_transport,
         tensor_parallel_size=args.tensor_model_parallel_size, pipeline_parallel_size=args.pipeline_model_parallel_size,
@@ -202,19 +202,19 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
 
     Block-parallel vs CP sizes, the simulated link, the run's own settings (`RunConfig`: block size, layout
     geometry, world size, noise range, loss weighting), the refused ring-CP features, RoPE and the
-    transformer implementation. Fills `context_block_parallel` (P) from `--context-parallel-size` when only
-    that is given; the defaults the run leaves (C, the weighting) are the `RunConfig`'s, resolved there.
+    transformer implementation. The block-parallel size P lives in Megatron's CP slot alone
+    (`--context-block-parallel` fills it); the defaults the run leaves (C, the weighting) are the `RunConfig`'s,
+    resolved there. Writes nothing to `args`.
     """
     for flag in ("bdlm_block_size", "context_parallel_size", "max_consecutive_bad_steps"):
         _refuse(rules.at_least(f"--{flag.replace('_', '-')}", getattr(args, flag)))
     _require(args.link_gbps is None or (args.link_gbps > 0 and args.link_latency_us >= 0),
              f"--link-gbps {args.link_gbps} / --link-latency-us {args.link_latency_us}: a simulated link needs "
              f"a speed > 0 and a latency >= 0 (or drop --link-gbps)")
-    P = args.context_block_parallel or args.context_parallel_size
-    _require(P == args.context_parallel_size,
+    P = args.context_block_parallel
+    _require(P is None or P == args.context_parallel_size,
              f"--context-block-parallel {P} contradicts --context-parallel-size {args.context_parallel_size}: "
              f"the block-parallel dimension lives in Megatron's CP slot; give only --context-block-parallel")
-    args.context_block_parallel = P
     _require(args.seq_length is not None, "--seq-length is required")
     run_config(args, world_size)
 
