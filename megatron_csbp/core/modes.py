@@ -26,6 +26,8 @@ class ParallelMode:
     # Copies of the sequence whose K/V the ring carries: CSBP the clean copy, CP both, BP none.
     transported_copies: int
     is_baseline: bool = False  # what the field runs; the others are compared with it
+    # One masked kernel call over the rank's rows (the field's CP), or CSBP's block-diagonal and prefix calls.
+    masked_attention = False  # a class fact, not a field
 
     def clean_shard_choices(self, parallel_size: int) -> list[int]:
         """The `C` worth planning at `P` ranks: CSBP with `C = 1` is pure BP, and at `P = 1` all modes are
@@ -144,7 +146,6 @@ class _ContextParallel(ParallelMode):
     K/V all travel. This class computes with CSBP's two kernels (`cp-traffic`, the ablation that isolates
     bytes); `_FieldContextParallel` with the field's one masked call."""
 
-    masked_attention = False  # one masked kernel call over the rank's rows (the field's CP) or CSBP's two parts
 
     def clean_shard_choices(self, parallel_size):
         return [parallel_size]

@@ -55,6 +55,7 @@ class RingPlan:
     members: tuple                     # the kernels' plan against each member's keys (streaming)
     block_diagonal: bool               # the noisy rows' own blocks are a separate local call (not masked)
     kind: str                          # the remote part's kernel: "prefix" or "masked" (core.kernel_work.KINDS)
+    num_keys: int                      # keys of the gathered plan: the clean copy's L, or both copies' 2L
 
     def remote_forward(self, q, k, v, kernel_plan, scale):
         """The remote part (prefix or masked) of this rank's rows against keys `k, v` under `kernel_plan`."""
@@ -118,7 +119,7 @@ def ring_plan(layout, device, kernels=None) -> RingPlan:
     order = torch.argsort(key_order(gathered_positions, gathered_clean), stable=True)
     return RingPlan(layout, device, kernels, tuple(shard_rows), _indices_or_all(gathered_rows[order], offset, device),
                     plan_for(gathered_positions[order], gathered_clean[order]), tuple(shard_plans),
-                    block_diagonal=not masked, kind="masked" if masked else "prefix")
+                    block_diagonal=not masked, kind="masked" if masked else "prefix", num_keys=int(order.numel()))
 
 
 def _indices_or_all(rows, total, device):

@@ -182,6 +182,11 @@ class MaskedPlan:
                                visible[:, keys.to(visible.device)] if keys.numel() else None))
         self._masks = {}
 
+    @property
+    def groups(self):
+        """The plan's query tiles (its row groups, as `PrefixPlan` calls them)."""
+        return self.tiles
+
     def additive_mask(self, index, dtype, query_group):
         """Query tile `index`'s mask over its partial key tiles, as the flash kernel takes it; built once per plan."""
         key = (index, dtype, query_group)
