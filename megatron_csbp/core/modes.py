@@ -207,9 +207,9 @@ class _FieldContextParallel(_ContextParallel):
         L, B, t = seq_length, block_size, tile
         (noisy,), (clean,) = self.row_spans(L, B, parallel_size, clean_shards, rank)
         rows = [(noisy, False), (clean, True)]  # (span, clean copy?) in row order
-        real = sum(count * (limit + (0 if clean_copy else B))
-                   for span, clean_copy in rows
-                   for limit, count in _limits([span] if not clean_copy else [], [span] if clean_copy else [], B))
+        # a noisy row sees its own block's B noisy keys besides the clean keys below its limit
+        real = (sum(count * (limit + B) for limit, count in _limits([noisy], [], B))
+                + sum(count * limit for limit, count in _limits([], [clean], B)))
         n, computed = 2 * (L // clean_shards), 0
         for lo in range(0, n, t):
             hi = min(lo + t, n)
