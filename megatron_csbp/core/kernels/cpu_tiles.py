@@ -164,14 +164,13 @@ class MaskedPlan:
     def __init__(self, query_positions, query_clean, key_positions, key_clean, block_size, tile):
         self.tile, n, m = tile, query_positions.numel(), key_positions.numel()
         starts = torch.arange(0, m, tile)
-        widths = torch.clamp(m - starts, max=tile)
+        widths, key_tile = torch.clamp(m - starts, max=tile), torch.arange(m) // tile
         self.tiles = []  # per query tile: (row start, row stop, full key runs, partial key indices, partial mask)
         for lo in range(0, n, tile):
             hi = min(lo + tile, n)
             visible = bdlm_visible(query_positions[lo:hi, None], query_clean[lo:hi, None],
                                    key_positions[None], key_clean[None], block_size)
-            per_tile = torch.zeros(starts.numel(), dtype=torch.long).index_add_(
-                0, torch.arange(m) // tile, visible.sum(0))
+            per_tile = torch.zeros(starts.numel(), dtype=torch.long).index_add_(0, key_tile, visible.sum(0).cpu())
             full = per_tile == widths * (hi - lo)
             partial = (per_tile > 0) & ~full
             runs = _runs(torch.nonzero(full).flatten().tolist())
