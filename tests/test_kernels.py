@@ -176,6 +176,8 @@ def test_field_cp_computes_more_pairs_than_csbp_at_equal_real_pairs():
     dense blocks none: the real pairs of a rank agree between cp and cp-traffic, the computed ones do not."""
     from megatron_csbp.core import modes
 
+    assert [name for name, mode in modes.PARALLEL_MODES.items() if mode.is_baseline] == ["cp"]  # the field's CP
+    assert modes.parallel_mode("cp").masked_attention and not modes.parallel_mode("cp-traffic").masked_attention
     cp = modes.parallel_mode("cp").kernel_calls(4096, 64, 2, 2, 0, 128)
     traffic = modes.parallel_mode("cp-traffic").kernel_calls(4096, 64, 2, 2, 0, 128)
     assert sum(c.real_pairs for c in cp) == sum(c.real_pairs for c in traffic)
