@@ -14,7 +14,8 @@ class FlexKernels:
 
     Query heads stay grouped under their K/V head (`enable_gqa`), so masks are `n × n_k`, built
     compiled (never a dense bool matrix) and cached: per shape for the block-diagonal part, per plan
-    (one per layout, reused by every layer and the backward) for the prefix part.
+    (one per layout, reused by every layer and the backward) for the prefix part and for the field's CP's
+    masked call (the BDLM `mask_mod` of its rows and keys, tiles of `masked_tile`, flex's 128 by default).
     """
 
     RECOMPILE_LIMIT = 64  # forward and recompute graphs per part, shape and dtype
