@@ -183,3 +183,26 @@ def test_field_cp_computes_more_pairs_than_csbp_at_equal_real_pairs():
     assert sum(c.real_pairs for c in cp) == sum(c.real_pairs for c in traffic)
     assert [c.kind for c in cp] == ["masked"] and [c.kind for c in traffic] == ["dense", "prefix"]
     assert cp[0].computed_pairs > cp[0].real_pairs
+
+
+def test_flex_masked_backward_around_a_dense_stand_in_matches_the_reference():
+    """Flex has no CPU backward: FlexKernels' own masked backward (recompute under autograd, the LSE-merge
+    gradient) runs here around gpu_check's dense stand-in for the fused kernel, on a streamed ring step's keys
+    (some rows see none of them), against the fp64 reference."""
+    from megatron_csbp.tools.gpu_check import DenseFlexStandIn
+
+    (qp, qc, kp, kc), visible = bdlm_case(keys=torch.arange(20, 60))
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 2, 2, qp.numel(), 8, generator=gen)
+    k, v = (torch.randn(1, 2, kp.numel(), 8, generator=gen) for _ in range(2))
+    flex = FlexKernels(compile=False, masked_tile=16)
+    flex._flex = DenseFlexStandIn()
+    plan = flex.masked_plan(qp, qc, kp, kc, 8)
+    out, lse = flex.masked_forward(q, k, v, plan, SCALE)
+    ref_in = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = dense(*ref_in, visible)
+    assert torch.allclose(out.double(), ref_out, atol=1e-6)
+    dout = torch.randn_like(out)
+    (ref_out * dout.double()).sum().backward()
+    for grad, ref in zip(flex.masked_backward(dout, q, k, v, out, lse, plan, SCALE), ref_in):
+        assert torch.allclose(grad.double(), ref.grad, atol=1e-5)
