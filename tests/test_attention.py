@@ -32,7 +32,8 @@ class Case:
     @property
     def transported_tokens(self):
         """Tokens whose K/V one traversal of the ring moves: clean only for CSBP, both copies for CP."""
-        return {"csbp": self.seq_length, "cp": 2 * self.seq_length, "cp-traffic": 2 * self.seq_length, "bp": 0}[self.mode]
+        copies = {"csbp": 1, "cp": 2, "cp-traffic": 2, "bp": 0}[self.mode]
+        return copies * self.seq_length
 
     def expected_bytes(self):
         """Bytes one rank sends per layer, forward + backward (docs/algorithm.md §9)."""

@@ -161,6 +161,10 @@ def test_modes_kernel_calls_equal_what_the_plans_count(tile):
                 assert mode.kernel_calls(L, B, P, c, rank, tile) == counted, (name, L, B, P, C, rank)
                 if mode.kernel_calls(L, B, P, c, rank, tile + 8) != counted:
                     differs.add(name)
+                streamed = ops.ring_plan(layout, "cpu", CPUKernels(tile=tile, masked_tile=tile)).kernel_calls(
+                    per_member=True)  # one remote call per ring member: the same real pairs in all
+                assert len(streamed) == len(counted) - 1 + c
+                assert sum(call.real_pairs for call in streamed) == sum(call.real_pairs for call in counted)
                 checked.add(name)
     assert checked == differs == set(modes.PARALLEL_MODES)
 

@@ -161,13 +161,15 @@ class _ContextParallel(ParallelMode):
     def clean_shards_problem(self, parallel_size, given, flags):
         if given in (None, parallel_size):
             return None
-        return f"{flags.mode} {self.name} shards both copies over all {parallel_size} ranks; drop {flags.clean_shards} {given}"
+        return (f"{flags.mode} {self.name} shards both copies over all {parallel_size} ranks; drop "
+                f"{flags.clean_shards} {given}")
 
     def geometry_problem(self, seq_length, block_size, parallel_size, clean_shards, clean_layout, flags):
         L, B, P = seq_length, block_size, parallel_size
         if L % (P * B) == 0:
             return None
-        return (f"{flags.mode} {self.name} cuts [x_t ; x_0] into {2 * P} chunks of whole blocks: {flags.seq_length} {L} "
+        return (f"{flags.mode} {self.name} cuts [x_t ; x_0] into {2 * P} chunks of whole blocks: "
+                f"{flags.seq_length} {L} "
                 f"must be a multiple of {P * B} ({flags.parallel_size} x {flags.block_size})")
 
     def rows(self, seq_length, parallel_size, clean_shards):

@@ -64,10 +64,11 @@ class RingPlan:
     def remote_backward(self, dout, q, k, v, out, lse, kernel_plan, scale):
         return getattr(self.kernels, f"{self.kind}_backward")(dout, q, k, v, out, lse, kernel_plan, scale)
 
-    def kernel_calls(self) -> tuple:
-        """The kernel calls of one layer's forward under the collective transport, per head and sample, counted
-        from the plans' own masks and tiles (`core.kernel_work.KernelCall`; `ParallelMode.kernel_calls` states
-        the same figures analytically)."""
+    def kernel_calls(self, per_member: bool = False) -> tuple:
+        """The kernel calls of one layer's forward, per head and sample, counted from the plans' own masks and
+        tiles (`core.kernel_work.KernelCall`): the collective transport's one remote call against all keys
+        (`ParallelMode.kernel_calls` states these figures analytically), or with `per_member` (the streaming
+        transport, `Transport.call_per_member`) one remote call per ring member's shard, in ring order."""
         from megatron_csbp.core.kernel_work import KernelCall
 
         calls = []
@@ -75,8 +76,8 @@ class RingPlan:
             blocks = self.layout.num_noisy_rows // self.layout.block_size
             pairs = blocks * self.layout.block_size ** 2
             calls.append(KernelCall("dense", pairs, pairs))
-        real, computed = self.gathered.work()
-        return tuple(calls + [KernelCall(self.kind, real, computed)])
+        plans = self.members if per_member else (self.gathered,)
+        return tuple(calls + [KernelCall(self.kind, *plan.work()) for plan in plans])
 
 
 def ring_plan(layout, device, kernels=None) -> RingPlan:

@@ -12,8 +12,9 @@ path waited on those collectives (exposed communication, with its share of the s
 (the allocator's on a GPU; on the CPU the growth of the process's peak RSS over the steps, beside the
 exact bytes autograd saved for backward), the real attention pairs the rank's rows may see, and tokens/s.
 Beside them, what the attention kernels compute, per rank, per head and sample in one layer's forward, counted
-off the kernels' own plans (masks and tiles; the collective transport's calls): kernel calls by family
-(dense / prefix / masked), real pairs and computed pairs (whole tiles at the kernel's tile size).
+off the kernels' own plans (masks and tiles; the streaming transport makes the remote call once per ring
+step): kernel calls by family (dense / prefix / masked), real pairs and computed pairs (whole tiles at the
+kernel's tile size).
 
 In the same ranks, after the backend's own link: every `--link-gbps` value as a simulated link
 (`comm.simulated_link`: each collective lasts at least latency + bytes / bandwidth, the delay taken
@@ -136,20 +137,23 @@ def rank_attention_pairs(layout) -> int:
     return int(((noisy + 1) * block).sum() + ((clean + 1) * block).sum())
 
 
-def kernel_work(layout):
-    """The attention kernel calls of one layer's forward on this rank, per head and sample, counted off the CPU
-    kernels' own plans for `layout` (their masks and tiles: flex's 128 for the masked call), as dicts."""
+def kernel_work(layout, transport="collective"):
+    """The attention kernel calls of one layer's forward on this rank under `transport`, per head and sample,
+    counted off the CPU kernels' own plans for `layout` (their masks and tiles: flex's 128 for the masked
+    call), as dicts: one remote call against all keys (collective) or one per ring member's shard (streaming)."""
     import dataclasses
 
-    from megatron_csbp.core import ops
+    from megatron_csbp.core import ops, transports
     from megatron_csbp.core.kernels import CPUKernels
 
-    calls = ops.ring_plan(layout, torch.device("cpu"), CPUKernels()).kernel_calls()
+    plan = ops.ring_plan(layout, torch.device("cpu"), CPUKernels())
+    calls = plan.kernel_calls(per_member=transports.transport(transport).call_per_member)
     return [dataclasses.asdict(call) for call in calls]
 
 
 def _kernel_summary(calls):
-    return dict(kernels="+".join(c["kind"] for c in calls), kernel_calls=sum(c["calls"] for c in calls),
+    return dict(kernels="+".join(dict.fromkeys(c["kind"] for c in calls)),
+                kernel_calls=sum(c["calls"] for c in calls),
                 kernel_real_pairs=sum(c["real_pairs"] * c["calls"] for c in calls),
                 kernel_computed_pairs=sum(c["computed_pairs"] * c["calls"] for c in calls))
 
@@ -330,7 +334,7 @@ def _rank_record(rank, world_size, args, mode, seq_length):
         model.zero_grad(set_to_none=True)
         return elapsed, counter
 
-    work = kernel_work(layout)
+    work = kernel_work(layout, args.csbp_transport)
     saved = [0]
     for index in range(args.warmup):
         step(saved if index == 0 else [0])
@@ -456,7 +460,8 @@ def kernel_plans_check(seq_length, block_size, nproc, heads=4, groups=2, head_di
             q = torch.randn(1, groups, heads // groups, layout.num_rows, head_dim)
             k, v = (torch.randn(1, groups, ring.num_keys, head_dim) for _ in range(2))
             out, lse = ring.remote_forward(q, k, v, plan, 0.1)
-            cases.append(dict(mode=mode, rank=rank, layout=layout, ring=ring, plan=plan, q=q, k=k, v=v, out=out, lse=lse,
+            cases.append(dict(mode=mode, rank=rank, layout=layout, ring=ring, plan=plan, q=q, k=k, v=v, out=out,
+                              lse=lse,
                               dout=torch.randn_like(out), noisy_k=k[:, :, :noisy], noisy_v=v[:, :, :noisy],
                               forward_s=math.inf, backward_s=math.inf))
 

@@ -275,7 +275,8 @@ def correctness_case(args, device, label, kernels, backward, dtype_name, seq_len
     dtype_ok = out.dtype == dtype
     passed = (dtype_ok and all(error <= tolerance for error in errors.values())  # False for NaN
               and negative >= NEGATIVE_CONTROL_FACTOR * tolerance)
-    return dict(kernels=label, mode=mode, dtype=dtype_name, seq_length=seq_length, block_size=block, batch=batch, heads=heads,
+    return dict(kernels=label, mode=mode, dtype=dtype_name, seq_length=seq_length, block_size=block, batch=batch,
+                heads=heads,
                 kv_heads=kv_heads, head_dim=head_dim, backward=backward, errors=errors, tolerance=tolerance,
                 negative_control_error=negative, output_dtype=str(out.dtype).replace("torch.", ""),
                 fp32_precision=fp32_precision, seconds=elapsed, passed=passed)
@@ -442,7 +443,8 @@ def kernels(args, device, records):
                 call = calls[kind]
                 real = call.real_pairs * call.calls * batch * heads
                 records.append(dict(mode=name, kind=kind, seq_length=L, ranks=P, clean_shards=C, block_size=block,
-                                    rows=n if kind != "dense" else noisy, keys=ring.num_keys if kind != "dense" else noisy,
+                                    rows=noisy if kind == "dense" else n,
+                                    keys=noisy if kind == "dense" else ring.num_keys,
                                     batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                     dtype=args.bench_dtype, tile=tile, real_pairs_per_head=call.real_pairs,
                                     computed_pairs_per_head=call.computed_pairs, forward_s=forward_s,

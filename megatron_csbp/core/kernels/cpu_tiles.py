@@ -175,8 +175,8 @@ class MaskedPlan:
             partial = (per_tile > 0) & ~full
             runs = _runs(torch.nonzero(full).flatten().tolist())
             full_runs = [(first * tile, min((last + 1) * tile, m)) for first, last in runs]
-            keys = torch.cat([torch.arange(j * tile, min((j + 1) * tile, m)) for j in torch.nonzero(partial).flatten().tolist()]
-                             or [torch.empty(0, dtype=torch.long)])
+            keys = torch.cat([torch.arange(j * tile, min((j + 1) * tile, m))
+                              for j in torch.nonzero(partial).flatten().tolist()] or [torch.empty(0, dtype=torch.long)])
             self.tiles.append((lo, hi, full_runs, keys.to(query_positions.device),
                                visible[:, keys.to(visible.device)] if keys.numel() else None))
         self._masks = {}

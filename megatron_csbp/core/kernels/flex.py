@@ -72,7 +72,8 @@ class FlexKernels:
         """The BDLM mask of the plan's rows and keys as a block mask of `plan.tile` tiles: flex skips the tiles
         it hides, computes the others and masks the partly hidden ones element by element."""
         if plan.block_mask is None:
-            qp, qc, kp, kc, block = plan.query_positions, plan.query_clean, plan.key_positions, plan.key_clean, plan.block_size
+            qp, qc, block = plan.query_positions, plan.query_clean, plan.block_size
+            kp, kc = plan.key_positions, plan.key_clean
 
             def bdlm(b, h, q_idx, kv_idx):
                 return bdlm_visible(qp[q_idx], qc[q_idx], kp[kv_idx], kc[kv_idx], block)
