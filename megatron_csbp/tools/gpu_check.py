@@ -276,8 +276,8 @@ def correctness_case(args, device, label, kernels, backward, dtype_name, seq_len
     passed = (dtype_ok and all(error <= tolerance for error in errors.values())  # False for NaN
               and negative >= NEGATIVE_CONTROL_FACTOR * tolerance)
     return dict(kernels=label, mode=mode, dtype=dtype_name, seq_length=seq_length, block_size=block, batch=batch,
-                heads=heads,
-                kv_heads=kv_heads, head_dim=head_dim, backward=backward, errors=errors, tolerance=tolerance,
+                heads=heads, kv_heads=kv_heads, head_dim=head_dim, backward=backward, errors=errors,
+                tolerance=tolerance,
                 negative_control_error=negative, output_dtype=str(out.dtype).replace("torch.", ""),
                 fp32_precision=fp32_precision, seconds=elapsed, passed=passed)
 
