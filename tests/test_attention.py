@@ -11,13 +11,13 @@ from attention_reference import dense_attention, global_rows, relative_error
 from spawn import run_ranks
 
 TOLERANCE = 1e-5
-TILE = 16  # small key tiles, so every case runs several tiles, masked and unmasked
+TILE = 16  # small key tiles (prefix and masked kernels), so every case runs several tiles, masked and unmasked
 
 
 @dataclass(frozen=True)
 class Case:
     name: str
-    mode: str  # csbp | cp | bp
+    mode: str  # a --bdlm-parallel-mode: csbp | cp | cp-traffic | bp
     seq_length: int
     block_size: int
     clean_shards: int
@@ -32,7 +32,8 @@ class Case:
     @property
     def transported_tokens(self):
         """Tokens whose K/V one traversal of the ring moves: clean only for CSBP, both copies for CP."""
-        return {"csbp": self.seq_length, "cp": 2 * self.seq_length, "bp": 0}[self.mode]
+        copies = {"csbp": 1, "cp": 2, "cp-traffic": 2, "bp": 0}[self.mode]
+        return copies * self.seq_length
 
     def expected_bytes(self):
         """Bytes one rank sends per layer, forward + backward (docs/algorithm.md §9)."""
@@ -67,7 +68,7 @@ def _run_cases(rank, world_size, cases):
     from megatron_csbp.core import comm, kernels, ops
     from megatron_csbp.core.process_groups import new_block_parallel_groups
 
-    kernels._kernels["cpu"] = kernels.CPUKernels(tile=TILE)
+    kernels._kernels["cpu"] = kernels.CPUKernels(tile=TILE, masked_tile=TILE)
     group_cache = {}
     results = {}
     for case in cases:
@@ -113,7 +114,8 @@ def compare(case, per_rank):
 
 
 CASES = {
-    1: [Case("single_rank", "csbp", 32, 8, 1), Case("single_rank_streaming", "csbp", 32, 8, 1, "streaming")],
+    1: [Case("single_rank", "csbp", 32, 8, 1), Case("single_rank_streaming", "csbp", 32, 8, 1, "streaming"),
+        Case("single_rank_cp", "cp", 32, 8, 1), Case("single_rank_cp_streaming", "cp", 32, 8, 1, "streaming")],
     2: [
         Case("csbp_gqa", "csbp", 64, 8, 2),
         Case("csbp_gqa_streaming", "csbp", 64, 8, 2, "streaming"),
@@ -127,8 +129,12 @@ CASES = {
         Case("csbp_blocks_equal_ranks", "csbp", 16, 8, 2),
         Case("cp", "cp", 64, 8, 2),
         Case("cp_streaming", "cp", 64, 8, 2, "streaming"),
+        Case("cp_mha", "cp", 64, 8, 2, heads=2, kv_heads=2),
+        Case("cp_traffic", "cp-traffic", 64, 8, 2),
+        Case("cp_traffic_streaming", "cp-traffic", 64, 8, 2, "streaming"),
         Case("bp", "bp", 64, 8, 1),
         Case("negative_control", "csbp", 64, 8, 2, broken="reduce_scatter"),
+        Case("negative_control_cp", "cp", 64, 8, 2, broken="reduce_scatter"),
     ],
     4: [
         Case("csbp_p4", "csbp", 64, 4, 4),
@@ -142,6 +148,8 @@ CASES = {
         Case("csbp_p4_contiguous_clean_c2", "csbp", 64, 4, 2, "streaming", options={"clean_layout": "contiguous"}),
         Case("cp_p4", "cp", 64, 4, 4),
         Case("cp_p4_streaming", "cp", 64, 4, 4, "streaming"),
+        Case("cp_traffic_p4", "cp-traffic", 64, 4, 4),
+        Case("cp_traffic_p4_streaming", "cp-traffic", 64, 4, 4, "streaming"),
         Case("bp_p4", "bp", 64, 4, 1),
         Case("negative_control_p4_c2", "csbp", 64, 4, 2, broken="reduce_scatter"),
     ],
@@ -196,8 +204,10 @@ def test_bytes_sent_equal_the_formulas(topology):
 # L = 64.
 # P = C = 2: CSBP 2L(C-1)/C beta = 64 beta, CP 4L(C-1)/C beta = 128 beta (streaming: 96 and 192 beta);
 # P = C = 4: CSBP 96 beta, CP 192 beta (streaming: 144 and 288 beta).
-HAND_COUNTED = {2: {"csbp_gqa": 16384, "cp": 32768, "csbp_gqa_streaming": 24576, "cp_streaming": 49152},
-                4: {"csbp_p4": 24576, "cp_p4": 49152, "csbp_p4_streaming": 36864, "cp_p4_streaming": 73728}}
+HAND_COUNTED = {2: {"csbp_gqa": 16384, "cp": 32768, "csbp_gqa_streaming": 24576, "cp_streaming": 49152,
+                    "cp_traffic": 32768, "cp_traffic_streaming": 49152},
+                4: {"csbp_p4": 24576, "cp_p4": 49152, "csbp_p4_streaming": 36864, "cp_p4_streaming": 73728,
+                    "cp_traffic_p4": 49152, "cp_traffic_p4_streaming": 73728}}
 
 
 def test_csbp_sends_half_of_conventional_cp(topology):

@@ -1,5 +1,6 @@
-"""The benchmark runs all three modes side by side and reports exact, machine-independent traffic."""
+"""The benchmark runs all the modes side by side and reports exact, machine-independent traffic and kernel work."""
 
+import dataclasses
 import json
 
 import pytest
@@ -16,19 +17,23 @@ def test_rank_attention_pairs_sum_to_the_bdlm_mask():
 
 
 def test_kernel_plans_check_times_each_mode_on_its_own_rows():
-    """CSBP and CP give a rank the same real and padded pairs, cut into different row groups. Hand-derived at
-    L=2048, B=64, P=2, tiles of 512 keys and at most 512 rows: CSBP rank 0 holds positions 0-511 and 1536-2047;
-    its visible rows' limits end in key tile 0 (960 rows: 2 groups), 2 (64 rows) and 3 (960 rows: 2 groups).
-    CP rank 0 holds noisy 0-1023 and clean 1024-2047: limits ending in tiles 0-3, 512, 448, 448, 512 rows."""
+    """CSBP and cp-traffic give a rank the same real and padded pairs, cut into different row groups; the field's
+    CP the same real pairs in one masked call over 128-row tiles, which computes more. Hand-derived at L=2048,
+    B=64, P=2, tiles of 512 keys and at most 512 rows: CSBP rank 0 holds positions 0-511 and 1536-2047; its
+    visible rows' limits end in key tile 0 (960 rows: 2 groups), 2 (64 rows) and 3 (960 rows: 2 groups).
+    cp-traffic rank 0 holds noisy 0-1023 and clean 1024-2047: limits ending in tiles 0-3, 512, 448, 448, 512
+    rows; cp's 2048 rows are 16 query tiles of 128."""
     results = bench.kernel_plans_check(2048, 64, 2, repeats=1)
     by_case = {(r["mode"], r["rank"]): r for r in results}
-    assert sorted(by_case) == [("cp", 0), ("cp", 1), ("csbp", 0), ("csbp", 1)]
+    assert sorted(by_case) == [(mode, rank) for mode in ("cp", "cp-traffic", "csbp") for rank in range(2)]
     for rank in range(2):
-        csbp, cp = by_case["csbp", rank], by_case["cp", rank]
-        assert csbp["real_pairs"] == cp["real_pairs"] == (2048 * 2048 + 2048 * 64) // 2
-        assert csbp["padded_pairs"] == cp["padded_pairs"] >= csbp["real_pairs"]
-        assert csbp["forward_s"] > 0 and cp["backward_s"] > 0
-    assert by_case["csbp", 0]["row_groups"] == 5 and by_case["cp", 0]["row_groups"] == 4
+        csbp, traffic, cp = by_case["csbp", rank], by_case["cp-traffic", rank], by_case["cp", rank]
+        assert csbp["real_pairs"] == traffic["real_pairs"] == cp["real_pairs"] == (2048 * 2048 + 2048 * 64) // 2
+        assert csbp["padded_pairs"] == traffic["padded_pairs"] >= csbp["real_pairs"]
+        assert cp["padded_pairs"] > cp["real_pairs"]
+        assert csbp["forward_s"] > 0 and traffic["backward_s"] > 0 and cp["backward_s"] > 0
+    assert by_case["csbp", 0]["row_groups"] == 5 and by_case["cp-traffic", 0]["row_groups"] == 4
+    assert by_case["cp", 0]["row_groups"] == 16
 
 
 def test_bad_flags_are_refused(capsys):
@@ -52,18 +57,35 @@ def test_bad_flags_are_refused(capsys):
     assert "--seq-lengths 80 must be a multiple of 32 (--nproc x --block-size)" in capsys.readouterr().err
 
 
-def test_three_modes_side_by_side(tmp_path):
+def test_all_modes_side_by_side(tmp_path, capsys):
+    """Every mode's step, bytes and kernel work; the kernel figures the bench counted off the kernels' plans
+    equal each mode's analytic `kernel_calls` (the CPU kernels' tiles: 512 for the prefix, flex's 128 masked)."""
+    from megatron_csbp.core import modes
+    from megatron_csbp.core.kernels import DEFAULT_TILE, MASKED_TILE
+
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    bench.main(["--seq-lengths", "128", "--block-size", "16", "--num-layers", "1", "--hidden-size", "64",
+    bench.main(["--seq-lengths", "512", "--block-size", "16", "--num-layers", "1", "--hidden-size", "64",
                 "--steps", "1", "--warmup", "0", "--json", str(out_json), "--plot", str(out_png)])
     records = {r["mode"]: r for r in json.loads(out_json.read_text())}
-    assert set(records) == {"csbp", "cp", "bp"}
+    assert set(records) == {"csbp", "cp", "cp-traffic", "bp"}
+    for name, record in records.items():
+        mode = modes.parallel_mode(name)
+        tile = MASKED_TILE if mode.masked_attention else DEFAULT_TILE
+        c = mode.clean_shards(2)
+        expected = [[dataclasses.asdict(call) for call in mode.kernel_calls(512, 16, 2, c, rank, tile)]
+                    for rank in range(2)]
+        assert record["kernel_work_by_rank"] == expected, name
+        assert record["kernel_computed_pairs"] >= record["kernel_real_pairs"] > 0
+    assert records["cp"]["kernels"] == "masked" and records["cp-traffic"]["kernels"] == "dense+prefix"
+    assert records["cp"]["kernel_real_pairs"] == records["cp-traffic"]["kernel_real_pairs"]
+    table = capsys.readouterr().out
+    assert "computed" in table and "cp-traffic" in table and "masked" in table
     for record in records.values():
         assert {"mode", "seq_length", "block_size", "nproc", "bytes_sent_per_rank", "step_time_s",
                 "peak_memory_bytes", "tokens_per_s"} <= set(record)
         assert record["step_time_s"] > 0 and record["tokens_per_s"] > 0
     beta = 2 * 2 * (64 // 4) * 4  # K+V bytes per token per layer: 2 query groups x head dim 16, fp32
-    assert records["cp"]["bytes_sent_per_rank"] == 4 * 128 * 1 // 2 * beta
+    assert records["cp"]["bytes_sent_per_rank"] == records["cp-traffic"]["bytes_sent_per_rank"] == 4 * 512 // 2 * beta
     assert 2 * records["csbp"]["bytes_sent_per_rank"] == records["cp"]["bytes_sent_per_rank"]
     assert records["bp"]["bytes_sent_per_rank"] == 0
     # CSBP keeps only the clean K/V it gathered (L tokens) for backward; CP keeps all 2L

@@ -24,6 +24,7 @@ TINY_CHECK = ["--check-seq-lengths", "64", "--check-block-size", "8", "--check-b
               "--check-kv-heads", "2", "--check-head-dim", "16"]
 TINY_BENCH = ["--bench-seq-length", "256", "--bench-block-size", "16", "--bench-heads", "4", "--bench-kv-heads", "2",
               "--bench-head-dim", "16", "--bench-iters", "2"]
+TINY_KERNELS = ["--kernel-seq-lengths", "256", "--kernel-ranks", "2", "--kernel-block-size", "16"]
 TINY_TRAIN = ["--train-layers", "2", "--train-hidden-size", "64", "--train-heads", "4", "--train-query-groups", "2",
               "--train-ffn-hidden-size", "128", "--train-vocab-size", "128", "--train-seq-length", "64",
               "--train-block-size", "8", "--train-steps", "2", "--train-spec", "local"]
@@ -67,7 +68,8 @@ def test_defaults_are_the_single_gpu_check_and_bad_flags_are_refused(monkeypatch
     monkeypatch.setenv("OUT", str(tmp_path))
     args = gpu_check.parse_args([])
     assert args.json == str(tmp_path / "gpu_check.json")
-    assert args.sections == ["correctness", "throughput", "train"] and args.check_dtypes == ["fp32", "bf16"]
+    assert args.sections == ["correctness", "throughput", "kernels", "train"] and args.check_dtypes == ["fp32", "bf16"]
+    assert args.kernel_seq_lengths == [32768, 65536, 131072] and args.kernel_ranks == 8
     assert args.check_seq_lengths == [1024, 4096] and args.check_block_size == 64
     assert (args.bench_seq_length, args.bench_heads, args.bench_kv_heads, args.bench_head_dim) == (32768, 32, 8, 128)
     assert (args.train_layers, args.train_hidden_size, args.train_heads, args.train_query_groups,
@@ -76,7 +78,8 @@ def test_defaults_are_the_single_gpu_check_and_bad_flags_are_refused(monkeypatch
                        (["--check-dtypes", "fp16"], "--check-dtypes"),
                        (["--check-seq-lengths", "1000"], "--check-seq-lengths"),
                        (["--bench-heads", "6", "--bench-kv-heads", "4"], "--bench-heads"),
-                       (["--train-hidden-size", "1000"], "--train-hidden-size")]:
+                       (["--train-hidden-size", "1000"], "--train-hidden-size"),
+                       (["--kernel-seq-lengths", "1000"], "--kernel-seq-lengths")]:
         with pytest.raises(SystemExit):
             gpu_check.parse_args(argv)
         assert flag in capsys.readouterr().err
@@ -93,7 +96,7 @@ def test_pair_and_flop_counts_match_the_counted_masks():
 
 
 class _WrongScale:
-    """CPU kernels whose noisy block-diagonal part uses a slightly wrong softmax scale."""
+    """CPU kernels whose noisy block-diagonal part and masked call use a slightly wrong softmax scale."""
 
     def __init__(self):
         from megatron_csbp.core.kernels import CPUKernels
@@ -106,10 +109,17 @@ class _WrongScale:
     def block_diagonal_forward(self, q, k, v, block_size, scale):
         return self.inner.block_diagonal_forward(q, k, v, block_size, scale * 1.01)
 
+    def masked_forward(self, q, k, v, plan, scale):
+        return self.inner.masked_forward(q, k, v, plan, scale * 1.01)
+
 
 class _NaNs(_WrongScale):
     def block_diagonal_forward(self, q, k, v, block_size, scale):
         out, lse = self.inner.block_diagonal_forward(q, k, v, block_size, scale)
+        return out * float("nan"), lse
+
+    def masked_forward(self, q, k, v, plan, scale):
+        out, lse = self.inner.masked_forward(q, k, v, plan, scale)
         return out * float("nan"), lse
 
 
@@ -117,8 +127,13 @@ class _Broken:
     def plan(self, *args):  # the op plans first (ops.ring_plan), then the kernel fails
         return None
 
+    def masked_plan(self, *args):
+        return None
+
     def block_diagonal_forward(self, *args):
         raise RuntimeError("kernel exploded")
+
+    masked_forward = block_diagonal_forward
 
 
 def test_correctness_section_fails_on_a_wrong_kernel_and_keeps_going(monkeypatch):
@@ -127,11 +142,13 @@ def test_correctness_section_fails_on_a_wrong_kernel_and_keeps_going(monkeypatch
         ("right", None, True), ("wrong", _WrongScale(), True), ("nan", _NaNs(), True), ("broken", _Broken(), False)])
     records = []
     gpu_check.correctness(args, CPU, records)
-    right, wrong, nan, broken = records
-    assert right["passed"] and max(right["errors"].values()) < 1e-6
-    assert not wrong["passed"] and wrong["errors"]["out"] > 1e-4
-    assert not nan["passed"] and math.isnan(nan["errors"]["out"])
-    assert not broken["passed"] and "kernel exploded" in broken["error"]
+    assert [r["mode"] for r in records] == ["csbp", "cp"] * 4  # each variant: CSBP's kernels, cp's masked call
+    for mode in ("csbp", "cp"):
+        right, wrong, nan, broken = (r for r in records if r["mode"] == mode)
+        assert right["passed"] and max(right["errors"].values()) < 1e-6
+        assert not wrong["passed"] and wrong["errors"]["out"] > 1e-4
+        assert not nan["passed"] and math.isnan(nan["errors"]["out"])
+        assert not broken["passed"] and "kernel exploded" in broken["error"]
 
 
 def test_bf16_correctness_on_the_cpu_kernels_and_eager_flex():
@@ -139,7 +156,7 @@ def test_bf16_correctness_on_the_cpu_kernels_and_eager_flex():
     records = []
     gpu_check.correctness(args, CPU, records)
     failures = [gpu_check._correctness_line(r) for r in records if not r["passed"]]
-    assert len(records) == 3 and not failures, failures
+    assert len(records) == 6 and not failures, failures
 
 
 @needs_no_accelerator
@@ -157,25 +174,45 @@ def test_shell_script_bounds_the_run_with_a_timeout(tmp_path):
 
 @needs_no_accelerator
 def test_every_section_runs_on_the_cpu_through_the_shell_script(tmp_path):
-    from megatron_csbp.bdlm.flops import bdlm_attention_pairs, bdlm_step_flops
-
     out_dir = tmp_path / "out"
-    result = _run([str(SHELL), "--allow-cpu"] + TINY_CHECK + TINY_BENCH + TINY_TRAIN + FP32, out_dir)
+    result = _run([str(SHELL), "--allow-cpu"] + TINY_CHECK + TINY_BENCH + TINY_KERNELS + TINY_TRAIN + FP32, out_dir)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "gpu_check summary" in result.stdout and "overall: PASSED" in result.stdout
     summary = json.loads((out_dir / "gpu_check.json").read_text())
     assert summary["complete"] and summary["passed"] and summary["device"] == "cpu"
     sections = summary["sections"]
-    assert list(sections) == ["correctness", "throughput", "train"]
+    assert list(sections) == ["correctness", "throughput", "kernels", "train"]
     assert all(s["status"] == "passed" and s["error"] is None and s["elapsed_s"] > 0 for s in sections.values())
 
-    cpu_case, flex_case, stand_in_case = sections["correctness"]["records"]
+    by_mode = {mode: [r for r in sections["correctness"]["records"] if r["mode"] == mode] for mode in ("csbp", "cp")}
+    assert [len(cases) for cases in by_mode.values()] == [3, 3]  # CSBP's two kernels and cp's one masked call
+    for cpu_case, flex_case, stand_in_case in by_mode.values():
+        _check_correctness_cases(cpu_case, flex_case, stand_in_case)
+
+    kernel_records = sections["kernels"]["records"]
+    assert [(r["mode"], r["kind"]) for r in kernel_records] == [("csbp", "dense"), ("csbp", "prefix"), ("cp", "masked"),
+                                                                ("cp-traffic", "dense"), ("cp-traffic", "prefix")]
+    for r in kernel_records:
+        assert r["forward_s"] > 0 and r["backward_s"] > 0 and r["forward_pairs_per_s"] > 0
+        assert r["computed_pairs_per_head"] >= r["real_pairs_per_head"] > 0
+    masked, = (r for r in kernel_records if r["kind"] == "masked")
+    assert (masked["rows"], masked["keys"]) == (256, 512)  # rank 0's 2L/P rows against all 2L keys
+    assert masked["real_pairs_per_head"] == sum(r["real_pairs_per_head"] for r in kernel_records
+                                                if r["mode"] == "cp-traffic")  # same rows, same real pairs
+    _rest_of_the_sections(sections)
+
+
+def _check_correctness_cases(cpu_case, flex_case, stand_in_case):
     assert cpu_case["kernels"] == "CPUKernels" and set(cpu_case["errors"]) == {"out", "dq", "dk", "dv"}
     assert flex_case["kernels"].startswith("FlexKernels (eager") and set(flex_case["errors"]) == {"out"}
     assert stand_in_case["kernels"].startswith("FlexKernels (dense stand-in") and len(stand_in_case["errors"]) == 4
     for case in (cpu_case, flex_case, stand_in_case):
         assert max(case["errors"].values()) <= 1e-5 and case["negative_control_error"] > 0.5
         assert case["output_dtype"] == "float32"
+
+
+def _rest_of_the_sections(sections):
+    from megatron_csbp.bdlm.flops import bdlm_attention_pairs, bdlm_step_flops
 
     bdlm, causal = sections["throughput"]["records"]
     assert (bdlm["attention"], causal["attention"]) == ("bdlm", "causal")

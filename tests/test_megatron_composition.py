@@ -25,7 +25,7 @@ TOLERANCE = 1e-5
 @dataclass(frozen=True)
 class Topology:
     name: str
-    mode: str = "csbp"  # "reference", "csbp", "cp", "bp"
+    mode: str = "csbp"  # "reference" or a --bdlm-parallel-mode: "csbp", "cp", "cp-traffic", "bp"
     tp: int = 1
     pp: int = 1
     block_parallel: int = 1
@@ -45,6 +45,8 @@ WORLD_2 = [
     Topology("csbp P=C=2", block_parallel=2, clean_shards=2),
     Topology("csbp P=C=2 streaming", block_parallel=2, clean_shards=2, transport="streaming"),
     Topology("cp baseline 2", mode="cp", block_parallel=2, clean_shards=2),
+    Topology("cp baseline 2 streaming", mode="cp", block_parallel=2, clean_shards=2, transport="streaming"),
+    Topology("cp-traffic 2", mode="cp-traffic", block_parallel=2, clean_shards=2),
     Topology("bp baseline 2", mode="bp", block_parallel=2, clean_shards=1),
     Topology("control: Megatron RoPE", block_parallel=2, clean_shards=2, megatron_rope=True),
 ]
@@ -54,6 +56,7 @@ WORLD_4 = [
     Topology("tp2 x csbp2 + sp", tp=2, block_parallel=2, clean_shards=2, sequence_parallel=True),
     Topology("pp2 x csbp2 (1f1b)", pp=2, block_parallel=2, clean_shards=2),
     Topology("dp2 x csbp2", block_parallel=2, clean_shards=2),
+    Topology("tp2 x cp2 + sp", mode="cp", tp=2, block_parallel=2, clean_shards=2, sequence_parallel=True),
     Topology("tp2 x bp2 + sp, padded rows", mode="bp", tp=2, block_parallel=2, clean_shards=1,
              sequence_parallel=True, **ODD_ROWS),
 ]

@@ -76,6 +76,7 @@ TOPOLOGIES = {
     "pp2xcsbp2": (4, {"context-block-parallel": 2, "pipeline-model-parallel-size": 2}),
     "dp2xcsbp2": (4, {"context-block-parallel": 2}),
     "cp2": (2, {"context-block-parallel": 2, "bdlm-parallel-mode": "cp"}),
+    "cp-traffic2": (2, {"context-block-parallel": 2, "bdlm-parallel-mode": "cp-traffic"}),
     "bp2": (2, {"context-block-parallel": 2, "bdlm-parallel-mode": "bp"}),
     "fast-dllm-v2": (2, {"context-block-parallel": 2, "bdlm-objective": "fast-dllm-v2"}),
 }

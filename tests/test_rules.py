@@ -114,10 +114,12 @@ def test_the_planner_refuses_what_the_trainer_refuses_with_its_message(path, ext
 
 
 def test_one_clean_shard_rule_for_every_mode_and_a_tools_own_flag_names():
-    assert [rules.clean_shards(mode, 8) for mode in rules.PARALLEL_MODES] == [8, 8, 1]
-    assert [rules.clean_shards(mode, 8, 4) for mode in rules.PARALLEL_MODES] == [4, 8, 1]
+    assert rules.PARALLEL_MODES == ("csbp", "cp", "cp-traffic", "bp")
+    assert [rules.clean_shards(mode, 8) for mode in rules.PARALLEL_MODES] == [8, 8, 8, 1]
+    assert [rules.clean_shards(mode, 8, 4) for mode in rules.PARALLEL_MODES] == [4, 8, 8, 1]
     assert rules.clean_shards_problem("csbp", 8, 4) is None and rules.clean_shards_problem("bp", 8, 1) is None
-    assert "choose one of csbp, cp, bp" in rules.clean_shards_problem("ring", 8)
+    assert "choose one of csbp, cp, cp-traffic, bp" in rules.clean_shards_problem("ring", 8)
+    assert "--bdlm-parallel-mode cp-traffic shards both copies" in rules.clean_shards_problem("cp-traffic", 4, 2)
     assert rules.sequence_problem("csbp", 48, 16, 3, 3) is None  # 3 blocks for 3 ranks, 6 clean chunks of 8
     bench_flags = rules.FLAGS.renamed(parallel_size="--nproc")  # the bench calls P --nproc
     assert "too few for --nproc 4" in rules.sequence_problem("csbp", 48, 16, 4, 4, flags=bench_flags)

@@ -22,9 +22,9 @@ LINE = re.compile(r" \[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\] iteration +(\d+)/ +(\d+)
 
 @pytest.fixture(scope="module")
 def layout_runs(corpus, reference_runs):
-    """The same config on 1 rank and on 2 block-parallel ranks in each mode (csbp, cp, bp)."""
+    """The same config on 1 rank and on 2 block-parallel ranks in each mode (csbp, cp, cp-traffic, bp)."""
     runs = dict(reference_runs)
-    for mode in ("cp", "bp"):
+    for mode in ("cp", "cp-traffic", "bp"):
         runs[mode] = run(2, base(corpus, context_block_parallel=2, bdlm_parallel_mode=mode))
     return runs
 
@@ -43,7 +43,7 @@ def test_every_layout_logs_the_same_losses(layout_runs):
     reference = layout_runs["1 rank"]
     expected = {i: significant(v) for i, v in reference.losses.items()}
     assert sorted(expected) == list(range(1, 2 * K + 1))
-    for name in ("csbp", "cp", "bp"):
+    for name in ("csbp", "cp", "cp-traffic", "bp"):
         got = {i: significant(v) for i, v in layout_runs[name].losses.items()}
         assert got == expected, f"{name}: {got} != {expected}"
         got_validation = {i: significant(v) for i, v in layout_runs[name].validation.items()}
@@ -178,11 +178,12 @@ EXPECTED_ROWS = {
     "csbp": [_spans((0, 8), (56, 64), (8, 16), (48, 56), (0, 16), (48, 64)),
              _spans((16, 24), (40, 48), (24, 32), (32, 40), (16, 48))],
     "cp": [_spans((0, 32), (32, 64)), _spans((32, 64), (0, 32))],
+    "cp-traffic": [_spans((0, 32), (32, 64)), _spans((32, 64), (0, 32))],  # cp's rows, CSBP's kernels
     "bp": [_spans((0, 8), (56, 64), (8, 16), (48, 56), (0, 64)), _spans((16, 24), (40, 48), (24, 32), (32, 40), (0, 64))],
 }
 
 
-@pytest.mark.parametrize("mode,clean_shards", [("csbp", 2), ("cp", 2), ("bp", 1)])
+@pytest.mark.parametrize("mode,clean_shards", [("csbp", 2), ("cp", 2), ("cp-traffic", 2), ("bp", 1)])
 def test_the_run_configs_layouts(corpus, mode, clean_shards):
     from megatron_csbp.training.arguments import run_config
 
@@ -191,6 +192,7 @@ def test_the_run_configs_layouts(corpus, mode, clean_shards):
     for rank in (0, 1):
         layout = settings.layout(rank)
         assert layout.row_positions.tolist() == EXPECTED_ROWS[mode][rank], (mode, rank)
+        assert layout.masked_attention == (mode == "cp"), mode  # the field's CP: one masked call per rank
 
 
 def test_the_demo_config_learns(corpus, tmp_path):

@@ -5,8 +5,8 @@ A rank's rows are always `[noisy rows ; clean rows]`, in the order of `noisy_pos
 
 CSBP (`CSBPLayout`): noisy rows are whole diffusion blocks, dealt out by the dual-end schedule so every
 rank's attention work is equal; clean rows are a zigzag shard of the clean sequence over a ring of `C`
-ranks. Conventional CP (`CPLayout`): the `2L` rows of `[x_t ; x_0]` are cut into `2C` zigzag chunks by
-position, which hands rank `r` noisy chunk `r` and clean chunk `C-1-r`.
+ranks. Conventional CP (`CPLayout`, modes `cp` and `cp-traffic`): the `2L` rows of `[x_t ; x_0]` are cut
+into `2C` zigzag chunks by position, which hands rank `r` noisy chunk `r` and clean chunk `C-1-r`.
 """
 
 from dataclasses import dataclass
@@ -15,36 +15,7 @@ from functools import cached_property
 import torch
 
 from megatron_csbp.core import modes, rules
-
-
-def block_cost(block: int) -> int:
-    """Attention work of noisy block `b` in units of B² query-key pairs: `b` clean blocks plus itself."""
-    return block + 1
-
-
-def _dual_end_schedule(num_blocks: int, num_ranks: int) -> list[list[int]]:
-    """Pairs `(k, NB-1-k)` cost the same, so contiguous runs of pairs balance the ranks; blocks left
-    over (fewer pairs than ranks, the odd middle block) go greedily, heaviest first, to the least loaded."""
-    num_pairs = num_blocks // 2
-    pairs_per_rank = num_pairs // num_ranks
-    owned: list[list[int]] = []
-    for rank in range(num_ranks):
-        run = range(rank * pairs_per_rank, (rank + 1) * pairs_per_rank)
-        owned.append([block for k in run for block in (k, num_blocks - 1 - k)])
-    dealt = num_ranks * pairs_per_rank
-    leftover = sorted(range(dealt, num_blocks - dealt), key=block_cost, reverse=True)
-    loads = [sum(block_cost(b) for b in blocks) for blocks in owned]
-    for block in leftover:
-        rank = min(range(num_ranks), key=lambda r: (loads[r], r))
-        owned[rank].append(block)
-        loads[rank] += block_cost(block)
-    return owned
-
-
-def _contiguous_schedule(num_blocks: int, num_ranks: int) -> list[list[int]]:
-    base, extra = divmod(num_blocks, num_ranks)
-    starts = [r * base + min(r, extra) for r in range(num_ranks + 1)]
-    return [list(range(starts[r], starts[r + 1])) for r in range(num_ranks)]
+from megatron_csbp.core.schedule import block_cost, contiguous_schedule, dual_end_schedule  # noqa: F401
 
 
 def _span(start: int, stop: int) -> torch.Tensor:
@@ -61,6 +32,7 @@ class _Rows:
     """What both layouts derive from `noisy_positions` and `clean_positions`."""
 
     transports_noisy_rows = False  # whether the noisy rows' K/V travel the ring too (conventional CP)
+    masked_attention = False  # one masked call over all transported keys instead of block-diagonal + prefix
 
     @property
     def first_transported_row(self) -> int:
@@ -142,7 +114,7 @@ class CSBPLayout(_Rows):
     @cached_property
     def schedule_table(self) -> list[list[int]]:
         """Owned blocks of every block-parallel rank, in row order."""
-        deal = _dual_end_schedule if self.schedule == "dual_end" else _contiguous_schedule
+        deal = dual_end_schedule if self.schedule == "dual_end" else contiguous_schedule
         return deal(self.num_blocks, self.block_parallel_size)
 
     @property
@@ -177,6 +149,9 @@ class CPLayout(_Rows):
     block_size: int
     context_parallel_size: int
     rank: int = 0
+    # One masked kernel call over the rank's rows against all gathered keys (the field's CP, mode `cp`), or
+    # CSBP's block-diagonal and prefix calls on the same rows and traffic (mode `cp-traffic`).
+    masked_attention: bool = True
 
     def __post_init__(self):
         rules.refuse(rules.layout_problem("cp", self.seq_length, self.block_size, self.context_parallel_size))
@@ -217,11 +192,11 @@ class CPLayout(_Rows):
         return _span(mirror * chunk, (mirror + 1) * chunk)
 
     def for_rank(self, rank: int) -> "CPLayout":
-        return CPLayout(self.seq_length, self.block_size, self.context_parallel_size, rank)
+        return CPLayout(self.seq_length, self.block_size, self.context_parallel_size, rank, self.masked_attention)
 
 
 def layout_for(mode: str, seq_length: int, block_size: int, parallel_size: int, clean_shards: int | None = None,
                rank: int = 0, **options) -> CSBPLayout | CPLayout:
-    """The layout of `mode` ("csbp", "cp" or "bp"), so one model can be compared across all three."""
+    """The layout of `mode` (a `--bdlm-parallel-mode` value), so one model can be compared across the modes."""
     rules.refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
     return modes.parallel_mode(mode).layout(seq_length, block_size, parallel_size, clean_shards, rank, **options)

@@ -1,8 +1,10 @@
-"""The parallel modes — CSBP, conventional CP over `[x_t ; x_0]`, pure BP — as objects that state their facts.
+"""The parallel modes — CSBP, the field's conventional CP over `[x_t ; x_0]`, its bytes-only ablation
+`cp-traffic`, pure BP — as objects that state their facts.
 
 Every fact that differs between the modes lives on its mode: how many clean shards it takes, which geometry
 its layout needs, how many rows and attention pairs a rank holds, how many tokens' K/V its ring gathers,
-and which layout describes a rank. The trainer's checks (`rules`), the layouts, the FLOP and byte counts
+which layout describes a rank and which kernel calls a rank makes (`kernel_calls`: real and computed
+query-key pairs per call, `core.kernel_work`). The trainer's checks (`rules`), the layouts, the FLOP and byte counts
 (`flops`), the planner and the bench ask the mode (`parallel_mode(name)`) instead of testing its name, so
 a new mode is one class here (docs/algorithm.md §4–§5 for the layouts).
 
@@ -10,6 +12,9 @@ Standard library only (the planner runs without torch): `layout()` imports the t
 """
 
 import dataclasses
+
+from megatron_csbp.core.kernel_work import KernelCall
+from megatron_csbp.core.schedule import dual_end_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +26,8 @@ class ParallelMode:
     # Copies of the sequence whose K/V the ring carries: CSBP the clean copy, CP both, BP none.
     transported_copies: int
     is_baseline: bool = False  # what the field runs; the others are compared with it
+    # One masked kernel call over the rank's rows (the field's CP), or CSBP's block-diagonal and prefix calls.
+    masked_attention = False  # a class fact, not a field
 
     def clean_shard_choices(self, parallel_size: int) -> list[int]:
         """The `C` worth planning at `P` ranks: CSBP with `C = 1` is pure BP, and at `P = 1` all modes are
@@ -70,6 +77,32 @@ class ParallelMode:
         """Tokens whose K/V one layer's ring gathers on every rank (none without a ring)."""
         return self.transported_copies * seq_length if clean_shards > 1 else 0
 
+    def row_spans(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int,
+                  rank: int) -> tuple[list, list]:
+        """(noisy, clean) position spans `[(start, stop)]` of rank `rank`'s rows, in row order (the dual-end
+        schedule and zigzag clean layout, the defaults): the stdlib twin of `layout().noisy/clean_positions`."""
+        L, B, C = seq_length, block_size, clean_shards
+        noisy = [(b * B, (b + 1) * B) for b in dual_end_schedule(L // B, parallel_size)[rank]]
+        chunk, r = L // (2 * C), rank % C
+        return noisy, [(r * chunk, (r + 1) * chunk), ((2 * C - 1 - r) * chunk, (2 * C - r) * chunk)]
+
+    def kernel_calls(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int, rank: int,
+                     tile: int) -> tuple[KernelCall, ...]:
+        """The attention kernel calls rank `rank` makes in one layer's forward, per head and sample, under the
+        collective transport (streaming makes the remote call once per ring step, over the same rows): the
+        block-diagonal call of its noisy blocks ("dense": whole `B×B` blocks, no padding) and the call of every
+        row against the gathered clean keys sorted by position ("prefix"), which computes each row's keys up
+        to the end of the `tile`-wide key tile holding its last visible key (the CPU prefix kernel's plan)."""
+        L, B = seq_length, block_size
+        noisy, clean = self.row_spans(L, B, parallel_size, clean_shards, rank)
+        real = computed = 0
+        for limit, rows in _limits(noisy, clean, B):
+            real += rows * limit
+            computed += rows * min(-(-limit // tile) * tile, L)
+        noisy_pairs = sum(stop - start for start, stop in noisy) * B
+        calls = [KernelCall("dense", noisy_pairs, noisy_pairs)] if noisy_pairs else []
+        return tuple(calls + [KernelCall("prefix", real, computed)])
+
     def layout(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int | None = None,
                rank: int = 0, **options):
         """The rows rank `rank` holds (`core.layout`; `options`: the schedule and clean layout)."""
@@ -98,9 +131,21 @@ class _PureBlockParallel(ParallelMode):
                 f"or use {flags.mode} csbp")
 
 
+def _limits(noisy_spans, clean_spans, block_size):
+    """(limit, rows) per run of rows sharing a limit: clean keys below `limit` are visible (`qb·B` for a noisy
+    row of block `qb`, `(qb+1)·B` for a clean one; docs/algorithm.md §3)."""
+    B = block_size
+    for spans, extra in ((noisy_spans, 0), (clean_spans, 1)):
+        for start, stop in spans:
+            for block in range(start // B, (stop - 1) // B + 1 if stop > start else start // B):
+                yield (block + extra) * B, min(stop, (block + 1) * B) - max(start, block * B)
+
+
 class _ContextParallel(ParallelMode):
     """Megatron's context parallelism applied to the `2L` rows: `2P` zigzag chunks of `[x_t ; x_0]`, whose
-    K/V all travel."""
+    K/V all travel. This class computes with CSBP's two kernels (`cp-traffic`, the ablation that isolates
+    bytes); `_FieldContextParallel` with the field's one masked call."""
+
 
     def clean_shard_choices(self, parallel_size):
         return [parallel_size]
@@ -116,13 +161,15 @@ class _ContextParallel(ParallelMode):
     def clean_shards_problem(self, parallel_size, given, flags):
         if given in (None, parallel_size):
             return None
-        return f"{flags.mode} cp shards both copies over all {parallel_size} ranks; drop {flags.clean_shards} {given}"
+        return (f"{flags.mode} {self.name} shards both copies over all {parallel_size} ranks; drop "
+                f"{flags.clean_shards} {given}")
 
     def geometry_problem(self, seq_length, block_size, parallel_size, clean_shards, clean_layout, flags):
         L, B, P = seq_length, block_size, parallel_size
         if L % (P * B) == 0:
             return None
-        return (f"{flags.mode} cp cuts [x_t ; x_0] into {2 * P} chunks of whole blocks: {flags.seq_length} {L} "
+        return (f"{flags.mode} {self.name} cuts [x_t ; x_0] into {2 * P} chunks of whole blocks: "
+                f"{flags.seq_length} {L} "
                 f"must be a multiple of {P * B} ({flags.parallel_size} x {flags.block_size})")
 
     def rows(self, seq_length, parallel_size, clean_shards):
@@ -131,21 +178,82 @@ class _ContextParallel(ParallelMode):
     def attention_pairs(self, parts, parallel_size, clean_shards):
         return sum(parts.values()) / clean_shards, parts["noisy_noisy"] / clean_shards
 
+    def row_spans(self, seq_length, block_size, parallel_size, clean_shards, rank):
+        chunk = seq_length // clean_shards
+        mirror = clean_shards - 1 - rank
+        return [(rank * chunk, (rank + 1) * chunk)], [(mirror * chunk, (mirror + 1) * chunk)]
+
     def layout(self, seq_length, block_size, parallel_size, clean_shards=None, rank=0, **options):
         """Chunks by position: CSBP's schedule and clean layout do not apply."""
         from megatron_csbp.core.layout import CPLayout
 
-        return CPLayout(seq_length, block_size, parallel_size, rank)
+        return CPLayout(seq_length, block_size, parallel_size, rank, masked_attention=self.masked_attention)
+
+
+class _FieldContextParallel(_ContextParallel):
+    """The context parallelism a Megatron user with a masked kernel runs on `[x_t ; x_0]`: the `2C` zigzag
+    chunks of `_ContextParallel`, K/V of all `2L` tokens gathered (or streamed), and ONE masked attention call
+    per rank (per ring step when streamed) over its rows against them, under the BDLM mask."""
+
+    masked_attention = True
+
+    def traits(self, parallel_size, clean_shards):
+        if clean_shards > 1:
+            return ["gathers K/V of all 2L rows, one masked attention call over them"]
+        return ["no sequence sharding, one masked attention call"]
+
+    def kernel_calls(self, seq_length, block_size, parallel_size, clean_shards, rank, tile):
+        """One "masked" call: the rank's `2L/C` rows (its noisy chunk, then its clean chunk) against the `2L`
+        keys in position order (noisy copy, then clean), both cut into `tile`-sized tiles as flex cuts them;
+        a key tile is computed for a query tile when any of its pairs is visible (`core.kernels.MaskedPlan`)."""
+        L, B, t = seq_length, block_size, tile
+        (noisy,), (clean,) = self.row_spans(L, B, parallel_size, clean_shards, rank)
+        rows = [(noisy, False), (clean, True)]  # (span, clean copy?) in row order
+        # a noisy row sees its own block's B noisy keys besides the clean keys below its limit
+        real = (sum(count * (limit + B) for limit, count in _limits([noisy], [], B))
+                + sum(count * limit for limit, count in _limits([], [clean], B)))
+        n, computed = 2 * (L // clean_shards), 0
+        for lo in range(0, n, t):
+            hi = min(lo + t, n)
+            intervals = []  # key index intervals some row of this query tile sees (noisy keys [0, L), clean [L, 2L))
+            for (start, stop), clean_copy in rows:
+                offset = noisy[1] - noisy[0] if clean_copy else 0
+                first, last = max(lo, offset), min(hi, offset + stop - start)
+                if first >= last:
+                    continue
+                p0, p1 = start + first - offset, start + last - offset  # positions of those rows: [p0, p1)
+                top_block = (p1 - 1) // B
+                if clean_copy:
+                    intervals.append((L, L + (top_block + 1) * B))
+                else:
+                    intervals += [(p0 // B * B, (top_block + 1) * B), (L, L + top_block * B)]
+            computed += (hi - lo) * _tile_span(intervals, 2 * L, t)
+        return (KernelCall("masked", real, computed),)
 
 
 CSBP = ParallelMode("csbp", "CSBP: whole noisy blocks per rank (dual-end), a zigzag shard of the clean copy; "
                             "only clean K/V travel", transported_copies=1)
-CP = _ContextParallel("cp", "conventional context parallelism over [x_t ; x_0] (the baseline): K/V of both "
-                            "copies travel", transported_copies=2, is_baseline=True)
+CP = _FieldContextParallel("cp", "conventional context parallelism over [x_t ; x_0], as the field runs it (the "
+                                "baseline): K/V of both copies travel, one masked attention call per rank",
+                           transported_copies=2, is_baseline=True)
+CP_TRAFFIC = _ContextParallel("cp-traffic", "cp's layout and traffic computed with CSBP's two kernels: an ablation "
+                                            "that isolates the bytes", transported_copies=2)
 BP = _PureBlockParallel("bp", "pure block parallelism: the clean copy replicated on every rank, nothing travels",
                         transported_copies=0)
 
-PARALLEL_MODES = {mode.name: mode for mode in (CSBP, CP, BP)}  # the flag's choices, in its order
+PARALLEL_MODES = {mode.name: mode for mode in (CSBP, CP, CP_TRAFFIC, BP)}  # the flag's choices, in its order
+
+
+def _tile_span(intervals, total, tile):
+    """Keys in the `tile`-wide tiles of `[0, total)` that meet any of `intervals` (half-open, empty ones ignored)."""
+    ranges = sorted((start // tile, (stop - 1) // tile) for start, stop in intervals if stop > start)
+    keys, covered = 0, -1
+    for first, last in ranges:
+        first = max(first, covered + 1)
+        if first <= last:
+            keys += min((last + 1) * tile, total) - first * tile
+            covered = last
+    return keys
 
 
 def parallel_mode(name: str) -> ParallelMode:

@@ -5,7 +5,10 @@ layout's order and returns their attention output. What travels is what the layo
 (`layout.first_transported_row`):
 * `CSBPLayout` (C > 1): only the clean K/V of the ring, `L` tokens; noisy K/V never leave the rank.
 * `CSBPLayout` with C = 1 (pure block parallelism): nothing; every rank holds the clean sequence.
-* `CPLayout` (conventional CP baseline): all `2L` tokens' K/V, as ring-CP would move them.
+* `CPLayout` (conventional CP, modes `cp` and `cp-traffic`): all `2L` tokens' K/V, as ring-CP would move
+  them. Under `cp` (`layout.masked_attention`) each rank makes one masked kernel call over its rows against
+  all of them (one per ring step when streamed), as the field runs CP; `cp-traffic` computes the same rows
+  with CSBP's two parts (an ablation: only the bytes differ from CSBP).
 
 Two transports (`core.transports`, a file each), each a forward and a backward over heads-first tensors:
 * "collective" (`transports/collective.py`): an all-gather of the transported K/V, overlapped with the
@@ -35,46 +38,89 @@ PLAN_CACHE_SIZE = 8  # (layout, device) plans kept for callers that do not hold 
 
 @dataclass(frozen=True, eq=False)
 class RingPlan:
-    """Where the transported rows of each ring member sit, which of them are clean keys, and the kernels'
-    plans of this rank's rows against them: for the all-gathered keys and for each member's shard."""
+    """Where the transported rows of each ring member sit, which of them are this rank's keys, and the kernels'
+    plans of this rank's rows against them: for the all-gathered keys and for each member's shard.
+
+    CSBP, BP and `cp-traffic` split each row's attention into the local block-diagonal part (`block_diagonal`)
+    and a "prefix" part against the clean keys sorted by position; the field's CP (`layout.masked_attention`)
+    makes one "masked" call against all transported keys, noisy then clean copy, each sorted by position."""
 
     layout: object
     device: torch.device
     kernels: object                    # the kernel family the plans were made for
-    query_limits: torch.Tensor         # per local row: clean keys below this position are visible
-    shard_clean_rows: tuple            # per ring member: indices of its clean rows in its shard, by position
-    gathered_clean_rows: torch.Tensor  # indices into the all-gathered buffer of all clean rows, by position
+    shard_key_rows: tuple              # per ring member: indices of its keys in its shard, in key order
+    gathered_key_rows: torch.Tensor    # indices into the all-gathered buffer of all keys, in key order
     # (either is None where its rows are all the buffer's, in order: the buffer is then read in place)
-    gathered: object                   # the kernels' plan against all clean keys (collective)
-    members: tuple                     # the kernels' plan against each member's clean keys (streaming)
+    gathered: object                   # the kernels' plan against all keys (collective)
+    members: tuple                     # the kernels' plan against each member's keys (streaming)
+    block_diagonal: bool               # the noisy rows' own blocks are a separate local call (not masked)
+    kind: str                          # the remote part's kernel: "prefix" or "masked" (core.kernel_work.KINDS)
+    num_keys: int                      # keys of the gathered plan: the clean copy's L, or both copies' 2L
+
+    def remote_forward(self, q, k, v, kernel_plan, scale):
+        """The remote part (prefix or masked) of this rank's rows against keys `k, v` under `kernel_plan`."""
+        return getattr(self.kernels, f"{self.kind}_forward")(q, k, v, kernel_plan, scale)
+
+    def remote_backward(self, dout, q, k, v, out, lse, kernel_plan, scale):
+        return getattr(self.kernels, f"{self.kind}_backward")(dout, q, k, v, out, lse, kernel_plan, scale)
+
+    def kernel_calls(self, per_member: bool = False) -> tuple:
+        """The kernel calls of one layer's forward, per head and sample, counted from the plans' own masks and
+        tiles (`core.kernel_work.KernelCall`): the collective transport's one remote call against all keys
+        (`ParallelMode.kernel_calls` states these figures analytically), or with `per_member` (the streaming
+        transport, `Transport.call_per_member`) one remote call per ring member's shard, in ring order."""
+        from megatron_csbp.core.kernel_work import KernelCall
+
+        calls = []
+        if self.block_diagonal and self.layout.num_noisy_rows:
+            blocks = self.layout.num_noisy_rows // self.layout.block_size
+            pairs = blocks * self.layout.block_size ** 2
+            calls.append(KernelCall("dense", pairs, pairs))
+        plans = self.members if per_member else (self.gathered,)
+        return tuple(calls + [KernelCall(self.kind, *plan.work()) for plan in plans])
 
 
 def ring_plan(layout, device, kernels=None) -> RingPlan:
     """The plan of `layout` on `device` for `kernels` (the device's default): build it once, pass it as `plan=`."""
     device = torch.device(device)
     kernels = default_kernels(device) if kernels is None else kernels
-    block = layout.block_size
-    limits = (torch.div(layout.row_positions, block, rounding_mode="floor") + layout.row_is_clean.long()) * block
-    limits = limits.to(device)
-    shard_rows, shard_positions, gathered_rows, gathered_positions = [], [], [], []
+    block, masked = layout.block_size, layout.masked_attention
+    if masked:  # keys of both copies, noisy first: 2L keys in position order when gathered
+        def key_order(positions, clean):
+            return positions + clean.long() * layout.seq_length
+
+        def plan_for(positions, clean):
+            return kernels.masked_plan(layout.row_positions.to(device), layout.row_is_clean.to(device),
+                                       positions.to(device), clean.to(device), block)
+    else:  # clean keys only, in position order
+        limits = (torch.div(layout.row_positions, block, rounding_mode="floor") + layout.row_is_clean.long()) * block
+        limits = limits.to(device)
+
+        def key_order(positions, clean):
+            return positions
+
+        def plan_for(positions, clean):
+            return kernels.plan(limits, positions.to(device))
+    shard_rows, shard_plans, gathered_rows, gathered_positions, gathered_clean = [], [], [], [], []
     offset = 0
     for ring_rank in range(layout.clean_shards):
         member = layout.for_rank(layout.ring_index * layout.clean_shards + ring_rank)
         first = member.first_transported_row
         positions, clean = member.row_positions[first:], member.row_is_clean[first:]
-        clean_rows = torch.nonzero(clean).flatten()
-        order = torch.argsort(positions[clean_rows], stable=True)
-        shard_rows.append(_indices_or_all(clean_rows[order], positions.numel(), device))
-        shard_positions.append(positions[clean_rows][order].to(device))
-        gathered_rows.append(clean_rows + offset)
-        gathered_positions.append(positions[clean_rows])
+        rows = torch.arange(positions.numel()) if masked else torch.nonzero(clean).flatten()
+        rows = rows[torch.argsort(key_order(positions[rows], clean[rows]), stable=True)]
+        shard_rows.append(_indices_or_all(rows, positions.numel(), device))
+        shard_plans.append(plan_for(positions[rows], clean[rows]))
+        gathered_rows.append(rows + offset)
+        gathered_positions.append(positions[rows])
+        gathered_clean.append(clean[rows])
         offset += positions.numel()
     gathered_rows, gathered_positions = torch.cat(gathered_rows), torch.cat(gathered_positions)
-    order = torch.argsort(gathered_positions, stable=True)
-    return RingPlan(layout, device, kernels, limits, tuple(shard_rows),
-                    _indices_or_all(gathered_rows[order], offset, device),
-                    kernels.plan(limits, gathered_positions[order].to(device)),
-                    tuple(kernels.plan(limits, positions) for positions in shard_positions))
+    gathered_clean = torch.cat(gathered_clean)
+    order = torch.argsort(key_order(gathered_positions, gathered_clean), stable=True)
+    return RingPlan(layout, device, kernels, tuple(shard_rows), _indices_or_all(gathered_rows[order], offset, device),
+                    plan_for(gathered_positions[order], gathered_clean[order]), tuple(shard_plans),
+                    block_diagonal=not masked, kind="masked" if masked else "prefix", num_keys=int(order.numel()))
 
 
 def _indices_or_all(rows, total, device):

@@ -1,6 +1,7 @@
-"""Side-by-side benchmark of CSBP, conventional CP and pure BP on one model, data and noise.
+"""Side-by-side benchmark of CSBP, the field's conventional CP, its bytes-only ablation and pure BP on one model,
+data and noise.
 
-    python -m megatron_csbp.bench --modes csbp,cp,bp --seq-lengths 1024,4096,16384 --nproc 2 \
+    python -m megatron_csbp.bench --modes csbp,cp,cp-traffic,bp --seq-lengths 1024,4096,16384 --nproc 2 \
         [--block-size 64] [--num-layers 2 --hidden-size 128 ...] [--json out.json] [--plot out.png] \
         [--link-gbps 100,10,1,0.1 --link-plot link.png] [--overlap-check] [--predict]
 
@@ -10,6 +11,10 @@ memory is its own. Per rank it measures a forward+backward step of the BDLM GPT 
 path waited on those collectives (exposed communication, with its share of the step), the peak memory
 (the allocator's on a GPU; on the CPU the growth of the process's peak RSS over the steps, beside the
 exact bytes autograd saved for backward), the real attention pairs the rank's rows may see, and tokens/s.
+Beside them, what the attention kernels compute, per rank, per head and sample in one layer's forward, counted
+off the kernels' own plans (masks and tiles; the streaming transport makes the remote call once per ring
+step): kernel calls by family (dense / prefix / masked), real pairs and computed pairs (whole tiles at the
+kernel's tile size).
 
 In the same ranks, after the backend's own link: every `--link-gbps` value as a simulated link
 (`comm.simulated_link`: each collective lasts at least latency + bytes / bandwidth, the delay taken
@@ -40,7 +45,8 @@ import torch
 from megatron_csbp.core import modes, rules
 from megatron_csbp.core.rules import PARALLEL_MODES as MODES
 
-RING_MODES = tuple(mode for mode in MODES if modes.parallel_mode(mode).transported_copies)  # CSBP and CP
+RING_MODES = tuple(mode for mode in MODES if modes.parallel_mode(mode).transported_copies)  # CSBP and the CPs
+BASELINE = next(mode for mode in MODES if modes.parallel_mode(mode).is_baseline)  # the field's CP: "vs CP" columns
 
 # The trainer's rules (megatron_csbp.core.rules), told the bench's flag names.
 FLAGS = rules.FLAGS.renamed(seq_length="--seq-lengths", block_size="--block-size", parallel_size="--nproc",
@@ -52,7 +58,7 @@ TRANSPORT_MEMORY_KEYS = tuple(f"{transport}_{part}_peak_bytes" for transport in 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m megatron_csbp.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--modes", default="csbp,cp,bp", help="comma-separated subset of csbp,cp,bp")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     parser.add_argument("--seq-lengths", default="1024,4096,16384", help="clean context lengths L, comma-separated")
     parser.add_argument("--nproc", type=int, default=2, help="ranks (the block-parallel / CP size)")
     parser.add_argument("--block-size", type=int, default=64)
@@ -129,6 +135,27 @@ def rank_attention_pairs(layout) -> int:
     noisy = layout.noisy_positions // block
     clean = layout.clean_positions // block
     return int(((noisy + 1) * block).sum() + ((clean + 1) * block).sum())
+
+
+def kernel_work(layout, transport="collective"):
+    """The attention kernel calls of one layer's forward on this rank under `transport`, per head and sample,
+    counted off the CPU kernels' own plans for `layout` (their masks and tiles: flex's 128 for the masked
+    call), as dicts: one remote call against all keys (collective) or one per ring member's shard (streaming)."""
+    import dataclasses
+
+    from megatron_csbp.core import ops, transports
+    from megatron_csbp.core.kernels import CPUKernels
+
+    plan = ops.ring_plan(layout, torch.device("cpu"), CPUKernels())
+    calls = plan.kernel_calls(per_member=transports.transport(transport).call_per_member)
+    return [dataclasses.asdict(call) for call in calls]
+
+
+def _kernel_summary(calls):
+    return dict(kernels="+".join(dict.fromkeys(c["kind"] for c in calls)),
+                kernel_calls=sum(c["calls"] for c in calls),
+                kernel_real_pairs=sum(c["real_pairs"] * c["calls"] for c in calls),
+                kernel_computed_pairs=sum(c["computed_pairs"] * c["calls"] for c in calls))
 
 
 def _saved_bytes_hooks(store):
@@ -307,6 +334,7 @@ def _rank_record(rank, world_size, args, mode, seq_length):
         model.zero_grad(set_to_none=True)
         return elapsed, counter
 
+    work = kernel_work(layout, args.csbp_transport)
     saved = [0]
     for index in range(args.warmup):
         step(saved if index == 0 else [0])
@@ -330,7 +358,7 @@ def _rank_record(rank, world_size, args, mode, seq_length):
             saved_activation_bytes=saved[0], rows_per_rank=layout.num_rows,
             attention_pairs_per_rank=rank_attention_pairs(layout) * config.num_attention_heads
             * config.num_layers * args.micro_batch_size,
-            tokens_per_s=args.micro_batch_size * seq_length / step_time))
+            tokens_per_s=args.micro_batch_size * seq_length / step_time, kernel_work=work, **_kernel_summary(work)))
     if args.transport_memory and clean_shards > 1:
         del model
         memory = transport_memory(build_model, forward_step, batch, layout, parallel_state.get_block_parallel_groups(),
@@ -361,6 +389,10 @@ def summarise(per_rank):
         for key in TRANSPORT_MEMORY_KEYS:
             if key in first:
                 record[key] = max(r[key] for r in conditions_of_ranks)
+        busiest = max(conditions_of_ranks, key=lambda r: r["kernel_computed_pairs"])  # the rank computing most
+        record.update({key: busiest[key] for key in ("kernels", "kernel_calls", "kernel_real_pairs",
+                                                     "kernel_computed_pairs")})
+        record["kernel_work_by_rank"] = [r["kernel_work"] for r in conditions_of_ranks]
         record["exposed_share"] = record["exposed_comm_s"] / record["step_time_s"]
         if first.get("calibration"):
             record["calibration"] = combine_calibrations([r["calibration"] for r in conditions_of_ranks])
@@ -423,22 +455,24 @@ def kernel_plans_check(seq_length, block_size, nproc, heads=4, groups=2, head_di
     for mode in RING_MODES:
         for rank in range(nproc):
             layout = layout_of(mode, seq_length, block_size, nproc, rank)
-            plan = ops.ring_plan(layout, device, kernels).gathered
-            noisy = layout.num_noisy_rows
+            ring = ops.ring_plan(layout, device, kernels)
+            plan, noisy = ring.gathered, layout.num_noisy_rows if ring.block_diagonal else 0
             q = torch.randn(1, groups, heads // groups, layout.num_rows, head_dim)
-            k, v = torch.randn(1, groups, seq_length, head_dim), torch.randn(1, groups, seq_length, head_dim)
-            out, lse = kernels.prefix_forward(q, k, v, plan, 0.1)
-            cases.append(dict(mode=mode, rank=rank, layout=layout, plan=plan, q=q, k=k, v=v, out=out, lse=lse,
+            k, v = (torch.randn(1, groups, ring.num_keys, head_dim) for _ in range(2))
+            out, lse = ring.remote_forward(q, k, v, plan, 0.1)
+            cases.append(dict(mode=mode, rank=rank, layout=layout, ring=ring, plan=plan, q=q, k=k, v=v, out=out,
+                              lse=lse,
                               dout=torch.randn_like(out), noisy_k=k[:, :, :noisy], noisy_v=v[:, :, :noisy],
                               forward_s=math.inf, backward_s=math.inf))
 
     def forward(c):
-        kernels.prefix_forward(c["q"], c["k"], c["v"], c["plan"], 0.1)
-        kernels.block_diagonal_forward(c["q"][..., :c["noisy_k"].shape[2], :], c["noisy_k"], c["noisy_v"],
-                                       block_size, 0.1)
+        c["ring"].remote_forward(c["q"], c["k"], c["v"], c["plan"], 0.1)
+        if c["noisy_k"].shape[2]:
+            kernels.block_diagonal_forward(c["q"][..., :c["noisy_k"].shape[2], :], c["noisy_k"], c["noisy_v"],
+                                           block_size, 0.1)
 
     def backward(c):
-        kernels.prefix_backward(c["dout"], c["q"], c["k"], c["v"], c["out"], c["lse"], c["plan"], 0.1)
+        c["ring"].remote_backward(c["dout"], c["q"], c["k"], c["v"], c["out"], c["lse"], c["plan"], 0.1)
 
     for _ in range(repeats):
         for c in cases:
@@ -451,17 +485,18 @@ def kernel_plans_check(seq_length, block_size, nproc, heads=4, groups=2, head_di
     for c in cases:
         real = rank_attention_pairs(c["layout"])
         seconds = c["forward_s"] + c["backward_s"]
+        computed = sum(call.computed_pairs * call.calls for call in c["ring"].kernel_calls())
         results.append(dict(mode=c["mode"], rank=c["rank"], seq_length=seq_length, rows=c["layout"].num_rows,
-                            row_groups=len(c["plan"].groups), real_pairs=real, padded_pairs=c["plan"].pairs,
+                            row_groups=len(c["plan"].groups), real_pairs=real, padded_pairs=computed,
                             forward_s=c["forward_s"], backward_s=c["backward_s"],
                             gflops=rules.step_passes() * real * flops.attention_flops_per_pair(heads, head_dim) / seconds / 1e9))
     return results
 
 
 def print_kernel_plans(results, out=None):
-    cp = {(r["rank"]): r for r in results if r["mode"] == "cp"}
-    print("| mode | L | rank | rows | row groups | real pairs/head | padded pairs/head | forward: prefix + noisy (s) "
-          "| backward: prefix (s) "
+    cp = {(r["rank"]): r for r in results if r["mode"] == BASELINE}
+    print("| mode | L | rank | rows | row groups | real pairs/head | computed pairs/head | forward (s) "
+          "| backward: remote part (s) "
           "| GFLOP/s (real pairs) | time vs CP's same rank |", file=out)
     print("|---|---|---|---|---|---|---|---|---|---|---|", file=out)
     for r in results:
@@ -575,21 +610,26 @@ def baseline(records):
 
 def print_table(records, out=None):
     out = out or sys.stdout
-    header = (f"{'mode':<5} {'L':>7} {'rows/rank':>9} {'bytes/rank':>12} {'vs CP':>6} {'step (s)':>9} "
+    header = (f"{'mode':<10} {'L':>7} {'rows/rank':>9} {'bytes/rank':>12} {'vs CP':>6} {'step (s)':>9} "
               f"{'vs CP':>6} {'exposed (s)':>11} {'share':>6} {'peak mem (MiB)':>14} {'saved act (MiB)':>15} "
-              f"{'pairs/rank':>12} {'tokens/s':>9}")
+              f"{'pairs/rank':>12} {'tokens/s':>9} {'kernels':>13} {'calls':>5} {'real pairs':>12} "
+              f"{'computed':>12} {'comp/real':>9}")
+    print("CP = the field's conventional CP (mode cp); kernels, calls, real and computed pairs: one layer's forward "
+          "on the rank computing most, per head and sample, counted off the kernels' plans", file=out)
     print(header, file=out)
     print("-" * len(header), file=out)
     by_key = {(r["mode"], r["seq_length"]): r for r in records}
     for r in records:
-        cp = by_key.get(("cp", r["seq_length"]))
+        cp = by_key.get((BASELINE, r["seq_length"]))
         byte_ratio = f"{r['bytes_sent_per_rank'] / cp['bytes_sent_per_rank']:.3f}" if cp and cp["bytes_sent_per_rank"] else "-"
         time_ratio = f"{r['step_time_s'] / cp['step_time_s']:.3f}" if cp else "-"
-        print(f"{r['mode']:<5} {r['seq_length']:>7} {r['rows_per_rank']:>9} {r['bytes_sent_per_rank']:>12,} "
+        print(f"{r['mode']:<10} {r['seq_length']:>7} {r['rows_per_rank']:>9} {r['bytes_sent_per_rank']:>12,} "
               f"{byte_ratio:>6} {r['step_time_s']:>9.3f} {time_ratio:>6} {r['exposed_comm_s']:>11.3f} "
               f"{r['exposed_share']:>6.1%} {r['peak_memory_bytes'] / 2**20:>14.1f} "
               f"{r['saved_activation_bytes'] / 2**20:>15.1f} {r['attention_pairs_per_rank']:>12,} "
-              f"{r['tokens_per_s']:>9.0f}", file=out)
+              f"{r['tokens_per_s']:>9.0f} {r['kernels']:>13} {r['kernel_calls']:>5} {r['kernel_real_pairs']:>12,} "
+              f"{r['kernel_computed_pairs']:>12,} {r['kernel_computed_pairs'] / r['kernel_real_pairs']:>9.3f}",
+              file=out)
 
 
 def print_transport_memory(records, out=None):
@@ -599,7 +639,7 @@ def print_transport_memory(records, out=None):
     if not rows:
         return
     print("\ntransport memory: peak tensor MiB per rank (largest rank), collective / streaming", file=out)
-    header = (f"{'mode':<5} {'L':>7} {'ranks':>5} {'C':>3} {'transport':<10} {'step':>9} {'attention fwd':>13} "
+    header = (f"{'mode':<10} {'L':>7} {'ranks':>5} {'C':>3} {'transport':<10} {'step':>9} {'attention fwd':>13} "
               f"{'attention fwd+bwd':>17}")
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -608,7 +648,7 @@ def print_transport_memory(records, out=None):
             step, forward, both = (r[f"{transport}_{part}_peak_bytes"] / 2**20
                                    for part in ("step", "attention_forward", "attention"))
             clean_shards = layout_of(r["mode"], r["seq_length"], r["block_size"], r["nproc"], 0).clean_shards
-            print(f"{r['mode']:<5} {r['seq_length']:>7} {r['nproc']:>5} {clean_shards:>3} {transport:<10} "
+            print(f"{r['mode']:<10} {r['seq_length']:>7} {r['nproc']:>5} {clean_shards:>3} {transport:<10} "
                   f"{step:>9.1f} {forward:>13.1f} {both:>17.1f}", file=out)
 
 
@@ -631,8 +671,8 @@ def print_link_sweep(records, out=None):
                 found[mode] = r
                 cells.append(f"{r['step_time_s']:8.3f} ({r['exposed_comm_s']:6.3f}, {r['exposed_share']:4.0%})"
                              if r else f"{'-':>22}")
-            ratio = (f"{found['csbp']['step_time_s'] / found['cp']['step_time_s']:8.3f}"
-                     if found.get("csbp") and found.get("cp") else f"{'-':>8}")
+            ratio = (f"{found['csbp']['step_time_s'] / found[BASELINE]['step_time_s']:8.3f}"
+                     if found.get("csbp") and found.get(BASELINE) else f"{'-':>8}")
             label = "backend" if gbps is None else f"{gbps:g} Gb/s"
             print(f"{length:>7} {label:>10} " + " ".join(cells) + f" {ratio}", file=out)
 
@@ -651,7 +691,7 @@ def print_overlap(records, out=None):
         if s is None or not s["bytes_sent_per_rank"]:
             continue
         hidden = s["exposed_comm_s"] - r["exposed_comm_s"]
-        print(f"  {r['mode']:<5} L={r['seq_length']:<6} {r['exposed_comm_s']:7.3f} | {s['exposed_comm_s']:7.3f} | "
+        print(f"  {r['mode']:<10} L={r['seq_length']:<6} {r['exposed_comm_s']:7.3f} | {s['exposed_comm_s']:7.3f} | "
               f"{hidden:7.3f} s ({hidden / max(s['exposed_comm_s'], 1e-12):.0%} of the collectives' time); step "
               f"{r['step_time_s']:.3f} s vs {s['step_time_s']:.3f} s serialised", file=out)
 
@@ -664,7 +704,7 @@ def print_calibrations(records, out=None):
     for r in records:
         c = r.get("calibration")
         if c and r["link_gbps"] is None and r["overlap"]:
-            print(f"  {r['mode']:<5} L={r['seq_length']:<6} {c['linear_gflops']:6.1f} {c['attention_gflops']:6.1f} "
+            print(f"  {r['mode']:<10} L={r['seq_length']:<6} {c['linear_gflops']:6.1f} {c['attention_gflops']:6.1f} "
                   f"{c['backend_gb_s']:6.2f} + {c['latency_s'] * 1e6:.0f} us", file=out)
 
 
@@ -673,13 +713,13 @@ def print_predictions(records, predictions, out=None):
     machine, and the calibration takes the best of its runs too); returns the largest relative error."""
     out = out or sys.stdout
     print("\nplanner (calibrated on this machine) vs bench: fastest measured step s", file=out)
-    print(f"  {'mode':<5} {'L':>7} {'link':>20} {'measured':>9} {'predicted':>9} {'error':>7}   "
+    print(f"  {'mode':<10} {'L':>7} {'link':>20} {'measured':>9} {'predicted':>9} {'error':>7}   "
           f"{'exposed meas.':>13} {'pred.':>7}", file=out)
     worst = 0.0
     for r, q in zip(records, predictions):
         error = q.step_time_s / r["best_step_time_s"] - 1
         worst = max(worst, abs(error))
-        print(f"  {r['mode']:<5} {r['seq_length']:>7} {_link_label(r):>20} {r['best_step_time_s']:>9.3f} "
+        print(f"  {r['mode']:<10} {r['seq_length']:>7} {_link_label(r):>20} {r['best_step_time_s']:>9.3f} "
               f"{q.step_time_s:>9.3f} {error:>+7.1%}   {r['best_exposed_comm_s']:>13.3f} {q.exposed_attention_s:>7.3f}",
               file=out)
     print(f"  largest |error| {worst:.1%}", file=out)
@@ -722,7 +762,7 @@ def plot_links(records, path):
     ratio_axis = axes[0][-1]
     for length in lengths:
         by = {(r["mode"], r["link_gbps"]): r["step_time_s"] for r in rows if r["seq_length"] == length}
-        points = sorted((g, by["csbp", g] / by["cp", g]) for m, g in by if m == "csbp" and ("cp", g) in by)
+        points = sorted((g, by["csbp", g] / by[BASELINE, g]) for m, g in by if m == "csbp" and (BASELINE, g) in by)
         if points:
             ratio_axis.plot(*zip(*points), marker="o", label=f"L = {length}")
     ratio_axis.axhline(1.0, color="grey", linewidth=0.8)
@@ -778,13 +818,14 @@ def main(argv=None):
     print_table(main_records)
     for seq_length in args.seq_lengths:
         by_mode = {r["mode"]: r for r in main_records if r["seq_length"] == seq_length}
-        if "csbp" in by_mode and "cp" in by_mode:
-            csbp, cp = by_mode["csbp"], by_mode["cp"]
+        if "csbp" in by_mode and BASELINE in by_mode:
+            csbp, cp = by_mode["csbp"], by_mode[BASELINE]
             print(f"L={seq_length}: CSBP/CP bytes {csbp['bytes_sent_per_rank'] / cp['bytes_sent_per_rank']:.3f}, "
                   f"step time {csbp['step_time_s'] / cp['step_time_s']:.3f}, "
                   f"exposed comm {csbp['exposed_comm_s']:.3f} vs {cp['exposed_comm_s']:.3f} s, "
                   f"saved activations {csbp['saved_activation_bytes'] / cp['saved_activation_bytes']:.3f}, "
-                  f"peak memory {csbp['peak_memory_bytes'] / max(cp['peak_memory_bytes'], 1):.3f}")
+                  f"peak memory {csbp['peak_memory_bytes'] / max(cp['peak_memory_bytes'], 1):.3f}, "
+                  f"computed pairs {csbp['kernel_computed_pairs'] / cp['kernel_computed_pairs']:.3f}")
     print_scaling(main_records)
     print_transport_memory(main_records)
     print_link_sweep(records)

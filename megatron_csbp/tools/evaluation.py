@@ -46,6 +46,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
+from megatron_csbp.core import rules
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training import entry
 
@@ -98,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--context-block-parallel", type=int, default=1, metavar="P")
     group.add_argument("--context-block-parallel-clean-shards", type=int, default=None, metavar="C")
-    group.add_argument("--bdlm-parallel-mode", choices=("csbp", "cp", "bp"), default=None,
+    group.add_argument("--bdlm-parallel-mode", choices=rules.PARALLEL_MODES, default=None,
                        help="Default: the checkpoint's.")
-    group.add_argument("--csbp-transport", choices=("collective", "streaming"), default=None,
+    group.add_argument("--csbp-transport", choices=rules.TRANSPORTS, default=None,
                        help="Default: the checkpoint's.")
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--distributed-timeout-minutes", type=int, default=None, help="Default: the checkpoint's.")

@@ -3,10 +3,17 @@
     python scripts/gpu_check.py [--sections correctness,throughput,train] [--json FILE] [--allow-cpu] [sizes]
 
 * correctness: the CSBP op on one rank (P = C = 1, no process group) against dense fp64 attention
-  under the full `2L x 2L` BDLM mask, output and dQ/dK/dV, fp32 and bf16, GQA. A dense causal mask
-  over the same rows is the negative control: the op must be far from it.
+  under the full `2L x 2L` BDLM mask, output and dQ/dK/dV, fp32 and bf16, GQA, in CSBP's two kernels and
+  in the field's CP's one masked call (flex with the BDLM block mask). A dense causal mask over the same
+  rows is the negative control: the op must be far from it.
 * throughput: the op's forward and backward TFLOP/s on the BDLM mask (real pairs `L² + L·B` per
   head) beside dense causal attention (`scaled_dot_product_attention`) over the same `2L` rows, bf16.
+* kernels: each mode's per-rank attention kernels on this one device (`--kernel-ranks` P, rank 0's rows and
+  plan, `--kernel-seq-lengths` L, default 32K-128K): CSBP's dense block-diagonal and prefix calls, the field's
+  CP's one masked call (flex with the BDLM block mask over the rank's `2L/P` rows against all `2L` keys),
+  and cp-traffic's; forward and backward seconds and rates in real pairs/s per kernel family, the figures
+  the planner's per-kernel rates calibrate on (pairs per head and sample from `ParallelMode.kernel_calls`,
+  computed pairs at flex's 128 tile).
 * train: a few AdamW steps of a ~1B-parameter BDLM GPT model on one rank (the Transformer Engine spec
   when it imports): tokens/s, exact BDLM TFLOP/s (`flops.bdlm_step_flops`) and peak memory.
 
@@ -22,6 +29,7 @@ eager flex attention, and its whole forward and backward around a dense stand-in
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -37,7 +45,9 @@ import torch
 from megatron_csbp.core import rules
 from megatron_csbp.core.device import default_device
 
-SECTIONS = ("correctness", "throughput", "train")
+SECTIONS = ("correctness", "throughput", "kernels", "train")
+CHECKED_MODES = ("csbp", "cp")  # CSBP's two kernels and the field's CP's one masked call, on one rank
+KERNEL_MODES = ("csbp", "cp", "cp-traffic")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SPECS = ("auto", "te", "local")
 NEGATIVE_CONTROL_FACTOR = 10  # the causal-mask control must be at least this many tolerances away
@@ -48,6 +58,9 @@ CHECK_FLAGS = rules.FLAGS.renamed(seq_length="--check-seq-lengths", block_size="
                                   heads="--check-heads", query_groups="--check-kv-heads", **_ONE_RANK)
 BENCH_FLAGS = rules.FLAGS.renamed(seq_length="--bench-seq-length", block_size="--bench-block-size",
                                   heads="--bench-heads", query_groups="--bench-kv-heads", **_ONE_RANK)
+KERNEL_FLAGS = rules.FLAGS.renamed(seq_length="--kernel-seq-lengths", block_size="--kernel-block-size",
+                                   parallel_size="--kernel-ranks", mode="mode", clean_shards="clean shards",
+                                   clean_layout="clean layout")
 TRAIN_FLAGS = rules.FLAGS.renamed(seq_length="--train-seq-length", block_size="--train-block-size",
                                   heads="--train-heads", query_groups="--train-query-groups",
                                   hidden_size="--train-hidden-size", **_ONE_RANK)
@@ -83,6 +96,10 @@ def parse_args(argv=None):
     bench.add_argument("--bench-head-dim", type=int, default=128)
     bench.add_argument("--bench-dtype", default="bf16", choices=tuple(DTYPES))
     bench.add_argument("--bench-iters", type=int, default=5, help="timed calls after the first (median)")
+    kernels = parser.add_argument_group("kernels (the throughput section's heads, head size, dtype and iterations)")
+    kernels.add_argument("--kernel-seq-lengths", default="32768,65536,131072", help="clean lengths L, comma-separated")
+    kernels.add_argument("--kernel-ranks", type=int, default=8, help="P whose rank-0 work is timed (C = P)")
+    kernels.add_argument("--kernel-block-size", type=int, default=64)
     train = parser.add_argument_group("train")
     train.add_argument("--train-layers", type=int, default=16)
     train.add_argument("--train-hidden-size", type=int, default=2048)
@@ -103,6 +120,7 @@ def parse_args(argv=None):
     args.sections = [s for s in args.sections.split(",") if s]
     args.check_seq_lengths = _ints(args.check_seq_lengths)
     args.check_dtypes = [d for d in args.check_dtypes.split(",") if d]
+    args.kernel_seq_lengths = _ints(args.kernel_seq_lengths)
     if not args.sections or set(args.sections) - set(SECTIONS):
         parser.error(f"--sections={','.join(args.sections)}: choose from {','.join(SECTIONS)}")
     if not args.check_dtypes or set(args.check_dtypes) - set(DTYPES):
@@ -112,6 +130,9 @@ def parse_args(argv=None):
           for n in args.check_seq_lengths),
         rules.sequence_problem("csbp", args.bench_seq_length, args.bench_block_size, 1, 1, flags=BENCH_FLAGS),
         rules.sequence_problem("csbp", args.train_seq_length, args.train_block_size, 1, 1, flags=TRAIN_FLAGS),
+        *(rules.sequence_problem(mode, n, args.kernel_block_size, args.kernel_ranks,
+                                 rules.clean_shards(mode, args.kernel_ranks), flags=KERNEL_FLAGS)
+          for n in args.kernel_seq_lengths for mode in KERNEL_MODES),
         rules.query_groups_problem(args.check_heads, args.check_kv_heads, CHECK_FLAGS),
         rules.query_groups_problem(args.bench_heads, args.bench_kv_heads, BENCH_FLAGS),
         rules.query_groups_problem(args.train_heads, args.train_query_groups, TRAIN_FLAGS),
@@ -214,14 +235,13 @@ def kernel_variants(device):
                   ("FlexKernels (dense stand-in for flex_attention)", stand_in, True)]
 
 
-def correctness_case(args, device, label, kernels, backward, dtype_name, seq_length):
-    """One (kernels, dtype, L) case: the op's errors against the fp64 reference, and the negative control."""
-    from megatron_csbp.core.layout import CSBPLayout
-    from megatron_csbp.core import ops
+def correctness_case(args, device, label, kernels, backward, dtype_name, seq_length, mode="csbp"):
+    """One (kernels, mode, dtype, L) case: the op's errors against the fp64 reference, and the negative control."""
+    from megatron_csbp.core import modes, ops
 
     dtype, block = DTYPES[dtype_name], args.check_block_size
     tolerance = args.fp32_tolerance if dtype is torch.float32 else args.bf16_tolerance
-    layout = CSBPLayout(seq_length, block, 1, 1)
+    layout = modes.parallel_mode(mode).layout(seq_length, block, 1, 1)
     rows = torch.cat([layout.noisy_positions, seq_length + layout.clean_positions]).to(device)
     generator = torch.Generator().manual_seed(seq_length)
     batch, heads, kv_heads, head_dim = args.check_batch, args.check_heads, args.check_kv_heads, args.check_head_dim
@@ -255,33 +275,35 @@ def correctness_case(args, device, label, kernels, backward, dtype_name, seq_len
     dtype_ok = out.dtype == dtype
     passed = (dtype_ok and all(error <= tolerance for error in errors.values())  # False for NaN
               and negative >= NEGATIVE_CONTROL_FACTOR * tolerance)
-    return dict(kernels=label, dtype=dtype_name, seq_length=seq_length, block_size=block, batch=batch, heads=heads,
-                kv_heads=kv_heads, head_dim=head_dim, backward=backward, errors=errors, tolerance=tolerance,
+    return dict(kernels=label, mode=mode, dtype=dtype_name, seq_length=seq_length, block_size=block, batch=batch,
+                heads=heads, kv_heads=kv_heads, head_dim=head_dim, backward=backward, errors=errors,
+                tolerance=tolerance,
                 negative_control_error=negative, output_dtype=str(out.dtype).replace("torch.", ""),
                 fp32_precision=fp32_precision, seconds=elapsed, passed=passed)
 
 
 def correctness(args, device, records):
     for label, kernels, backward in kernel_variants(device):
-        for dtype_name in args.check_dtypes:
-            for seq_length in args.check_seq_lengths:
-                case = dict(kernels=label, dtype=dtype_name, seq_length=seq_length)
-                try:
-                    case = correctness_case(args, device, label, kernels, backward, dtype_name, seq_length)
-                except Exception:
-                    case.update(passed=False, error=traceback.format_exc())
-                records.append(case)
-                print(_correctness_line(case), flush=True)
-                _free(device)
+        for mode, dtype_name, seq_length in itertools.product(CHECKED_MODES, args.check_dtypes,
+                                                              args.check_seq_lengths):
+            case = dict(kernels=label, mode=mode, dtype=dtype_name, seq_length=seq_length)
+            try:
+                case = correctness_case(args, device, label, kernels, backward, dtype_name, seq_length, mode)
+            except Exception:
+                case.update(passed=False, error=traceback.format_exc())
+            records.append(case)
+            print(_correctness_line(case), flush=True)
+            _free(device)
 
 
 def _correctness_line(r):
     if "error" in r:
-        return f"{r['kernels']} {r['dtype']} L={r['seq_length']}: ERROR {r['error'].strip().splitlines()[-1]}"
+        return (f"{r['kernels']} {r.get('mode', 'csbp')} {r['dtype']} L={r['seq_length']}: ERROR "
+                f"{r['error'].strip().splitlines()[-1]}")
     errors = " ".join(f"{name} {value:.1e}" for name, value in r["errors"].items())
     expected_dtype = str(DTYPES[r["dtype"]]).replace("torch.", "")
     dtype_note = "" if r["output_dtype"] == expected_dtype else f", OUTPUT {r['output_dtype']} (not {expected_dtype})"
-    return (f"{r['kernels']} {r['dtype']} L={r['seq_length']}: {errors} (tol {r['tolerance']:.0e}); "
+    return (f"{r['kernels']} {r['mode']} {r['dtype']} L={r['seq_length']}: {errors} (tol {r['tolerance']:.0e}); "
             f"causal control {r['negative_control_error']:.2f}{dtype_note}")
 
 
@@ -367,6 +389,80 @@ def throughput(args, device, records):
     bdlm_record["pairs_vs_causal"] = bdlm_record["pairs_per_head"] / causal_record["pairs_per_head"]
     for record in records[-2:]:
         print(_throughput_line(record), flush=True)
+
+
+def kernels(args, device, records):
+    """Rank 0's attention kernels of each mode at `--kernel-ranks` P, on this one device: every kernel call of one
+    layer, forward then backward, timed apart (the medians of `--bench-iters` after a first, compiling call)."""
+    from megatron_csbp.bdlm.flops import attention_flops_per_pair
+    from megatron_csbp.core import modes, ops
+    from megatron_csbp.core.kernels import default_kernels
+
+    kernel_family, P, block = default_kernels(device), args.kernel_ranks, args.kernel_block_size
+    batch, heads, kv_heads, head_dim = args.bench_batch, args.bench_heads, args.bench_kv_heads, args.bench_head_dim
+    dtype, tile = DTYPES[args.bench_dtype], getattr(kernel_family, "masked_tile", 128)
+    scale = head_dim ** -0.5
+    for L in args.kernel_seq_lengths:
+        for name in KERNEL_MODES:
+            mode = modes.parallel_mode(name)
+            C = mode.clean_shards(P)
+            layout = mode.layout(L, block, P, C, 0)
+            ring = ops.ring_plan(layout, device, kernel_family)
+            calls = {call.kind: call for call in mode.kernel_calls(L, block, P, C, 0, tile)}
+
+            def keys(rows):  # `[b, kv_heads, rows, d]`
+                return torch.randn(batch, kv_heads, rows, head_dim, device=device, dtype=dtype)
+
+            n, noisy = layout.num_rows, layout.num_noisy_rows
+            q = torch.randn(batch, kv_heads, heads // kv_heads, n, head_dim, device=device, dtype=dtype)
+            parts = {}
+            if ring.block_diagonal:
+                nk, nv = keys(noisy), keys(noisy)
+                parts["dense"] = (lambda: kernel_family.block_diagonal_forward(q[..., :noisy, :], nk, nv, block, scale),
+                                  lambda o, l, d: kernel_family.block_diagonal_backward(
+                                      d, q[..., :noisy, :], nk, nv, o, l, block, scale))
+            k, v = keys(ring.num_keys), keys(ring.num_keys)
+            parts[ring.kind] = (lambda: ring.remote_forward(q, k, v, ring.gathered, scale),
+                                lambda o, l, d: ring.remote_backward(d, q, k, v, o, l, ring.gathered, scale))
+            for kind, (forward, backward) in parts.items():
+                out, lse = forward()
+                dout = torch.randn_like(out)
+                backward(out, lse, dout)
+                times = []
+                for _ in range(args.bench_iters):
+                    _sync(device)
+                    start = time.perf_counter()
+                    out, lse = forward()
+                    _sync(device)
+                    middle = time.perf_counter()
+                    backward(out, lse, dout)
+                    _sync(device)
+                    times.append((middle - start, time.perf_counter() - middle))
+                forward_s = statistics.median(t[0] for t in times)
+                backward_s = statistics.median(t[1] for t in times)
+                call = calls[kind]
+                real = call.real_pairs * call.calls * batch * heads
+                records.append(dict(mode=name, kind=kind, seq_length=L, ranks=P, clean_shards=C, block_size=block,
+                                    rows=noisy if kind == "dense" else n,
+                                    keys=noisy if kind == "dense" else ring.num_keys,
+                                    batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                                    dtype=args.bench_dtype, tile=tile, real_pairs_per_head=call.real_pairs,
+                                    computed_pairs_per_head=call.computed_pairs, forward_s=forward_s,
+                                    backward_s=backward_s, forward_pairs_per_s=real / forward_s,
+                                    backward_pairs_per_s=real / backward_s,
+                                    forward_tflops=real * attention_flops_per_pair(1, head_dim) / forward_s / 1e12))
+                print(_kernel_line(records[-1]), flush=True)
+                del out, lse, dout
+            del q, k, v, parts
+            _free(device)
+
+
+def _kernel_line(r):
+    return (f"{r['mode']:<10} {r['kind']:<6} L={r['seq_length']} P={r['ranks']} rank 0: {r['rows']} rows x "
+            f"{r['keys']} keys, real {r['real_pairs_per_head']:,} computed {r['computed_pairs_per_head']:,} pairs/head "
+            f"(tile {r['tile']}); forward {r['forward_s'] * 1e3:.2f} ms {r['forward_pairs_per_s']:.3g} pairs/s "
+            f"({r['forward_tflops']:.3g} TFLOP/s), backward {r['backward_s'] * 1e3:.2f} ms "
+            f"{r['backward_pairs_per_s']:.3g} pairs/s")
 
 
 def _throughput_line(r):
@@ -498,8 +594,9 @@ def _train_line(r):
             f"peak {peak}, first step {r['first_step_s']:.1f} s")
 
 
-SECTION_RUNNERS = {"correctness": correctness, "throughput": throughput, "train": train}
-SUMMARY_LINES = {"correctness": _correctness_line, "throughput": _throughput_line, "train": _train_line}
+SECTION_RUNNERS = {"correctness": correctness, "throughput": throughput, "kernels": kernels, "train": train}
+SUMMARY_LINES = {"correctness": _correctness_line, "throughput": _throughput_line, "kernels": _kernel_line,
+                 "train": _train_line}
 
 
 def environment(device):

@@ -49,7 +49,9 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Stratified noise times over the (sample, block) pairs of a batch, or i.i.d. uniform.")
     group.add_argument("--bdlm-parallel-mode", choices=PARALLEL_MODES, default="csbp",
                        help="csbp: context-sharded block parallelism; cp: conventional context parallelism over "
-                            "[x_t ; x_0] (baseline); bp: pure block parallelism (C = 1, clean prefix replicated).")
+                            "[x_t ; x_0] as the field runs it, one masked attention call per rank (baseline); "
+                            "cp-traffic: cp's rows and traffic computed with CSBP's kernels (an ablation of the "
+                            "bytes); bp: pure block parallelism (C = 1, clean prefix replicated).")
     group.add_argument("--csbp-transport", choices=rules.TRANSPORTS, default="collective",
                        help="All-gather the clean K/V (collective) or pass shards around the ring (bounded memory).")
     group.add_argument("--link-gbps", type=float, default=None, metavar="GBPS",

@@ -10,20 +10,30 @@ expanding K/V) and `k, v [b, kv_heads, n_k, d]`; outputs `o` like `q`, `lse [b, 
 Backward takes the FINAL merged output and LSE (the flash-attention identity), so each part's gradient
 is exact on its own and the parts add.
 
-One module per family: `merge` (the LSE merge and its accumulation dtype), `cpu_tiles` (torch's CPU
-flash kernel, tile by tile, and its `PrefixPlan`), `flex` (flex attention on GPUs). Every kernel family
-offers `plan(query_limits, key_positions)`, `block_diagonal_forward/backward` and `prefix_forward/backward`.
+The field's conventional CP does not decompose: one MASKED call per rank (per ring step when streamed)
+over its rows against any keys, under the BDLM mask (`mask.bdlm_visible`), with flex attention's tiles:
+key tiles a query tile cannot see are skipped, partly visible ones computed and masked. Its LSE follows the
+same identity, so a streamed call's parts merge and differentiate like the two parts above.
+
+One module per family: `merge` (the LSE merge and its accumulation dtype), `mask` (the BDLM mask of any rows
+and keys), `cpu_tiles` (torch's CPU flash kernel, tile by tile: its `PrefixPlan` and `MaskedPlan`), `flex`
+(flex attention on GPUs). Every kernel family offers `plan(query_limits, key_positions)`,
+`block_diagonal_forward/backward`, `prefix_forward/backward`, `masked_plan(query_positions, query_clean,
+key_positions, key_clean, block_size)` and `masked_forward/backward`; a plan's `work()` gives the (real,
+computed) pairs its kernel covers, read off its own masks (the CPU plans).
 """
 
 import math
 
 import torch
 
-from megatron_csbp.core.kernels.cpu_tiles import DEFAULT_TILE, CPUKernels, PrefixPlan
-from megatron_csbp.core.kernels.flex import FlexKernels, FlexPrefixPlan
+from megatron_csbp.core.kernels.cpu_tiles import DEFAULT_TILE, MASKED_TILE, CPUKernels, MaskedPlan, PrefixPlan
+from megatron_csbp.core.kernels.flex import FlexKernels, FlexMaskedPlan, FlexPrefixPlan
+from megatron_csbp.core.kernels.mask import bdlm_visible
 from megatron_csbp.core.kernels.merge import accumulation_dtype, merge_into, merge_partials, running_merge
 
-__all__ = ["DEFAULT_TILE", "CPUKernels", "PrefixPlan", "FlexKernels", "FlexPrefixPlan", "accumulation_dtype",
+__all__ = ["DEFAULT_TILE", "MASKED_TILE", "CPUKernels", "PrefixPlan", "MaskedPlan", "FlexKernels", "FlexPrefixPlan",
+           "FlexMaskedPlan", "bdlm_visible", "accumulation_dtype",
            "merge_partials", "running_merge", "merge_into", "default_kernels", "default_scale"]
 
 _kernels = {}

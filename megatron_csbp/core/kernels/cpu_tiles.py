@@ -1,5 +1,10 @@
 """The CPU kernels: torch's flash kernel (`_scaled_dot_product_flash_attention_for_cpu`, tiled, returns LSE).
 
+The masked part (the field's conventional CP: one call over a rank's rows against any keys under the BDLM
+mask) has flex attention's semantics: `MaskedPlan` cuts rows and keys into `masked_tile` tiles (flex's 128
+by default), skips the key tiles a query tile cannot see, computes wholly visible ones unmasked and partly
+visible ones with their mask, so its computed pairs are what flex with a block mask computes.
+
 The prefix part is cut into key tiles: rows whose visible keys end in tile `j` attend to tiles `< j`
 unmasked and to tile `j` with a mask, so no hidden tile is ever computed and no fully hidden row is
 passed to the kernel. `PrefixPlan` holds that cut, once per (rows, keys). The block-diagonal part runs
@@ -8,11 +13,13 @@ every block as a separate batch entry of one kernel call.
 
 import torch
 
-from megatron_csbp.core.kernels.merge import accumulation_dtype, merge_into, running_merge
+from megatron_csbp.core.kernels.mask import bdlm_visible
+from megatron_csbp.core.kernels.merge import accumulation_dtype, finite_lse, merge_into, running_merge
 
 _flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 DEFAULT_TILE = 512
+MASKED_TILE = 128  # flex attention's default block size: the masked kernel's tiles are flex's
 
 
 def _fold(q):
@@ -74,12 +81,16 @@ class PrefixPlan:
         """Query-key pairs the plan computes (per head and sample), counting the tile padding."""
         return sum(rows.numel() * hi for rows, lo, hi, _ in self.groups)
 
+    def work(self) -> tuple[int, int]:
+        """(real, computed) query-key pairs per head and sample, read off the plan's row groups and masks."""
+        return sum(rows.numel() * lo + int(visible.sum()) for rows, lo, hi, visible in self.groups), self.pairs
+
 
 class CPUKernels:
     """Torch's CPU flash-attention kernel, used tile by tile."""
 
-    def __init__(self, tile: int = DEFAULT_TILE):
-        self.tile = tile
+    def __init__(self, tile: int = DEFAULT_TILE, masked_tile: int = MASKED_TILE):
+        self.tile, self.masked_tile = tile, masked_tile
 
     def block_diagonal_forward(self, q, k, v, block_size, scale):
         out, lse = _flash_forward(_queries_by_block(q, block_size), _keys_by_block(k, block_size),
@@ -95,6 +106,15 @@ class CPUKernels:
 
     def plan(self, query_limits, key_positions):
         return PrefixPlan(query_limits, key_positions, self.tile)
+
+    def masked_plan(self, query_positions, query_clean, key_positions, key_clean, block_size):
+        return MaskedPlan(query_positions, query_clean, key_positions, key_clean, block_size, self.masked_tile)
+
+    def masked_forward(self, q, k, v, plan, scale):
+        return _masked_forward(q, k, v, plan, scale)
+
+    def masked_backward(self, dout, q, k, v, out, lse, plan, scale):
+        return _masked_backward(dout, q, k, v, out, lse, plan, scale)
 
     def prefix_forward(self, q, k, v, plan, scale):
         b, h, g, n, d = q.shape
@@ -130,3 +150,116 @@ class CPUKernels:
                 dv[:, :, start:stop] += part_dv
             dq.index_add_(3, rows, rows_dq.view(b, h, g, rows.numel(), d).to(acc))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class MaskedPlan:
+    """Flex attention's semantics on the CPU: rows and keys cut into `tile`-sized tiles; per query tile, key
+    tiles the mask hides entirely are skipped, wholly visible ones are computed unmasked (contiguous runs of
+    them, one kernel call each) and partly visible ones are computed together with their mask.
+
+    Built once per (rows, keys) from the BDLM mask (`mask.bdlm_visible`), one query tile at a time, so no
+    `[rows, keys]` table is ever held; it keeps only the partial tiles' masks.
+    """
+
+    def __init__(self, query_positions, query_clean, key_positions, key_clean, block_size, tile):
+        self.tile, n, m = tile, query_positions.numel(), key_positions.numel()
+        starts = torch.arange(0, m, tile)
+        widths, key_tile = torch.clamp(m - starts, max=tile), torch.arange(m) // tile
+        self.tiles = []  # per query tile: (row start, row stop, full key runs, partial key indices, partial mask)
+        for lo in range(0, n, tile):
+            hi = min(lo + tile, n)
+            visible = bdlm_visible(query_positions[lo:hi, None], query_clean[lo:hi, None],
+                                   key_positions[None], key_clean[None], block_size)
+            per_tile = torch.zeros(starts.numel(), dtype=torch.long).index_add_(0, key_tile, visible.sum(0).cpu())
+            full = per_tile == widths * (hi - lo)
+            partial = (per_tile > 0) & ~full
+            runs = _runs(torch.nonzero(full).flatten().tolist())
+            full_runs = [(first * tile, min((last + 1) * tile, m)) for first, last in runs]
+            keys = torch.cat([torch.arange(j * tile, min((j + 1) * tile, m))
+                              for j in torch.nonzero(partial).flatten().tolist()] or [torch.empty(0, dtype=torch.long)])
+            self.tiles.append((lo, hi, full_runs, keys.to(query_positions.device),
+                               visible[:, keys.to(visible.device)] if keys.numel() else None))
+        self._masks = {}
+
+    @property
+    def groups(self):
+        """The plan's query tiles (its row groups, as `PrefixPlan` calls them)."""
+        return self.tiles
+
+    def additive_mask(self, index, dtype, query_group):
+        """Query tile `index`'s mask over its partial key tiles, as the flash kernel takes it; built once per plan."""
+        key = (index, dtype, query_group)
+        if key not in self._masks:
+            visible = self.tiles[index][4]
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            self._masks[key] = mask.masked_fill(~visible, float("-inf")).repeat(query_group, 1)
+        return self._masks[key]
+
+    def work(self) -> tuple[int, int]:
+        """(real, computed) query-key pairs per head and sample, read off the plan's tiles and masks."""
+        real = computed = 0
+        for lo, hi, full_runs, keys, visible in self.tiles:
+            full = sum(stop - start for start, stop in full_runs)
+            computed += (hi - lo) * (full + keys.numel())
+            real += (hi - lo) * full + (int(visible.sum()) if visible is not None else 0)
+        return real, computed
+
+
+def _runs(indices):
+    """Sorted integers -> [(first, last)] of their runs of consecutive values."""
+    runs = []
+    for i in indices:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return [tuple(run) for run in runs]
+
+
+def _masked_forward(q, k, v, plan, scale):
+    b, h, g, n, d = q.shape
+    out = q.new_zeros(q.shape)
+    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
+    for index, (lo, hi, full_runs, keys, visible) in enumerate(plan.tiles):
+        q_rows, running = _fold(q[:, :, :, lo:hi]), None
+        parts = [(start, stop, None) for start, stop in full_runs] + ([(None, None, index)] if keys.numel() else [])
+        for start, stop, masked in parts:
+            if masked is None:
+                part = _flash_forward(q_rows, k[:, :, start:stop], v[:, :, start:stop], scale=scale)[:2]
+            else:
+                part = _flash_forward(q_rows, k.index_select(2, keys), v.index_select(2, keys), scale=scale,
+                                      attn_mask=plan.additive_mask(index, q.dtype, g))[:2]
+                seen = visible.any(1).repeat(g)  # the kernel gives rows it sees nothing of LSE 0: make it -inf
+                part = (part[0], part[1].masked_fill(~seen, float("-inf")))
+            running = running_merge(part) if running is None else merge_into(running, part)
+        if running is not None:
+            out[:, :, :, lo:hi] = running[0].view(b, h, g, hi - lo, d).to(out.dtype)
+            lse[:, :, :, lo:hi] = running[1].view(b, h, g, hi - lo)
+    return out, lse
+
+
+def _masked_backward(dout, q, k, v, out, lse, plan, scale):
+    """Each tile's gradient against the FINAL output and LSE (the flash identity), so parts and tiles add."""
+    b, h, g, n, d = q.shape
+    acc = accumulation_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros_like(x, dtype=acc) for x in (q, k, v))
+    for index, (lo, hi, full_runs, keys, _) in enumerate(plan.tiles):
+        picked = [_fold(x[:, :, :, lo:hi]) for x in (dout, q, out)]
+        rows_lse = finite_lse(lse[:, :, :, lo:hi]).reshape(b, h, -1)
+        rows_dq = 0
+        for start, stop in full_runs:
+            part_dq, part_dk, part_dv = _flash_backward(picked[0], picked[1], k[:, :, start:stop], v[:, :, start:stop],
+                                                        picked[2], rows_lse, 0.0, False, scale=scale)
+            rows_dq = rows_dq + part_dq
+            dk[:, :, start:stop] += part_dk
+            dv[:, :, start:stop] += part_dv
+        if keys.numel():
+            part_dq, part_dk, part_dv = _flash_backward(
+                picked[0], picked[1], k.index_select(2, keys), v.index_select(2, keys), picked[2], rows_lse, 0.0,
+                False, attn_mask=plan.additive_mask(index, q.dtype, g), scale=scale)
+            rows_dq = rows_dq + part_dq
+            dk.index_add_(2, keys, part_dk.to(acc))
+            dv.index_add_(2, keys, part_dv.to(acc))
+        if torch.is_tensor(rows_dq):
+            dq[:, :, :, lo:hi] += rows_dq.view(b, h, g, hi - lo, d).to(acc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -3,7 +3,10 @@ autograd (flex has no CPU backward)."""
 
 import torch
 
+from megatron_csbp.core.kernels.mask import bdlm_visible
 from megatron_csbp.core.kernels.merge import accumulation_dtype, finite_lse
+
+MASKED_TILE = 128  # flex attention's default block size (its BLOCK_SIZE): the masked part's tiles
 
 
 class FlexKernels:
@@ -11,12 +14,14 @@ class FlexKernels:
 
     Query heads stay grouped under their K/V head (`enable_gqa`), so masks are `n × n_k`, built
     compiled (never a dense bool matrix) and cached: per shape for the block-diagonal part, per plan
-    (one per layout, reused by every layer and the backward) for the prefix part.
+    (one per layout, reused by every layer and the backward) for the prefix part and for the field's CP's
+    masked call (the BDLM `mask_mod` of its rows and keys, tiles of `masked_tile`, flex's 128 by default).
     """
 
     RECOMPILE_LIMIT = 64  # forward and recompute graphs per part, shape and dtype
 
-    def __init__(self, compile: bool = True):
+    def __init__(self, compile: bool = True, masked_tile: int = MASKED_TILE):
+        self.masked_tile = masked_tile
         from torch.nn.attention import flex_attention as flex
 
         if compile:
@@ -33,8 +38,10 @@ class FlexKernels:
                               enable_gqa=True, return_aux=self._aux)
         return out.view(q.shape), aux.lse.view(q.shape[:-1])
 
-    def _mask(self, mask_mod, n, n_keys, device):
-        return self._create_block_mask(mask_mod, None, None, n, n_keys, device=device, _compile=self._compile_masks)
+    def _mask(self, mask_mod, n, n_keys, device, tile=None):
+        size = {} if tile is None else {"BLOCK_SIZE": tile}
+        return self._create_block_mask(mask_mod, None, None, n, n_keys, device=device, _compile=self._compile_masks,
+                                       **size)
 
     def _block_diagonal_mask(self, q, k, block_size):
         key = (q.shape[3], k.shape[2], block_size, q.device)
@@ -57,6 +64,29 @@ class FlexKernels:
 
             plan.block_mask = self._mask(below_limit, q.shape[3], k.shape[2], q.device)
         return plan.block_mask
+
+    def masked_plan(self, query_positions, query_clean, key_positions, key_clean, block_size):
+        return FlexMaskedPlan(query_positions, query_clean, key_positions, key_clean, block_size, self.masked_tile)
+
+    def _bdlm_mask(self, q, k, plan):
+        """The BDLM mask of the plan's rows and keys as a block mask of `plan.tile` tiles: flex skips the tiles
+        it hides, computes the others and masks the partly hidden ones element by element."""
+        if plan.block_mask is None:
+            qp, qc, block = plan.query_positions, plan.query_clean, plan.block_size
+            kp, kc = plan.key_positions, plan.key_clean
+
+            def bdlm(b, h, q_idx, kv_idx):
+                return bdlm_visible(qp[q_idx], qc[q_idx], kp[kv_idx], kc[kv_idx], block)
+
+            plan.block_mask = self._mask(bdlm, q.shape[3], k.shape[2], q.device, plan.tile)
+        return plan.block_mask
+
+    def masked_forward(self, q, k, v, plan, scale):
+        out, lse = self._attend(q, k, v, scale, self._bdlm_mask(q, k, plan))
+        return out.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0), lse
+
+    def masked_backward(self, dout, q, k, v, out, lse, plan, scale):
+        return self._recompute_backward(dout, q, k, v, out, lse, scale, self._bdlm_mask(q, k, plan))
 
     def block_diagonal_forward(self, q, k, v, block_size, scale):
         return self._attend(q, k, v, scale, self._block_diagonal_mask(q, k, block_size))
@@ -91,3 +121,13 @@ class FlexPrefixPlan:
 
     def __init__(self, query_limits, key_positions):
         self.query_limits, self.key_positions, self.block_mask = query_limits, key_positions, None
+
+
+class FlexMaskedPlan:
+    """Flex's masked plan: the rows' and keys' positions and copies, the block size and tile, and the block mask
+    once built for them."""
+
+    def __init__(self, query_positions, query_clean, key_positions, key_clean, block_size, tile):
+        self.query_positions, self.query_clean = query_positions, query_clean
+        self.key_positions, self.key_clean = key_positions, key_clean
+        self.block_size, self.tile, self.block_mask = block_size, tile, None

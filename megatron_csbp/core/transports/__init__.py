@@ -22,6 +22,7 @@ class Transport:
     summary: str
     backward_bytes_per_forward: int = 1  # the backward's bytes over the forward's (dK/dV; K/V again when streamed)
     hides_behind_all_pairs: bool = False  # the link overlaps all attention (each step's), not only the local part
+    call_per_member: bool = False  # the remote kernel is called once per ring member's shard, not once in all
 
     def forward_messages(self, clean_shards: int) -> int:
         """Messages (each paying the link's latency) in one layer's forward."""
@@ -49,7 +50,7 @@ class _Ring(Transport):
 
 COLLECTIVE = Transport("collective", "all-gather the transported K/V, reduce-scatter their gradients")
 STREAMING = _Ring("streaming", "pass shards around the ring, folding each into a running output (bounded memory)",
-                  backward_bytes_per_forward=2, hides_behind_all_pairs=True)
+                  backward_bytes_per_forward=2, hides_behind_all_pairs=True, call_per_member=True)
 
 TRANSPORTS = {transport.name: transport for transport in (COLLECTIVE, STREAMING)}  # the flag's choices, in order
 

@@ -7,25 +7,26 @@ from megatron_csbp.core.transports.ring import (local_grads, noisy_backward, noi
 
 
 def forward(q, k, v, ring, plan, scale):
-    """All-gathers the ring's transported K/V while the local noisy attention runs, then attends to all clean
-    keys at once. `q [b, kv_heads, group, s, d]`, `k, v [b, kv_heads, s, d]` -> `(out, lse, (gathered,))`:
-    the gathered buffer is what the backward needs besides the inputs."""
+    """All-gathers the ring's transported K/V while the local noisy attention runs, then attends to all its keys
+    at once (the clean keys; every key under the field's CP, in its one masked call).
+    `q [b, kv_heads, group, s, d]`, `k, v [b, kv_heads, s, d]` -> `(out, lse, (gathered,))`: the gathered
+    buffer is what the backward needs besides the inputs."""
     sent = transported(k, v, plan.layout)
     gathered, work = comm.all_gather_start(sent, ring) if ring is not None else (sent, None)
     noisy_part = noisy_forward(plan, q, k, v, scale)
     comm.wait_all(work or [], "forward: clean K/V all-gather", ring)
-    clean_k, clean_v = unpack(gathered, plan.gathered_clean_rows)
-    prefix = plan.kernels.prefix_forward(q, clean_k, clean_v, plan.gathered, scale)
-    return (*with_noisy(noisy_part, prefix, plan.layout), (gathered,))
+    keys_k, keys_v = unpack(gathered, plan.gathered_key_rows)
+    remote = plan.remote_forward(q, keys_k, keys_v, plan.gathered, scale)
+    return (*with_noisy(noisy_part, remote, plan.layout), (gathered,))
 
 
 def backward(dout, q, k, v, out, lse, saved, ring, plan, scale):
-    """The prefix backward against the gathered keys, whose dK/dV are reduce-scattered to their owners while the
-    local noisy backward runs -> `(dq, dk, dv)`."""
+    """The remote part's backward against the gathered keys, whose dK/dV are reduce-scattered to their owners
+    while the local noisy backward runs -> `(dq, dk, dv)`."""
     gathered, = saved
-    clean_k, clean_v = unpack(gathered, plan.gathered_clean_rows)
-    dq, dk_clean, dv_clean = plan.kernels.prefix_backward(dout, q, clean_k, clean_v, out, lse, plan.gathered, scale)
-    d_gathered = repack(dk_clean, dv_clean, plan.gathered_clean_rows, gathered.shape[0])
+    keys_k, keys_v = unpack(gathered, plan.gathered_key_rows)
+    dq, dk_keys, dv_keys = plan.remote_backward(dout, q, keys_k, keys_v, out, lse, plan.gathered, scale)
+    d_gathered = repack(dk_keys, dv_keys, plan.gathered_key_rows, gathered.shape[0])
     d_sent, work = comm.reduce_scatter_start(d_gathered, ring) if ring is not None else (d_gathered, None)
     noisy_grads = noisy_backward(plan, dout, q, k, v, out, lse, scale)
     comm.wait_all(work or [], "backward: clean dK/dV reduce-scatter", ring)

@@ -1,7 +1,9 @@
 """What both transports share: packing the transported K/V rows, the local noisy part, and the final gradients.
 
 A rank's rows are `[noisy ; clean]` (heads-first `[b, kv_heads, s, d]` for K and V); the rows from
-`layout.first_transported_row` on are those that travel (CSBP: its clean rows; conventional CP: all).
+`layout.first_transported_row` on are those that travel (CSBP: its clean rows; conventional CP: all). The
+local part is the noisy rows' block-diagonal attention, except under the field's CP, whose one masked call
+(the plan's remote part) covers it.
 """
 
 import torch
@@ -35,14 +37,19 @@ def ring_order(layout):
 
 
 def noisy_forward(plan, q, k, v, scale):
-    """The local block-diagonal part: noisy rows against the noisy rows of their own block."""
+    """The local block-diagonal part: noisy rows against the noisy rows of their own block (None where the plan
+    has none: the field's CP computes them in its one masked call)."""
+    if not plan.block_diagonal:
+        return None
     n = plan.layout.num_noisy_rows
     return plan.kernels.block_diagonal_forward(q[:, :, :, :n], k[:, :, :n], v[:, :, :n], plan.layout.block_size,
                                                scale)
 
 
 def with_noisy(noisy_part, prefix, layout):
-    """The prefix part of every row, with the noisy rows' block-diagonal part merged in."""
+    """The remote part of every row, with the noisy rows' block-diagonal part merged in (where there is one)."""
+    if noisy_part is None:
+        return prefix
     n = layout.num_noisy_rows
     out, lse = prefix
     noisy_out, noisy_lse = merge_partials([noisy_part, (out[:, :, :, :n], lse[:, :, :, :n])])
@@ -50,6 +57,8 @@ def with_noisy(noisy_part, prefix, layout):
 
 
 def noisy_backward(plan, dout, q, k, v, out, lse, scale):
+    if not plan.block_diagonal:
+        return None
     n = plan.layout.num_noisy_rows
     return plan.kernels.block_diagonal_backward(dout[:, :, :, :n], q[:, :, :, :n], k[:, :, :n], v[:, :, :n],
                                                 out[:, :, :, :n], lse[:, :, :, :n], plan.layout.block_size, scale)
@@ -58,11 +67,12 @@ def noisy_backward(plan, dout, q, k, v, out, lse, scale):
 def local_grads(dq, noisy_grads, d_sent, k, v, layout):
     """This rank's dQ, dK, dV: the prefix dQ plus the noisy part's, the sent rows' dK/dV summed over the ring."""
     n, first = layout.num_noisy_rows, layout.first_transported_row
-    dq_noisy, dk_noisy, dv_noisy = noisy_grads
-    dq[:, :, :, :n] += dq_noisy
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    dk[:, :, :n] += dk_noisy
-    dv[:, :, :n] += dv_noisy
+    if noisy_grads is not None:
+        dq_noisy, dk_noisy, dv_noisy = noisy_grads
+        dq[:, :, :, :n] += dq_noisy
+        dk[:, :, :n] += dk_noisy
+        dv[:, :, :n] += dv_noisy
     dk[:, :, first:] += d_sent[:, 0].permute(1, 2, 0, 3)
     dv[:, :, first:] += d_sent[:, 1].permute(1, 2, 0, 3)
     return dq, dk, dv

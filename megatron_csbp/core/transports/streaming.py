@@ -19,8 +19,8 @@ def forward(q, k, v, ring, plan, scale):
     shard, running = transported(k, v, plan.layout), None
     for step, member in enumerate(members):
         received, works = comm.ring_shift_start(shard, ring) if step < len(members) - 1 else (None, [])
-        shard_k, shard_v = unpack(shard, plan.shard_clean_rows[member])
-        part = plan.kernels.prefix_forward(q, shard_k, shard_v, plan.members[member], scale)
+        shard_k, shard_v = unpack(shard, plan.shard_key_rows[member])
+        part = plan.remote_forward(q, shard_k, shard_v, plan.members[member], scale)
         del shard_k, shard_v
         running = running_merge(part) if running is None else merge_into(running, part)
         del part
@@ -39,9 +39,9 @@ def backward(dout, q, k, v, out, lse, saved, ring, plan, scale):
     for step, member in enumerate(members):
         last = step == len(members) - 1
         received, kv_works = comm.ring_shift_start(shard, ring) if not last else (None, [])
-        shard_rows = plan.shard_clean_rows[member]
+        shard_rows = plan.shard_key_rows[member]
         shard_k, shard_v = unpack(shard, shard_rows)
-        part_dq, part_dk, part_dv = plan.kernels.prefix_backward(dout, q, shard_k, shard_v, out, lse,
+        part_dq, part_dk, part_dv = plan.remote_backward(dout, q, shard_k, shard_v, out, lse,
                                                                  plan.members[member], scale)
         del shard_k, shard_v
         dq = part_dq if dq is None else dq.add_(part_dq)
