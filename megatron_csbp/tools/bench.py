@@ -543,7 +543,8 @@ def machine(calibration, link_gbps=None, link_latency_us=0.0):
         link_gb_s, latency_us = min(link_gb_s, link_gbps / 8), max(latency_us, link_latency_us)
     return plan.GPU("this machine", bf16_tflops=calibration["linear_gflops"] / 1e3, achievable_fraction=1.0,
                     attention_fraction=calibration["attention_gflops"] / calibration["linear_gflops"],
-                    hbm_gb=1e6, nvlink_gb_s=link_gb_s, internode_gb_s=link_gb_s, link_latency_us=latency_us)
+                    hbm_gb=1e6, nvlink_gb_s=link_gb_s, internode_gb_s=link_gb_s, link_latency_us=latency_us,
+                    tile=1)  # the calibration's rate is per real pair
 
 
 def predict_record(args, record, calibration):
