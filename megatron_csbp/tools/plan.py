@@ -565,8 +565,8 @@ def paper_check(gpu: GPU, out=sys.stdout):
         print(f"    {label:<40} {cp_s:6.2f} -> {csbp_s:6.2f} (gain {cp_s - csbp_s:5.2f}) | "
               f"{mine[0]:6.2f} -> {mine[1]:6.2f} (gain {mine[0] - mine[1]:5.2f})", file=out)
     model = paper_model("nemotron_diffusion_14b_256k")
-    traffic = {mode: predict(model, cluster, Topology(mode, 1, 1, 8, 8, 2)).attention_gib
-               for mode in (baseline, "csbp")}
+    traffic = {name: predict(model, cluster, Topology(name, 1, 1, 8, 8, 2)).attention_gib
+               for name in (baseline, "csbp")}
     print(f"  14B, CP8, 256K attention traffic per GPU per step: {traffic[baseline]:.2f} -> {traffic['csbp']:.2f} GiB "
           "(published 210 -> 105)", file=out)
     return records
