@@ -25,8 +25,8 @@ The model, in one place so it can be argued with:
   hold them), fp32 master weights and Adam moments sharded over DP×P (distributed optimizer); activations
   with sequence parallelism: every layer's saved tensors and gathered K/V (selective or no recompute; flash
   kernels keep no `L²` scores), or each layer's input plus the larger of one layer's backward working set
-  (its recomputed saved tensors and their gradients) and the noisy rows' logits with their fp32 copy (full recompute; the loss's backward frees the logits before any
-  layer's backward runs); with `logits_tile_rows` the loss runs over the noisy rows in tiles of that many
+  (its recomputed saved tensors and their gradients) and the noisy rows' logits with their fp32 copy
+  (full recompute; the loss's backward frees the logits before any layer's backward runs); with `logits_tile_rows` the loss runs over the noisy rows in tiles of that many
   rows (a tiled linear cross-entropy), so only one tile's logits live.
 Everything is per GPU per step; one micro-batch per DP replica unless `--global-batch-size` is set.
 """
@@ -89,9 +89,10 @@ class GPU:
 #   H100 at (batch 1, 16 heads, 16K, d 128); at 512 tokens 430.3 and 328.9 (pytorch/benchmark PR #2391,
 #   commit ff65cb6, `--op flash_attention --metrics tflops`);
 # * flex attention at ~90% of FlashAttention-2 in the forward and ~85% in the backward (PyTorch blog,
-#   "FlexAttention: The Flexibility of PyTorch with the Performance of FlashAttention", Aug 2024);
-# * FlashAttention-2's backward at ~0.85 of its forward throughput (Dao, "FlashAttention-2", 2023: up to
-#   73% of the A100's peak forward, 63% backward).
+#   "FlexAttention: The Flexibility of PyTorch with the Performance of FlashAttention", Aug 2024; quoted
+#   from that post, whose text was not re-read where this was written);
+# * a flash backward at ~0.85 of its forward's throughput: an ASSUMPTION (FlashAttention-2's A100 figures put
+#   the backward below the forward; no H100 backward figure was at hand).
 # Assumed, not measured on an H200: flex forward = 0.90 x 476.8; every backward (flex's, which both modes
 # run) = 0.85 x 0.85 x 476.8; dense blocks of the block size (flex without a mask on short problems) at the
 # 512-token Triton figure, x 0.90 forward and x 0.85 x 0.85 backward.
