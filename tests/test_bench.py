@@ -4,6 +4,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 from megatron_csbp.tools import bench
 from megatron_csbp.core.layout import CSBPLayout
@@ -161,3 +162,27 @@ def test_the_planner_gets_the_least_disturbed_of_two_calibrations():
     after = dict(linear_gflops=40.0, attention_gflops=60.0, gather_bytes=4096, gather_s=0.01, latency_s=3e-4)
     assert bench._least_disturbed(before, after) == dict(linear_gflops=80.0, attention_gflops=60.0, gather_bytes=4096,
                                                          gather_s=0.01, latency_s=2e-4)
+
+
+def test_kernel_efficiency_on_one_thread_and_its_prefix_part():
+    threads = torch.get_num_threads()
+    e = bench.kernel_efficiency(512, 64, heads=4, head_dim=16, repeats=1)
+    assert torch.get_num_threads() == threads and e["threads"] == 1
+    for key in ("forward_fraction", "train_fraction", "prefix_forward_fraction"):
+        assert 0 < e[key] < 10, e
+    assert e["load_average"] >= 0
+
+
+def test_load_warning_and_held_out_calibration_file(tmp_path, capsys):
+    assert bench.load_warning(1.9, cores=2) is None
+    assert "load average 2.5 above the 2 cores" in bench.load_warning(2.5, cores=2)
+    empty = tmp_path / "none.json"
+    empty.write_text(json.dumps([{"mode": "csbp", "seq_length": 256, "link_gbps": None}]))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--seq-lengths", "256", "--calibrate-from", str(empty)])
+    assert f"--calibrate-from {empty}: no calibration in it" in capsys.readouterr().err
+    recorded = tmp_path / "calibrated.json"
+    recorded.write_text(json.dumps([{"mode": "cp", "seq_length": 512, "link_gbps": None,
+                                     "calibration": {"linear_gflops": 1.0}}]))
+    args = bench.parse_args(["--seq-lengths", "256", "--calibrate-from", str(recorded)])
+    assert args.held_out_calibration == {"linear_gflops": 1.0, "origin": f"cp L=512 of {recorded}"}

@@ -44,7 +44,7 @@ def test_module_entry_point():
 RECORD_FIELDS = {"mode", "tp", "pp", "p", "c", "dp", "noisy_rows", "clean_rows", "flops_per_rank",
                  "attention_bytes", "attention_traffic_gib_per_step", "ring_link", "bytes_intra_node",
                  "bytes_inter_node", "activation_bytes", "state_bytes", "memory_bytes", "memory_limit_bytes",
-                 "fits", "compute_s", "exposed_attention_s", "exposed_other_comm_s", "bubble_s", "step_time_s",
+                 "fits", "compute_s", "forward_s", "exposed_attention_s", "exposed_other_comm_s", "bubble_s", "step_time_s",
                  "tokens_per_s", "reason", "requested"}
 
 
@@ -131,12 +131,52 @@ def test_bad_input_names_the_flag():
 
 
 def test_paper_check_reports_beside_published():
+    """Each paper row at its own layout: the predicted speedup within ±10% of the published and the peak within
+    ±15% (the README table; the 3B's config is a scale-down recipe, see docs/performance.md), the 14B's traffic
+    exact, the operator profile printed beside the published one."""
     records, text = run(["--paper-check"])
-    assert len(records) == 3 and "210.00 -> 105.00 GiB" in text
+    assert len(records) == 3 and "210.00 -> 105.00 GiB" in text and "14B operator profile" in text
     for r in records:
-        assert r["predicted_speedup"] >= 1.0 and r["predicted_speedup"] <= r["traffic_bound_speedup"] + 1e-9
         assert r["published_speedup"] == r["published_csbp_tokens_per_s"] / r["published_cp_tokens_per_s"]
         assert f"{r['published_speedup']:.2f}x" in text
+        assert abs(r["predicted_speedup"] / r["published_speedup"] - 1) <= 0.10, r
+        for mode in ("cp", "csbp"):
+            assert abs(r[f"predicted_{mode}_peak_gib"] / r[f"published_{mode}_peak_gib"] - 1) <= 0.15, r
+    fourteen = records[-1]
+    assert fourteen["predicted_cp_forward_s"] > fourteen["predicted_csbp_forward_s"]
+
+
+def _attention(kernel_fractions, mode, block_size=256, tile=128):
+    gpu = plan.GPU("test", 1000.0, 0.5, 80.0, 100.0, 10.0, kernel_fractions=kernel_fractions, tile=tile)
+    model = plan.Model(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=8192, block_size=block_size)
+    topo = plan.Topology(mode, 1, 1, 4, 4, 1)
+    return plan.attention_seconds(plan.modes.parallel_mode(mode), model, topo, gpu, 1.0)
+
+
+def test_kernel_families_priced_by_their_rates():
+    """With one rate for every family, CSBP and the field's CP cost the same attention time when the block size
+    is a multiple of the tile (same pairs, no tile waste): the negative control. With the SM90 families the
+    masked kernel is slower per pair than the prefix; with blocks smaller than the tile the masked kernel
+    computes whole partly masked tiles, with blocks of whole tiles none."""
+    baseline = next(name for name in plan.MODES if plan.modes.parallel_mode(name).is_baseline)
+    same = ()
+    assert sum(_attention(same, baseline)) == pytest.approx(sum(_attention(same, "csbp")), rel=1e-3)
+    assert _attention(plan.SM90_KERNELS, baseline)[0] > 1.2 * _attention(plan.SM90_KERNELS, "csbp")[0]
+    masked = lambda block_size: plan.modes.parallel_mode(baseline).kernel_calls(8192, block_size, 4, 4, 0, 128)
+    assert all(c.computed_pairs > c.real_pairs for c in masked(16))
+    assert all(c.computed_pairs == c.real_pairs for c in masked(256))
+
+
+@pytest.mark.parametrize("mode", ["csbp", "cp"])
+def test_kernel_calls_cover_the_mask(mode):
+    """Over the ranks of one ring, the kernel calls' real pairs are the whole BDLM mask's pairs, and every call
+    computes at least its real pairs (`ParallelMode.kernel_calls`, the planner's input)."""
+    from megatron_csbp.bdlm import flops
+
+    parallel_mode = plan.modes.parallel_mode(mode)
+    calls = [c for rank in range(4) for c in parallel_mode.kernel_calls(4096, 64, 4, 4, rank, 128)]
+    assert sum(c.real_pairs for c in calls) == flops.bdlm_attention_pairs(4096, 64)
+    assert all(c.computed_pairs >= c.real_pairs for c in calls)
 
 
 @pytest.mark.parametrize("name", ["tiny_cpu", "nemotron_diffusion_3b_64k", "nemotron_diffusion_8b_256k",
@@ -149,22 +189,3 @@ def test_shipped_configs_plan_with_their_sections(name):
     path = pathlib.Path(__file__).parent.parent / "configs" / f"{name}.yaml"
     args = plan.parse_args(["--config", str(path), "--gpus", "16", "--gpus-per-node", "8"])
     assert args.bdlm_block_size == 16 and args.context_block_parallel >= 2
-
-
-def test_paper_gap_names_how_far_each_term_must_move():
-    """The solved CP kernel efficiency and link slowdown each reach the target speedup, and just short of them
-    the model stays below it."""
-    import dataclasses
-
-    model = plan.Model(seq_length=262144, block_size=32, swiglu=True, recompute="full", **plan.PAPER_SETTINGS[0][1])
-    cluster = plan.Cluster(16, 8, plan.GPU_PRESETS["h200"])
-    gap = plan.paper_gap(model, cluster, 1.18)
-    assert 0 < gap["cp_kernel_efficiency"] < 1 and 0 < gap["link_scale"] < 1
-    gpu = cluster.gpu
-    kernel = lambda k: dataclasses.replace(cluster, gpu=dataclasses.replace(gpu, cp_attention_fraction=k * 0.45))
-    assert plan._speedup(model, kernel(gap["cp_kernel_efficiency"])) >= 1.18
-    assert plan._speedup(model, kernel(gap["cp_kernel_efficiency"] * 1.01)) < 1.18
-    links = lambda f: dataclasses.replace(cluster, gpu=dataclasses.replace(
-        gpu, nvlink_gb_s=gpu.nvlink_gb_s * f, internode_gb_s=gpu.internode_gb_s * f))
-    assert plan._speedup(model, links(gap["link_scale"])) >= 1.18 > plan._speedup(model, links(gap["link_scale"] * 1.01))
-    assert gap["cp_exposed_needed_s"] > gap["cp_exposed_s"]

@@ -84,6 +84,9 @@ def parse_args(argv=None):
                         help="megatron-core activation recomputation (full: every layer, uniform)")
     parser.add_argument("--predict", action="store_true",
                         help="calibrate the planner on this machine and print its prediction beside each step")
+    parser.add_argument("--calibrate-from", metavar="JSON",
+                        help="predict every measured step from the calibration recorded in this earlier bench's "
+                             "--json (run with --predict): a held-out prediction, its rates measured in another run")
     parser.add_argument("--link-plot", help="write step time against the simulated link speed to this PNG")
     parser.add_argument("--run-timeout", type=float, default=3600,
                         help="seconds one (mode, length) run may take before its ranks are stopped")
@@ -93,6 +96,8 @@ def parse_args(argv=None):
     parser.add_argument("--json", help="write the records to this file")
     parser.add_argument("--plot", help="write time / bytes / memory against sequence length to this PNG")
     args = parser.parse_args(argv)
+    if args.calibrate_from:
+        args.held_out_calibration = _recorded_calibration(args.calibrate_from, parser)
     args.modes = args.modes.split(",")
     args.seq_lengths = [int(n) for n in args.seq_lengths.split(",")]
     try:
@@ -121,6 +126,29 @@ def parse_args(argv=None):
         parser.error(problem)
     args.ffn_hidden_size = args.ffn_hidden_size or rules.default_ffn_hidden_size(args.hidden_size, swiglu=False)
     return args
+
+
+def _recorded_calibration(path, parser):
+    """The calibration of the first backend-link run recorded in an earlier bench's JSON, with where it came from."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            records = json.load(handle)
+    except (OSError, ValueError) as error:
+        parser.error(f"--calibrate-from {path}: cannot be read as a bench --json ({error})")
+    for record in records if isinstance(records, list) else []:
+        if isinstance(record, dict) and record.get("calibration") and record.get("link_gbps") is None:
+            return dict(record["calibration"], origin=f"{record['mode']} L={record['seq_length']} of {path}")
+    parser.error(f"--calibrate-from {path}: no calibration in it; write one with --predict --json {path}")
+
+
+def load_warning(load_average, cores=None):
+    """A line when the machine ran more work than it has cores during a run (its times are then slowed by
+    others' work), else None."""
+    cores = cores or os.cpu_count()
+    if load_average > cores:
+        return (f"WARNING: load average {load_average:.1f} above the {cores} cores during this run: its times "
+                f"include waiting for other processes")
+    return None
 
 
 def layout_of(mode, seq_length, block_size, nproc, rank):
@@ -401,42 +429,58 @@ def summarise(per_rank):
     return records
 
 
-def kernel_efficiency(seq_length, block_size, heads=8, head_dim=64, repeats=2):
+def kernel_efficiency(seq_length, block_size, heads=8, head_dim=64, repeats=3):
     """GFLOP/s of the CPU kernel on the full BDLM mask (real pairs only, model FLOPs: `rules.step_passes`) and of
-    a dense fp32 matmul."""
+    a dense fp32 matmul, on ONE thread, as this thread's CPU time (`time.thread_time`: other processes' load
+    on a shared machine does not enter it as it would a wall clock), each the best of `repeats` rounds that
+    alternate matmul, forward and backward (a burst cannot favour one). `prefix_forward_fraction`: the clean-
+    prefix kernel alone (`CPUKernels.prefix_forward` on the op's plan), the op's bulk."""
     from megatron_csbp.bdlm import flops
+    from megatron_csbp.core import ops
+    from megatron_csbp.core.kernels import CPUKernels
     from megatron_csbp.core.layout import CSBPLayout
     from megatron_csbp.core.ops import context_sharded_block_attention
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     size = 2048
     a, b = torch.randn(size, size), torch.randn(size, size)
-    a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    matmul = 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e9
-
     layout = CSBPLayout(seq_length, block_size, 1, 1)
     rows = layout.num_rows
     q = torch.randn(rows, 1, heads, head_dim, requires_grad=True)
     k = torch.randn(rows, 1, heads // 2, head_dim, requires_grad=True)
     v = torch.randn(rows, 1, heads // 2, head_dim, requires_grad=True)
+    kernels = CPUKernels()
+    plan = ops.ring_plan(layout, torch.device("cpu"), kernels).gathered
+    pq = torch.randn(1, heads // 2, 2, rows, head_dim)
+    pk, pv = (torch.randn(1, heads // 2, seq_length, head_dim) for _ in range(2))
+
+    def timed(function):
+        start = time.thread_time()
+        result = function()
+        return time.thread_time() - start, result
+
+    matmul_s = forward_s = backward_s = prefix_s = math.inf
     context_sharded_block_attention(q, k, v, layout).sum().backward()  # warm-up: plans, caches, allocator
-    forward_time = backward_time = 0.0
+    kernels.prefix_forward(pq, pk, pv, plan, 0.125)
     for _ in range(repeats):
-        start = time.perf_counter()
-        out = context_sharded_block_attention(q, k, v, layout)
-        middle = time.perf_counter()
-        out.sum().backward()
-        forward_time += middle - start
-        backward_time += time.perf_counter() - middle
-    pairs = flops.bdlm_attention_pairs(seq_length, block_size)
-    forward_flops = repeats * pairs * flops.attention_flops_per_pair(heads, head_dim)
-    forward = forward_flops / forward_time / 1e9
-    both = rules.step_passes() * forward_flops / (forward_time + backward_time) / 1e9
-    return dict(seq_length=seq_length, block_size=block_size, threads=torch.get_num_threads(),
+        matmul_s = min(matmul_s, timed(lambda: a @ b)[0])
+        seconds, out = timed(lambda: context_sharded_block_attention(q, k, v, layout))
+        forward_s = min(forward_s, seconds)
+        backward_s = min(backward_s, timed(lambda: out.sum().backward())[0])
+        prefix_s = min(prefix_s, timed(lambda: kernels.prefix_forward(pq, pk, pv, plan, 0.125))[0])
+    torch.set_num_threads(threads)
+    matmul = 2 * size ** 3 / matmul_s / 1e9
+    parts = flops.bdlm_attention_pair_parts(seq_length, block_size)
+    per_pair = flops.attention_flops_per_pair(heads, head_dim)
+    forward_flops = sum(parts.values()) * per_pair
+    forward = forward_flops / forward_s / 1e9
+    both = rules.step_passes() * forward_flops / (forward_s + backward_s) / 1e9
+    prefix = (parts["noisy_clean"] + parts["clean_clean"]) * per_pair / prefix_s / 1e9
+    return dict(seq_length=seq_length, block_size=block_size, threads=1, load_average=os.getloadavg()[0],
                 matmul_gflops=matmul, attention_forward_gflops=forward, attention_train_gflops=both,
-                forward_fraction=forward / matmul, train_fraction=both / matmul)
+                prefix_forward_gflops=prefix, forward_fraction=forward / matmul, train_fraction=both / matmul,
+                prefix_forward_fraction=prefix / matmul)
 
 
 def kernel_plans_check(seq_length, block_size, nproc, heads=4, groups=2, head_dim=32, repeats=3):
@@ -578,7 +622,8 @@ def machine(calibration, link_gbps=None, link_latency_us=0.0):
         link_gb_s, latency_us = min(link_gb_s, link_gbps / 8), max(latency_us, link_latency_us)
     return plan.GPU("this machine", bf16_tflops=calibration["linear_gflops"] / 1e3, achievable_fraction=1.0,
                     attention_fraction=calibration["attention_gflops"] / calibration["linear_gflops"],
-                    hbm_gb=1e6, nvlink_gb_s=link_gb_s, internode_gb_s=link_gb_s, link_latency_us=latency_us)
+                    hbm_gb=1e6, nvlink_gb_s=link_gb_s, internode_gb_s=link_gb_s, link_latency_us=latency_us,
+                    tile=1)  # the calibration's rate is per real pair
 
 
 def predict_record(args, record, calibration):
@@ -612,10 +657,11 @@ def print_table(records, out=None):
     out = out or sys.stdout
     header = (f"{'mode':<10} {'L':>7} {'rows/rank':>9} {'bytes/rank':>12} {'vs CP':>6} {'step (s)':>9} "
               f"{'vs CP':>6} {'exposed (s)':>11} {'share':>6} {'peak mem (MiB)':>14} {'saved act (MiB)':>15} "
-              f"{'pairs/rank':>12} {'tokens/s':>9} {'kernels':>13} {'calls':>5} {'real pairs':>12} "
+              f"{'pairs/rank':>12} {'tokens/s':>9} {'load':>5} {'kernels':>13} {'calls':>5} {'real pairs':>12} "
               f"{'computed':>12} {'comp/real':>9}")
     print("CP = the field's conventional CP (mode cp); kernels, calls, real and computed pairs: one layer's forward "
-          "on the rank computing most, per head and sample, counted off the kernels' plans", file=out)
+          "on the rank computing most, per head and sample, counted off the kernels' plans; load: the load "
+          "average during the run", file=out)
     print(header, file=out)
     print("-" * len(header), file=out)
     by_key = {(r["mode"], r["seq_length"]): r for r in records}
@@ -627,9 +673,9 @@ def print_table(records, out=None):
               f"{byte_ratio:>6} {r['step_time_s']:>9.3f} {time_ratio:>6} {r['exposed_comm_s']:>11.3f} "
               f"{r['exposed_share']:>6.1%} {r['peak_memory_bytes'] / 2**20:>14.1f} "
               f"{r['saved_activation_bytes'] / 2**20:>15.1f} {r['attention_pairs_per_rank']:>12,} "
-              f"{r['tokens_per_s']:>9.0f} {r['kernels']:>13} {r['kernel_calls']:>5} {r['kernel_real_pairs']:>12,} "
-              f"{r['kernel_computed_pairs']:>12,} {r['kernel_computed_pairs'] / r['kernel_real_pairs']:>9.3f}",
-              file=out)
+              f"{r['tokens_per_s']:>9.0f} {r.get('load_average', float('nan')):>5.1f} {r['kernels']:>13} "
+              f"{r['kernel_calls']:>5} {r['kernel_real_pairs']:>12,} {r['kernel_computed_pairs']:>12,} "
+              f"{r['kernel_computed_pairs'] / r['kernel_real_pairs']:>9.3f}", file=out)
 
 
 def print_transport_memory(records, out=None):
@@ -807,7 +853,13 @@ def main(argv=None):
     records = []
     for seq_length in args.seq_lengths:
         for mode in args.modes:
-            records += summarise(_spawn_run(args, mode, seq_length))
+            load_before = os.getloadavg()[0]
+            run = summarise(_spawn_run(args, mode, seq_length))
+            load = max(load_before, os.getloadavg()[0])  # the 1-minute average, before and at the end of the run
+            records += [dict(r, load_average=load) for r in run]
+            warning = load_warning(load)
+            if warning:
+                print(f"{mode} L={seq_length}: {warning}", file=sys.stderr)
             if args.json:  # kept up to date, so a long sweep cut short keeps what it measured
                 with open(args.json, "w") as handle:
                     json.dump(records, handle, indent=2)
@@ -830,9 +882,12 @@ def main(argv=None):
     print_transport_memory(main_records)
     print_link_sweep(records)
     print_overlap(records)
-    if args.predict:
+    if args.predict or args.calibrate_from:
         measured = [r for r in records if r["overlap"]]  # the planner models the overlapped ops
-        predictions = [predict_record(args, r, r["calibration"]) for r in measured]
+        held_out = getattr(args, "held_out_calibration", None)
+        if held_out:
+            print(f"held-out prediction: every step predicted from the calibration of {held_out['origin']}")
+        predictions = [predict_record(args, r, held_out or r["calibration"]) for r in measured]
         for r, q in zip(measured, predictions):
             r["predicted_step_time_s"], r["predicted_exposed_comm_s"] = q.step_time_s, q.exposed_attention_s
         print_calibrations(records)
@@ -840,9 +895,10 @@ def main(argv=None):
     if args.kernel_check:
         efficiency = kernel_efficiency(max(args.seq_lengths), args.block_size)
         records.append(dict(mode="kernel", nproc=1, **efficiency))
-        print(f"CPU kernel at L={efficiency['seq_length']} ({efficiency['threads']} threads): forward "
-              f"{efficiency['attention_forward_gflops']:.1f} GFLOP/s = {efficiency['forward_fraction']:.0%} of dense "
-              f"matmul {efficiency['matmul_gflops']:.1f} GFLOP/s; forward+backward "
+        print(f"CPU kernel at L={efficiency['seq_length']} (1 thread, thread CPU time, load average "
+              f"{efficiency['load_average']:.1f}): forward {efficiency['attention_forward_gflops']:.1f} GFLOP/s = "
+              f"{efficiency['forward_fraction']:.0%} of dense matmul {efficiency['matmul_gflops']:.1f} GFLOP/s "
+              f"(the prefix kernel alone {efficiency['prefix_forward_fraction']:.0%}); forward+backward "
               f"{efficiency['attention_train_gflops']:.1f} GFLOP/s = {efficiency['train_fraction']:.0%}")
         plans = kernel_plans_check(max(args.seq_lengths), args.block_size, args.nproc, args.num_attention_heads,
                                    args.num_query_groups, args.hidden_size // args.num_attention_heads)

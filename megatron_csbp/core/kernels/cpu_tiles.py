@@ -118,6 +118,7 @@ class CPUKernels:
 
     def prefix_forward(self, q, k, v, plan, scale):
         b, h, g, n, d = q.shape
+        k, v = k.contiguous(), v.contiguous()  # key rows adjacent: the kernel's tiles read ~7% faster (docs/performance.md)
         out = q.new_zeros(q.shape)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
         for index, (rows, lo, hi, _) in enumerate(plan.groups):
@@ -134,6 +135,7 @@ class CPUKernels:
 
     def prefix_backward(self, dout, q, k, v, out, lse, plan, scale):
         b, h, g, n, d = q.shape
+        k, v = k.contiguous(), v.contiguous()
         acc = accumulation_dtype(q.dtype)
         dq, dk, dv = (torch.zeros_like(x, dtype=acc) for x in (q, k, v))
         for index, (rows, lo, hi, _) in enumerate(plan.groups):
