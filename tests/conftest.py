@@ -35,6 +35,7 @@ MODULE_MARKERS = {
     "test_rules": (),
     "test_publish": (),
     "test_attention": ("spawn",),
+    "test_documents": ("spawn",),
     "test_transport_memory": ("spawn",),
     "test_bdlm_forward_step": ("spawn",),
     "test_data": ("spawn",),

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_csbp.core import rules, transports
+from megatron_csbp.core.documents import NoisyDocuments, clean_key_ranges, noisy_document_ids
 from megatron_csbp.core.kernels import default_kernels, default_scale
 from megatron_csbp.core.process_groups import ring_group_of
 
@@ -47,12 +48,19 @@ class RingPlan:
     # (either is None where its rows are all the buffer's, in order: the buffer is then read in place)
     gathered: object                   # the kernels' plan against all clean keys (collective)
     members: tuple                     # the kernels' plan against each member's clean keys (streaming)
+    documents: object = None           # core.documents.Documents of a packed sample (None: one document)
+    noisy_documents: object = None     # NoisyDocuments where an owned block straddles documents, else None
 
 
-def ring_plan(layout, device, kernels=None) -> RingPlan:
-    """The plan of `layout` on `device` for `kernels` (the device's default): build it once, pass it as `plan=`."""
+def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
+    """The plan of `layout` on `device` for `kernels` (the device's default): build it once, pass it as `plan=`.
+
+    `documents` (`core.documents.Documents`, packed samples): every row's clean keys are cut to its own
+    document, `[doc_start, min(limit, doc_end))`, and so are the noisy keys of a block straddling documents."""
     device = torch.device(device)
     kernels = default_kernels(device) if kernels is None else kernels
+    if documents is not None and not documents.is_single:
+        return _document_ring_plan(layout, device, kernels, documents)
     block = layout.block_size
     limits = (torch.div(layout.row_positions, block, rounding_mode="floor") + layout.row_is_clean.long()) * block
     limits = limits.to(device)
@@ -77,6 +85,26 @@ def ring_plan(layout, device, kernels=None) -> RingPlan:
                     tuple(kernels.plan(limits, positions) for positions in shard_positions))
 
 
+def _document_ring_plan(layout, device, kernels, documents) -> RingPlan:
+    """`ring_plan` for a packed sample: the same rows and buffers, the kernels' plans over key ranges."""
+    plain = ring_plan(layout, device, kernels)
+    starts, limits = clean_key_ranges(layout, documents)
+    starts, limits = starts.to(device), limits.to(device)
+    gathered_positions, member_positions = [], []
+    for ring_rank in range(layout.clean_shards):
+        member = layout.for_rank(layout.ring_index * layout.clean_shards + ring_rank)
+        first = member.first_transported_row
+        positions = member.row_positions[first:][member.row_is_clean[first:]]
+        member_positions.append(torch.sort(positions).values.to(device))
+        gathered_positions.append(positions)
+    gathered_positions = torch.sort(torch.cat(gathered_positions)).values.to(device)
+    noisy_ids = noisy_document_ids(layout, documents)
+    return RingPlan(layout, device, kernels, limits, plain.shard_clean_rows, plain.gathered_clean_rows,
+                    kernels.plan(limits, gathered_positions, query_starts=starts),
+                    tuple(kernels.plan(limits, positions, query_starts=starts) for positions in member_positions),
+                    documents, None if noisy_ids is None else NoisyDocuments(noisy_ids.to(device)))
+
+
 def _indices_or_all(rows, total, device):
     """`rows` on `device`, or None where they are `0..total-1` in order (a CSBP shard: clean rows only, sorted)."""
     return None if torch.equal(rows, torch.arange(total)) else rows.to(device)
@@ -85,14 +113,15 @@ def _indices_or_all(rows, total, device):
 _plans: "OrderedDict[tuple, RingPlan]" = OrderedDict()
 
 
-def _cached_plan(layout, device) -> RingPlan:
-    """The last `PLAN_CACHE_SIZE` plans by (layout, device); one is rebuilt when the device's kernels were
-    replaced since it was made (tests and scripts/gpu_check.py swap them)."""
+def _cached_plan(layout, device, documents=None) -> RingPlan:
+    """The last `PLAN_CACHE_SIZE` plans by (layout, device, documents); one is rebuilt when the device's kernels
+    were replaced since it was made (tests and scripts/gpu_check.py swap them)."""
     kernels = default_kernels(device)
-    plan = _plans.pop((layout, device), None)
+    key = (layout, device) if documents is None else (layout, device, documents)
+    plan = _plans.pop(key, None)
     if plan is None or plan.kernels is not kernels:
-        plan = ring_plan(layout, device, kernels)
-    _plans[layout, device] = plan
+        plan = ring_plan(layout, device, kernels, documents)
+    _plans[key] = plan
     while len(_plans) > PLAN_CACHE_SIZE:
         _plans.popitem(last=False)
     return plan
@@ -132,13 +161,15 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
 
 
 def context_sharded_block_attention(query, key, value, layout, group=None, softmax_scale=None,
-                                    transport="collective", plan=None):
+                                    transport="collective", plan=None, documents=None):
     """BDLM attention of this rank's rows; `[s, b, heads, d]` queries, `[s, b, kv_heads, d]` K/V -> `[s, b, heads·d]`.
 
     `group` is the block-parallel group (ranks in layout order), or a `BlockParallelGroups` when the
     layout has several rings. The same call runs the conventional-CP baseline for a `CPLayout` and pure
     block parallelism for a layout with `clean_shards == 1`. `plan`: `ring_plan(layout, query.device)`,
-    built once by the caller (default: a small cache by layout and device).
+    built once by the caller (default: a small cache by layout and device). `documents`: the packed
+    sample's `core.documents.Documents`, shared by the samples of the call (None: one document); a
+    `plan` given must have been built for them.
     """
     rules.refuse(rules.choice_problem("--csbp-transport", transport, rules.TRANSPORTS))
     if query.shape[0] != layout.num_rows or key.shape[0] != layout.num_rows or value.shape != key.shape:
@@ -146,11 +177,16 @@ def context_sharded_block_attention(query, key, value, layout, group=None, softm
                          f"hold this rank's {layout.num_rows} rows ([s, b, heads, d]) of the layout")
     if query.shape[2] % key.shape[2] or query.shape[3] != key.shape[3]:
         raise ValueError(f"{query.shape[2]} query heads cannot share {key.shape[2]} K/V heads of the same size")
+    if documents is not None and documents.is_single:
+        documents = None
     if plan is None:
-        plan = _cached_plan(layout, query.device)
+        plan = _cached_plan(layout, query.device, documents)
     elif plan.layout != layout or plan.device != query.device:
         raise ValueError(f"plan was built for {plan.layout} on {plan.device}, not for this call's {layout} on "
                          f"{query.device}: pass plan=ring_plan(layout, device) of the layout and device it runs")
+    elif plan.documents != documents:
+        raise ValueError(f"plan was built for documents {plan.documents}, not this call's {documents}: pass "
+                         f"plan=ring_plan(layout, device, documents=documents)")
     ring = ring_group_of(group, layout)
     scale = default_scale(query.shape[-1]) if softmax_scale is None else softmax_scale
     return _ContextShardedBlockAttention.apply(query, key, value, ring, scale, transport, plan)

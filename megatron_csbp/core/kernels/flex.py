@@ -45,8 +45,8 @@ class FlexKernels:
             self._block_masks[key] = self._mask(same_block, q.shape[3], k.shape[2], q.device)
         return self._block_masks[key]
 
-    def plan(self, query_limits, key_positions):
-        return FlexPrefixPlan(query_limits, key_positions)
+    def plan(self, query_limits, key_positions, query_starts=None):
+        return FlexPrefixPlan(query_limits, key_positions, query_starts)
 
     def _prefix_mask(self, q, k, plan):
         if plan.block_mask is None:
@@ -55,10 +55,33 @@ class FlexKernels:
             def below_limit(b, h, q_idx, kv_idx):
                 return key_positions[kv_idx] < query_limits[q_idx]
 
-            plan.block_mask = self._mask(below_limit, q.shape[3], k.shape[2], q.device)
+            mask_mod = below_limit
+            if plan.query_starts is not None:
+                query_starts = plan.query_starts
+
+                def in_document_below_limit(b, h, q_idx, kv_idx):  # packed documents: [start, limit)
+                    return (key_positions[kv_idx] < query_limits[q_idx]) & (key_positions[kv_idx] >= query_starts[q_idx])
+
+                mask_mod = in_document_below_limit
+            plan.block_mask = self._mask(mask_mod, q.shape[3], k.shape[2], q.device)
         return plan.block_mask
 
-    def block_diagonal_forward(self, q, k, v, block_size, scale):
+    def _document_block_diagonal_mask(self, q, k, block_size, documents):
+        """Blocks straddling documents: a noisy row sees its block's noisy rows of its own document (cached on
+        `documents`, which the run's plan for these documents holds)."""
+        key = ("flex", q.shape[3], k.shape[2], block_size, q.device)
+        if key not in documents.masks:
+            ids = documents.ids
+
+            def same_block_and_document(b, h, q_idx, kv_idx):
+                return (q_idx // block_size == kv_idx // block_size) & (ids[q_idx] == ids[kv_idx])
+
+            documents.masks[key] = self._mask(same_block_and_document, q.shape[3], k.shape[2], q.device)
+        return documents.masks[key]
+
+    def block_diagonal_forward(self, q, k, v, block_size, scale, documents=None):
+        if documents is not None:
+            return self._attend(q, k, v, scale, self._document_block_diagonal_mask(q, k, block_size, documents))
         return self._attend(q, k, v, scale, self._block_diagonal_mask(q, k, block_size))
 
     def prefix_forward(self, q, k, v, plan, scale):
@@ -79,15 +102,19 @@ class FlexKernels:
             grad_lse = (weight * (dout.to(acc) * (part_out.detach().to(acc) - out.to(acc))).sum(-1)).to(part_lse.dtype)
             return torch.autograd.grad((part_out, part_lse), (q, k, v), (grad_out, grad_lse))
 
-    def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale):
-        return self._recompute_backward(dout, q, k, v, out, lse, scale, self._block_diagonal_mask(q, k, block_size))
+    def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale, documents=None):
+        mask = (self._block_diagonal_mask(q, k, block_size) if documents is None
+                else self._document_block_diagonal_mask(q, k, block_size, documents))
+        return self._recompute_backward(dout, q, k, v, out, lse, scale, mask)
 
     def prefix_backward(self, dout, q, k, v, out, lse, plan, scale):
         return self._recompute_backward(dout, q, k, v, out, lse, scale, self._prefix_mask(q, k, plan))
 
 
 class FlexPrefixPlan:
-    """Flex's prefix plan: the limits and positions, and the block mask once built for them."""
+    """Flex's prefix plan: the limits and positions (and the document starts under packing), and the block mask
+    once built for them."""
 
-    def __init__(self, query_limits, key_positions):
+    def __init__(self, query_limits, key_positions, query_starts=None):
         self.query_limits, self.key_positions, self.block_mask = query_limits, key_positions, None
+        self.query_starts = query_starts

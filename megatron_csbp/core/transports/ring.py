@@ -37,6 +37,9 @@ def ring_order(layout):
 def noisy_forward(plan, q, k, v, scale):
     """The local block-diagonal part: noisy rows against the noisy rows of their own block."""
     n = plan.layout.num_noisy_rows
+    if plan.noisy_documents is not None:  # packed documents straddling a block: cut to each row's document
+        return plan.kernels.block_diagonal_forward(q[:, :, :, :n], k[:, :, :n], v[:, :, :n], plan.layout.block_size,
+                                                   scale, documents=plan.noisy_documents)
     return plan.kernels.block_diagonal_forward(q[:, :, :, :n], k[:, :, :n], v[:, :, :n], plan.layout.block_size,
                                                scale)
 
@@ -51,6 +54,10 @@ def with_noisy(noisy_part, prefix, layout):
 
 def noisy_backward(plan, dout, q, k, v, out, lse, scale):
     n = plan.layout.num_noisy_rows
+    if plan.noisy_documents is not None:
+        return plan.kernels.block_diagonal_backward(dout[:, :, :, :n], q[:, :, :, :n], k[:, :, :n], v[:, :, :n],
+                                                    out[:, :, :, :n], lse[:, :, :, :n], plan.layout.block_size, scale,
+                                                    documents=plan.noisy_documents)
     return plan.kernels.block_diagonal_backward(dout[:, :, :, :n], q[:, :, :, :n], k[:, :, :n], v[:, :, :n],
                                                 out[:, :, :, :n], lse[:, :, :, :n], plan.layout.block_size, scale)
 

@@ -1,0 +1,126 @@
+"""Packed sequences: which document each position of a sample belongs to.
+
+A packed sample of `L` tokens holds several documents back to back; `Documents(L, starts)` names the first
+position of each (`starts[0] == 0`). Under packing, BDLM attention is the block mask intersected with the
+document mask: a row of either copy sees a key only where the block mask allows it AND both are in the same
+document. Every visible key set stays a contiguous range of positions — `[doc_start, min(limit, doc_end))`
+for the clean keys (limit: `qb·B` for a noisy row of block `qb`, `(qb+1)·B` for a clean one), and the noisy
+keys of its own block that share its document — so the kernels only gain a lower bound (`query_starts`).
+
+Documents whose starts fall on block boundaries (each padded to a multiple of `B`, as `tools.prepare_data
+--pad-to-block` writes them) train exactly as if each were alone in its own sequence: same blocks, same
+noise, same loss and gradients. Megatron-LM's GPTDataset ends documents at EOD wherever they fall; then a
+block may straddle two documents, and the intersection above is what each document sees.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Documents:
+    """The documents of one packed sample of `seq_length` tokens: the first position of each, ascending."""
+
+    seq_length: int
+    starts: tuple = (0,)
+
+    def __post_init__(self):
+        starts = tuple(int(s) for s in self.starts)
+        object.__setattr__(self, "starts", starts)
+        if not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])) \
+                or starts[-1] >= self.seq_length:
+            raise ValueError(f"document starts {starts[:8]}... must begin at 0 and rise strictly below "
+                             f"seq_length={self.seq_length}")
+
+    @classmethod
+    def from_ids(cls, ids) -> "Documents":
+        """From per-position document ids `[L]`: a document is a run of equal ids."""
+        ids = torch.as_tensor(ids).reshape(-1).cpu()
+        change = torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1
+        return cls(ids.numel(), (0, *change.tolist()))
+
+    @classmethod
+    def from_eod(cls, tokens, eod: int) -> "Documents":
+        """Megatron's convention (`--reset-attention-mask`): each EOD ends its document, the next token starts one."""
+        return cls.from_ids(document_ids(torch.as_tensor(tokens).reshape(1, -1), eod)[0])
+
+    @property
+    def count(self) -> int:
+        return len(self.starts)
+
+    @property
+    def is_single(self) -> bool:
+        return len(self.starts) == 1
+
+    def bounds(self) -> torch.Tensor:
+        """`[count + 1]`: every document's start, then `seq_length`."""
+        return torch.tensor(self.starts + (self.seq_length,), dtype=torch.long)
+
+    def lengths(self) -> list[int]:
+        b = self.starts + (self.seq_length,)
+        return [b[i + 1] - b[i] for i in range(len(self.starts))]
+
+    def ids(self) -> torch.Tensor:
+        """`[L]` document index of every position."""
+        return torch.repeat_interleave(torch.arange(self.count), torch.tensor(self.lengths()))
+
+    def index_of(self, positions) -> torch.Tensor:
+        return torch.searchsorted(self.bounds(), torch.as_tensor(positions), right=True) - 1
+
+    def start_of(self, positions) -> torch.Tensor:
+        return self.bounds()[self.index_of(positions)]
+
+    def end_of(self, positions) -> torch.Tensor:
+        return self.bounds()[self.index_of(positions) + 1]
+
+    def local_positions(self, positions) -> torch.Tensor:
+        """RoPE positions restarted at each document (`--reset-position-ids`)."""
+        positions = torch.as_tensor(positions)
+        return positions - self.start_of(positions)
+
+    def block_aligned(self, block_size: int) -> bool:
+        """Whether every document starts on a block boundary (packed then trains exactly as unpacked)."""
+        return all(s % block_size == 0 for s in self.starts)
+
+
+def document_ids(tokens, eod: int) -> torch.Tensor:
+    """`[b, L]` document index of every position, a document ending with (and including) each EOD token."""
+    tokens = torch.as_tensor(tokens)
+    ends = (tokens == eod).long()
+    return torch.cumsum(ends, dim=1) - ends
+
+
+def clean_key_ranges(layout, documents, row_positions=None, row_is_clean=None):
+    """`(starts, limits)` per row of `layout`: the clean keys a row sees are those with position in `[start, limit)`.
+
+    Without documents `start` is 0 and `limit` the block limit (`qb·B`, `(qb+1)·B` for a clean row); with
+    documents the range is cut to the row's own document."""
+    positions = layout.row_positions if row_positions is None else row_positions
+    clean = layout.row_is_clean if row_is_clean is None else row_is_clean
+    block = layout.block_size
+    limits = (torch.div(positions, block, rounding_mode="floor") + clean.long()) * block
+    if documents is None or documents.is_single:
+        return torch.zeros_like(limits), limits
+    return documents.start_of(positions), torch.minimum(limits, documents.end_of(positions))
+
+
+def noisy_document_ids(layout, documents):
+    """Document index of each noisy row, or None where every owned block lies inside one document (the
+    block-diagonal part is then unchanged)."""
+    if documents is None or documents.is_single or layout.num_noisy_rows == 0:
+        return None
+    ids = documents.index_of(layout.noisy_positions)
+    per_block = ids.view(-1, layout.block_size)
+    if bool((per_block == per_block[:, :1]).all()):
+        return None
+    return ids
+
+
+class NoisyDocuments:
+    """The document of each of a rank's noisy rows on the device, and the kernels' block-diagonal masks for them
+    (built once per plan, reused by every layer and the backward)."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+        self.masks = {}
