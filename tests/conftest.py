@@ -36,6 +36,7 @@ MODULE_MARKERS = {
     "test_publish": (),
     "test_attention": ("spawn",),
     "test_documents": ("spawn",),
+    "test_packing": ("spawn", "slow"),
     "test_transport_memory": ("spawn",),
     "test_bdlm_forward_step": ("spawn",),
     "test_data": ("spawn",),
