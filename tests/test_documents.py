@@ -193,3 +193,17 @@ def test_flex_forward_with_documents_matches_cpu_kernels():
         assert torch.allclose(flex_out, cpu_out, atol=1e-5)
         assert torch.equal(torch.isinf(flex_lse), ~finite) and torch.allclose(flex_lse[finite], cpu_lse[finite], atol=1e-5)
     assert bool(torch.isinf(pairs[1][1][1]).any())  # rows at a document's first block see no clean key
+
+
+def test_packing_options_that_cannot_be_honoured_are_refused_in_one_line():
+    from megatron_csbp.core.rules import ConfigError, packing_problem
+    from megatron_csbp.core.run_config import RunConfig
+
+    assert packing_problem(True, True, 2) is None and packing_problem(False, False, 4) is None
+    with pytest.raises(ConfigError) as refused:
+        RunConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=64, block_size=8,
+                  pipeline_parallel_size=4, reset_attention_mask=True)
+    assert str(refused.value).startswith("--reset-attention-mask with --pipeline-model-parallel-size=4: the middle "
+                                         "stages never read the batch") and "\n" not in str(refused.value)
+    line = packing_problem(True, False, 2, virtual_pipeline=True)
+    assert line.startswith("--reset-position-ids with a virtual pipeline") and "\n" not in line

@@ -27,7 +27,7 @@ import torch
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.training.arguments import run_config
-from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+from megatron_csbp.bdlm.forward_step import BDLMForwardStep, Packing
 from megatron_csbp.bdlm.objective import BDLMObjective
 from megatron_csbp.training.tokenizers import Vocabulary
 
@@ -140,7 +140,9 @@ def build_run(settings: RunConfig, args: argparse.Namespace, vocabulary: Vocabul
     layout = settings.layout(parallel_state.get_block_parallel_rank())
     step = BDLMForwardStep(objective_for(settings, args, vocabulary.mask_token_id), layout,
                            check_results=getattr(args, "check_for_nan_in_loss_and_grad", False),
-                           check_spiky_loss=getattr(args, "check_for_spiky_loss", False))
+                           check_spiky_loss=getattr(args, "check_for_spiky_loss", False),
+                           packing=Packing(vocabulary.tokenizer.eod, settings.reset_position_ids,
+                                           settings.reset_attention_mask, settings.eod_mask_loss))
     attention = AttentionContext(layout=layout, group=parallel_state.get_block_parallel_groups(),
                                  transport=settings.transport)
     return BDLMRun(settings, vocabulary, attention, for_bdlm(config), step)
@@ -226,7 +228,8 @@ class RunProviders:
             context=run.attention, vocab_size=run.vocabulary.padded_vocab_size,
             mask_token_id=run.vocabulary.mask_token_id, vocab_ids=run.vocabulary.num_ids, vp_stage=vp_stage,
             use_transformer_engine=args.transformer_impl == "transformer_engine",
-            base_spec=layer_spec_from_args(args), pg_collection=pg_collection, **gpt_model_kwargs(args))
+            base_spec=layer_spec_from_args(args), pg_collection=pg_collection,
+            per_sample_positions=self.settings.reset_position_ids, **gpt_model_kwargs(args))
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
         """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
