@@ -37,6 +37,7 @@ MODULE_MARKERS = {
     "test_attention": ("spawn",),
     "test_documents": ("spawn",),
     "test_packing": ("spawn", "slow"),
+    "test_sft_data": ("spawn", "slow"),
     "test_transport_memory": ("spawn",),
     "test_bdlm_forward_step": ("spawn",),
     "test_data": ("spawn",),
