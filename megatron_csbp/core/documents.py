@@ -124,3 +124,59 @@ class NoisyDocuments:
     def __init__(self, ids: torch.Tensor):
         self.ids = ids
         self.masks = {}
+
+
+def row_pairs(layout, documents) -> torch.Tensor:
+    """Real query-key pairs of each of `layout`'s rows under the block mask cut to documents (per head and sample):
+    a noisy row sees its block's noisy keys in its document and its document's clean keys before its block; a
+    clean row its document's clean keys up to the end of its block."""
+    positions, clean = layout.row_positions, layout.row_is_clean
+    documents = documents or Documents(layout.seq_length)
+    start, end = documents.start_of(positions), documents.end_of(positions)
+    block_start = torch.div(positions, layout.block_size, rounding_mode="floor") * layout.block_size
+    block_end = block_start + layout.block_size
+    noisy = (torch.minimum(block_end, end) - torch.maximum(block_start, start)) + (block_start - start).clamp(min=0)
+    return torch.where(clean, torch.minimum(block_end, end) - start, noisy)
+
+
+def rank_pairs(layouts, documents) -> list[int]:
+    """Real attention pairs of every rank's rows (`layouts`: one per block-parallel rank)."""
+    return [int(row_pairs(layout, documents).sum()) for layout in layouts]
+
+
+@dataclass(frozen=True)
+class _AllNoisy:
+    """The noisy rows of every position, as `row_pairs` reads a layout."""
+
+    seq_length: int
+    block_size: int
+
+    @property
+    def row_positions(self):
+        return torch.arange(self.seq_length)
+
+    @property
+    def row_is_clean(self):
+        return torch.zeros(self.seq_length, dtype=torch.bool)
+
+
+def document_balanced_schedule(layout, documents) -> tuple:
+    """Owned blocks of every rank, balancing the real attention pairs of packed `documents`: a noisy block costs
+    its document's prefix before it (not its global position) plus its own block; each rank keeps as many blocks
+    as the layout's schedule gives it (so its row count, and every tensor shape, stays). Heaviest block first,
+    to the least loaded rank with room, counting each rank's clean rows' pairs, which the schedule cannot move."""
+    ranks = [layout.for_rank(r) for r in range(layout.block_parallel_size)]
+    room = [len(r.owned_blocks) for r in ranks]
+    clean_loads = []
+    for rank in ranks:
+        pairs = row_pairs(rank, documents)
+        clean_loads.append(int(pairs[rank.num_noisy_rows:].sum()))
+    everything = _AllNoisy(layout.seq_length, layout.block_size)  # every position's noisy row: per-block costs
+    costs = row_pairs(everything, documents).view(layout.num_blocks, layout.block_size).sum(1)
+    costs = costs.tolist()
+    loads, owned = list(clean_loads), [[] for _ in ranks]
+    for block in sorted(range(layout.num_blocks), key=lambda b: (-costs[b], b)):
+        rank = min((r for r in range(len(ranks)) if len(owned[r]) < room[r]), key=lambda r: (loads[r], r))
+        owned[rank].append(block)
+        loads[rank] += costs[block]
+    return tuple(tuple(sorted(blocks)) for blocks in owned)
