@@ -207,3 +207,27 @@ def test_packing_options_that_cannot_be_honoured_are_refused_in_one_line():
                                          "stages never read the batch") and "\n" not in str(refused.value)
     line = packing_problem(True, False, 2, virtual_pipeline=True)
     assert line.startswith("--reset-position-ids with a virtual pipeline") and "\n" not in line
+
+
+def test_document_balanced_deal_keeps_rows_and_balances_real_work():
+    """Each rank keeps its block count and clean shard; the deal's max/mean real pairs beat the static schedule's
+    on a packing whose documents make the global-position costs wrong (the packed tests train with such deals)."""
+    from megatron_csbp.core.documents import Documents, balanced_layout, rank_pairs, row_pairs
+    from megatron_csbp.core.layout import CSBPLayout
+
+    documents = Documents(4096, (0, 256, 1024, 1280, 3072, 3584))
+    for P, C in ((4, 4), (4, 2), (8, 1)):
+        static = [CSBPLayout(4096, 64, P, C, r) for r in range(P)]
+        dealt = [balanced_layout(layout, documents) for layout in static]
+        assert sorted(b for layout in dealt for b in layout.owned_blocks) == list(range(64))
+        for before, after in zip(static, dealt):
+            assert after.num_rows == before.num_rows and torch.equal(after.clean_positions, before.clean_positions)
+        before, after = rank_pairs(static, documents), rank_pairs(dealt, documents)
+        assert sum(before) == sum(after) and max(after) < max(before), (P, C, before, after)
+    # row_pairs counts what the dense document mask allows, pair by pair
+    small, layout = Documents(32, (0, 5, 19, 20)), CSBPLayout(32, 4, 2, 2, 1)
+    mask = document_mask(32, 4, small.starts)
+    rows = torch.cat([layout.noisy_positions, 32 + layout.clean_positions])
+    assert row_pairs(layout, small).tolist() == mask[rows].sum(1).tolist()
+    with pytest.raises(ValueError):
+        static[0].dealt(((0,),) * 8)

@@ -100,7 +100,8 @@ def batch_on_this_rank(data_iterator):
 class Packing:
     """Megatron-LM's packed-document flags, read at each EOD token (`eod`) of the batch's tokens: a document ends
     with its EOD. `reset_position_ids`: RoPE positions restart at each document; `reset_attention_mask`: no
-    row of either copy attends across a document; `eod_mask_loss`: EOD tokens are never supervised."""
+    row of either copy attends across a document, and each sample's noisy blocks are dealt to the ranks by
+    their documents' work (`core.documents.balanced_layout`); `eod_mask_loss`: EOD tokens are never supervised."""
 
     eod: int | None = None
     reset_position_ids: bool = False
@@ -114,15 +115,19 @@ class Packing:
 
     def rows(self, objective, batch, layout):
         """The objective's rows of `batch` under these flags."""
-        from megatron_csbp.core.documents import document_ids
+        from megatron_csbp.core.documents import Documents, balanced_layout, document_ids
 
-        tokens, loss_mask = torch.as_tensor(batch["tokens"]), batch.get("loss_mask")
+        tokens, loss_mask = torch.as_tensor(batch["tokens"]).cpu(), batch.get("loss_mask")
         if self.eod_mask_loss:
             kept = tokens != self.eod
-            loss_mask = kept if loss_mask is None else torch.as_tensor(loss_mask).bool() & kept
+            loss_mask = kept if loss_mask is None else torch.as_tensor(loss_mask).cpu().bool() & kept
         documents = document_ids(tokens, self.eod) if self.splits else None
+        dealt = None
+        if self.reset_attention_mask:  # each sample's blocks dealt by its documents' work (the attention does the same)
+            dealt = [balanced_layout(layout, Documents.from_ids(ids)) for ids in documents]
         return objective.rows(tokens, _sample_index(batch), layout, loss_mask, documents=documents,
-                              reset_positions=self.reset_position_ids, separate_documents=self.reset_attention_mask)
+                              reset_positions=self.reset_position_ids, separate_documents=self.reset_attention_mask,
+                              sample_layouts=dealt)
 
 
 class BDLMForwardStep:

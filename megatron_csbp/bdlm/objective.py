@@ -138,7 +138,7 @@ class BDLMObjective:
         return Noise(torch.stack(times), torch.stack(masked))
 
     def rows(self, tokens, sample_index, layout, loss_mask=None, documents=None, reset_positions=False,
-             separate_documents=True) -> Rows:
+             separate_documents=True, sample_layouts=None) -> Rows:
         """This rank's model inputs `[x_t at noisy positions ; x0 at clean positions]`, labels, weights
         and token count, in `layout`'s row order.
 
@@ -147,7 +147,8 @@ class BDLMObjective:
         `separate_documents`: no row attends across a document (`--reset-attention-mask`; the rows then carry
         `document_ids` for the attention) and a shifted objective's last row of a document has no target. The
         noise stays per (sample, block) as the objective draws it, so a document that starts on a block
-        boundary gets the noise law of an unpacked sample."""
+        boundary gets the noise law of an unpacked sample. `sample_layouts`: each sample's deal of `layout`'s blocks
+        (`core.documents.balanced_layout`: same row counts and clean shard), None: `layout` for all."""
         tokens = torch.as_tensor(tokens).cpu()
         sample_index = torch.as_tensor(sample_index).cpu().reshape(-1)
         seq_length = layout.seq_length
@@ -180,10 +181,16 @@ class BDLMObjective:
         weight = weight.repeat_interleave(self.block_size, dim=1)
         masked, clean, labels, countable, scored, weight = self.kind.views(noise.masked, tokens, supervised, weight)
         noisy_tokens = torch.where(masked, self.mask_token_id, clean)
-        noisy, kept = layout.noisy_positions, layout.clean_positions
         device = default_device()
         views = clean.shape[0] // tokens.shape[0]
-        position_ids = layout.row_positions.expand(clean.shape[0], -1).contiguous()
+        per_sample = [layout] * tokens.shape[0] if sample_layouts is None else list(sample_layouts)
+        _require(len(per_sample) == tokens.shape[0] and all(
+            other.num_noisy_rows == layout.num_noisy_rows and torch.equal(other.clean_positions, layout.clean_positions)
+            for other in per_sample), "each sample's layout must be a deal of the run's (same rows, same clean shard)")
+        noisy = torch.stack([other.noisy_positions for other in per_sample]).repeat(views, 1)  # [m, n_noisy]
+        rows_at = torch.stack([other.row_positions for other in per_sample]).repeat(views, 1)  # [m, rows]
+        kept = layout.clean_positions
+        position_ids = rows_at
         document_ids = None
         if documents is not None:
             documents = documents.repeat(views, 1)
@@ -191,15 +198,15 @@ class BDLMObjective:
                 first = torch.cummax(torch.where(torch.cat([torch.ones_like(documents[:, :1], dtype=torch.bool),
                                                             documents[:, 1:] != documents[:, :-1]], dim=1),
                                                  torch.arange(seq_length), 0), dim=1).values
-                position_ids = position_ids - first[:, layout.row_positions]
+                position_ids = position_ids - first.gather(1, rows_at)
             if separate_documents:
                 document_ids = documents.to(device)
         return Rows(
-            input_ids=torch.cat([noisy_tokens[:, noisy], clean[:, kept]], dim=1).to(device),
-            position_ids=position_ids.to(device),
-            labels=labels[:, noisy].contiguous().to(device),
-            loss_weights=torch.where(scored, weight, 0.0)[:, noisy].to(torch.float32).to(device),
-            num_tokens=countable[:, noisy].sum().to(torch.int).to(device),
+            input_ids=torch.cat([noisy_tokens.gather(1, noisy), clean[:, kept]], dim=1).to(device),
+            position_ids=position_ids.contiguous().to(device),
+            labels=labels.gather(1, noisy).to(device),
+            loss_weights=torch.where(scored, weight, 0.0).gather(1, noisy).to(torch.float32).to(device),
+            num_tokens=countable.gather(1, noisy[:tokens.shape[0]]).sum().to(torch.int).to(device),
             document_ids=document_ids,
         )
 

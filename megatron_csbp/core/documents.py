@@ -13,6 +13,7 @@ noise, same loss and gradients. Megatron-LM's GPTDataset ends documents at EOD w
 block may straddle two documents, and the intersection above is what each document sees.
 """
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -180,3 +181,14 @@ def document_balanced_schedule(layout, documents) -> tuple:
         owned[rank].append(block)
         loads[rank] += costs[block]
     return tuple(tuple(sorted(blocks)) for blocks in owned)
+
+
+@functools.lru_cache(maxsize=256)
+def balanced_layout(layout, documents):
+    """`layout` with its blocks dealt for `documents` (`document_balanced_schedule`), where the layout deals
+    blocks (CSBP and BP; CP's zigzag chunks stay); the same for the forward step's rows and the attention's
+    plan of a sample, worked out once for both."""
+    deal = getattr(layout, "dealt", None)
+    if deal is None or documents is None or documents.is_single:
+        return layout
+    return deal(document_balanced_schedule(layout, documents))

@@ -23,7 +23,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from megatron_csbp.core.device import default_device
-from megatron_csbp.core.documents import Documents
+from megatron_csbp.core.documents import Documents, balanced_layout
 from megatron_csbp.core.ops import context_sharded_block_attention, ring_plan
 from megatron_csbp.core.rules import refused_features
 
@@ -56,7 +56,8 @@ class AttentionContext:
     def document_plans(self, document_ids) -> list:
         """`(documents, plan)` per sample of a packed micro-batch (`document_ids [b, L]`, the attention mask the
         forward step passes): worked out once per micro-batch (every layer and the backward get the same
-        tensor) and kept for the last `DOCUMENT_PLANS` packings seen."""
+        tensor) and kept for the last `DOCUMENT_PLANS` packings seen. Each plan is of the sample's deal of the
+        layout's blocks (`documents.balanced_layout`, as the forward step's rows)."""
         memo = self._document_plans
         last = memo["last"]
         if last is not None and last[0] is document_ids:
@@ -69,7 +70,8 @@ class AttentionContext:
                 raise ValueError(f"document ids cover {documents.seq_length} positions, not --seq-length="
                                  f"{self.layout.seq_length}")
             if documents not in plans:
-                plans[documents] = ring_plan(self.layout, default_device(), documents=documents)
+                plans[documents] = ring_plan(balanced_layout(self.layout, documents), default_device(),
+                                             documents=documents)
             plans.move_to_end(documents)
             per_sample.append((documents, plans[documents]))
         while len(plans) > DOCUMENT_PLANS:
@@ -120,7 +122,7 @@ class CSBPCoreAttention(MegatronModule):
         padded_rows = query.shape[0]
         if attention_mask is not None:  # packed samples: each sample's document ids, one op call per sample
             out = torch.cat([context_sharded_block_attention(
-                query[:rows, i:i + 1], key[:rows, i:i + 1], value[:rows, i:i + 1], context.layout,
+                query[:rows, i:i + 1], key[:rows, i:i + 1], value[:rows, i:i + 1], plan.layout,
                 group=context.group, softmax_scale=self.softmax_scale, transport=context.transport, plan=plan,
                 documents=documents) for i, (documents, plan) in enumerate(context.document_plans(attention_mask))],
                 dim=1)

@@ -234,7 +234,8 @@ class RunProviders:
             mask_token_id=run.vocabulary.mask_token_id, vocab_ids=run.vocabulary.num_ids, vp_stage=vp_stage,
             use_transformer_engine=args.transformer_impl == "transformer_engine",
             base_spec=layer_spec_from_args(args), pg_collection=pg_collection,
-            per_sample_positions=self.settings.reset_position_ids, **gpt_model_kwargs(args))
+            per_sample_positions=self.settings.reset_position_ids or self.settings.reset_attention_mask,
+            **gpt_model_kwargs(args))
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
         """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
