@@ -7,9 +7,11 @@ API (what the model, the training loop and the tests use)::
                               loss_weighting=None | "inverse-t" | "unit", noise_range=(1e-3, 1.0),
                               antithetic=True, antithetic_group=1, seed=1234)
     noise = objective.noise(sample_index [b], seq_length)      -> Noise(t [b, NB], masked [b, L])  (CPU)
-    rows = objective.rows(tokens [b, L], sample_index [b], layout, loss_mask=None)
+    rows = objective.rows(tokens [b, L], sample_index [b], layout, loss_mask=None,
+                          documents=None, reset_positions=False, separate_documents=True, sample_layouts=None)
         -> Rows(input_ids [m, rows], position_ids [m, rows], labels [m, n_noisy],
-                loss_weights [m, n_noisy], num_tokens int scalar)   on default_device();
+                loss_weights [m, n_noisy], num_tokens int scalar, document_ids [m, L] or None)
+           on default_device(); packed samples: `documents [b, L]` their document ids (see `rows`);
            m = objective.views_per_sample * b: b for "bd3lm", 2b for "fast-dllm-v2" (give the schedule
            micro_batch_size = views_per_sample x the data's micro-batch size: it sizes pipeline messages)
     loss_func(loss_weights, num_tokens, per_token_ce [m, n_noisy])

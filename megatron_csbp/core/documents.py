@@ -183,7 +183,7 @@ def document_balanced_schedule(layout, documents) -> tuple:
     return tuple(tuple(sorted(blocks)) for blocks in owned)
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=32)  # the samples of the micro-batches in flight
 def balanced_layout(layout, documents):
     """`layout` with its blocks dealt for `documents` (`document_balanced_schedule`), where the layout deals
     blocks (CSBP and BP; CP's zigzag chunks stay); the same for the forward step's rows and the attention's

@@ -28,7 +28,7 @@ from megatron_csbp.core.ops import context_sharded_block_attention, ring_plan
 from megatron_csbp.core.rules import refused_features
 
 
-DOCUMENT_PLANS = 64  # packed samples' plans kept by a run's attention context (micro-batches repeat none)
+DOCUMENT_PLANS = 8  # packed samples' plans kept (a micro-batch's are held apart, for all its layers, until the next)
 
 
 @dataclass(frozen=True)
