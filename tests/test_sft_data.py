@@ -72,6 +72,23 @@ def test_only_assistant_tokens_are_supervised(chat_data):
         assert not re.search("[A-Z]", supervised) and "<|im_start|>" not in supervised
 
 
+def test_a_conversation_longer_than_the_sequence_is_refused_in_one_line(chat_data, capsys, tmp_path):
+    from megatron_csbp.tools import prepare_data
+
+    root, _ = chat_data
+    argv = ["--input", str(root / "chat.jsonl"), "--output-prefix", str(tmp_path / "short"), "--chat",
+            "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok"), "--pad-to-multiple", "8",
+            "--on-bad-line", "skip"]
+    assert prepare_data.main([*argv, "--seq-length", "12"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("prepare_data: --seq-length 12 must be a "
+                                                                       "positive multiple of --pad-to-multiple 8")
+    assert prepare_data.main([*argv[:-2], "--on-bad-line", "error", "--seq-length", "16"]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.match(r"prepare_data: .*chat\.jsonl:1: the conversation is \d+ tokens with its EOD, longer than "
+                    r"--seq-length 16", line), line
+    assert not os.path.exists(tmp_path / "short.bin")  # refused before anything is written
+
+
 def test_training_reads_each_samples_mask_and_trains_packed(chat_data):
     from pretrain_runs import validated_args
     from megatron_csbp.training.providers import RunProviders

@@ -157,9 +157,10 @@ def chat_document(messages, render, tokenizer, where: str) -> tuple[list[int], l
     return ids, mask
 
 
-def chat_documents(paths, key, render, tokenizer, pad_to: int, on_bad_line: str, report):
+def chat_documents(paths, key, render, tokenizer, pad_to: int, on_bad_line: str, report, max_length=None):
     """`(ids, mask)` per conversation of the JSONL `paths`, each ending with EOD and padded with EODs (mask 0) to a
-    multiple of `pad_to` tokens, so packed documents start on block boundaries."""
+    multiple of `pad_to` tokens, so packed documents start on block boundaries. A conversation longer than
+    `max_length` (the training `--seq-length`) would be cut across samples: a bad line."""
     for path in paths:
         if not os.path.isfile(path):
             raise BadInput(f"{path}: no such input file")
@@ -173,6 +174,10 @@ def chat_documents(paths, key, render, tokenizer, pad_to: int, on_bad_line: str,
                     if not isinstance(record, dict) or key not in record:
                         raise BadInput(f"{where}: no '{key}' key (set --chat-key)")
                     ids, mask = chat_document(record[key], render, tokenizer, where)
+                    if max_length is not None and len(ids) + 1 > max_length:
+                        raise BadInput(f"{where}: the conversation is {len(ids) + 1} tokens with its EOD, longer than "
+                                       f"--seq-length {max_length}, so training would cut it across samples; raise "
+                                       f"--seq-length or drop it (--on-bad-line skip)")
                 except (json.JSONDecodeError, BadInput) as error:
                     why = f"not valid JSON ({error.msg})" if isinstance(error, json.JSONDecodeError) else str(error)
                     if on_bad_line == "error":
@@ -211,6 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "with --tokenizer-model's chat template, with PREFIX_loss_mask.bin/.idx marking the "
                              "assistant tokens, the only ones trained on.")
     parser.add_argument("--chat-key", default="messages", help="Key holding the conversation in each JSONL object.")
+    parser.add_argument("--seq-length", type=int, default=None, metavar="L",
+                        help="With --chat: the training --seq-length; a longer conversation is a bad line (it would "
+                             "be cut across samples).")
     parser.add_argument("--pad-to-multiple", type=int, default=1, metavar="B",
                         help="With --chat: pad each conversation with EOD to a multiple of B tokens (the diffusion "
                              "block size), so packed conversations start on block boundaries and train as if alone.")
@@ -231,8 +239,11 @@ def _write_chat(args, prefix, tokenizer, report, skipped) -> int:
     if args.pad_to_multiple < 1:
         raise ConfigError(f"--pad-to-multiple {args.pad_to_multiple} must be >= 1 (the diffusion block size)")
     render = chat_template(args.tokenizer_model)
+    if args.seq_length is not None and (args.seq_length < 1 or args.seq_length % args.pad_to_multiple):
+        raise ConfigError(f"--seq-length {args.seq_length} must be a positive multiple of --pad-to-multiple "
+                          f"{args.pad_to_multiple}, as training's is of its block size")
     documents = list(chat_documents(args.input, args.chat_key, render, tokenizer, args.pad_to_multiple,
-                                    args.on_bad_line, report))
+                                    args.on_bad_line, report, args.seq_length))
     if not documents:
         raise BadInput(f"{', '.join(args.input)}: no conversations to write")
     write_indexed_dataset((mask for _, mask in documents), prefix + LOSS_MASK_SUFFIX, 2)
