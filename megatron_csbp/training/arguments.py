@@ -219,10 +219,11 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
     args.context_block_parallel = P
     _require(args.seq_length is not None, "--seq-length is required")
     run_config(args, world_size)
-    settings_vpp = getattr(args, "num_layers_per_virtual_pipeline_stage", None) or getattr(
+    virtual_pipeline = getattr(args, "num_layers_per_virtual_pipeline_stage", None) or getattr(
         args, "virtual_pipeline_model_parallel_size", None)
-    _refuse(rules.packing_problem(getattr(args, "reset_position_ids", False), getattr(args, "reset_attention_mask", False),
-                                  args.pipeline_model_parallel_size, bool(settings_vpp)))
+    _refuse(rules.packing_problem(getattr(args, "reset_position_ids", False),
+                                  getattr(args, "reset_attention_mask", False), args.pipeline_model_parallel_size,
+                                  bool(virtual_pipeline)))
 
     for message in refused_features(args):
         raise ConfigError(message)

@@ -248,10 +248,12 @@ class RunProviders:
         datasets = build_datasets(args, self.vocabulary, sizes=sizes, is_built_on_rank=on_rank)
         masks = build_loss_mask_datasets(args, self.vocabulary, sizes=sizes, is_built_on_rank=on_rank)
         if masks is not None and self.settings.tensor_parallel_size > 1:
-            raise ConfigError(f"--data-path {args.data_path[-1]}: SFT loss masks are not broadcast over tensor-parallel "
-                              f"ranks yet; use --tensor-model-parallel-size 1 (or data without *{'_loss_mask'} files)")
+            raise ConfigError(f"--data-path {args.data_path[-1]}: SFT loss masks are not broadcast over "
+                              f"tensor-parallel ranks yet; use --tensor-model-parallel-size 1 (or data without "
+                              f"*_loss_mask files)")
         masks = masks or (None,) * len(datasets)
-        return tuple(None if dataset is None else SampleIndexed(dataset, mask) for dataset, mask in zip(datasets, masks))
+        return tuple(None if dataset is None else SampleIndexed(dataset, mask)
+                     for dataset, mask in zip(datasets, masks))
 
     train_valid_test_datasets_provider.is_distributed = True  # Megatron-LM: every rank calls it
 

@@ -82,13 +82,15 @@ class CPUKernels:
         self.tile = tile
 
     def block_diagonal_forward(self, q, k, v, block_size, scale, documents=None):
-        mask = None if documents is None else block_diagonal_mask(documents, block_size, q.shape[2], q.shape[0], q.dtype)
+        mask = (None if documents is None
+                else block_diagonal_mask(documents, block_size, q.shape[2], q.shape[0], q.dtype))
         out, lse = _flash_forward(_queries_by_block(q, block_size), _keys_by_block(k, block_size),
                                   _keys_by_block(v, block_size), scale=scale, attn_mask=mask)
         return _queries_from_blocks(out, q.shape), _queries_from_blocks(lse.unsqueeze(-1), q.shape[:-1] + (1,))[..., 0]
 
     def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale, documents=None):
-        mask = None if documents is None else block_diagonal_mask(documents, block_size, q.shape[2], q.shape[0], q.dtype)
+        mask = (None if documents is None
+                else block_diagonal_mask(documents, block_size, q.shape[2], q.shape[0], q.dtype))
         lse_blocks = _queries_by_block(lse.unsqueeze(-1), block_size)[..., 0]
         dq, dk, dv = _flash_backward(_queries_by_block(dout, block_size), _queries_by_block(q, block_size),
                                      _keys_by_block(k, block_size), _keys_by_block(v, block_size),
@@ -169,7 +171,8 @@ class RangePlan:
                 spans = []
                 for lo, hi in edges:
                     index = torch.arange(lo, hi, device=chunk.device)
-                    visible = (index.unsqueeze(0) >= first[chunk].unsqueeze(1)) & (index.unsqueeze(0) < stop[chunk].unsqueeze(1))
+                    index = index.unsqueeze(0)
+                    visible = (index >= first[chunk].unsqueeze(1)) & (index < stop[chunk].unsqueeze(1))
                     spans.append((lo, hi, None if bool(visible.all()) else visible))
                 self.groups.append((chunk, tuple(spans)))
         self._masks = {}

@@ -60,7 +60,8 @@ class FlexKernels:
                 query_starts = plan.query_starts
 
                 def in_document_below_limit(b, h, q_idx, kv_idx):  # packed documents: [start, limit)
-                    return (key_positions[kv_idx] < query_limits[q_idx]) & (key_positions[kv_idx] >= query_starts[q_idx])
+                    key = key_positions[kv_idx]
+                    return (key < query_limits[q_idx]) & (key >= query_starts[q_idx])
 
                 mask_mod = in_document_below_limit
             plan.block_mask = self._mask(mask_mod, q.shape[3], k.shape[2], q.device)
