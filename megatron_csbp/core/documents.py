@@ -92,14 +92,12 @@ def document_ids(tokens, eod: int) -> torch.Tensor:
     return torch.cumsum(ends, dim=1) - ends
 
 
-def clean_key_ranges(layout, documents, row_positions=None, row_is_clean=None):
+def clean_key_ranges(layout, documents):
     """`(starts, limits)` per row of `layout`: the clean keys a row sees are those with position in `[start, limit)`.
 
     Without documents `start` is 0 and `limit` the block limit (`qb·B`, `(qb+1)·B` for a clean row); with
     documents the range is cut to the row's own document."""
-    positions = layout.row_positions if row_positions is None else row_positions
-    clean = layout.row_is_clean if row_is_clean is None else row_is_clean
-    block = layout.block_size
+    positions, clean, block = layout.row_positions, layout.row_is_clean, layout.block_size
     limits = (torch.div(positions, block, rounding_mode="floor") + clean.long()) * block
     if documents is None or documents.is_single:
         return torch.zeros_like(limits), limits
