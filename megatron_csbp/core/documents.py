@@ -14,6 +14,7 @@ block may straddle two documents, and the intersection above is what each docume
 """
 
 import functools
+import heapq
 from dataclasses import dataclass
 
 import torch
@@ -164,20 +165,26 @@ def document_balanced_schedule(layout, documents) -> tuple:
     its document's prefix before it (not its global position) plus its own block; each rank keeps as many blocks
     as the layout's schedule gives it (so its row count, and every tensor shape, stays). Heaviest block first,
     to the least loaded rank with room, counting each rank's clean rows' pairs, which the schedule cannot move."""
-    ranks = [layout.for_rank(r) for r in range(layout.block_parallel_size)]
-    room = [len(r.owned_blocks) for r in ranks]
+    ranks = range(layout.block_parallel_size)
+    room = [len(blocks) for blocks in layout.schedule_table]
+    bounds = documents.bounds()
     clean_loads = []
-    for rank in ranks:
-        pairs = row_pairs(rank, documents)
-        clean_loads.append(int(pairs[rank.num_noisy_rows:].sum()))
+    for rank in ranks:  # a clean row sees its document's clean keys up to its block's end
+        positions = layout.for_rank(rank).clean_positions
+        index = torch.searchsorted(bounds, positions, right=True) - 1
+        block_end = (torch.div(positions, layout.block_size, rounding_mode="floor") + 1) * layout.block_size
+        clean_loads.append(int((torch.minimum(block_end, bounds[index + 1]) - bounds[index]).sum()))
     everything = _AllNoisy(layout.seq_length, layout.block_size)  # every position's noisy row: per-block costs
     costs = row_pairs(everything, documents).view(layout.num_blocks, layout.block_size).sum(1)
     costs = costs.tolist()
     loads, owned = list(clean_loads), [[] for _ in ranks]
+    open_ranks = [(load, rank) for rank, load in enumerate(loads) if room[rank]]
+    heapq.heapify(open_ranks)
     for block in sorted(range(layout.num_blocks), key=lambda b: (-costs[b], b)):
-        rank = min((r for r in range(len(ranks)) if len(owned[r]) < room[r]), key=lambda r: (loads[r], r))
+        load, rank = heapq.heappop(open_ranks)  # the least loaded rank with room (lowest index on ties)
         owned[rank].append(block)
-        loads[rank] += costs[block]
+        if len(owned[rank]) < room[rank]:
+            heapq.heappush(open_ranks, (load + costs[block], rank))
     return tuple(tuple(sorted(blocks)) for blocks in owned)
 
 
