@@ -57,15 +57,14 @@ def test_a_refusal_reads_flag_value_what_and_instead():
     assert flag_table.refusal("--num-experts", 4, entry) == (
         "--num-experts 4: mixture-of-experts is not supported by the BDLM model yet; train a dense model (drop the "
         "MoE flags)")
-    assert flag_table.refusal("--reset-attention-mask", None, flag_table.entry("--reset-attention-mask")).startswith(
-        "--reset-attention-mask: packed documents")
+    assert flag_table.refusal("--sft", None, flag_table.entry("--sft")).startswith(
+        "--sft: selects data the plugin's datasets provider does not build")
     assert flag_table.entry("--a-flag-megatron-lm-may-add-later") is flag_table.UNCLASSIFIED
 
 
 @pytest.mark.parametrize("extra, message", [
     (["--num-experts", "4", "--moe-router-topk", "2"], "--num-experts: mixture-of-experts is not supported"),
-    (["--reset-attention-mask"], "--reset-attention-mask: packed documents"),
-    (["--eod-mask-loss"], "--eod-mask-loss: packed documents"),
+    (["--sft"], "--sft: selects data the plugin's datasets provider does not build"),
     (["--trust-remote-code"], "--trust-remote-code: would run code"),
     (["--cp-comm-type", "a2a"], "--cp-comm-type selects a ring-CP transport"),  # rules.RING_CP_REFUSALS' line
     (["--lr-warmup-init", "0.1"], "--lr-warmup-init is taken under --training-loop megatron-lm only"),

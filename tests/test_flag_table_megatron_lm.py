@@ -138,7 +138,7 @@ def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_
     (["--lr-warmup-fraction", "2"], "--lr-warmup-fraction 2.0 must be in [0, 1)"),
     (["--log-interval", "0"], "--log-interval must be >= 1; got 0"),
     (["--num-experts", "4", "--moe-router-topk", "2"], "--num-experts 4: mixture-of-experts is not supported"),
-    (["--reset-attention-mask"], "--reset-attention-mask: packed documents"),
+    (["--sft"], "--sft: selects data the plugin's datasets provider does not build"),
     (["--load-fallback-to-previous"], "--load-fallback-to-previous is our loop's own"),
 ])
 def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatron, extra, message):
@@ -153,9 +153,8 @@ def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatr
     (["--num-experts", "4", "--moe-router-topk", "2"],
      "--num-experts{}: mixture-of-experts is not supported by the BDLM model yet; train a dense model (drop the MoE "
      "flags)"),
-    (["--reset-attention-mask"], "--reset-attention-mask: packed documents (positions, masks or loss reset at each "
-                                 "EOD) are not supported by the BDLM objective yet; drop it: each sample is one clean "
-                                 "sequence of --seq-length tokens"),
+    (["--sft"], "--sft: selects data the plugin's datasets provider does not build; give --data-path PREFIX (or a "
+                "weighted blend) and --split"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1; got 0"),
 ])
 def test_refused_in_one_line_exit_2_under_both_loops(extra, line):

@@ -79,17 +79,34 @@ TOPOLOGIES = {
     "cp-traffic2": (2, {"context-block-parallel": 2, "bdlm-parallel-mode": "cp-traffic"}),
     "bp2": (2, {"context-block-parallel": 2, "bdlm-parallel-mode": "bp"}),
     "fast-dllm-v2": (2, {"context-block-parallel": 2, "bdlm-objective": "fast-dllm-v2"}),
+    "packed": (2, {"context-block-parallel": 2, "reset-position-ids": True, "reset-attention-mask": True,
+                   "eod-mask-loss": True}),
 }
 
 
+@pytest.fixture(scope="module")
+def short_documents(tmp_path_factory) -> str:
+    """The demo's corpus of short documents (runs of well-known sequences), for packing."""
+    prefix = str(tmp_path_factory.mktemp("short") / "sequences")
+    from megatron_csbp.tools import prepare_data
+
+    assert prepare_data.main(["--corpus", "sequences", "--output-prefix", prefix]) == 0
+    return prefix
+
+
 @pytest.mark.parametrize("name", list(TOPOLOGIES))
-def test_both_loops_print_the_same_losses_and_grad_norms(corpus, name):
+def test_both_loops_print_the_same_losses_and_grad_norms(corpus, name, request):
     nproc, settings = TOPOLOGIES[name]
+    if name == "packed":  # documents of 50-250 bytes: every 128-token sample holds EODs
+        corpus = request.getfixturevalue("short_documents")
     overrides = _overrides(corpus, **settings)
     ours = _launch("megatron-core", nproc, overrides)
     megatron = _launch("megatron-lm", nproc, overrides)
     assert "[after megatron is initialized]" in megatron.output and "[after megatron" not in ours.output
     _assert_same_numbers(ours, megatron)
+    if name == "packed":  # the flags act: the same data unpacked (documents seeing each other) logs other losses
+        unpacked = _launch("megatron-core", nproc, _overrides(corpus, **{"context-block-parallel": 2}))
+        assert _logged(unpacked)[0][1][0] != _logged(ours)[0][1][0]
 
 
 def test_a_yaml_with_megatron_lm_only_flags_runs_under_megatron_lm(corpus, tmp_path):

@@ -15,6 +15,7 @@ GPTDataset's own `loss_mask` is shifted and always drops the last token). Every 
 same everywhere because it depends on `(seed, sample index)` alone.
 """
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -95,6 +96,40 @@ def batch_on_this_rank(data_iterator):
     return broadcast_data(["tokens", "sample_index"], batch, torch.int64, tp_group=tp_group)
 
 
+@dataclass(frozen=True)
+class Packing:
+    """Megatron-LM's packed-document flags, read at each EOD token (`eod`) of the batch's tokens: a document ends
+    with its EOD. `reset_position_ids`: RoPE positions restart at each document; `reset_attention_mask`: no
+    row of either copy attends across a document, and each sample's noisy blocks are dealt to the ranks by
+    their documents' work (`core.documents.balanced_layout`); `eod_mask_loss`: EOD tokens are never supervised."""
+
+    eod: int | None = None
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+
+    @property
+    def splits(self) -> bool:
+        """Whether the batch's documents matter to the rows (positions or attention)."""
+        return self.reset_position_ids or self.reset_attention_mask
+
+    def rows(self, objective, batch, layout):
+        """The objective's rows of `batch` under these flags."""
+        from megatron_csbp.core.documents import Documents, balanced_layout, document_ids
+
+        tokens, loss_mask = torch.as_tensor(batch["tokens"]).cpu(), batch.get("loss_mask")
+        if self.eod_mask_loss:
+            kept = tokens != self.eod
+            loss_mask = kept if loss_mask is None else torch.as_tensor(loss_mask).cpu().bool() & kept
+        documents = document_ids(tokens, self.eod) if self.splits else None
+        dealt = None
+        if self.reset_attention_mask:  # each sample's blocks dealt by its documents' work (the attention does the same)
+            dealt = [balanced_layout(layout, Documents.from_ids(ids)) for ids in documents]
+        return objective.rows(tokens, _sample_index(batch), layout, loss_mask, documents=documents,
+                              reset_positions=self.reset_position_ids, separate_documents=self.reset_attention_mask,
+                              sample_layouts=dealt)
+
+
 class BDLMForwardStep:
     """`forward_step(data_iterator, model)` for megatron-core's `get_forward_backward_func`.
 
@@ -105,12 +140,15 @@ class BDLMForwardStep:
     """
 
     def __init__(self, objective: BDLMObjective, layout, *, check_results: bool = False,
-                 check_spiky_loss: bool = False):
+                 check_spiky_loss: bool = False, packing: Packing | None = None):
         _require(layout.block_size == objective.block_size,
                  f"--bdlm-block-size={objective.block_size} differs from the layout's block_size={layout.block_size}")
         self.objective = objective
         self.layout = layout
         self.loss_func = partial(checked_loss_func, check_results=check_results, check_spiky_loss=check_spiky_loss)
+        self.packing = packing if packing is not None else Packing()
+        _require(self.packing.eod is not None or not (self.packing.splits or self.packing.eod_mask_loss),
+                 "--reset-position-ids, --reset-attention-mask and --eod-mask-loss need the tokenizer's EOD id")
         self._checked_models = []  # held: a freed model's identity can never pass for a new model's
 
     def _check_once(self, model) -> None:
@@ -131,10 +169,13 @@ class BDLMForwardStep:
         first_stage = get_attr_wrapped_model(model, "pre_process")
         last_stage = get_attr_wrapped_model(model, "post_process")
         if not (first_stage or last_stage):
+            _require(not self.packing.splits, "packed documents (--reset-position-ids / --reset-attention-mask) need "
+                     "every pipeline stage to read the batch; middle stages do not: use at most 2 pipeline stages "
+                     "and no virtual pipeline")
             positions = self.layout.row_positions.unsqueeze(0).to(default_device())
             return model(None, positions, attention_mask=None), partial(self.loss_func, None, None)
         batch = batch_on_this_rank(data_iterator)
-        rows = self.objective.rows(batch["tokens"], _sample_index(batch), self.layout, batch.get("loss_mask"))
-        output = model(rows.input_ids if first_stage else None, rows.position_ids, attention_mask=None,
+        rows = self.packing.rows(self.objective, batch, self.layout)
+        output = model(rows.input_ids if first_stage else None, rows.position_ids, attention_mask=rows.document_ids,
                        labels=rows.labels if last_stage else None)
         return output, partial(self.loss_func, rows.loss_weights, rows.num_tokens)

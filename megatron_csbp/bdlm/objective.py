@@ -7,9 +7,11 @@ API (what the model, the training loop and the tests use)::
                               loss_weighting=None | "inverse-t" | "unit", noise_range=(1e-3, 1.0),
                               antithetic=True, antithetic_group=1, seed=1234)
     noise = objective.noise(sample_index [b], seq_length)      -> Noise(t [b, NB], masked [b, L])  (CPU)
-    rows = objective.rows(tokens [b, L], sample_index [b], layout, loss_mask=None)
+    rows = objective.rows(tokens [b, L], sample_index [b], layout, loss_mask=None,
+                          documents=None, reset_positions=False, separate_documents=True, sample_layouts=None)
         -> Rows(input_ids [m, rows], position_ids [m, rows], labels [m, n_noisy],
-                loss_weights [m, n_noisy], num_tokens int scalar)   on default_device();
+                loss_weights [m, n_noisy], num_tokens int scalar, document_ids [m, L] or None)
+           on default_device(); packed samples: `documents [b, L]` their document ids (see `rows`);
            m = objective.views_per_sample * b: b for "bd3lm", 2b for "fast-dllm-v2" (give the schedule
            micro_batch_size = views_per_sample x the data's micro-batch size: it sizes pipeline messages)
     loss_func(loss_weights, num_tokens, per_token_ce [m, n_noisy])
@@ -71,6 +73,7 @@ class Rows(NamedTuple):
     labels: torch.Tensor
     loss_weights: torch.Tensor
     num_tokens: torch.Tensor
+    document_ids: torch.Tensor | None = None  # [m, L] document of every position (packed samples), else None
 
 
 @dataclass(frozen=True)
@@ -136,9 +139,18 @@ class BDLMObjective:
             masked.append(mask_draw < t.repeat_interleave(self.block_size))
         return Noise(torch.stack(times), torch.stack(masked))
 
-    def rows(self, tokens, sample_index, layout, loss_mask=None) -> Rows:
+    def rows(self, tokens, sample_index, layout, loss_mask=None, documents=None, reset_positions=False,
+             separate_documents=True, sample_layouts=None) -> Rows:
         """This rank's model inputs `[x_t at noisy positions ; x0 at clean positions]`, labels, weights
-        and token count, in `layout`'s row order."""
+        and token count, in `layout`'s row order.
+
+        Packed samples: `documents [b, L]` is the document of every position (`core.documents.document_ids`).
+        `reset_positions`: RoPE positions restart at each document (`--reset-position-ids`);
+        `separate_documents`: no row attends across a document (`--reset-attention-mask`; the rows then carry
+        `document_ids` for the attention) and a shifted objective's last row of a document has no target. The
+        noise stays per (sample, block) as the objective draws it, so a document that starts on a block
+        boundary gets the noise law of an unpacked sample. `sample_layouts`: each sample's deal of `layout`'s blocks
+        (`core.documents.balanced_layout`: same row counts and clean shard), None: `layout` for all."""
         tokens = torch.as_tensor(tokens).cpu()
         sample_index = torch.as_tensor(sample_index).cpu().reshape(-1)
         seq_length = layout.seq_length
@@ -158,19 +170,46 @@ class BDLMObjective:
             _require(loss_mask.shape == tokens.shape,
                      f"loss_mask {tuple(loss_mask.shape)} must match tokens {tuple(tokens.shape)}")
             supervised = loss_mask.bool()
+        if documents is not None:
+            documents = torch.as_tensor(documents).cpu().long()
+            _require(documents.shape == tokens.shape,
+                     f"document ids {tuple(documents.shape)} must match tokens {tuple(tokens.shape)}")
+            if separate_documents and self.kind.label_shift:  # no target across a document boundary
+                starts = torch.zeros_like(supervised)
+                starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+                supervised = supervised & ~starts
         noise = self.noise(sample_index, seq_length)
         weight = torch.ones_like(noise.t) if self.loss_weighting == "unit" else 1.0 / noise.t
         weight = weight.repeat_interleave(self.block_size, dim=1)
         masked, clean, labels, countable, scored, weight = self.kind.views(noise.masked, tokens, supervised, weight)
         noisy_tokens = torch.where(masked, self.mask_token_id, clean)
-        noisy, kept = layout.noisy_positions, layout.clean_positions
         device = default_device()
+        views = clean.shape[0] // tokens.shape[0]
+        per_sample = [layout] * tokens.shape[0] if sample_layouts is None else list(sample_layouts)
+        _require(len(per_sample) == tokens.shape[0] and all(
+            other.num_noisy_rows == layout.num_noisy_rows and torch.equal(other.clean_positions, layout.clean_positions)
+            for other in per_sample), "each sample's layout must be a deal of the run's (same rows, same clean shard)")
+        noisy = torch.stack([other.noisy_positions for other in per_sample]).repeat(views, 1)  # [m, n_noisy]
+        rows_at = torch.stack([other.row_positions for other in per_sample]).repeat(views, 1)  # [m, rows]
+        kept = layout.clean_positions
+        position_ids = rows_at
+        document_ids = None
+        if documents is not None:
+            documents = documents.repeat(views, 1)
+            if reset_positions:
+                first = torch.cummax(torch.where(torch.cat([torch.ones_like(documents[:, :1], dtype=torch.bool),
+                                                            documents[:, 1:] != documents[:, :-1]], dim=1),
+                                                 torch.arange(seq_length), 0), dim=1).values
+                position_ids = position_ids - first.gather(1, rows_at)
+            if separate_documents:
+                document_ids = documents.to(device)
         return Rows(
-            input_ids=torch.cat([noisy_tokens[:, noisy], clean[:, kept]], dim=1).to(device),
-            position_ids=layout.row_positions.expand(clean.shape[0], -1).contiguous().to(device),
-            labels=labels[:, noisy].contiguous().to(device),
-            loss_weights=torch.where(scored, weight, 0.0)[:, noisy].to(torch.float32).to(device),
-            num_tokens=countable[:, noisy].sum().to(torch.int).to(device),
+            input_ids=torch.cat([noisy_tokens.gather(1, noisy), clean[:, kept]], dim=1).to(device),
+            position_ids=position_ids.contiguous().to(device),
+            labels=labels.gather(1, noisy).to(device),
+            loss_weights=torch.where(scored, weight, 0.0).gather(1, noisy).to(torch.float32).to(device),
+            num_tokens=countable.gather(1, noisy[:tokens.shape[0]]).sum().to(torch.int).to(device),
+            document_ids=document_ids,
         )
 
 

@@ -82,6 +82,7 @@ class CSBPLayout(_Rows):
     rank: int = 0
     schedule: str = "dual_end"
     clean_layout: str = "zigzag"
+    owned_table: tuple | None = None  # owned blocks of every rank, given (a packed sample's balanced deal)
 
     def __post_init__(self):
         rules.refuse(rules.layout_problem("csbp", self.seq_length, self.block_size, self.block_parallel_size,
@@ -114,6 +115,8 @@ class CSBPLayout(_Rows):
     @cached_property
     def schedule_table(self) -> list[list[int]]:
         """Owned blocks of every block-parallel rank, in row order."""
+        if self.owned_table is not None:
+            return [list(blocks) for blocks in self.owned_table]
         deal = dual_end_schedule if self.schedule == "dual_end" else contiguous_schedule
         return deal(self.num_blocks, self.block_parallel_size)
 
@@ -135,7 +138,16 @@ class CSBPLayout(_Rows):
 
     def for_rank(self, rank: int) -> "CSBPLayout":
         return CSBPLayout(self.seq_length, self.block_size, self.block_parallel_size, self.clean_shards,
-                          rank, self.schedule, self.clean_layout)
+                          rank, self.schedule, self.clean_layout, self.owned_table)
+
+    def dealt(self, owned_table) -> "CSBPLayout":
+        """This rank's layout with the blocks dealt as `owned_table` (each rank keeping its block count: same
+        rows, same shapes), e.g. `documents.document_balanced_schedule`'s for a packed sample."""
+        if [len(blocks) for blocks in owned_table] != [len(blocks) for blocks in self.schedule_table] or sorted(
+                b for blocks in owned_table for b in blocks) != list(range(self.num_blocks)):
+            raise ValueError("a deal of the blocks must give every block to one rank and each rank its block count")
+        return CSBPLayout(self.seq_length, self.block_size, self.block_parallel_size, self.clean_shards, self.rank,
+                          self.schedule, self.clean_layout, tuple(tuple(blocks) for blocks in owned_table))
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_csbp.core import rules, transports
+from megatron_csbp.core.documents import NoisyDocuments, clean_key_ranges, noisy_document_ids
 from megatron_csbp.core.kernels import default_kernels, default_scale
 from megatron_csbp.core.process_groups import ring_group_of
 
@@ -56,6 +57,8 @@ class RingPlan:
     block_diagonal: bool               # the noisy rows' own blocks are a separate local call (not masked)
     kind: str                          # the remote part's kernel: "prefix" or "masked" (core.kernel_work.KINDS)
     num_keys: int                      # keys of the gathered plan: the clean copy's L, or both copies' 2L
+    documents: object = None           # core.documents.Documents of a packed sample (None: one document)
+    noisy_documents: object = None     # NoisyDocuments where an owned block straddles documents, else None
 
     def remote_forward(self, q, k, v, kernel_plan, scale):
         """The remote part (prefix or masked) of this rank's rows against keys `k, v` under `kernel_plan`."""
@@ -80,27 +83,44 @@ class RingPlan:
         return tuple(calls + [KernelCall(self.kind, *plan.work()) for plan in plans])
 
 
-def ring_plan(layout, device, kernels=None) -> RingPlan:
-    """The plan of `layout` on `device` for `kernels` (the device's default): build it once, pass it as `plan=`."""
+def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
+    """The plan of `layout` on `device` for `kernels` (the device's default): build it once, pass it as `plan=`.
+
+    `documents` (`core.documents.Documents`, packed samples): every row's clean keys are cut to its own
+    document, `[doc_start, min(limit, doc_end))`, and so are the noisy keys of a block straddling documents."""
     device = torch.device(device)
     kernels = default_kernels(device) if kernels is None else kernels
+    if documents is not None and documents.is_single:
+        documents = None
     block, masked = layout.block_size, layout.masked_attention
     if masked:  # keys of both copies, noisy first: 2L keys in position order when gathered
+        def document_of(positions):  # a token's two copies share its position, hence its document
+            return None if documents is None else documents.index_of(positions).to(device)
+
         def key_order(positions, clean):
             return positions + clean.long() * layout.seq_length
 
         def plan_for(positions, clean):
             return kernels.masked_plan(layout.row_positions.to(device), layout.row_is_clean.to(device),
-                                       positions.to(device), clean.to(device), block)
-    else:  # clean keys only, in position order
-        limits = (torch.div(layout.row_positions, block, rounding_mode="floor") + layout.row_is_clean.long()) * block
+                                       positions.to(device), clean.to(device), block,
+                                       query_documents=document_of(layout.row_positions),
+                                       key_documents=document_of(positions))
+    else:  # clean keys only, in position order; packed: each row's keys cut to its document, [start, limit)
+        if documents is None:
+            starts = None
+            limits = (torch.div(layout.row_positions, block, rounding_mode="floor") + layout.row_is_clean.long()) * block
+        else:
+            starts, limits = clean_key_ranges(layout, documents)
+            starts = starts.to(device)
         limits = limits.to(device)
 
         def key_order(positions, clean):
             return positions
 
         def plan_for(positions, clean):
-            return kernels.plan(limits, positions.to(device))
+            if starts is None:
+                return kernels.plan(limits, positions.to(device))
+            return kernels.plan(limits, positions.to(device), query_starts=starts)
     shard_rows, shard_plans, gathered_rows, gathered_positions, gathered_clean = [], [], [], [], []
     offset = 0
     for ring_rank in range(layout.clean_shards):
@@ -120,7 +140,15 @@ def ring_plan(layout, device, kernels=None) -> RingPlan:
     order = torch.argsort(key_order(gathered_positions, gathered_clean), stable=True)
     return RingPlan(layout, device, kernels, tuple(shard_rows), _indices_or_all(gathered_rows[order], offset, device),
                     plan_for(gathered_positions[order], gathered_clean[order]), tuple(shard_plans),
-                    block_diagonal=not masked, kind="masked" if masked else "prefix", num_keys=int(order.numel()))
+                    block_diagonal=not masked, kind="masked" if masked else "prefix", num_keys=int(order.numel()),
+                    documents=documents, noisy_documents=_noisy_documents(layout, documents, masked, device))
+
+
+def _noisy_documents(layout, documents, masked, device):
+    """The documents of the noisy rows, where the block-diagonal part is a separate call and an owned block
+    straddles documents (None otherwise: the part is then unchanged)."""
+    ids = None if documents is None or masked else noisy_document_ids(layout, documents)
+    return None if ids is None else NoisyDocuments(ids.to(device))
 
 
 def _indices_or_all(rows, total, device):
@@ -131,14 +159,15 @@ def _indices_or_all(rows, total, device):
 _plans: "OrderedDict[tuple, RingPlan]" = OrderedDict()
 
 
-def _cached_plan(layout, device) -> RingPlan:
-    """The last `PLAN_CACHE_SIZE` plans by (layout, device); one is rebuilt when the device's kernels were
-    replaced since it was made (tests and scripts/gpu_check.py swap them)."""
+def _cached_plan(layout, device, documents=None) -> RingPlan:
+    """The last `PLAN_CACHE_SIZE` plans by (layout, device, documents); one is rebuilt when the device's kernels
+    were replaced since it was made (tests and scripts/gpu_check.py swap them)."""
     kernels = default_kernels(device)
-    plan = _plans.pop((layout, device), None)
+    key = (layout, device) if documents is None else (layout, device, documents)
+    plan = _plans.pop(key, None)
     if plan is None or plan.kernels is not kernels:
-        plan = ring_plan(layout, device, kernels)
-    _plans[layout, device] = plan
+        plan = ring_plan(layout, device, kernels, documents)
+    _plans[key] = plan
     while len(_plans) > PLAN_CACHE_SIZE:
         _plans.popitem(last=False)
     return plan
@@ -178,13 +207,15 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
 
 
 def context_sharded_block_attention(query, key, value, layout, group=None, softmax_scale=None,
-                                    transport="collective", plan=None):
+                                    transport="collective", plan=None, documents=None):
     """BDLM attention of this rank's rows; `[s, b, heads, d]` queries, `[s, b, kv_heads, d]` K/V -> `[s, b, heads·d]`.
 
     `group` is the block-parallel group (ranks in layout order), or a `BlockParallelGroups` when the
     layout has several rings. The same call runs the conventional-CP baseline for a `CPLayout` and pure
     block parallelism for a layout with `clean_shards == 1`. `plan`: `ring_plan(layout, query.device)`,
-    built once by the caller (default: a small cache by layout and device).
+    built once by the caller (default: a small cache by layout and device). `documents`: the packed
+    sample's `core.documents.Documents`, shared by the samples of the call (None: one document); a
+    `plan` given must have been built for them.
     """
     rules.refuse(rules.choice_problem("--csbp-transport", transport, rules.TRANSPORTS))
     if query.shape[0] != layout.num_rows or key.shape[0] != layout.num_rows or value.shape != key.shape:
@@ -192,11 +223,16 @@ def context_sharded_block_attention(query, key, value, layout, group=None, softm
                          f"hold this rank's {layout.num_rows} rows ([s, b, heads, d]) of the layout")
     if query.shape[2] % key.shape[2] or query.shape[3] != key.shape[3]:
         raise ValueError(f"{query.shape[2]} query heads cannot share {key.shape[2]} K/V heads of the same size")
+    if documents is not None and documents.is_single:
+        documents = None
     if plan is None:
-        plan = _cached_plan(layout, query.device)
+        plan = _cached_plan(layout, query.device, documents)
     elif plan.layout != layout or plan.device != query.device:
         raise ValueError(f"plan was built for {plan.layout} on {plan.device}, not for this call's {layout} on "
                          f"{query.device}: pass plan=ring_plan(layout, device) of the layout and device it runs")
+    elif plan.documents != documents:
+        raise ValueError(f"plan was built for documents {plan.documents}, not this call's {documents}: pass "
+                         f"plan=ring_plan(layout, device, documents=documents)")
     ring = ring_group_of(group, layout)
     scale = default_scale(query.shape[-1]) if softmax_scale is None else softmax_scale
     return _ContextShardedBlockAttention.apply(query, key, value, ring, scale, transport, plan)

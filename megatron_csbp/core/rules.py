@@ -204,6 +204,22 @@ def batch_problem(global_batch_size: int, micro_batch_size: int, data_parallel_s
             f"data-parallel size {data_parallel_size}; use a multiple of {step}")
 
 
+def packing_problem(reset_position_ids: bool, reset_attention_mask: bool, pipeline_parallel: int,
+                    virtual_pipeline: bool = False, flags: Flags = FLAGS) -> str | None:
+    """Packed documents (`--reset-position-ids`, `--reset-attention-mask`) need each micro-batch's documents on every
+    pipeline stage that runs layers; only the first and last stages read the batch."""
+    if not (reset_position_ids or reset_attention_mask):
+        return None
+    flag = "--reset-attention-mask" if reset_attention_mask else "--reset-position-ids"
+    if pipeline_parallel > 2:
+        return (f"{flag} with {flags.pipeline_parallel}={pipeline_parallel}: the middle stages never read the batch, "
+                f"so they cannot know its documents; use {flags.pipeline_parallel} 2 or less, or drop {flag}")
+    if virtual_pipeline:
+        return (f"{flag} with a virtual pipeline: its middle model chunks never read the batch, so they cannot know "
+                f"its documents; drop --num-layers-per-virtual-pipeline-stage or {flag}")
+    return None
+
+
 def default_ffn_hidden_size(hidden_size: int, swiglu: bool) -> int:
     """Megatron-LM's default: `4h`, or `8h/3` rounded down to a multiple of 64 with SwiGLU."""
     return int(4 * hidden_size * 2 / 3 / 64) * 64 if swiglu else 4 * hidden_size

@@ -45,6 +45,10 @@ class RunConfig:
     # the batch
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # None: one micro-batch per data-parallel replica
+    # packed documents (Megatron-LM's flags; boundaries at EOD)
+    reset_position_ids: bool = False  # RoPE positions restart at each document
+    reset_attention_mask: bool = False  # no row attends across a document
+    eod_mask_loss: bool = False  # EOD tokens never supervised
     flags: rules.Flags = dataclasses.field(default=rules.FLAGS, compare=False, repr=False)  # names in messages
 
     def __post_init__(self):
@@ -79,6 +83,7 @@ class RunConfig:
                    or rules.choice_problem(f.schedule, self.schedule, rules.SCHEDULES)
                    or rules.choice_problem("--csbp-transport", self.transport, rules.TRANSPORTS)
                    or rules.noise_range_problem(*self.noise_range)
+                   or rules.packing_problem(self.reset_position_ids, self.reset_attention_mask, PP, flags=f)
                    or rules.loss_weighting_problem(self.objective, self.loss_weighting))
         if problem or self.global_batch_size is None:
             return problem

@@ -18,6 +18,9 @@ attention_mask=None, labels=x0 of noisy rows [b, n_noisy])` returns per-token cr
 `[b, n_noisy]` on the last pipeline stage, or the logits `[b, n_noisy, V/tp]` when `labels` is None.
 The samples of a micro-batch share one row layout, so RoPE reads the positions of its first sample: one
 `[rows, 1, 1, dim]` table for the batch, the shape Megatron's (and Transformer Engine's fused) RoPE takes.
+Packed samples whose positions restart at each document (`per_sample_positions`, `--reset-position-ids`)
+take a `[rows, b, 1, dim]` table instead, and `attention_mask` then carries each sample's document ids
+`[b, L]` to the core attention (`spec.CSBPCoreAttention`), which cuts every row's keys to its document.
 """
 
 import torch
@@ -90,7 +93,7 @@ class BDLMGPTModel(GPTModel):
     real ids before the vocabulary padding (default: no padding, all `vocab_size` columns)."""
 
     def __init__(self, config, transformer_layer_spec, vocab_size, *args, layout, mask_token_id=None, vocab_ids=None,
-                 **kwargs):
+                 per_sample_positions=False, **kwargs):
         validate_config(config, layout, vocab_size, mask_token_id)  # before any weight is allocated
         vocab_ids = vocab_size if vocab_ids is None else vocab_ids
         if not 0 < vocab_ids <= vocab_size:
@@ -104,6 +107,7 @@ class BDLMGPTModel(GPTModel):
         self.layout = layout
         self.mask_token_id = mask_token_id
         self.vocab_ids = vocab_ids
+        self.per_sample_positions = per_sample_positions  # packed samples, positions restarted per document
         self._predictable = None  # this TP rank's predictable columns, made on the first forward
         self.padded_rows = padded_row_count(layout, self.config)
         if self.position_embedding_type == "rope":
@@ -133,6 +137,8 @@ class BDLMGPTModel(GPTModel):
         if self.position_embedding_type != "rope":
             return output
         table = output[1]
+        if self.per_sample_positions:  # `[rows, b, 1, dim]`: each sample's own positions (unfused RoPE broadcasts)
+            return (output[0], table[position_ids.to(table.device)][:, :, 0].transpose(0, 1), *output[2:])
         return (output[0], table[position_ids[0].to(table.device)], *output[2:])
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
@@ -170,7 +176,7 @@ class BDLMGPTModel(GPTModel):
 
 def model_provider(pre_process=True, post_process=True, *, config, vocab_size, layout=None, mask_token_id=None,
                    vocab_ids=None, group=None, transport="collective", context=None, use_transformer_engine=False,
-                   vp_stage=None, base_spec=None, **gpt_kwargs) -> BDLMGPTModel:
+                   vp_stage=None, base_spec=None, per_sample_positions=False, **gpt_kwargs) -> BDLMGPTModel:
     """Builds this rank's `BDLMGPTModel` (the `model_provider` Megatron's `get_model` expects, once
     `config`, `layout` and the rest are bound with `functools.partial`).
 
@@ -191,4 +197,5 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
     gpt_kwargs.setdefault("position_embedding_type", "rope")
     return BDLMGPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=vocab_size,
                         pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                        layout=layout, mask_token_id=mask_token_id, vocab_ids=vocab_ids, **gpt_kwargs)
+                        layout=layout, mask_token_id=mask_token_id, vocab_ids=vocab_ids,
+                        per_sample_positions=per_sample_positions, **gpt_kwargs)

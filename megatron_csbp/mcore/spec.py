@@ -8,6 +8,7 @@ from an `AttentionContext` (the run's, `providers.BDLMRun.attention`), bound int
 carry none: they are a starting point the model provider copies and binds the run's context into.
 """
 
+import collections
 import copy
 import functools
 import math
@@ -22,8 +23,12 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from megatron_csbp.core.device import default_device
+from megatron_csbp.core.documents import Documents, balanced_layout
 from megatron_csbp.core.ops import context_sharded_block_attention, ring_plan
 from megatron_csbp.core.rules import refused_features
+
+
+DOCUMENT_PLANS = 8  # packed samples' plans kept (a micro-batch's are held apart, for all its layers, until the next)
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,36 @@ class AttentionContext:
     @functools.cached_property
     def plan(self):
         return ring_plan(self.layout, default_device())
+
+    @functools.cached_property
+    def _document_plans(self):
+        return {"last": None, "plans": collections.OrderedDict()}
+
+    def document_plans(self, document_ids) -> list:
+        """`(documents, plan)` per sample of a packed micro-batch (`document_ids [b, L]`, the attention mask the
+        forward step passes): worked out once per micro-batch (every layer and the backward get the same
+        tensor) and kept for the last `DOCUMENT_PLANS` packings seen. Each plan is of the sample's deal of the
+        layout's blocks (`documents.balanced_layout`, as the forward step's rows)."""
+        memo = self._document_plans
+        last = memo["last"]
+        if last is not None and last[0] is document_ids:
+            return last[1]
+        plans = memo["plans"]
+        per_sample = []
+        for ids in document_ids.cpu():
+            documents = Documents.from_ids(ids)
+            if documents.seq_length != self.layout.seq_length:
+                raise ValueError(f"document ids cover {documents.seq_length} positions, not --seq-length="
+                                 f"{self.layout.seq_length}")
+            if documents not in plans:
+                plans[documents] = ring_plan(balanced_layout(self.layout, documents), default_device(),
+                                             documents=documents)
+            plans.move_to_end(documents)
+            per_sample.append((documents, plans[documents]))
+        while len(plans) > DOCUMENT_PLANS:
+            plans.popitem(last=False)
+        memo["last"] = (document_ids, per_sample)
+        return per_sample
 
 
 class CSBPCoreAttention(MegatronModule):
@@ -85,9 +120,16 @@ class CSBPCoreAttention(MegatronModule):
         context = self.context
         rows = context.layout.num_rows
         padded_rows = query.shape[0]
-        out = context_sharded_block_attention(query[:rows], key[:rows], value[:rows], context.layout,
-                                              group=context.group, softmax_scale=self.softmax_scale,
-                                              transport=context.transport, plan=context.plan)
+        if attention_mask is not None:  # packed samples: each sample's document ids, one op call per sample
+            out = torch.cat([context_sharded_block_attention(
+                query[:rows, i:i + 1], key[:rows, i:i + 1], value[:rows, i:i + 1], plan.layout,
+                group=context.group, softmax_scale=self.softmax_scale, transport=context.transport, plan=plan,
+                documents=documents) for i, (documents, plan) in enumerate(context.document_plans(attention_mask))],
+                dim=1)
+        else:
+            out = context_sharded_block_attention(query[:rows], key[:rows], value[:rows], context.layout,
+                                                  group=context.group, softmax_scale=self.softmax_scale,
+                                                  transport=context.transport, plan=context.plan)
         if padded_rows > rows:  # rows added to make the row count a multiple of TP (sequence parallel)
             out = torch.cat([out, out.new_zeros(padded_rows - rows, *out.shape[1:])])
         return out

@@ -93,6 +93,10 @@ def parse_args(argv=None):
     parser.add_argument("--kernel-check", action="store_true",
                         help="also time the CPU attention kernel at the longest length against dense matmul, and "
                              "each rank's CSBP and CP kernels on their own rows and plans, paired")
+    parser.add_argument("--document-balance", type=int, default=0, metavar="N",
+                        help="instead of timing: N random packings per length (documents log-uniform from 256 to "
+                             "16K tokens, block multiples), and the max/mean real attention pairs per rank of the "
+                             "static schedule and of the document-balanced deal")
     parser.add_argument("--json", help="write the records to this file")
     parser.add_argument("--plot", help="write time / bytes / memory against sequence length to this PNG")
     args = parser.parse_args(argv)
@@ -848,8 +852,73 @@ def plot(records, path):
     fig.savefig(path, dpi=110)
 
 
+def random_packing(seq_length, block_size, generator, shortest=256, longest=16384):
+    """`Documents` of one packed sample: lengths log-uniform in [shortest, longest], rounded up to blocks."""
+    from megatron_csbp.core.documents import Documents
+
+    starts, position = [0], 0
+    while True:
+        length = math.exp(generator.uniform(math.log(shortest), math.log(min(longest, seq_length))))
+        position += -(-int(length) // block_size) * block_size
+        if position >= seq_length:
+            return Documents(seq_length, tuple(starts))
+        starts.append(position)
+
+
+def document_balance(args):
+    """Records of max/mean real attention pairs per rank over `--document-balance` random packings."""
+    import random
+
+    from megatron_csbp.core.documents import document_balanced_schedule, rank_pairs
+    from megatron_csbp.core.layout import CPLayout, CSBPLayout
+
+    records, generator, P = [], random.Random(0), args.nproc
+    for seq_length in args.seq_lengths:
+        packings = [random_packing(seq_length, args.block_size, generator) for _ in range(args.document_balance)]
+        shards = sorted({P, *(c for c in (2, 1) if P % c == 0)}, reverse=True)
+        for C in shards:
+            layouts = [CSBPLayout(seq_length, args.block_size, P, C, r) for r in range(P)]
+            static, balanced, seconds = [], [], []
+            for documents in packings:
+                pairs = rank_pairs(layouts, documents)
+                static.append(max(pairs) * P / sum(pairs))
+                started = time.perf_counter()
+                table = document_balanced_schedule(layouts[0], documents)
+                seconds.append(time.perf_counter() - started)
+                pairs = rank_pairs([layout.dealt(table) for layout in layouts], documents)
+                balanced.append(max(pairs) * P / sum(pairs))
+            records.append(dict(seq_length=seq_length, nproc=P, clean_shards=C, packings=len(packings),
+                                static_mean=statistics.mean(static), static_worst=max(static),
+                                balanced_mean=statistics.mean(balanced), balanced_worst=max(balanced),
+                                deal_seconds=statistics.mean(seconds)))
+        cp = [rank_pairs([CPLayout(seq_length, args.block_size, P, r) for r in range(P)], d) for d in packings]
+        ratios = [max(pairs) * P / sum(pairs) for pairs in cp]
+        records.append(dict(seq_length=seq_length, nproc=P, clean_shards="cp", packings=len(packings),
+                            static_mean=statistics.mean(ratios), static_worst=max(ratios)))
+    return records
+
+
+def print_document_balance(records, out=None):
+    out = out or sys.stdout
+    print("packed documents (256..16K tokens, log-uniform): max/mean real attention pairs per rank", file=out)
+    print(f"{'L':>8} {'P':>3} {'C':>4} {'packings':>8} {'static mean':>11} {'worst':>6} {'balanced mean':>13} "
+          f"{'worst':>6} {'deal s':>7}", file=out)
+    for r in records:
+        balanced = (f"{r['balanced_mean']:>13.3f} {r['balanced_worst']:>6.3f} {r['deal_seconds']:>7.3f}"
+                    if "balanced_mean" in r else f"{'(zigzag chunks, not dealt)':>28}")
+        print(f"{r['seq_length']:>8} {r['nproc']:>3} {r['clean_shards']!s:>4} {r['packings']:>8} "
+              f"{r['static_mean']:>11.3f} {r['static_worst']:>6.3f} {balanced}", file=out)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.document_balance:
+        records = document_balance(args)
+        print_document_balance(records)
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(records, handle, indent=2)
+        return records
     records = []
     for seq_length in args.seq_lengths:
         for mode in args.modes:

@@ -111,6 +111,83 @@ def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
                     yield record[json_key]
 
 
+def chat_template(tokenizer_model: str):
+    """`render(messages, generation_prompt) -> text` from the chat template of a local Hugging Face tokenizer
+    directory (its tokenizer_config.json), rendered by transformers' sandboxed Jinja: nothing of the file runs."""
+    directory = tokenizer_model if os.path.isdir(tokenizer_model) else os.path.dirname(os.path.abspath(tokenizer_model))
+    config = os.path.join(directory, "tokenizer_config.json")
+    if not os.path.isfile(config):
+        raise BadInput(f"--tokenizer-model {tokenizer_model}: --chat needs the tokenizer's chat template, and {config} "
+                       f"does not exist; give the tokenizer's directory")
+    from transformers import PreTrainedTokenizerFast
+
+    hf = PreTrainedTokenizerFast.from_pretrained(directory, local_files_only=True)
+    if not hf.chat_template:
+        raise BadInput(f"--tokenizer-model {tokenizer_model}: {config} has no chat_template; use a chat model's "
+                       f"tokenizer (or add its template there)")
+    return lambda messages, generation_prompt: hf.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def chat_document(messages, render, tokenizer, where: str) -> tuple[list[int], list[int]]:
+    """A conversation's token ids under the chat template and its loss mask: 1 on the tokens of the assistant
+    turns (what the template writes for each, its end-of-turn marker included), 0 on everything else.
+
+    Each assistant turn is the text between the template's rendering of the turns before it (with the
+    generation prompt) and of the turns up to it; a template that does not render a conversation's beginning
+    as a prefix of the whole cannot be cut so, and is refused."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                 and isinstance(m.get("content"), str) for m in messages):
+        raise BadInput(f"{where}: 'messages' must be a list of {{'role': str, 'content': str}}")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise BadInput(f"{where}: no assistant turn, so nothing would be trained on")
+    text = render(messages, False)
+    spans = []
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render(messages[:turn], True) if turn else ""
+        through = render(messages[:turn + 1], False)
+        if not (through.startswith(before) and text.startswith(through)):
+            raise BadInput(f"{where}: the chat template does not render turn {turn}'s conversation as a prefix of the "
+                           f"whole, so its assistant tokens cannot be found; use another template")
+        spans.append((len(before), len(through)))
+    ids, offsets = tokenizer.tokenize_with_offsets(text)
+    mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in offsets]
+    return ids, mask
+
+
+def chat_documents(paths, key, render, tokenizer, pad_to: int, on_bad_line: str, report, max_length=None):
+    """`(ids, mask)` per conversation of the JSONL `paths`, each ending with EOD and padded with EODs (mask 0) to a
+    multiple of `pad_to` tokens, so packed documents start on block boundaries. A conversation longer than
+    `max_length` (the training `--seq-length`) would be cut across samples: a bad line."""
+    for path in paths:
+        if not os.path.isfile(path):
+            raise BadInput(f"{path}: no such input file")
+        with open(path, encoding="utf-8") as handle:
+            for number, line in enumerate(handle, start=1):
+                where = f"{path}:{number}"
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or key not in record:
+                        raise BadInput(f"{where}: no '{key}' key (set --chat-key)")
+                    ids, mask = chat_document(record[key], render, tokenizer, where)
+                    if max_length is not None and len(ids) + 1 > max_length:
+                        raise BadInput(f"{where}: the conversation is {len(ids) + 1} tokens with its EOD, longer than "
+                                       f"--seq-length {max_length}, so training would cut it across samples; raise "
+                                       f"--seq-length or drop it (--on-bad-line skip)")
+                except (json.JSONDecodeError, BadInput) as error:
+                    why = f"not valid JSON ({error.msg})" if isinstance(error, json.JSONDecodeError) else str(error)
+                    if on_bad_line == "error":
+                        raise BadInput(why if isinstance(error, BadInput) else f"{where}: {why}") from None
+                    report(f"skipped {why if isinstance(error, BadInput) else where + ': ' + why}")
+                    continue
+                padding = (-(len(ids) + 1)) % pad_to
+                yield ids + [tokenizer.eod] * (1 + padding), mask + [0] * (1 + padding)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from megatron_csbp.core.rules import BYTE_TOKENIZER, TEXT_TOKENIZERS
 
@@ -134,7 +211,48 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                         help="Only for the default corpus: standard-library bytes to take.")
     parser.add_argument("--force", action="store_true", help="Rebuild even if a verified dataset is already there.")
+    parser.add_argument("--chat", action="store_true",
+                        help="Inputs are chat JSONL (a list of {role, content} per line under --chat-key): rendered "
+                             "with --tokenizer-model's chat template, with PREFIX_loss_mask.bin/.idx marking the "
+                             "assistant tokens, the only ones trained on.")
+    parser.add_argument("--chat-key", default="messages", help="Key holding the conversation in each JSONL object.")
+    parser.add_argument("--seq-length", type=int, default=None, metavar="L",
+                        help="With --chat: the training --seq-length; a longer conversation is a bad line (it would "
+                             "be cut across samples).")
+    parser.add_argument("--pad-to-multiple", type=int, default=1, metavar="B",
+                        help="With --chat: pad each conversation with EOD to a multiple of B tokens (the diffusion "
+                             "block size), so packed conversations start on block boundaries and train as if alone.")
     return parser
+
+
+def _write_chat(args, prefix, tokenizer, report, skipped) -> int:
+    """`--chat`: the conversations' tokens at PREFIX, their assistant-token masks at PREFIX_loss_mask (the mask
+    first: a dataset is never published beside a mask of other documents, which training refuses)."""
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.training.datasets import LOSS_MASK_SUFFIX, write_indexed_dataset
+
+    if not args.input:
+        raise BadInput("--chat needs --input FILE.jsonl (conversations under --chat-key)")
+    if args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model:
+        raise ConfigError("--chat needs --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (a local tokenizer "
+                          "with a chat template in DIR/tokenizer_config.json)")
+    if args.pad_to_multiple < 1:
+        raise ConfigError(f"--pad-to-multiple {args.pad_to_multiple} must be >= 1 (the diffusion block size)")
+    render = chat_template(args.tokenizer_model)
+    if args.seq_length is not None and (args.seq_length < 1 or args.seq_length % args.pad_to_multiple):
+        raise ConfigError(f"--seq-length {args.seq_length} must be a positive multiple of --pad-to-multiple "
+                          f"{args.pad_to_multiple}, as training's is of its block size")
+    documents = list(chat_documents(args.input, args.chat_key, render, tokenizer, args.pad_to_multiple,
+                                    args.on_bad_line, report, args.seq_length))
+    if not documents:
+        raise BadInput(f"{', '.join(args.input)}: no conversations to write")
+    write_indexed_dataset((mask for _, mask in documents), prefix + LOSS_MASK_SUFFIX, 2)
+    stats = write_indexed_dataset((ids for ids, _ in documents), prefix, tokenizer.vocab_size)
+    supervised = sum(sum(mask) for _, mask in documents)
+    print(f"wrote {prefix}.bin/.idx: {stats.num_documents} conversations, {stats.num_tokens} tokens, {supervised} "
+          f"of them assistant tokens (loss mask: {prefix}{LOSS_MASK_SUFFIX}.bin/.idx, verified)"
+          + (f", skipped {len(skipped)} bad line(s)" if skipped else ""))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
         def report(line):
             skipped.append(line)
             print(line, file=sys.stderr)
+        if args.chat:
+            return _write_chat(args, prefix, tokenizer, report, skipped)
         texts = generated or read_documents(inputs, args.json_key, args.on_bad_line, report)
         documents = (ids for ids in (tokenizer.tokenize(text) + eod for text in texts if text) if ids)
         first = next(documents, None)

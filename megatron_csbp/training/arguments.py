@@ -194,7 +194,9 @@ def run_config(args: argparse.Namespace, world_size: int | None = None) -> RunCo
         clean_layout=args.csbp_clean_layout, transport=args.csbp_transport,
         tensor_parallel_size=args.tensor_model_parallel_size, pipeline_parallel_size=args.pipeline_model_parallel_size,
         world_size=world_size or getattr(args, "world_size", None), micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size)
+        global_batch_size=args.global_batch_size, reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
+        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
+        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)))
 
 
 def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -217,6 +219,11 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
              f"the block-parallel dimension lives in Megatron's CP slot; give only --context-block-parallel")
     _require(args.seq_length is not None, "--seq-length is required")
     run_config(args, world_size)
+    virtual_pipeline = getattr(args, "num_layers_per_virtual_pipeline_stage", None) or getattr(
+        args, "virtual_pipeline_model_parallel_size", None)
+    _refuse(rules.packing_problem(getattr(args, "reset_position_ids", False),
+                                  getattr(args, "reset_attention_mask", False), args.pipeline_model_parallel_size,
+                                  bool(virtual_pipeline)))
 
     for message in refused_features(args):
         raise ConfigError(message)

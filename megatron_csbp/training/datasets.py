@@ -272,10 +272,6 @@ def build_datasets(args: argparse.Namespace, vocabulary: Vocabulary | None = Non
     rank builds (reads) the data, since every block-parallel rank needs the same samples. Indices are cached
     under `--data-cache-path` (default: `cache/` beside the first dataset), keyed by the data files' identity.
     """
-    import torch
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
-
     vocabulary = vocabulary or Vocabulary.from_args(args)
     prefixes, weights = parse_data_path(args.data_path)
     if not prefixes:
@@ -285,6 +281,14 @@ def build_datasets(args: argparse.Namespace, vocabulary: Vocabulary | None = Non
                      vocabulary.tokenizer.vocab_size)
     split, sizes = args.split or MEGATRON_SPLIT_DEFAULT, sizes or split_sizes(args)
     check_split(prefixes, split)
+    return _build_gpt_datasets(args, vocabulary, prefixes, weights, split, sizes, is_built_on_rank)
+
+
+def _build_gpt_datasets(args, vocabulary, prefixes, weights, split, sizes, is_built_on_rank):
+    import torch
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
     cache_root = args.data_cache_path or os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")
     cache = os.path.join(cache_root, _data_fingerprint(prefixes))
     if len(prefixes) > 1 and not torch.distributed.is_initialized():
@@ -298,3 +302,40 @@ def build_datasets(args: argparse.Namespace, vocabulary: Vocabulary | None = Non
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
     return tuple(builder.build())
+
+
+LOSS_MASK_SUFFIX = "_loss_mask"  # PREFIX_loss_mask.bin/.idx: 1 where token j of PREFIX is supervised (SFT data)
+
+
+def loss_mask_prefixes(prefixes: list[str]) -> list[str] | None:
+    """The loss-mask datasets beside `prefixes` (`tools.prepare_data --chat` writes them), or None where there are
+    none; refuses a blend where only some have one, or a mask whose documents differ from its dataset's."""
+    masks = [prefix + LOSS_MASK_SUFFIX for prefix in prefixes]
+    present = [os.path.exists(mask + ".idx") for mask in masks]
+    if not any(present):
+        return None
+    if not all(present):
+        lacking = prefixes[present.index(False)]
+        raise ConfigError(f"--data-path {lacking} has no {lacking}{LOSS_MASK_SUFFIX}.bin/.idx while other datasets of "
+                          f"the blend do: blend only SFT datasets (prepare_data --chat) or only plain ones")
+    for prefix, mask in zip(prefixes, masks):
+        documents, mask_documents = _open_indexed(prefix), _open_indexed(mask)  # held: the lengths are their mmaps
+        if not np.array_equal(documents.sequence_lengths, mask_documents.sequence_lengths):
+            raise ConfigError(f"--data-path {prefix}: {mask} holds other documents than it (rebuilt apart?); "
+                              f"rebuild both with scripts/prepare_data.py --chat")
+    return masks
+
+
+def build_loss_mask_datasets(args: argparse.Namespace, vocabulary: Vocabulary | None = None,
+                             is_built_on_rank: Callable[[], bool] | None = None, sizes: list[int] | None = None):
+    """(train, valid, test) loss masks sample by sample beside `build_datasets`' samples, or None without masks.
+
+    A GPTDataset over the mask files with the same settings: its documents have the same lengths, so its
+    shuffles and sample boundaries are the token datasets' and sample `i` is the mask of token sample `i`."""
+    vocabulary = vocabulary or Vocabulary.from_args(args)
+    prefixes, weights = parse_data_path(args.data_path)
+    masks = loss_mask_prefixes(prefixes)
+    if masks is None:
+        return None
+    split, sizes = args.split or MEGATRON_SPLIT_DEFAULT, sizes or split_sizes(args)
+    return _build_gpt_datasets(args, vocabulary, masks, weights, split, sizes, is_built_on_rank)

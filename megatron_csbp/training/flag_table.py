@@ -110,6 +110,7 @@ STOP_SIGNAL = "tests/test_reliability.py::test_a_stop_signal_saves_at_the_next_i
 LOGGING = "tests/test_training.py::test_log_lines_memory_and_tensorboard"
 PLUGIN_FLAGS = "tests/test_arguments.py::test_plugin_flags_land_with_their_types"
 LAYOUTS = "tests/test_training.py::test_every_layout_logs_the_same_losses"
+PACKING = "tests/test_megatron_lm.py::test_both_loops_print_the_same_losses_and_grad_norms"
 PRECISION = "tests/test_arguments.py::test_bf16_and_fp16_are_exclusive_even_on_a_gpu"
 
 # The model: checked name by name and shape by shape against Megatron-LM's own GPT model (ARCHITECTURE).
@@ -226,9 +227,7 @@ _classify(Refused("mixture-of-experts is not supported by the BDLM model yet", _
     --moe-pad-expert-input-to-capacity --moe-token-drop-policy --moe-layer-recompute --moe-permute-fusion
     --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size --moe-deepep-num-sms --moe-hybridep-num-sms
     --ep-overlap-early-attn-memory-release --overlap-moe-expert-parallel-comm""")
-_classify(Refused("packed documents (positions, masks or loss reset at each EOD) are not supported by the BDLM "
-                  "objective yet", "drop it: each sample is one clean sequence of --seq-length tokens"), """
-    --reset-position-ids --reset-attention-mask --eod-mask-loss""")
+_classify(Honoured(PACKING), "--reset-position-ids --reset-attention-mask --eod-mask-loss")
 _classify(Refused("selects data the plugin's datasets provider does not build",
                   "give --data-path PREFIX (or a weighted blend) and --split"), """
     --train-data-path --valid-data-path --test-data-path --data-args-path --per-split-data-args-path

@@ -223,6 +223,11 @@ def _add_data_and_io_args(parser):
                        help="Dataset prefix(es) of .bin/.idx files, optionally weighted: 'w1 prefix1 w2 prefix2'.")
     group.add_argument("--split", type=str, default=None,
                        help=f"Train,valid,test proportions of documents. Default: '{MEGATRON_SPLIT_DEFAULT}'.")
+    group.add_argument("--reset-position-ids", action="store_true",
+                       help="Packed documents (ending at EOD): RoPE positions restart at each document.")
+    group.add_argument("--reset-attention-mask", action="store_true",
+                       help="Packed documents: no row of either copy attends across a document (EOD).")
+    group.add_argument("--eod-mask-loss", action="store_true", help="EOD tokens are never supervised.")
     group.add_argument("--data-cache-path", type=str, default=None,
                        help="Where dataset indices are cached. Default: a 'cache' folder beside the first dataset.")
     group.add_argument("--num-workers", type=int, default=2)

@@ -27,7 +27,7 @@ import torch
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.training.arguments import run_config
-from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+from megatron_csbp.bdlm.forward_step import BDLMForwardStep, Packing
 from megatron_csbp.bdlm.objective import BDLMObjective
 from megatron_csbp.training.tokenizers import Vocabulary
 
@@ -99,16 +99,21 @@ def is_dataset_built_on_rank(vp_stage=None) -> bool:
 
 
 class SampleIndexed(torch.utils.data.Dataset):
-    """A GPTDataset whose samples also carry their index: BDLM noise is drawn from (seed, sample index)."""
+    """A GPTDataset whose samples also carry their index: BDLM noise is drawn from (seed, sample index); and
+    their loss mask where the data has one (`loss_masks`: the same samples of the mask files, SFT data)."""
 
-    def __init__(self, dataset):
+    def __init__(self, dataset, loss_masks=None):
         self.dataset = dataset
+        self.loss_masks = loss_masks
 
     def __len__(self):
         return len(self.dataset)
 
     def __getitem__(self, index):
-        return {"tokens": torch.as_tensor(self.dataset[index]["tokens"]), "sample_index": torch.tensor(index)}
+        sample = {"tokens": torch.as_tensor(self.dataset[index]["tokens"]), "sample_index": torch.tensor(index)}
+        if self.loss_masks is not None:
+            sample["loss_mask"] = torch.as_tensor(self.loss_masks[index]["tokens"]).bool()
+        return sample
 
 
 @dataclass(frozen=True)
@@ -140,7 +145,9 @@ def build_run(settings: RunConfig, args: argparse.Namespace, vocabulary: Vocabul
     layout = settings.layout(parallel_state.get_block_parallel_rank())
     step = BDLMForwardStep(objective_for(settings, args, vocabulary.mask_token_id), layout,
                            check_results=getattr(args, "check_for_nan_in_loss_and_grad", False),
-                           check_spiky_loss=getattr(args, "check_for_spiky_loss", False))
+                           check_spiky_loss=getattr(args, "check_for_spiky_loss", False),
+                           packing=Packing(vocabulary.tokenizer.eod, settings.reset_position_ids,
+                                           settings.reset_attention_mask, settings.eod_mask_loss))
     attention = AttentionContext(layout=layout, group=parallel_state.get_block_parallel_groups(),
                                  transport=settings.transport)
     return BDLMRun(settings, vocabulary, attention, for_bdlm(config), step)
@@ -226,18 +233,27 @@ class RunProviders:
             context=run.attention, vocab_size=run.vocabulary.padded_vocab_size,
             mask_token_id=run.vocabulary.mask_token_id, vocab_ids=run.vocabulary.num_ids, vp_stage=vp_stage,
             use_transformer_engine=args.transformer_impl == "transformer_engine",
-            base_spec=layer_spec_from_args(args), pg_collection=pg_collection, **gpt_model_kwargs(args))
+            base_spec=layer_spec_from_args(args), pg_collection=pg_collection,
+            per_sample_positions=self.settings.reset_position_ids or self.settings.reset_attention_mask,
+            **gpt_model_kwargs(args))
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
         """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
         built on this rank), sized by Megatron-LM's sample counts."""
-        from megatron_csbp.training.datasets import build_datasets, split_sizes
+        from megatron_csbp.training.datasets import build_datasets, build_loss_mask_datasets, split_sizes
 
         args = self.args
         sizes = list(train_val_test_num_samples) if train_val_test_num_samples is not None else split_sizes(args)
-        datasets = build_datasets(args, self.vocabulary, sizes=sizes,
-                                  is_built_on_rank=partial(is_dataset_built_on_rank, vp_stage))
-        return tuple(None if dataset is None else SampleIndexed(dataset) for dataset in datasets)
+        on_rank = partial(is_dataset_built_on_rank, vp_stage)
+        datasets = build_datasets(args, self.vocabulary, sizes=sizes, is_built_on_rank=on_rank)
+        masks = build_loss_mask_datasets(args, self.vocabulary, sizes=sizes, is_built_on_rank=on_rank)
+        if masks is not None and self.settings.tensor_parallel_size > 1:
+            raise ConfigError(f"--data-path {args.data_path[-1]}: SFT loss masks are not broadcast over "
+                              f"tensor-parallel ranks yet; use --tensor-model-parallel-size 1 (or data without "
+                              f"*_loss_mask files)")
+        masks = masks or (None,) * len(datasets)
+        return tuple(None if dataset is None else SampleIndexed(dataset, mask)
+                     for dataset, mask in zip(datasets, masks))
 
     train_valid_test_datasets_provider.is_distributed = True  # Megatron-LM: every rank calls it
 

@@ -94,6 +94,11 @@ class HuggingFaceTokenizer:
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
+    def tokenize_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """`tokenize`'s ids and each one's character span in `text` (to mark the tokens of a span: SFT masks)."""
+        encoding = self._tokenizer.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
+
     def detokenize(self, ids) -> str:
         return self._tokenizer.decode(list(ids))
 

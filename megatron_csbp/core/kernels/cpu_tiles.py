@@ -92,23 +92,33 @@ class CPUKernels:
     def __init__(self, tile: int = DEFAULT_TILE, masked_tile: int = MASKED_TILE):
         self.tile, self.masked_tile = tile, masked_tile
 
-    def block_diagonal_forward(self, q, k, v, block_size, scale):
+    def block_diagonal_forward(self, q, k, v, block_size, scale, documents=None):
+        mask = (None if documents is None
+                else block_diagonal_mask(documents, block_size, q.shape[2], q.shape[0], q.dtype))
         out, lse = _flash_forward(_queries_by_block(q, block_size), _keys_by_block(k, block_size),
-                                  _keys_by_block(v, block_size), scale=scale)
+                                  _keys_by_block(v, block_size), scale=scale, attn_mask=mask)
         return _queries_from_blocks(out, q.shape), _queries_from_blocks(lse.unsqueeze(-1), q.shape[:-1] + (1,))[..., 0]
 
-    def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale):
+    def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale, documents=None):
+        mask = (None if documents is None
+                else block_diagonal_mask(documents, block_size, q.shape[2], q.shape[0], q.dtype))
         lse_blocks = _queries_by_block(lse.unsqueeze(-1), block_size)[..., 0]
         dq, dk, dv = _flash_backward(_queries_by_block(dout, block_size), _queries_by_block(q, block_size),
                                      _keys_by_block(k, block_size), _keys_by_block(v, block_size),
-                                     _queries_by_block(out, block_size), lse_blocks, 0.0, False, scale=scale)
+                                     _queries_by_block(out, block_size), lse_blocks, 0.0, False, attn_mask=mask,
+                                     scale=scale)
         return _queries_from_blocks(dq, q.shape), _keys_from_blocks(dk, k.shape), _keys_from_blocks(dv, k.shape)
 
-    def plan(self, query_limits, key_positions):
+    def plan(self, query_limits, key_positions, query_starts=None):
+        """The prefix plan; with `query_starts` (packed documents) a `RangePlan` of keys in `[start, limit)`."""
+        if query_starts is not None:
+            return RangePlan(query_starts, query_limits, key_positions, self.tile)
         return PrefixPlan(query_limits, key_positions, self.tile)
 
-    def masked_plan(self, query_positions, query_clean, key_positions, key_clean, block_size):
-        return MaskedPlan(query_positions, query_clean, key_positions, key_clean, block_size, self.masked_tile)
+    def masked_plan(self, query_positions, query_clean, key_positions, key_clean, block_size,
+                    query_documents=None, key_documents=None):
+        return MaskedPlan(query_positions, query_clean, key_positions, key_clean, block_size, self.masked_tile,
+                          query_documents, key_documents)
 
     def masked_forward(self, q, k, v, plan, scale):
         return _masked_forward(q, k, v, plan, scale)
@@ -117,6 +127,8 @@ class CPUKernels:
         return _masked_backward(dout, q, k, v, out, lse, plan, scale)
 
     def prefix_forward(self, q, k, v, plan, scale):
+        if isinstance(plan, RangePlan):
+            return range_forward(q, k, v, plan, scale)
         b, h, g, n, d = q.shape
         k, v = k.contiguous(), v.contiguous()  # key rows adjacent: the kernel's tiles read ~7% faster (docs/performance.md)
         out = q.new_zeros(q.shape)
@@ -134,6 +146,8 @@ class CPUKernels:
         return out, lse
 
     def prefix_backward(self, dout, q, k, v, out, lse, plan, scale):
+        if isinstance(plan, RangePlan):
+            return range_backward(dout, q, k, v, out, lse, plan, scale)
         b, h, g, n, d = q.shape
         k, v = k.contiguous(), v.contiguous()
         acc = accumulation_dtype(q.dtype)
@@ -160,10 +174,12 @@ class MaskedPlan:
     them, one kernel call each) and partly visible ones are computed together with their mask.
 
     Built once per (rows, keys) from the BDLM mask (`mask.bdlm_visible`), one query tile at a time, so no
-    `[rows, keys]` table is ever held; it keeps only the partial tiles' masks.
+    `[rows, keys]` table is ever held; it keeps only the partial tiles' masks. Packed documents (each row's
+    and key's document index): the mask is intersected with "same document".
     """
 
-    def __init__(self, query_positions, query_clean, key_positions, key_clean, block_size, tile):
+    def __init__(self, query_positions, query_clean, key_positions, key_clean, block_size, tile,
+                 query_documents=None, key_documents=None):
         self.tile, n, m = tile, query_positions.numel(), key_positions.numel()
         starts = torch.arange(0, m, tile)
         widths, key_tile = torch.clamp(m - starts, max=tile), torch.arange(m) // tile
@@ -172,6 +188,8 @@ class MaskedPlan:
             hi = min(lo + tile, n)
             visible = bdlm_visible(query_positions[lo:hi, None], query_clean[lo:hi, None],
                                    key_positions[None], key_clean[None], block_size)
+            if query_documents is not None:
+                visible = visible & (query_documents[lo:hi, None] == key_documents[None])
             per_tile = torch.zeros(starts.numel(), dtype=torch.long).index_add_(0, key_tile, visible.sum(0).cpu())
             full = per_tile == widths * (hi - lo)
             partial = (per_tile > 0) & ~full
@@ -265,3 +283,110 @@ def _masked_backward(dout, q, k, v, out, lse, plan, scale):
         if torch.is_tensor(rows_dq):
             dq[:, :, :, lo:hi] += rows_dq.view(b, h, g, hi - lo, d).to(acc)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class RangePlan:
+    """Packed documents: row `i` attends to the keys whose position lies in `[query_starts[i], query_limits[i])`
+    (its document's clean keys below its limit). Rows are grouped by the key tiles their range begins and
+    ends in: those two tiles are masked, the tiles between them are whole, the tiles outside (other
+    documents) are never computed. Rows that see no key are left out (zero output, LSE -inf)."""
+
+    def __init__(self, query_starts, query_limits, key_positions, tile):
+        first = torch.searchsorted(key_positions, query_starts)
+        stop = torch.searchsorted(key_positions, query_limits)
+        seen = stop > first
+        first_tile = torch.div(first, tile, rounding_mode="floor")
+        last_tile = torch.div(stop - 1, tile, rounding_mode="floor")
+        n_keys = key_positions.numel()
+        self.groups = []  # (rows, ((lo, hi, visible [rows, hi-lo] or None), ...))
+        pairs = torch.stack([first_tile[seen], last_tile[seen]], dim=1)
+        for f, j in torch.unique(pairs, dim=0).tolist() if pairs.numel() else []:
+            rows = torch.nonzero(seen & (first_tile == f) & (last_tile == j)).flatten().to(query_limits.device)
+            edges = [(f * tile, min((f + 1) * tile, n_keys))]
+            if j > f + 1:
+                edges.append(((f + 1) * tile, j * tile))
+            if j > f:
+                edges.append((j * tile, min((j + 1) * tile, n_keys)))
+            for start in range(0, rows.numel(), tile):  # query tiles: one call's temporaries stay bounded
+                chunk = rows[start:start + tile]
+                spans = []
+                for lo, hi in edges:
+                    index = torch.arange(lo, hi, device=chunk.device)
+                    index = index.unsqueeze(0)
+                    visible = (index >= first[chunk].unsqueeze(1)) & (index < stop[chunk].unsqueeze(1))
+                    spans.append((lo, hi, None if bool(visible.all()) else visible))
+                self.groups.append((chunk, tuple(spans)))
+        self._masks = {}
+
+    def additive_mask(self, group_index, span_index, dtype, query_group):
+        """The flash kernel's mask of one span of a group (None where the span is wholly visible); built once."""
+        visible = self.groups[group_index][1][span_index][2]
+        if visible is None:
+            return None
+        key = (group_index, span_index, dtype, query_group)
+        if key not in self._masks:
+            mask = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            self._masks[key] = mask.masked_fill(~visible, float("-inf")).repeat(query_group, 1)
+        return self._masks[key]
+
+    @property
+    def pairs(self) -> int:
+        """Query-key pairs the plan computes (per head and sample), counting the tile padding."""
+        return sum(rows.numel() * (hi - lo) for rows, spans in self.groups for lo, hi, _ in spans)
+
+    def work(self) -> tuple[int, int]:
+        """(real, computed) query-key pairs per head and sample, read off the plan's spans and masks."""
+        real = sum(rows.numel() * (hi - lo) if visible is None else int(visible.sum())
+                   for rows, spans in self.groups for lo, hi, visible in spans)
+        return real, self.pairs
+
+
+def range_forward(q, k, v, plan, scale):
+    """`prefix_forward` for a `RangePlan`: each group's spans merged by LSE."""
+    b, h, g, n, d = q.shape
+    out = q.new_zeros(q.shape)
+    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=accumulation_dtype(q.dtype))
+    for index, (rows, spans) in enumerate(plan.groups):
+        q_rows = _fold(q.index_select(3, rows))
+        running = None
+        for span_index, (lo, hi, _) in enumerate(spans):
+            part = _flash_forward(q_rows, k[:, :, lo:hi], v[:, :, lo:hi], scale=scale,
+                                  attn_mask=plan.additive_mask(index, span_index, q.dtype, g))[:2]
+            running = running_merge(part) if running is None else merge_into(running, part)
+        rows_out, rows_lse = running
+        out[:, :, :, rows] = rows_out.view(b, h, g, rows.numel(), d).to(out.dtype)
+        lse[:, :, :, rows] = rows_lse.view(b, h, g, rows.numel())
+    return out, lse
+
+
+def range_backward(dout, q, k, v, out, lse, plan, scale):
+    """`prefix_backward` for a `RangePlan` (final merged `out` and `lse`: each span's gradient is exact alone)."""
+    b, h, g, n, d = q.shape
+    acc = accumulation_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros_like(x, dtype=acc) for x in (q, k, v))
+    for index, (rows, spans) in enumerate(plan.groups):
+        picked = [_fold(x.index_select(3, rows)) for x in (dout, q, out)]
+        rows_lse = lse.index_select(3, rows).reshape(b, h, -1)
+        rows_dq = 0
+        for span_index, (lo, hi, _) in enumerate(spans):
+            part_dq, part_dk, part_dv = _flash_backward(
+                picked[0], picked[1], k[:, :, lo:hi], v[:, :, lo:hi], picked[2], rows_lse, 0.0, False,
+                attn_mask=plan.additive_mask(index, span_index, q.dtype, g), scale=scale)
+            rows_dq = rows_dq + part_dq
+            dk[:, :, lo:hi] += part_dk
+            dv[:, :, lo:hi] += part_dv
+        dq.index_add_(3, rows, rows_dq.view(b, h, g, rows.numel(), d).to(acc))
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def block_diagonal_mask(documents, block_size, query_group, batch, dtype):
+    """Additive mask of the block-diagonal part when blocks straddle documents: a noisy row sees the noisy rows
+    of its block in its own document. `documents.ids`: the document of each noisy row; cached on it."""
+    key = ("cpu", block_size, query_group, batch, dtype)
+    if key not in documents.masks:
+        ids = documents.ids.view(-1, block_size)
+        same = ids.unsqueeze(2) == ids.unsqueeze(1)  # [nb, B, B]
+        mask = torch.zeros(same.shape, dtype=dtype, device=same.device).masked_fill(~same, float("-inf"))
+        mask = mask.repeat(1, query_group, 1).unsqueeze(1).repeat(batch, 1, 1, 1)  # [b·nb, 1, g·B, B]
+        documents.masks[key] = mask
+    return documents.masks[key]

@@ -52,8 +52,8 @@ class FlexKernels:
             self._block_masks[key] = self._mask(same_block, q.shape[3], k.shape[2], q.device)
         return self._block_masks[key]
 
-    def plan(self, query_limits, key_positions):
-        return FlexPrefixPlan(query_limits, key_positions)
+    def plan(self, query_limits, key_positions, query_starts=None):
+        return FlexPrefixPlan(query_limits, key_positions, query_starts)
 
     def _prefix_mask(self, q, k, plan):
         if plan.block_mask is None:
@@ -62,11 +62,22 @@ class FlexKernels:
             def below_limit(b, h, q_idx, kv_idx):
                 return key_positions[kv_idx] < query_limits[q_idx]
 
-            plan.block_mask = self._mask(below_limit, q.shape[3], k.shape[2], q.device)
+            mask_mod = below_limit
+            if plan.query_starts is not None:
+                query_starts = plan.query_starts
+
+                def in_document_below_limit(b, h, q_idx, kv_idx):  # packed documents: [start, limit)
+                    key = key_positions[kv_idx]
+                    return (key < query_limits[q_idx]) & (key >= query_starts[q_idx])
+
+                mask_mod = in_document_below_limit
+            plan.block_mask = self._mask(mask_mod, q.shape[3], k.shape[2], q.device)
         return plan.block_mask
 
-    def masked_plan(self, query_positions, query_clean, key_positions, key_clean, block_size):
-        return FlexMaskedPlan(query_positions, query_clean, key_positions, key_clean, block_size, self.masked_tile)
+    def masked_plan(self, query_positions, query_clean, key_positions, key_clean, block_size,
+                    query_documents=None, key_documents=None):
+        return FlexMaskedPlan(query_positions, query_clean, key_positions, key_clean, block_size, self.masked_tile,
+                              query_documents, key_documents)
 
     def _bdlm_mask(self, q, k, plan):
         """The BDLM mask of the plan's rows and keys as a block mask of `plan.tile` tiles: flex skips the tiles
@@ -78,7 +89,15 @@ class FlexKernels:
             def bdlm(b, h, q_idx, kv_idx):
                 return bdlm_visible(qp[q_idx], qc[q_idx], kp[kv_idx], kc[kv_idx], block)
 
-            plan.block_mask = self._mask(bdlm, q.shape[3], k.shape[2], q.device, plan.tile)
+            mask_mod = bdlm
+            if plan.query_documents is not None:  # packed documents: and the same document
+                qd, kd = plan.query_documents, plan.key_documents
+
+                def bdlm_in_document(b, h, q_idx, kv_idx):
+                    return bdlm(b, h, q_idx, kv_idx) & (qd[q_idx] == kd[kv_idx])
+
+                mask_mod = bdlm_in_document
+            plan.block_mask = self._mask(mask_mod, q.shape[3], k.shape[2], q.device, plan.tile)
         return plan.block_mask
 
     def masked_forward(self, q, k, v, plan, scale):
@@ -88,7 +107,22 @@ class FlexKernels:
     def masked_backward(self, dout, q, k, v, out, lse, plan, scale):
         return self._recompute_backward(dout, q, k, v, out, lse, scale, self._bdlm_mask(q, k, plan))
 
-    def block_diagonal_forward(self, q, k, v, block_size, scale):
+    def _document_block_diagonal_mask(self, q, k, block_size, documents):
+        """Blocks straddling documents: a noisy row sees its block's noisy rows of its own document (cached on
+        `documents`, which the run's plan for these documents holds)."""
+        key = ("flex", q.shape[3], k.shape[2], block_size, q.device)
+        if key not in documents.masks:
+            ids = documents.ids
+
+            def same_block_and_document(b, h, q_idx, kv_idx):
+                return (q_idx // block_size == kv_idx // block_size) & (ids[q_idx] == ids[kv_idx])
+
+            documents.masks[key] = self._mask(same_block_and_document, q.shape[3], k.shape[2], q.device)
+        return documents.masks[key]
+
+    def block_diagonal_forward(self, q, k, v, block_size, scale, documents=None):
+        if documents is not None:
+            return self._attend(q, k, v, scale, self._document_block_diagonal_mask(q, k, block_size, documents))
         return self._attend(q, k, v, scale, self._block_diagonal_mask(q, k, block_size))
 
     def prefix_forward(self, q, k, v, plan, scale):
@@ -109,25 +143,31 @@ class FlexKernels:
             grad_lse = (weight * (dout.to(acc) * (part_out.detach().to(acc) - out.to(acc))).sum(-1)).to(part_lse.dtype)
             return torch.autograd.grad((part_out, part_lse), (q, k, v), (grad_out, grad_lse))
 
-    def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale):
-        return self._recompute_backward(dout, q, k, v, out, lse, scale, self._block_diagonal_mask(q, k, block_size))
+    def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale, documents=None):
+        mask = (self._block_diagonal_mask(q, k, block_size) if documents is None
+                else self._document_block_diagonal_mask(q, k, block_size, documents))
+        return self._recompute_backward(dout, q, k, v, out, lse, scale, mask)
 
     def prefix_backward(self, dout, q, k, v, out, lse, plan, scale):
         return self._recompute_backward(dout, q, k, v, out, lse, scale, self._prefix_mask(q, k, plan))
 
 
 class FlexPrefixPlan:
-    """Flex's prefix plan: the limits and positions, and the block mask once built for them."""
+    """Flex's prefix plan: the limits and positions (and the document starts under packing), and the block mask
+    once built for them."""
 
-    def __init__(self, query_limits, key_positions):
+    def __init__(self, query_limits, key_positions, query_starts=None):
         self.query_limits, self.key_positions, self.block_mask = query_limits, key_positions, None
+        self.query_starts = query_starts
 
 
 class FlexMaskedPlan:
     """Flex's masked plan: the rows' and keys' positions and copies, the block size and tile, and the block mask
     once built for them."""
 
-    def __init__(self, query_positions, query_clean, key_positions, key_clean, block_size, tile):
+    def __init__(self, query_positions, query_clean, key_positions, key_clean, block_size, tile,
+                 query_documents=None, key_documents=None):
         self.query_positions, self.query_clean = query_positions, query_clean
+        self.query_documents, self.key_documents = query_documents, key_documents
         self.key_positions, self.key_clean = key_positions, key_clean
         self.block_size, self.tile, self.block_mask = block_size, tile, None

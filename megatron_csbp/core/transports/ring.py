@@ -42,6 +42,9 @@ def noisy_forward(plan, q, k, v, scale):
     if not plan.block_diagonal:
         return None
     n = plan.layout.num_noisy_rows
+    if plan.noisy_documents is not None:  # packed documents straddling a block: cut to each row's document
+        return plan.kernels.block_diagonal_forward(q[:, :, :, :n], k[:, :, :n], v[:, :, :n], plan.layout.block_size,
+                                                   scale, documents=plan.noisy_documents)
     return plan.kernels.block_diagonal_forward(q[:, :, :, :n], k[:, :, :n], v[:, :, :n], plan.layout.block_size,
                                                scale)
 
@@ -60,6 +63,10 @@ def noisy_backward(plan, dout, q, k, v, out, lse, scale):
     if not plan.block_diagonal:
         return None
     n = plan.layout.num_noisy_rows
+    if plan.noisy_documents is not None:
+        return plan.kernels.block_diagonal_backward(dout[:, :, :, :n], q[:, :, :, :n], k[:, :, :n], v[:, :, :n],
+                                                    out[:, :, :, :n], lse[:, :, :, :n], plan.layout.block_size, scale,
+                                                    documents=plan.noisy_documents)
     return plan.kernels.block_diagonal_backward(dout[:, :, :, :n], q[:, :, :, :n], k[:, :, :n], v[:, :, :n],
                                                 out[:, :, :, :n], lse[:, :, :, :n], plan.layout.block_size, scale)
 

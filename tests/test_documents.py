@@ -1,0 +1,233 @@
+"""Packed documents: the op with `documents=` equals dense fp64 attention under the block mask intersected with
+the document mask, forward and backward, on 1, 2 and 4 ranks (CSBP, both transports, CP and BP), for documents
+on block boundaries and across them; the kernels' plans skip other documents' tiles."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from attention_reference import bdlm_mask, global_rows, relative_error
+from spawn import run_ranks
+
+TOLERANCE = 1e-5
+TILE = 8
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    mode: str
+    seq_length: int
+    block_size: int
+    clean_shards: int
+    starts: tuple
+    transport: str = "collective"
+    heads: int = 4
+    kv_heads: int = 2
+    batch: int = 2
+    head_dim: int = 8
+    broken: bool = False  # negative control: the op runs without the documents
+
+
+def document_mask(seq_length, block_size, starts):
+    """`[2L, 2L]` bool: the BDLM mask AND same document (row i and L+i both belong to token i's document)."""
+    from megatron_csbp.core.documents import Documents
+
+    ids = Documents(seq_length, starts).ids().repeat(2)
+    return bdlm_mask(seq_length, block_size) & (ids.view(-1, 1) == ids.view(1, -1))
+
+
+def dense(query, key, value, mask):
+    group = query.shape[2] // key.shape[2]
+    q = query.double().permute(1, 2, 0, 3)
+    k = key.double().repeat_interleave(group, dim=2).permute(1, 2, 0, 3)
+    v = value.double().repeat_interleave(group, dim=2).permute(1, 2, 0, 3)
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
+    return out.permute(2, 0, 1, 3).flatten(2)
+
+
+def inputs(case, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * case.seq_length
+    shapes = [(rows, case.batch, case.heads, case.head_dim), (rows, case.batch, case.kv_heads, case.head_dim),
+              (rows, case.batch, case.kv_heads, case.head_dim), (rows, case.batch, case.heads * case.head_dim)]
+    return [torch.randn(shape, generator=gen) for shape in shapes]
+
+
+def _run_cases(rank, world_size, cases):
+    from megatron_csbp.core import kernels, ops
+    from megatron_csbp.core.documents import Documents
+    from megatron_csbp.core.layout import layout_for
+    from megatron_csbp.core.process_groups import new_block_parallel_groups
+
+    kernels._kernels["cpu"] = kernels.CPUKernels(tile=TILE)
+    groups, results = {}, {}
+    for case in cases:
+        layout = layout_for(case.mode, case.seq_length, case.block_size, world_size, case.clean_shards, rank)
+        if case.clean_shards not in groups and world_size > 1:
+            groups[case.clean_shards] = new_block_parallel_groups([list(range(world_size))], case.clean_shards,
+                                                                  dist.group.WORLD)
+        rows = global_rows(layout)
+        query, key, value, weight = (t[rows] for t in inputs(case))
+        query, key, value = (t.clone().requires_grad_() for t in (query, key, value))
+        weight[layout.num_noisy_rows:] /= layout.num_rings
+        documents = None if case.broken else Documents(case.seq_length, case.starts)
+        out = ops.context_sharded_block_attention(query, key, value, layout, groups.get(case.clean_shards),
+                                                  transport=case.transport, documents=documents)
+        (out * weight).sum().backward()
+        results[case.name] = (rows, out.detach(), query.grad, key.grad, value.grad)
+    return results
+
+
+def compare(case, per_rank):
+    query, key, value, weight = inputs(case)
+    reference_inputs = [t.double().requires_grad_() for t in (query, key, value)]
+    reference = dense(*reference_inputs, document_mask(case.seq_length, case.block_size, case.starts))
+    (reference * weight.double()).sum().backward()
+    out = torch.zeros_like(reference)
+    grads = [torch.zeros_like(t, dtype=torch.float64) for t in reference_inputs]
+    for rows, rank_out, *rank_grads in (result[case.name] for result in per_rank):
+        out[rows] = rank_out.double()
+        for total, grad in zip(grads, rank_grads):
+            total.index_add_(0, rows, grad.double())
+    errors = {"out": relative_error(out, reference)}
+    errors.update({name: relative_error(g, t.grad) for name, g, t in zip("qkv", grads, reference_inputs)})
+    return errors
+
+
+ALIGNED = (0, 8, 24, 40)         # L = 64, B = 8: documents of 8, 16, 16, 24 tokens, starts on blocks
+UNALIGNED = (0, 5, 19, 20, 47)   # boundaries inside blocks, a one-token document
+CASES = {
+    1: [Case("one_rank_aligned", "csbp", 64, 8, 1, ALIGNED), Case("one_rank_unaligned", "csbp", 64, 8, 1, UNALIGNED),
+        Case("one_rank_unaligned_streaming", "csbp", 64, 8, 1, UNALIGNED, "streaming"),
+        Case("negative_control", "csbp", 64, 8, 1, UNALIGNED, broken=True)],
+    2: [Case(f"{mode}_{name}_{transport}", mode, 64, 8, 2 if mode != "bp" else 1, starts, transport)
+        for mode in ("csbp", "cp", "bp") for name, starts in (("aligned", ALIGNED), ("unaligned", UNALIGNED))
+        for transport in ("collective", "streaming")],
+    4: [Case(f"csbp_p4_c2_{name}_{transport}", "csbp", 64, 4, 2, starts, transport)
+        for name, starts in (("aligned", (0, 8, 24, 40)), ("unaligned", UNALIGNED))
+        for transport in ("collective", "streaming")],
+}
+
+
+def _run_single(cases):
+    import megatron_csbp.core.kernels as kernels
+
+    saved = kernels._kernels.pop("cpu", None)
+    try:
+        return _run_cases(0, 1, cases)
+    finally:
+        kernels._kernels.pop("cpu", None)
+        if saved is not None:
+            kernels._kernels["cpu"] = saved
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def topology(request):
+    cases = CASES[request.param]
+    if request.param == 1:
+        return cases, [_run_single(cases)]
+    return cases, run_ranks(_run_cases, request.param, cases, timeout=600)
+
+
+def test_packed_attention_matches_dense_document_mask(topology):
+    cases, per_rank = topology
+    for case in cases:
+        errors = compare(case, per_rank)
+        if case.broken:
+            assert max(errors.values()) > 1e-2, f"{case.name}: documents ignored, yet matches: {errors}"
+        else:
+            assert max(errors.values()) <= TOLERANCE, f"{case.name}: {errors}"
+
+
+def test_range_plan_skips_other_documents_tiles():
+    """Keys of other documents are never computed: with 4 documents of 64 keys and 16-key tiles, each row's
+    pairs stay within its own document."""
+    from megatron_csbp.core.kernels.cpu_tiles import RangePlan
+
+    positions = torch.arange(256)
+    starts = (positions // 64) * 64
+    limits = positions + 1
+    plan = RangePlan(starts, limits, positions, 16)
+    assert plan.pairs <= sum(int(lim - st + 15) // 16 * 16 for st, lim in zip(starts, limits))
+    one_document = RangePlan(torch.zeros(256, dtype=torch.long), limits, positions, 16)
+    assert plan.pairs < one_document.pairs / 3
+
+
+def test_documents_from_eod_and_positions():
+    from megatron_csbp.core.documents import Documents, document_ids
+
+    tokens = torch.tensor([5, 6, 0, 7, 0, 8, 9, 9])  # EOD = 0 ends documents 0 and 1
+    documents = Documents.from_eod(tokens, eod=0)
+    assert documents.starts == (0, 3, 5)
+    assert document_ids(tokens.view(1, -1), 0).tolist() == [[0, 0, 0, 1, 1, 2, 2, 2]]
+    assert documents.local_positions(torch.arange(8)).tolist() == [0, 1, 2, 0, 1, 0, 1, 2]
+    assert not documents.block_aligned(4) and Documents(8, (0, 4)).block_aligned(4)
+    with pytest.raises(ValueError):
+        Documents(8, (0, 9))
+
+
+def test_flex_forward_with_documents_matches_cpu_kernels():
+    """Flex's mask_mods with document ids (prefix ranges, block-diagonal cut at a document boundary) against the
+    CPU kernels; forward only, eagerly (flex's backward runs on GPUs: scripts/gpu_check.sh)."""
+    from megatron_csbp.core.documents import Documents, NoisyDocuments
+    from megatron_csbp.core.kernels import CPUKernels, FlexKernels
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 2, 32, 8, generator=gen)
+    k, v = torch.randn(1, 2, 32, 8, generator=gen), torch.randn(1, 2, 32, 8, generator=gen)
+    documents = Documents(32, (0, 5, 19, 20))
+    positions = torch.arange(32)
+    starts, limits = documents.start_of(positions), torch.minimum((positions // 8) * 8, documents.end_of(positions))
+    flex, cpu = FlexKernels(compile=False), CPUKernels(8)
+    noisy = documents.index_of(positions)
+    pairs = [(flex.block_diagonal_forward(q, k, v, 8, 0.3, documents=NoisyDocuments(noisy)),
+              cpu.block_diagonal_forward(q, k, v, 8, 0.3, documents=NoisyDocuments(noisy))),
+             (flex.prefix_forward(q, k, v, flex.plan(limits, positions, starts), 0.3),
+              cpu.prefix_forward(q, k, v, cpu.plan(limits, positions, starts), 0.3))]
+    for (flex_out, flex_lse), (cpu_out, cpu_lse) in pairs:
+        finite = ~torch.isinf(cpu_lse)
+        assert torch.allclose(flex_out, cpu_out, atol=1e-5)
+        assert torch.equal(torch.isinf(flex_lse), ~finite) and torch.allclose(flex_lse[finite], cpu_lse[finite], atol=1e-5)
+    assert bool(torch.isinf(pairs[1][1][1]).any())  # rows at a document's first block see no clean key
+
+
+def test_packing_options_that_cannot_be_honoured_are_refused_in_one_line():
+    from megatron_csbp.core.rules import ConfigError, packing_problem
+    from megatron_csbp.core.run_config import RunConfig
+
+    assert packing_problem(True, True, 2) is None and packing_problem(False, False, 4) is None
+    with pytest.raises(ConfigError) as refused:
+        RunConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=64, block_size=8,
+                  pipeline_parallel_size=4, reset_attention_mask=True)
+    assert str(refused.value).startswith("--reset-attention-mask with --pipeline-model-parallel-size=4: the middle "
+                                         "stages never read the batch") and "\n" not in str(refused.value)
+    line = packing_problem(True, False, 2, virtual_pipeline=True)
+    assert line.startswith("--reset-position-ids with a virtual pipeline") and "\n" not in line
+
+
+def test_document_balanced_deal_keeps_rows_and_balances_real_work():
+    """Each rank keeps its block count and clean shard; the deal's max/mean real pairs beat the static schedule's
+    on a packing whose documents make the global-position costs wrong (the packed tests train with such deals)."""
+    from megatron_csbp.core.documents import Documents, balanced_layout, rank_pairs, row_pairs
+    from megatron_csbp.core.layout import CSBPLayout
+
+    documents = Documents(4096, (0, 256, 1024, 1280, 3072, 3584))
+    for P, C in ((4, 4), (4, 2), (8, 1)):
+        static = [CSBPLayout(4096, 64, P, C, r) for r in range(P)]
+        dealt = [balanced_layout(layout, documents) for layout in static]
+        assert sorted(b for layout in dealt for b in layout.owned_blocks) == list(range(64))
+        for before, after in zip(static, dealt):
+            assert after.num_rows == before.num_rows and torch.equal(after.clean_positions, before.clean_positions)
+        before, after = rank_pairs(static, documents), rank_pairs(dealt, documents)
+        assert sum(before) == sum(after) and max(after) < max(before), (P, C, before, after)
+    # row_pairs counts what the dense document mask allows, pair by pair
+    small, layout = Documents(32, (0, 5, 19, 20)), CSBPLayout(32, 4, 2, 2, 1)
+    mask = document_mask(32, 4, small.starts)
+    rows = torch.cat([layout.noisy_positions, 32 + layout.clean_positions])
+    assert row_pairs(layout, small).tolist() == mask[rows].sum(1).tolist()
+    with pytest.raises(ValueError):
+        static[0].dealt(((0,),) * 8)
