@@ -87,24 +87,25 @@ def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
     """The plan of `layout` on `device` for `kernels` (the device's default): build it once, pass it as `plan=`.
 
     `documents` (`core.documents.Documents`, packed samples): every row's clean keys are cut to its own
-    document, `[doc_start, min(limit, doc_end))`, and so are the noisy keys of a block straddling documents."""
+    document, `[doc_start, min(limit, doc_end))`, and so are the noisy keys of a block straddling documents;
+    the field's CP's masked call intersects the BDLM mask with "same document"."""
     device = torch.device(device)
     kernels = default_kernels(device) if kernels is None else kernels
     if documents is not None and documents.is_single:
         documents = None
     block, masked = layout.block_size, layout.masked_attention
     if masked:  # keys of both copies, noisy first: 2L keys in position order when gathered
-        def document_of(positions):  # a token's two copies share its position, hence its document
-            return None if documents is None else documents.index_of(positions).to(device)
-
         def key_order(positions, clean):
             return positions + clean.long() * layout.seq_length
 
         def plan_for(positions, clean):
-            return kernels.masked_plan(layout.row_positions.to(device), layout.row_is_clean.to(device),
-                                       positions.to(device), clean.to(device), block,
-                                       query_documents=document_of(layout.row_positions),
-                                       key_documents=document_of(positions))
+            rows = (layout.row_positions.to(device), layout.row_is_clean.to(device), positions.to(device),
+                    clean.to(device), block)
+            if documents is None:
+                return kernels.masked_plan(*rows)
+            # packed: a token's two copies share its position, hence its document
+            return kernels.masked_plan(*rows, query_documents=documents.index_of(layout.row_positions).to(device),
+                                       key_documents=documents.index_of(positions).to(device))
     else:  # clean keys only, in position order; packed: each row's keys cut to its document, [start, limit)
         if documents is None:
             starts = None
