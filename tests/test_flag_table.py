@@ -53,17 +53,18 @@ def test_counts_per_class_cover_the_table():
 
 
 def test_a_refusal_reads_flag_value_what_and_instead():
-    entry = flag_table.entry("--num-experts")
-    assert flag_table.refusal("--num-experts", 4, entry) == (
-        "--num-experts 4: mixture-of-experts is not supported by the BDLM model yet; train a dense model (drop the "
-        "MoE flags)")
+    entry = flag_table.entry("--moe-expert-capacity-factor")
+    assert flag_table.refusal("--moe-expert-capacity-factor", 1.0, entry).startswith(
+        "--moe-expert-capacity-factor 1.0: token dropping keeps each expert's first tokens in the rank's row order, "
+        "which CSBP's [noisy ; clean] rows change, so no layout would train like another; drop it (supported MoE "
+        "options: --num-experts")
     assert flag_table.refusal("--reset-attention-mask", None, flag_table.entry("--reset-attention-mask")).startswith(
         "--reset-attention-mask: packed documents")
     assert flag_table.entry("--a-flag-megatron-lm-may-add-later") is flag_table.UNCLASSIFIED
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--num-experts", "4", "--moe-router-topk", "2"], "--num-experts: mixture-of-experts is not supported"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor: token dropping"),
     (["--reset-attention-mask"], "--reset-attention-mask: packed documents"),
     (["--eod-mask-loss"], "--eod-mask-loss: packed documents"),
     (["--trust-remote-code"], "--trust-remote-code: would run code"),
@@ -80,8 +81,8 @@ def test_our_loop_refuses_a_yaml_key_the_table_refuses(tmp_path):
     from megatron_csbp.training.config import parse_args
 
     config = tmp_path / "moe.yaml"
-    config.write_text("num-experts: 4\n")
-    with pytest.raises(ConfigError, match=r"^--num-experts: mixture-of-experts"):
+    config.write_text("num-experts: 4\nmoe-z-loss-coeff: 0.001\n")
+    with pytest.raises(ConfigError, match=r"^--moe-z-loss-coeff: is a mixture-of-experts option not supported"):
         parse_args(["--config", str(config), *BASE])
 
 

@@ -194,7 +194,9 @@ def run_config(args: argparse.Namespace, world_size: int | None = None) -> RunCo
         clean_layout=args.csbp_clean_layout, transport=args.csbp_transport,
         tensor_parallel_size=args.tensor_model_parallel_size, pipeline_parallel_size=args.pipeline_model_parallel_size,
         world_size=world_size or getattr(args, "world_size", None), micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size)
+        global_batch_size=args.global_batch_size, num_experts=getattr(args, "num_experts", None) or None,
+        expert_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
 
 
 def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -220,6 +222,15 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
 
     for message in refused_features(args):
         raise ConfigError(message)
+    if getattr(args, "num_experts", None):
+        _refuse(rules.moe_problem(
+            args.num_experts, args.moe_router_topk, args.moe_router_load_balancing_type,
+            args.moe_token_dispatcher_type, args.tensor_model_parallel_size, args.expert_model_parallel_size,
+            args.sequence_parallel, args.pipeline_model_parallel_size))
+        import importlib.util
+        _require(not args.moe_grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,
+                 "--moe-grouped-gemm needs Transformer Engine (its grouped GEMM); drop it to run the experts one "
+                 "by one (megatron-core's SequentialMLP)")
     _require(args.position_embedding_type == "rope",
              f"--position-embedding-type {args.position_embedding_type}: BDLM needs rope (a token's noisy and clean "
              f"copy share one position); use --position-embedding-type rope")
@@ -259,6 +270,12 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = rules.default_ffn_hidden_size(args.hidden_size, args.swiglu)
+    if args.num_experts == 0:  # Megatron-LM's reading: no experts
+        args.num_experts = None
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = TP
     if TP == 1:
         args.sequence_parallel = False
 
