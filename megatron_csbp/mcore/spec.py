@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoESubmodules
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -128,6 +129,30 @@ class TokenCountedTopKRouter(TopKRouter):
                                                           reduce_group, reduce_group_has_dp, valid_token_count)
 
 
+class LayoutInvariantSequentialMLP(SequentialMLP):
+    """megatron-core's local experts (one MLP after another), initialised alike on every expert-parallel layout.
+
+    With `use_cpu_initialization` every weight is drawn whole from the default generator, in construction order,
+    and TP ranks keep their slice: the same model on any TP x CSBP x PP layout. Experts break this: an EP rank
+    builds only its `E/EP` experts, so it would draw another rank's experts' weights and shift every draw after
+    them. Here each rank draws (and drops) the experts of the EP ranks before and after its own, built the way
+    megatron-core builds them, one at a time, so expert `e` and every later weight get the one-rank run's
+    values. (Without CPU initialisation megatron-core seeds each EP rank's experts apart; nothing to match.)"""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        ep_size, ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
+        aligned = config.use_cpu_initialization and ep_size > 1
+        self._draw_experts(ep_rank * num_local_experts if aligned else 0, config, submodules, pg_collection)
+        super().__init__(num_local_experts, config, submodules, pg_collection)
+        self._draw_experts((ep_size - 1 - ep_rank) * num_local_experts if aligned else 0, config, submodules,
+                           pg_collection)
+
+    @staticmethod
+    def _draw_experts(count, config, submodules, pg_collection) -> None:
+        for _ in range(count):
+            SequentialMLP(1, config, submodules, pg_collection)
+
+
 class SequenceParallelTorchNorm:
     """Megatron's torch LayerNorm/RMSNorm, allowed under sequence parallelism.
 
@@ -207,8 +232,12 @@ def _with_csbp_attention(spec: ModuleSpec, use_transformer_engine: bool, context
                          f"CSBP's; give a GPT layer spec (--spec)") from None
     attention.core_attention = ModuleSpec(module=CSBPCoreAttention, params={"context": context})
     mlp = getattr(spec.submodules, "mlp", None)
-    if isinstance(getattr(mlp, "submodules", None), MoESubmodules) and mlp.submodules.router is TopKRouter:
-        mlp.submodules.router = TokenCountedTopKRouter
+    if isinstance(getattr(mlp, "submodules", None), MoESubmodules):
+        moe = mlp.submodules
+        if moe.router is TopKRouter:
+            moe.router = TokenCountedTopKRouter
+        if isinstance(moe.experts, ModuleSpec) and moe.experts.module is SequentialMLP:
+            moe.experts.module = LayoutInvariantSequentialMLP
     return spec
 
 
