@@ -239,6 +239,7 @@ def test_moe_flags_map_to_megatron_core_and_refusals():
         ((*MOE, "--moe-token-dispatcher-type", "flex"), 1, "--moe-token-dispatcher-type 'flex'"),
         ((*MOE, "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"), 4, "needs --sequence-parallel"),
         ((*MOE, "--moe-grouped-gemm"), 1, "--moe-grouped-gemm needs Transformer Engine"),
+        ((*MOE, "--moe-layer-freq", "[0,1,1]"), 1, "--moe-layer-freq [0, 1, 1] names 3 layers, but --num-layers is 2"),
     ]
     import importlib.util
     for extra, world, needle in refusals:

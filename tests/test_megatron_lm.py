@@ -93,7 +93,7 @@ def test_both_loops_print_the_same_losses_and_grad_norms(corpus, name):
 
 MOE_LINE = re.compile(r"iteration\s+(\d+)/.*?lm loss:\s*\S+ \| load_balancing_loss:\s*([-+0-9.eE]+) \|")
 MOE = {"num-experts": 4, "moe-router-topk": 2, "moe-ffn-hidden-size": 48, "moe-aux-loss-coeff": 0.01,
-       "moe-token-dispatcher-type": "alltoall", "moe-shared-expert-intermediate-size": 32, "moe-layer-freq": "[0,1]",
+       "moe-token-dispatcher-type": "alltoall", "moe-shared-expert-intermediate-size": 32, "moe-layer-freq": "[0,1,0,1]",
        "context-block-parallel": 2, "expert-model-parallel-size": 2, "transformer-impl": "local"}
 
 

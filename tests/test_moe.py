@@ -326,3 +326,25 @@ def test_the_training_script_logs_the_same_numbers_on_every_moe_layout(corpus):
     for nproc, parallel in ((2, dict(context_block_parallel=2, expert_model_parallel_size=2)),
                             (2, dict(expert_model_parallel_size=2))):
         assert _logged(run(nproc, {**settings, **parallel})) == one, parallel
+
+
+def test_moe_checkpoints_resume_bit_exact_and_the_weights_reshard_across_ep_sizes(corpus, tmp_path):
+    """torch_dist checkpoints of an MoE run: EP2 x CSBP2 saved at iteration 2 and resumed prints iterations 3-4
+    exactly as the uninterrupted run (and as one rank); the one-rank checkpoint's weights load into EP2 x CSBP2
+    (experts resharded) and the next step's lm loss, load-balancing loss and grad norm are the one-rank run's; its
+    optimizer state across EP sizes is refused in one line."""
+    from pretrain_runs import copy_checkpoint, run
+
+    settings = dict(data_path=corpus, train_iters=4, eval_iters=0, lr_warmup_iters=1, save_interval=2, **MOE_FLAGS)
+    ep2 = dict(context_block_parallel=2, expert_model_parallel_size=2)
+    one = _logged(run(1, {**settings, "save": tmp_path / "one"}))
+    whole = _logged(run(2, {**settings, **ep2, "save": tmp_path / "ep2"}))
+    assert whole == one and sorted(one) == [1, 2, 3, 4], (whole, one)
+    resumed = _logged(run(2, {**settings, **ep2, "load": copy_checkpoint(tmp_path / "ep2", 2, tmp_path / "ep2@2")}))
+    assert resumed == {i: one[i] for i in (3, 4)}, resumed
+    from_one = copy_checkpoint(tmp_path / "one", 2, tmp_path / "one@2")
+    weights_only = _logged(run(2, {**settings, **ep2, "load": from_one, "no_load_optim": True}))
+    assert weights_only[3] == one[3], (weights_only, one)
+    refused = run(2, {**settings, **ep2, "load": from_one}, expect=None)
+    assert refused.returncode != 0 and ("was saved with --expert-model-parallel-size 1, this run has 2: its optimizer "
+                                        "state does not reshard") in refused.output, refused.output[-3000:]

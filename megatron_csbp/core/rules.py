@@ -225,6 +225,16 @@ def moe_problem(num_experts: int, topk: int, load_balancing, dispatcher: str, te
     return None
 
 
+def moe_layer_freq_problem(layer_freq, num_layers: int) -> str | None:
+    """`--moe-layer-freq`: every N-th layer MoE (N >= 1), or a 0/1 pattern naming every layer."""
+    if isinstance(layer_freq, int):
+        return None if layer_freq >= 1 else f"--moe-layer-freq must be >= 1; got {layer_freq}"
+    if len(layer_freq) == num_layers:
+        return None
+    return (f"--moe-layer-freq {layer_freq} names {len(layer_freq)} layers, but --num-layers is {num_layers}: give "
+            f"one 0 (dense) or 1 (MoE) per layer, or an int N (every N-th layer MoE)")
+
+
 def query_groups_problem(heads: int, query_groups: int, flags: Flags = FLAGS) -> str | None:
     """GQA: every K/V head serves the same number of query heads."""
     if query_groups >= 1 and heads % query_groups == 0:
