@@ -15,7 +15,7 @@ import torch
 
 from megatron_csbp.core import objectives
 from megatron_csbp.core.device import default_device
-from megatron_csbp.bdlm.flops import bdlm_step_flops
+from megatron_csbp.bdlm.flops import MoEShape, bdlm_step_flops
 
 _MB = 1024 * 1024
 
@@ -27,7 +27,7 @@ def step_flops(args) -> int:
                            seq_length=args.seq_length, block_size=args.bdlm_block_size,
                            batch_size=args.global_batch_size * objectives.objective_kind(args.bdlm_objective).views_per_sample,
                            ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
-                           kv_channels=args.kv_channels, swiglu=args.swiglu)
+                           kv_channels=args.kv_channels, swiglu=args.swiglu, moe=MoEShape.from_args(args))
 
 
 def memory_stats() -> dict:
