@@ -77,10 +77,10 @@ def _convert(name: str, value, action: argparse.Action, where: str) -> str:
     """One scalar as argparse would receive it, refused here (with the file) if its type or choice is wrong."""
     wanted = _type_name(action)
     if _type_name(action) in LAYER_PATTERN_TYPES:
-        # moe-layer-freq: an int or a 0/1 list (YAML's or a text); Megatron-LM's type would eval() the text, so it
-        # is read here without running it (`flags.moe_layer_freq`) and handed on as a plain list
+        # moe-layer-freq: an int or a 0/1 list (YAML's or a text), read here without running it
+        # (`flags.moe_layer_freq`) and handed on as a plain list without spaces (Megatron-LM's type takes no spaces)
         try:
-            value = str(moe_layer_freq(str(value)))
+            value = str(moe_layer_freq(str(value))).replace(" ", "")
         except (TypeError, ValueError, SyntaxError):
             raise ConfigError(f"{where}: '{name}' expects an int or a list of 0/1 per layer (e.g. [0, 1] or "
                               f"([0]+[1]*3)*2), got {value!r}") from None
