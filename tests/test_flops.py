@@ -143,3 +143,14 @@ def test_moe_step_flops_count_the_router_the_topk_experts_and_the_shared_expert(
     assert flops.MoEShape.from_args(args).num_moe_layers == 2
     args.num_experts = None
     assert flops.MoEShape.from_args(args) is None
+
+
+def test_moe_parameter_count_holds_the_router_every_expert_and_the_shared_expert():
+    """Hand count: the dense MLP (h 32, ffn 48, SwiGLU, no biases) of 1 of 2 layers replaced by a router (32 x 4),
+    4 experts of FFN 24 and a shared expert of FFN 16."""
+    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=40, ffn_hidden_size=48,
+                 swiglu=True, add_bias_linear=False)
+    moe = flops.MoEShape(num_experts=4, topk=2, ffn_hidden_size=24, num_moe_layers=1, shared_expert_ffn_hidden_size=16)
+    dense_mlp, expert, shared = 3 * 32 * 48, 3 * 32 * 24, 3 * 32 * 16
+    assert flops.parameter_count(**shape, moe=moe) == flops.parameter_count(**shape) + 32 * 4 + 4 * expert + shared \
+        - dense_mlp

@@ -202,14 +202,28 @@ def attention_forward_bytes(mode: str, seq_length: int, clean_shards: int, kv_he
 def parameter_count(*, num_layers: int, hidden_size: int, num_attention_heads: int, padded_vocab_size: int,
                     ffn_hidden_size: int = None, num_query_groups: int = None, kv_channels: int = None,
                     swiglu: bool = False, add_bias_linear: bool = True, layernorm_bias: bool = True,
-                    untied_output: bool = False) -> int:
-    """Parameters of the GPT-style BDLM (what a checkpoint stores per weight copy or optimizer moment)."""
+                    untied_output: bool = False, moe: MoEShape | None = None) -> int:
+    """Parameters of the GPT-style BDLM (what a checkpoint stores per weight copy or optimizer moment); with `moe`,
+    its MoE layers hold the router, every expert and the shared expert instead of the dense MLP."""
     layer = layer_parameter_count(hidden_size=hidden_size, num_attention_heads=num_attention_heads,
                                   ffn_hidden_size=ffn_hidden_size, num_query_groups=num_query_groups,
                                   kv_channels=kv_channels, swiglu=swiglu, add_bias_linear=add_bias_linear,
                                   layernorm_bias=layernorm_bias)
     final_norm = hidden_size * (2 if layernorm_bias else 1)
-    return num_layers * layer + final_norm + padded_vocab_size * hidden_size * (2 if untied_output else 1)
+    total = num_layers * layer + final_norm + padded_vocab_size * hidden_size * (2 if untied_output else 1)
+    if moe is not None:
+        ffn = _shape(hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, swiglu)[0]
+        mlp = lambda size: _mlp_parameters(hidden_size, size, swiglu, add_bias_linear)  # noqa: E731
+        router = hidden_size * moe.num_experts + (moe.num_experts if add_bias_linear else 0)
+        moe_mlp = (router + moe.num_experts * mlp(moe.ffn_hidden_size)
+                   + (mlp(moe.shared_expert_ffn_hidden_size) if moe.shared_expert_ffn_hidden_size else 0))
+        total += moe.num_moe_layers * (moe_mlp - mlp(ffn))
+    return total
+
+
+def _mlp_parameters(hidden_size: int, ffn_hidden_size: int, swiglu: bool, add_bias_linear: bool) -> int:
+    fc1 = ffn_hidden_size * (2 if swiglu else 1)
+    return hidden_size * fc1 + ffn_hidden_size * hidden_size + (fc1 + hidden_size if add_bias_linear else 0)
 
 
 def layer_parameter_count(*, hidden_size: int, num_attention_heads: int, ffn_hidden_size: int = None,

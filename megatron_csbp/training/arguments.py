@@ -144,7 +144,7 @@ def _check_directory(flag: str, path: str, *, written: bool) -> None:
 def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
     """(bytes, parameters, bytes per parameter) one checkpoint of validated `args` takes: the weights, the
     optimizer's moments (Adam 2, SGD 1, fp32) and its fp32 master weights under --bf16/--fp16."""
-    from megatron_csbp.bdlm.flops import parameter_count
+    from megatron_csbp.bdlm.flops import MoEShape, parameter_count
 
     ids = (args.vocab_size or 256) + 1 + 1  # the tokenizer's ids, EOD, MASK (the data module has the exact count)
     padded = rules.padded_vocab_size(ids, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
@@ -153,7 +153,7 @@ def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
         padded_vocab_size=padded, ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, swiglu=args.swiglu,
         add_bias_linear=args.add_bias_linear, layernorm_bias=args.normalization == "LayerNorm",
-        untied_output=args.untie_embeddings_and_output_weights)
+        untied_output=args.untie_embeddings_and_output_weights, moe=MoEShape.from_args(args))
     mixed = args.bf16 or args.fp16
     per_parameter = (2 if mixed else 4) + (8 if args.optimizer == "adam" else 4) + (4 if mixed else 0)
     return parameters * per_parameter, parameters, per_parameter
