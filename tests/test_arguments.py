@@ -214,6 +214,7 @@ def test_moe_flags_map_to_megatron_core_and_refusals():
     from megatron_csbp.training.megatron_config import transformer_config_kwargs
 
     args = validate(*MOE, "--moe-layer-freq", "([0]+[1])*1", "--num-layers", "2", "--moe-aux-loss-coeff", "1e-2",
+                    "--disable-bias-linear",
                     "--moe-shared-expert-intermediate-size", "32", "--expert-model-parallel-size", "2",
                     "--context-block-parallel", "2", world=4)
     kwargs = transformer_config_kwargs(args)
@@ -239,6 +240,7 @@ def test_moe_flags_map_to_megatron_core_and_refusals():
         ((*MOE, "--moe-token-dispatcher-type", "flex"), 1, "--moe-token-dispatcher-type 'flex'"),
         ((*MOE, "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"), 4, "needs --sequence-parallel"),
         ((*MOE, "--moe-grouped-gemm"), 1, "--moe-grouped-gemm needs Transformer Engine"),
+        ((*MOE, "--moe-shared-expert-intermediate-size", "32"), 1, "shared expert has no biases; add --disable-bias"),
         ((*MOE, "--moe-layer-freq", "[0,1,1]"), 1, "--moe-layer-freq [0, 1, 1] names 3 layers, but --num-layers is 2"),
     ]
     import importlib.util

@@ -197,7 +197,8 @@ def expert_parallel_problem(num_experts: int | None, expert_parallel: int, exper
 
 
 def moe_problem(num_experts: int, topk: int, load_balancing, dispatcher: str, tensor_parallel: int,
-                expert_parallel: int, sequence_parallel: bool, pipeline_parallel: int) -> str | None:
+                expert_parallel: int, sequence_parallel: bool, pipeline_parallel: int, shared_expert: bool = False,
+                bias: bool = False) -> str | None:
     """What a mixture-of-experts BDLM needs so that each token is routed alike on every layout.
 
     Routing must see each row on its own: `seq_aux_loss`, `global_aux_loss` and `sinkhorn` balance over per-rank
@@ -219,6 +220,9 @@ def moe_problem(num_experts: int, topk: int, load_balancing, dispatcher: str, te
     if dispatcher == "allgather" and pipeline_parallel > 1:
         return ("--moe-token-dispatcher-type allgather cannot take the variable-shape pipeline messages of CSBP rows "
                 "(--pipeline-model-parallel-size > 1); use --moe-token-dispatcher-type alltoall")
+    if shared_expert and bias:
+        return ("--moe-shared-expert-intermediate-size: megatron-core's shared expert has no biases; add "
+                "--disable-bias-linear")
     if expert_parallel > 1 and tensor_parallel > 1 and not sequence_parallel:
         return ("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs --sequence-parallel "
                 "(megatron-core's MoE layers take sequence-parallel rows then); add --sequence-parallel")
