@@ -12,7 +12,10 @@ Negative control: EP2 x CSBP2 whose expert gradients are not reduced over the ex
 not match.
 """
 
+import os
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import pytest
@@ -341,7 +344,7 @@ def test_moe_checkpoints_resume_bit_exact_and_the_weights_reshard_across_ep_size
     exactly as the uninterrupted run (and as one rank); the one-rank checkpoint's weights load into EP2 x CSBP2
     (experts resharded) and the next step's lm loss, load-balancing loss and grad norm are the one-rank run's; its
     optimizer state across EP sizes is refused in one line."""
-    from pretrain_runs import copy_checkpoint, run
+    from pretrain_runs import REPO, copy_checkpoint, environment, run
 
     settings = dict(data_path=corpus, train_iters=4, eval_iters=0, lr_warmup_iters=1, save_interval=2, **MOE_FLAGS)
     ep2 = dict(context_block_parallel=2, expert_model_parallel_size=2)
@@ -356,3 +359,13 @@ def test_moe_checkpoints_resume_bit_exact_and_the_weights_reshard_across_ep_size
     refused = run(2, {**settings, **ep2, "load": from_one}, expect=None)
     assert refused.returncode != 0 and ("was saved with --expert-model-parallel-size 1, this run has 2: its optimizer "
                                         "state does not reshard") in refused.output, refused.output[-3000:]
+    # the evaluator loads either checkpoint of iteration 4 (EP1, EP2) on one rank, every expert there: one NELBO
+    nelbo = set()
+    for save in ("one", "ep2"):
+        done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "evaluate_bdlm.py"), "--load",
+                               str(tmp_path / save), "--data-path", corpus, "--eval-sequences", "4",
+                               "--noise-samples", "1"], cwd=REPO, env=environment(), capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        nelbo.update(re.findall(r"lm loss value \(NELBO per token\): (\S+)", done.stdout))
+    assert len(nelbo) == 1, nelbo
