@@ -44,6 +44,7 @@ MODULE_MARKERS = {
     "test_spec_model": ("spawn",),
     "test_parallel_state": ("spawn", "slow"),
     "test_megatron_composition": ("spawn", "slow"),
+    "test_moe": ("spawn", "slow"),
     "test_bench": ("spawn", "slow"),
     "test_recompute": ("spawn", "slow"),
     "test_gpu_check": ("spawn", "slow"),

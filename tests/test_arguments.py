@@ -204,3 +204,63 @@ def test_simulated_link_flags():
     assert validate().link_gbps is None
     with pytest.raises(ConfigError, match="--link-gbps"):
         validate("--link-gbps", "0")
+
+
+MOE = ("--num-experts", "4", "--moe-router-topk", "2", "--moe-token-dispatcher-type", "alltoall")
+
+
+def test_moe_flags_map_to_megatron_core_and_refusals():
+    """The MoE flags land in megatron-core's TransformerConfig fields as Megatron-LM maps them (defaults filled as it
+    fills them), and every MoE refusal is one line naming the flag, before any work."""
+    from megatron_csbp.training.megatron_config import transformer_config_kwargs
+
+    args = validate(*MOE, "--moe-layer-freq", "([0]+[1])*1", "--num-layers", "2", "--moe-aux-loss-coeff", "1e-2",
+                    "--disable-bias-linear",
+                    "--moe-shared-expert-intermediate-size", "32", "--expert-model-parallel-size", "2",
+                    "--context-block-parallel", "2", world=4)
+    kwargs = transformer_config_kwargs(args)
+    assert (kwargs["num_moe_experts"], kwargs["moe_router_topk"], kwargs["moe_layer_freq"]) == (4, 2, [0, 1])
+    assert kwargs["moe_ffn_hidden_size"] == args.ffn_hidden_size == 256  # Megatron-LM's default: --ffn-hidden-size
+    assert (kwargs["moe_aux_loss_coeff"], kwargs["moe_router_load_balancing_type"]) == (1e-2, "aux_loss")
+    assert (kwargs["expert_model_parallel_size"], kwargs["expert_tensor_parallel_size"]) == (2, 1)
+    assert (kwargs["moe_token_dispatcher_type"], kwargs["moe_shared_expert_intermediate_size"]) == ("alltoall", 32)
+    settings = run_config(args)
+    assert (settings.num_experts, settings.expert_parallel_size, settings.expert_tensor_parallel_size) == (4, 2, 1)
+    assert "num_moe_experts" not in transformer_config_kwargs(validate())  # dense: no MoE fields at all
+
+    refusals = [
+        ((*MOE, "--expert-model-parallel-size", "3"), 3, "--expert-model-parallel-size 3 does not divide --num-experts 4"),
+        ((*MOE, "--expert-model-parallel-size", "4", "--context-block-parallel", "2"), 2,
+         "--expert-model-parallel-size 4 x --expert-tensor-parallel-size 1 x --pipeline-model-parallel-size 1 = 4 "
+         "does not divide the world size 2"),
+        (("--expert-model-parallel-size", "2"), 2, "--expert-model-parallel-size 2 needs experts"),
+        ((*MOE, "--moe-router-topk", "5"), 1, "--moe-router-topk 5 must be in"),
+        ((*MOE, "--moe-router-load-balancing-type", "seq_aux_loss"), 1, "--moe-router-load-balancing-type seq_aux_loss"),
+        ((*MOE[:4], "--moe-token-dispatcher-type", "allgather", "--pipeline-model-parallel-size", "2"), 2,
+         "--moe-token-dispatcher-type allgather cannot"),
+        ((*MOE, "--moe-token-dispatcher-type", "flex"), 1, "--moe-token-dispatcher-type 'flex'"),
+        ((*MOE, "--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2"), 4, "needs --sequence-parallel"),
+        ((*MOE, "--moe-grouped-gemm"), 1, "--moe-grouped-gemm needs Transformer Engine"),
+        ((*MOE, "--moe-shared-expert-intermediate-size", "32"), 1, "shared expert has no biases; add --disable-bias"),
+        ((*MOE, "--moe-layer-freq", "[0,1,1]"), 1, "--moe-layer-freq [0, 1, 1] names 3 layers, but --num-layers is 2"),
+    ]
+    import importlib.util
+    for extra, world, needle in refusals:
+        if needle.startswith("--moe-grouped-gemm") and importlib.util.find_spec("transformer_engine"):
+            continue  # honoured where Transformer Engine is installed
+        with pytest.raises(ConfigError) as raised:
+            validate(*extra, world=world)
+        assert needle in str(raised.value) and "\n" not in str(raised.value), (extra, str(raised.value))
+    for flag in ("--moe-expert-capacity-factor", "--moe-z-loss-coeff"):  # not ours: refused by name, one line
+        with pytest.raises(ConfigError, match=flag):
+            parse(*MOE, flag, "1.0")
+
+
+def test_moe_layer_freq_is_read_without_running_it():
+    from megatron_csbp.training.flags import moe_layer_freq
+
+    assert moe_layer_freq("2") == 2 and moe_layer_freq(3) == 3
+    assert moe_layer_freq("([1]*3+[0]*1)*2") == [1, 1, 1, 0, 1, 1, 1, 0]
+    for bad in ("__import__('os').system('true')", "[2, 1]", "[1]*'a'"):
+        with pytest.raises((ValueError, TypeError)):
+            moe_layer_freq(bad)

@@ -53,17 +53,18 @@ def test_counts_per_class_cover_the_table():
 
 
 def test_a_refusal_reads_flag_value_what_and_instead():
-    entry = flag_table.entry("--num-experts")
-    assert flag_table.refusal("--num-experts", 4, entry) == (
-        "--num-experts 4: mixture-of-experts is not supported by the BDLM model yet; train a dense model (drop the "
-        "MoE flags)")
+    entry = flag_table.entry("--moe-expert-capacity-factor")
+    assert flag_table.refusal("--moe-expert-capacity-factor", 1.0, entry).startswith(
+        "--moe-expert-capacity-factor 1.0: token dropping keeps each expert's first tokens in the rank's row order, "
+        "which CSBP's [noisy ; clean] rows change, so no layout would train like another; drop it (supported MoE "
+        "options: --num-experts")
     assert flag_table.refusal("--sft", None, flag_table.entry("--sft")).startswith(
         "--sft: selects data the plugin's datasets provider does not build")
     assert flag_table.entry("--a-flag-megatron-lm-may-add-later") is flag_table.UNCLASSIFIED
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--num-experts", "4", "--moe-router-topk", "2"], "--num-experts: mixture-of-experts is not supported"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor: token dropping"),
     (["--sft"], "--sft: selects data the plugin's datasets provider does not build"),
     (["--trust-remote-code"], "--trust-remote-code: would run code"),
     (["--cp-comm-type", "a2a"], "--cp-comm-type selects a ring-CP transport"),  # rules.RING_CP_REFUSALS' line
@@ -79,8 +80,8 @@ def test_our_loop_refuses_a_yaml_key_the_table_refuses(tmp_path):
     from megatron_csbp.training.config import parse_args
 
     config = tmp_path / "moe.yaml"
-    config.write_text("num-experts: 4\n")
-    with pytest.raises(ConfigError, match=r"^--num-experts: mixture-of-experts"):
+    config.write_text("num-experts: 4\nmoe-z-loss-coeff: 0.001\n")
+    with pytest.raises(ConfigError, match=r"^--moe-z-loss-coeff: is a mixture-of-experts option not supported"):
         parse_args(["--config", str(config), *BASE])
 
 

@@ -137,7 +137,8 @@ def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_
     (["--hidden-size", "66"], "--hidden-size 66 is not a multiple of --num-attention-heads 4; set --kv-channels"),
     (["--lr-warmup-fraction", "2"], "--lr-warmup-fraction 2.0 must be in [0, 1)"),
     (["--log-interval", "0"], "--log-interval must be >= 1; got 0"),
-    (["--num-experts", "4", "--moe-router-topk", "2"], "--num-experts 4: mixture-of-experts is not supported"),
+    (["--num-experts", "4", "--moe-expert-capacity-factor", "1.0"], "--moe-expert-capacity-factor 1.0: token dropping"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3 does not divide"),
     (["--sft"], "--sft: selects data the plugin's datasets provider does not build"),
     (["--load-fallback-to-previous"], "--load-fallback-to-previous is our loop's own"),
 ])
@@ -150,15 +151,18 @@ def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatr
 
 
 @pytest.mark.parametrize("extra, line", [
-    (["--num-experts", "4", "--moe-router-topk", "2"],
-     "--num-experts{}: mixture-of-experts is not supported by the BDLM model yet; train a dense model (drop the MoE "
-     "flags)"),
+    (["--num-experts", "4", "--moe-z-loss-coeff", "0.001"],
+     "--moe-z-loss-coeff{}: is a mixture-of-experts option not supported with the BDLM model; drop it (supported MoE "
+     "options: --num-experts, --moe-layer-freq, --moe-ffn-hidden-size, --moe-shared-expert-intermediate-size, "
+     "--moe-router-topk, --moe-router-score-function, --moe-router-dtype, --moe-router-load-balancing-type "
+     "aux_loss|none, --moe-aux-loss-coeff, --moe-token-dispatcher-type alltoall|allgather, --moe-grouped-gemm, "
+     "--expert-model-parallel-size, --expert-tensor-parallel-size)"),
     (["--sft"], "--sft: selects data the plugin's datasets provider does not build; give --data-path PREFIX (or a "
                 "weighted blend) and --split"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1; got 0"),
 ])
 def test_refused_in_one_line_exit_2_under_both_loops(extra, line):
-    for loop, value in (("megatron-lm", " 4"), ("megatron-core", "")):
+    for loop, value in (("megatron-lm", " 0.001"), ("megatron-core", "")):
         done = subprocess.run([sys.executable, SCRIPT, *BASE, "--data-path", "unused/prefix", "--training-loop", loop,
                                *extra], cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}), timeout=300,
                               capture_output=True, text=True)

@@ -122,3 +122,35 @@ def test_traffic_bad_input():
         flops.attention_traffic_bytes("cp", 64, 2, 1, 8, transport="p2p")
     with pytest.raises(ValueError, match="clean_shards"):
         flops.attention_traffic_bytes("csbp", 64, 3, 1, 8)
+
+
+def test_moe_step_flops_count_the_router_the_topk_experts_and_the_shared_expert():
+    """A hand-derived count: 2 layers of which 1 is MoE (4 experts of FFN 24, top-2, shared expert of 16, SwiGLU),
+    h = 32, L = 16 (32 rows per sample: noisy and clean rows are all routed), 3 samples, 3 passes per step."""
+    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                 ffn_hidden_size=48, padded_vocab_size=40, swiglu=True, seq_length=16, block_size=4, batch_size=3)
+    moe = flops.MoEShape(num_experts=4, topk=2, ffn_hidden_size=24, num_moe_layers=1, shared_expert_ffn_hidden_size=16)
+    dense = flops.bdlm_step_flops(**shape)
+    rows, passes = 3 * 2 * 16, 3
+    dense_mlp = 2 * 32 * 48 * 3  # per row: fc1 (2 x 48 wide) and fc2
+    moe_mlp = 2 * 32 * 4 + 2 * (2 * 32 * 24 * 3) + 2 * 32 * 16 * 3  # router + 2 experts + shared expert
+    assert flops.bdlm_step_flops(**shape, moe=moe) == dense + passes * rows * (moe_mlp - dense_mlp)
+    assert moe_mlp - dense_mlp == 256 + 9216 + 3072 - 9216
+    args = type("Args", (), dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=None, ffn_hidden_size=48,
+                                 moe_layer_freq=2, num_layers=3, moe_shared_expert_intermediate_size=None))
+    assert flops.MoEShape.from_args(args) == flops.MoEShape(4, 2, 48, 2, 0)  # layers 0 and 2
+    args.moe_layer_freq = [0, 1, 1]
+    assert flops.MoEShape.from_args(args).num_moe_layers == 2
+    args.num_experts = None
+    assert flops.MoEShape.from_args(args) is None
+
+
+def test_moe_parameter_count_holds_the_router_every_expert_and_the_shared_expert():
+    """Hand count: the dense MLP (h 32, ffn 48, SwiGLU, no biases) of 1 of 2 layers replaced by a router (32 x 4),
+    4 experts of FFN 24 and a shared expert of FFN 16."""
+    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=40, ffn_hidden_size=48,
+                 swiglu=True, add_bias_linear=False)
+    moe = flops.MoEShape(num_experts=4, topk=2, ffn_hidden_size=24, num_moe_layers=1, shared_expert_ffn_hidden_size=16)
+    dense_mlp, expert, shared = 3 * 32 * 48, 3 * 32 * 24, 3 * 32 * 16
+    assert flops.parameter_count(**shape, moe=moe) == flops.parameter_count(**shape) + 32 * 4 + 4 * expert + shared \
+        - dense_mlp

@@ -109,6 +109,26 @@ def test_both_loops_print_the_same_losses_and_grad_norms(corpus, name, request):
         assert _logged(unpacked)[0][1][0] != _logged(ours)[0][1][0]
 
 
+MOE_LINE = re.compile(r"iteration\s+(\d+)/.*?lm loss:\s*\S+ \| load_balancing_loss:\s*([-+0-9.eE]+) \|")
+MOE = {"num-experts": 4, "moe-router-topk": 2, "moe-ffn-hidden-size": 48, "moe-aux-loss-coeff": 0.01,
+       "moe-token-dispatcher-type": "alltoall", "moe-shared-expert-intermediate-size": 32, "moe-layer-freq": "[0,1,0,1]",
+       "context-block-parallel": 2, "expert-model-parallel-size": 2, "transformer-impl": "local"}
+
+
+def test_both_loops_print_the_same_mixture_of_experts_numbers(corpus):
+    """A mixture-of-experts BDLM under EP2 x CSBP2: the same lm loss, grad norm and load_balancing_loss (Megatron-LM's
+    MoE line) in both loops, its second line the mean of its first two as for the lm loss."""
+    overrides = _overrides(corpus, **MOE)
+    ours, megatron = _launch("megatron-core", 2, overrides), _launch("megatron-lm", 2, overrides)
+    _assert_same_numbers(ours, megatron)
+    our_aux, their_aux = ({int(m.group(1)): float(m.group(2)) for m in MOE_LINE.finditer(run.output)}
+                          for run in (ours, megatron))
+    assert sorted(our_aux) == sorted(their_aux) == list(range(1, ITERS + 1)), (our_aux, their_aux)
+    for iteration, value in our_aux.items():
+        expected = (our_aux[1] + value) / 2 if iteration == 2 else value
+        assert their_aux[iteration] == pytest.approx(expected, rel=2e-6, abs=0), (iteration, value, their_aux)
+
+
 def test_a_yaml_with_megatron_lm_only_flags_runs_under_megatron_lm(corpus, tmp_path):
     config = tmp_path / "megatron_lm.yaml"
     text = open(CONFIG, encoding="utf-8").read().replace("tokenizer-type: ByteLevelTokenizer",

@@ -437,14 +437,19 @@ def _relative_error(got, expected):
     return ((got - expected)[finite].abs().max() / expected[finite].abs().max()).item()
 
 
-def _model_checks(rank, world_size):
+def _model_checks(rank, world_size, moe=False):
     from megatron_csbp.mcore import cpu_backend
 
     with cpu_backend.active():
-        return _checks_on_one_rank()
+        return _checks_on_one_rank(moe)
 
 
-def _checks_on_one_rank():
+# A mixture of experts: megatron-core's MoE layers (4 experts, top-2, a shared expert) in the second layer.
+MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_shared_expert_intermediate_size=16,
+           moe_layer_freq=[0, 1], moe_token_dispatcher_type="alltoall", add_bias_linear=False)
+
+
+def _checks_on_one_rank(moe=False):
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
@@ -459,7 +464,8 @@ def _checks_on_one_rank():
     model_parallel_cuda_manual_seed(0)
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                use_cpu_initialization=True, calculate_per_token_loss=True, hidden_dropout=0.0,
-                               attention_dropout=0.0, normalization="RMSNorm", init_method_std=0.3)
+                               attention_dropout=0.0, normalization="RMSNorm", init_method_std=0.3,
+                               **(MOE if moe else {}))
     layout = CSBPLayout(SEQ, BLOCK, 1, 1)  # dual-end order: noisy rows are not in position order
     trained = model_provider(config=config, layout=layout, vocab_size=VOCAB, mask_token_id=MASK)
     sampler = sampling_model(config, VOCAB, BLOCK, max_sequence_length=SEQ)
@@ -521,6 +527,16 @@ def test_sampler_logits_equal_the_training_forward_and_the_cache_changes_nothing
         assert consistency <= TOLERANCE, (name, consistency)
         assert cache_error <= TOLERANCE, (name, cache_error)
     print(f"negative control (neighbouring rows' logits): {control[0]:.2e}")
+    assert control[0] > 1e-2
+
+
+def test_a_mixture_of_experts_samples_as_it_trains():
+    """The sampler builds a mixture-of-experts checkpoint's MoE layers as training does (its state dict loads
+    strictly), and its logits, cached or not, are the training forward's at every step of every strategy."""
+    errors, control = run_ranks(_model_checks, 1, True, timeout=300)[0]
+    for name, (consistency, cache_error, *_) in errors.items():
+        assert consistency <= TOLERANCE and cache_error <= TOLERANCE, (name, consistency, cache_error)
+    print(f"MoE: worst sampler vs training forward {max(e[0] for e in errors.values()):.2e}")
     assert control[0] > 1e-2
 
 

@@ -14,6 +14,8 @@ Norms, softmax, RoPE and the embedding lookup are not counted (the usual convent
 Plain Python integers throughout, so every count is exact. No torch, no Megatron.
 """
 
+import dataclasses
+
 from megatron_csbp.core import modes, rules, transports
 
 
@@ -61,6 +63,42 @@ def linear_flops_per_row(hidden_size: int, ffn_hidden_size: int, num_attention_h
     return 2 * (qkv + projection + mlp)
 
 
+@dataclasses.dataclass(frozen=True)
+class MoEShape:
+    """The mixture of experts of a model (Megatron's flags): `num_moe_layers` of the layers route each row to
+    `topk` of `num_experts` experts of FFN size `ffn_hidden_size`, plus a shared expert of
+    `shared_expert_ffn_hidden_size` (0: none)."""
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    num_moe_layers: int
+    shared_expert_ffn_hidden_size: int = 0
+
+    @staticmethod
+    def from_args(args) -> "MoEShape | None":
+        """The MoE of validated arguments (None for a dense model)."""
+        if not getattr(args, "num_experts", None):
+            return None
+        freq, layers = args.moe_layer_freq, args.num_layers
+        moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))
+        return MoEShape(args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size or args.ffn_hidden_size,
+                        moe_layers, args.moe_shared_expert_intermediate_size or 0)
+
+
+def mlp_flops_per_row(hidden_size: int, ffn_hidden_size: int, swiglu: bool) -> int:
+    """Forward FLOPs of one MLP (fc1, fc2; SwiGLU's fc1 is twice as wide) for one row."""
+    return 2 * hidden_size * ffn_hidden_size * (3 if swiglu else 2)
+
+
+def moe_mlp_flops_per_row(hidden_size: int, moe: MoEShape, swiglu: bool) -> int:
+    """Forward FLOPs of one MoE layer's MLP part for one row: the router's logits (`h x E`), the `topk` experts the
+    row is routed to, and the shared expert. (Model FLOPs: the permutation and the weighting are not counted.)"""
+    shared = mlp_flops_per_row(hidden_size, moe.shared_expert_ffn_hidden_size, swiglu)
+    return (2 * hidden_size * moe.num_experts + moe.topk * mlp_flops_per_row(hidden_size, moe.ffn_hidden_size, swiglu)
+            + shared)
+
+
 def lm_head_flops_per_row(hidden_size: int, padded_vocab_size: int) -> int:
     return 2 * hidden_size * padded_vocab_size
 
@@ -79,7 +117,7 @@ def _shape(hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, 
 def bdlm_step_flops(*, num_layers: int, hidden_size: int, num_attention_heads: int,
                     padded_vocab_size: int, seq_length: int, block_size: int, batch_size: int = 1,
                     ffn_hidden_size: int = None, num_query_groups: int = None, kv_channels: int = None,
-                    swiglu: bool = False, recompute: bool = False) -> int:
+                    swiglu: bool = False, recompute: bool = False, moe: MoEShape | None = None) -> int:
     """Exact FLOPs of one BDLM training step (forward + backward) over `batch_size` samples.
 
     All arguments are plain numbers with Megatron's meanings: `seq_length` is the clean length `L`
@@ -89,6 +127,8 @@ def bdlm_step_flops(*, num_layers: int, hidden_size: int, num_attention_heads: i
     `kv_channels = h / heads`.
     `recompute=False` gives model FLOPs (what MFU and the logger's TFLOP/s count); `recompute=True`
     adds the transformer layers' second forward of full activation recomputation (hardware FLOPs).
+    `moe`: the model's experts (`MoEShape`); its MoE layers' MLP FLOPs per row are `moe_mlp_flops_per_row`'s, and
+    every row, noisy and clean, is routed (`2L` per sample).
     """
     ffn_hidden_size, num_query_groups, kv_channels = _shape(
         hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, swiglu)
@@ -96,9 +136,12 @@ def bdlm_step_flops(*, num_layers: int, hidden_size: int, num_attention_heads: i
                                                            num_query_groups, kv_channels, swiglu)
                      + bdlm_attention_pairs(seq_length, block_size)
                      * attention_flops_per_pair(num_attention_heads, kv_channels))
+    layers_forward = num_layers * layer_forward
+    if moe is not None:  # the MoE layers' MLP replaced by the router, the top-k experts and the shared expert
+        layers_forward += moe.num_moe_layers * 2 * seq_length * (
+            moe_mlp_flops_per_row(hidden_size, moe, swiglu) - mlp_flops_per_row(hidden_size, ffn_hidden_size, swiglu))
     head_forward = seq_length * lm_head_flops_per_row(hidden_size, padded_vocab_size)
-    return batch_size * (rules.step_passes(recompute) * num_layers * layer_forward
-                         + rules.step_passes() * head_forward)
+    return batch_size * (rules.step_passes(recompute) * layers_forward + rules.step_passes() * head_forward)
 
 
 def megatron_causal_flops(*, num_layers: int, hidden_size: int, num_attention_heads: int,
@@ -159,14 +202,28 @@ def attention_forward_bytes(mode: str, seq_length: int, clean_shards: int, kv_he
 def parameter_count(*, num_layers: int, hidden_size: int, num_attention_heads: int, padded_vocab_size: int,
                     ffn_hidden_size: int = None, num_query_groups: int = None, kv_channels: int = None,
                     swiglu: bool = False, add_bias_linear: bool = True, layernorm_bias: bool = True,
-                    untied_output: bool = False) -> int:
-    """Parameters of the GPT-style BDLM (what a checkpoint stores per weight copy or optimizer moment)."""
+                    untied_output: bool = False, moe: MoEShape | None = None) -> int:
+    """Parameters of the GPT-style BDLM (what a checkpoint stores per weight copy or optimizer moment); with `moe`,
+    its MoE layers hold the router, every expert and the shared expert instead of the dense MLP."""
     layer = layer_parameter_count(hidden_size=hidden_size, num_attention_heads=num_attention_heads,
                                   ffn_hidden_size=ffn_hidden_size, num_query_groups=num_query_groups,
                                   kv_channels=kv_channels, swiglu=swiglu, add_bias_linear=add_bias_linear,
                                   layernorm_bias=layernorm_bias)
     final_norm = hidden_size * (2 if layernorm_bias else 1)
-    return num_layers * layer + final_norm + padded_vocab_size * hidden_size * (2 if untied_output else 1)
+    total = num_layers * layer + final_norm + padded_vocab_size * hidden_size * (2 if untied_output else 1)
+    if moe is not None:
+        ffn = _shape(hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, swiglu)[0]
+        mlp = lambda size: _mlp_parameters(hidden_size, size, swiglu, add_bias_linear)  # noqa: E731
+        router = hidden_size * moe.num_experts + (moe.num_experts if add_bias_linear else 0)
+        moe_mlp = (router + moe.num_experts * mlp(moe.ffn_hidden_size)
+                   + (mlp(moe.shared_expert_ffn_hidden_size) if moe.shared_expert_ffn_hidden_size else 0))
+        total += moe.num_moe_layers * (moe_mlp - mlp(ffn))
+    return total
+
+
+def _mlp_parameters(hidden_size: int, ffn_hidden_size: int, swiglu: bool, add_bias_linear: bool) -> int:
+    fc1 = ffn_hidden_size * (2 if swiglu else 1)
+    return hidden_size * fc1 + ffn_hidden_size * hidden_size + (fc1 + hidden_size if add_bias_linear else 0)
 
 
 def layer_parameter_count(*, hidden_size: int, num_attention_heads: int, ffn_hidden_size: int = None,

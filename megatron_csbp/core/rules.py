@@ -37,6 +37,10 @@ BYTE_TOKENIZER = "ByteLevelTokenizer"
 TEXT_TOKENIZERS = (BYTE_TOKENIZER, "HuggingFaceTokenizer")  # those that turn text into ids
 TOKENIZERS = TEXT_TOKENIZERS + ("NullTokenizer",)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default
+# Mixture of experts: what routes each token alike on every layout (see `moe_problem`).
+MOE_LOAD_BALANCING = ("aux_loss", "none")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_DISPATCHERS = ("alltoall", "allgather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,9 @@ class Flags:
     kv_channels: str | None = "--kv-channels"  # None: the tool has no such flag
     global_batch: str = "--global-batch-size"
     micro_batch: str = "--micro-batch-size"
+    num_experts: str = "--num-experts"
+    expert_parallel: str = "--expert-model-parallel-size"
+    expert_tensor_parallel: str = "--expert-tensor-parallel-size"
 
     def renamed(self, **names) -> "Flags":
         return dataclasses.replace(self, **names)
@@ -158,6 +165,78 @@ def world_size_problem(tensor_parallel: int, pipeline_parallel: int, parallel_si
     return (f"{flags.tensor_parallel} {tensor_parallel} x {flags.pipeline_parallel} {pipeline_parallel} x "
             f"{flags.parallel_size} {parallel_size} = {model_parallel} does not divide the world size {world_size}; "
             f"launch a multiple of {model_parallel} ranks or shrink the parallel sizes")
+
+
+def expert_parallel_problem(num_experts: int | None, expert_parallel: int, expert_tensor_parallel: int | None,
+                            tensor_parallel: int, pipeline_parallel: int, world_size: int,
+                            flags: Flags = FLAGS) -> str | None:
+    """Expert parallelism as megatron-core lays it out: each pipeline stage's ranks (TP x P x DP for attention)
+    are cut again into ETP x EP x expert-DP for the experts, so EP x ETP x PP must divide the world, and each EP
+    rank holds `num_experts / EP` whole experts. ETP defaults to TP."""
+    EP, PP = expert_parallel, pipeline_parallel
+    ETP = expert_tensor_parallel or tensor_parallel
+    problem = at_least(flags.expert_parallel, EP) or at_least(flags.expert_tensor_parallel, ETP)
+    if problem:
+        return problem
+    if num_experts is None:
+        if EP > 1:
+            return f"{flags.expert_parallel} {EP} needs experts: give {flags.num_experts} N (a multiple of {EP})"
+        return None
+    if num_experts < 1:
+        return f"{flags.num_experts} must be >= 1; got {num_experts} (drop it for a dense model)"
+    if num_experts % EP:
+        return (f"{flags.expert_parallel} {EP} does not divide {flags.num_experts} {num_experts}: each expert-parallel "
+                f"rank holds whole experts; use an EP size dividing {num_experts}")
+    expert_ranks = EP * ETP * PP
+    if world_size % expert_ranks:
+        return (f"{flags.expert_parallel} {EP} x {flags.expert_tensor_parallel} {ETP} x {flags.pipeline_parallel} {PP} "
+                f"= {expert_ranks} does not divide the world size {world_size}: megatron-core carves the expert "
+                f"ranks (EP x ETP x expert-DP) out of each pipeline stage's ranks; shrink EP or ETP, or launch a "
+                f"multiple of {expert_ranks} ranks")
+    return None
+
+
+def moe_problem(num_experts: int, topk: int, load_balancing, dispatcher: str, tensor_parallel: int,
+                expert_parallel: int, sequence_parallel: bool, pipeline_parallel: int, shared_expert: bool = False,
+                bias: bool = False) -> str | None:
+    """What a mixture-of-experts BDLM needs so that each token is routed alike on every layout.
+
+    Routing must see each row on its own: `seq_aux_loss`, `global_aux_loss` and `sinkhorn` balance over per-rank
+    sets of rows, which CSBP's `[noisy ; clean]` rows and their sharding change; `aux_loss` (its expert fractions
+    summed over TP x CP) and `none` do not depend on the layout. (Token dropping, a capacity factor, is refused
+    by the flag table for the same reason.) The allgather dispatcher cannot take the variable-shape pipeline
+    messages CSBP rows need."""
+    balancing = load_balancing[0] if isinstance(load_balancing, (list, tuple)) and len(load_balancing) == 1 \
+        else load_balancing
+    if not 1 <= topk <= num_experts:
+        return f"--moe-router-topk {topk} must be in [1, --num-experts {num_experts}]"
+    if isinstance(balancing, (list, tuple)) or balancing not in MOE_LOAD_BALANCING:
+        return (f"--moe-router-load-balancing-type {balancing}: only {' or '.join(MOE_LOAD_BALANCING)} route every "
+                f"row alike under CSBP (the others balance over each rank's own rows, which the layout changes); "
+                f"use aux_loss")
+    problem = choice_problem("--moe-token-dispatcher-type", dispatcher, MOE_DISPATCHERS)
+    if problem:
+        return problem
+    if dispatcher == "allgather" and pipeline_parallel > 1:
+        return ("--moe-token-dispatcher-type allgather cannot take the variable-shape pipeline messages of CSBP rows "
+                "(--pipeline-model-parallel-size > 1); use --moe-token-dispatcher-type alltoall")
+    if shared_expert and bias:
+        return ("--moe-shared-expert-intermediate-size: megatron-core's shared expert has no biases; add "
+                "--disable-bias-linear")
+    if expert_parallel > 1 and tensor_parallel > 1 and not sequence_parallel:
+        return ("--expert-model-parallel-size > 1 with --tensor-model-parallel-size > 1 needs --sequence-parallel "
+                "(megatron-core's MoE layers take sequence-parallel rows then); add --sequence-parallel")
+    return None
+
+
+def moe_layer_freq_problem(layer_freq, num_layers: int) -> str | None:
+    """`--moe-layer-freq`: every N-th layer MoE (N >= 1), or a 0/1 pattern naming every layer."""
+    if isinstance(layer_freq, int):
+        return None if layer_freq >= 1 else f"--moe-layer-freq must be >= 1; got {layer_freq}"
+    if len(layer_freq) == num_layers:
+        return None
+    return (f"--moe-layer-freq {layer_freq} names {len(layer_freq)} layers, but --num-layers is {num_layers}: give "
+            f"one 0 (dense) or 1 (MoE) per layer, or an int N (every N-th layer MoE)")
 
 
 def query_groups_problem(heads: int, query_groups: int, flags: Flags = FLAGS) -> str | None:

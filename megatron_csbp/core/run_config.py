@@ -42,6 +42,10 @@ class RunConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     world_size: int | None = None  # None: one model replica (TP x PP x P)
+    # mixture of experts (None: a dense model); EP x ETP x expert-DP is carved from each stage's TP x P x DP ranks
+    num_experts: int | None = None
+    expert_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # None: TP
     # the batch
     micro_batch_size: int = 1
     global_batch_size: int | None = None  # None: one micro-batch per data-parallel replica
@@ -58,7 +62,8 @@ class RunConfig:
             kv_channels=self.kv_channels or self.hidden_size // self.num_attention_heads,
             loss_weighting=self.loss_weighting or self.objective_kind.default_weighting,
             clean_shards=self.parallel_mode.clean_shards(self.block_parallel_size, self.clean_shards),
-            world_size=self.world_size or self.model_parallel_size)
+            world_size=self.world_size or self.model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size or self.tensor_parallel_size)
         resolved["global_batch_size"] = (self.global_batch_size
                                          or self.micro_batch_size * resolved["world_size"] // self.model_parallel_size)
         for name, value in resolved.items():
@@ -78,6 +83,9 @@ class RunConfig:
                    or rules.at_least(f.block_size, self.block_size) or rules.at_least(f.parallel_size, P)
                    or rules.clean_shards_problem(self.mode, P, self.clean_shards, f)
                    or rules.world_size_problem(TP, PP, P, self.world_size or TP * PP * P, f)
+                   or rules.expert_parallel_problem(self.num_experts, self.expert_parallel_size,
+                                                    self.expert_tensor_parallel_size, TP, PP,
+                                                    self.world_size or TP * PP * P, f)
                    or rules.sequence_problem(self.mode, self.seq_length, self.block_size, P,
                                              rules.clean_shards(self.mode, P, self.clean_shards), self.clean_layout, f)
                    or rules.choice_problem(f.schedule, self.schedule, rules.SCHEDULES)

@@ -24,6 +24,10 @@ megatron-core:
   them unconditionally. `torch.cuda.manual_seed` seeds the CPU generator, so
   `model_parallel_cuda_manual_seed` seeds the default state as it does on a GPU, and
   `torch.cuda.get/set_rng_state` (the rerun state machine's checkpointed state) are the CPU generator's.
+* `torch.cuda.Stream`, `current_stream` and `stream` are torch's CPU streams (no-ops): the MoE alltoall token
+  dispatcher copies its token counts to the host on a side stream, and Megatron-LM's `get_model` builds DDP on
+  one. Its split sizes, which it turns into numpy arrays when it copies them off the GPU, are made numpy
+  arrays on the host too (`all_to_all_single` refuses a tensor of sizes).
 * The RNG helpers of `tensor_parallel/random.py` (`_get_cuda_rng_state`, `_set_cuda_rng_state` and
   `CudaRNGStatesTracker.add`) use the CPU generator, so the tracker's `fork()` (dropout in
   tensor-parallel regions, weight init) and activation recomputation work. As the CPU generator is
@@ -37,8 +41,6 @@ Megatron-LM (only when `megatron.training` has been imported before the block is
 * `_initialize_distributed` skips the model-parallel groups when `torch.cuda.device_count() == 0`: the
   CPU counts as one device, and `torch.cuda.set_device` is a no-op.
 * `fused_kernels.load` compiles CUDA kernels (needs `CUDA_HOME`): nothing to load on the CPU.
-* `get_model` builds DDP on a side stream (`torch.cuda.Stream/current_stream/stream`): torch's CPU
-  streams stand in (they are no-ops).
 * The JIT warm-up (`set_jit_fusion_options`) draws `torch.rand(device="cuda")`; on the CPU that consumes
   the default generator and would change the initial weights, so the generator is restored around it.
 * `megatron.training` imports `triton` (~1 GB, GPU-only) through megatron-core's batch-invariant kernels;
@@ -88,6 +90,27 @@ class _CudaAsCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _HostEvent:
+    """What `_HostStream.record_event` returns: host work is done when it returns, so waiting is a no-op."""
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+class _HostStream(torch.cpu.Stream):
+    """torch's CPU stream (a no-op stand-in), whose `record_event` gives an event to synchronize on, as the MoE
+    alltoall token dispatcher does after copying its token counts to the host."""
+
+    def record_event(self, event=None) -> _HostEvent:
+        return _HostEvent()
+
+
 class _ExpectedRngWarning(logging.Filter):
     def filter(self, record):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
@@ -119,12 +142,25 @@ class _Patches:
         self.stack.callback(setattr, owner, name, original)
 
 
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """`moe_utils.maybe_move_tensor_to_cpu` for tensors already on the host: the numpy array it gives a GPU
+    tensor (the alltoall dispatcher's split sizes, which `all_to_all_single` takes as a sequence of ints)."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.numpy()
+    return tensor
+
+
 def _neutralise_megatron_core(patch: _Patches) -> None:
     from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import token_dispatcher
 
     patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
     patch(torch.cuda, "synchronize", lambda device=None: None)
     patch(torch.cuda, "manual_seed", torch.manual_seed)
+    patch(torch.cuda, "Stream", _HostStream)
+    patch(token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy)
+    patch(torch.cuda, "current_stream", torch.cpu.current_stream)
+    patch(torch.cuda, "stream", torch.cpu.stream)
     patch(torch.cuda, "get_rng_state", lambda device=None: torch.get_rng_state())
     patch(torch.cuda, "set_rng_state", lambda new_state, device=None: torch.set_rng_state(new_state))
     patch(megatron_random, "_get_cuda_rng_state",
@@ -154,9 +190,6 @@ def _neutralise_megatron_lm(patch: _Patches) -> None:
     patch(torch.cuda, "device_count", lambda: 1)
     patch(torch.cuda, "set_device", lambda device: None)
     patch(fused_kernels, "load", lambda args: None)
-    patch(torch.cuda, "Stream", torch.cpu.Stream)
-    patch(torch.cuda, "current_stream", torch.cpu.current_stream)
-    patch(torch.cuda, "stream", torch.cpu.stream)
     patch(training, "set_jit_fusion_options", _keeping_cpu_generator(training.set_jit_fusion_options))
 
 

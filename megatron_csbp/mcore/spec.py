@@ -19,7 +19,11 @@ from typing import Any
 import torch
 from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from megatron_csbp.core.device import default_device
@@ -29,6 +33,19 @@ from megatron_csbp.core.rules import refused_features
 
 
 DOCUMENT_PLANS = 8  # packed samples' plans kept (a micro-batch's are held apart, for all its layers, until the next)
+
+
+def _router_without_transformer_engine() -> None:
+    """megatron-core 0.16's router GEMM (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not
+    None`, a name its module defines only where Transformer Engine imports: without TE every MoE router fails
+    with a NameError. Defining it as None there gives the torch GEMM megatron-core means to fall back to."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+_router_without_transformer_engine()
 
 
 @dataclass(frozen=True)
@@ -135,6 +152,49 @@ class CSBPCoreAttention(MegatronModule):
         return out
 
 
+class TokenCountedTopKRouter(TopKRouter):
+    """megatron-core's top-k router, whose load-balancing-loss gradient does not depend on the TP x CP size.
+
+    With a per-token loss (always, for BDLM) megatron-core 0.16 scales the aux loss by the rank's own token count
+    and `finalize_model_grads` divides every gradient by the global token count, so under TP (SP) or CP, where
+    each rank routes `1/(TP x CP)` of the rows, the aux-loss gradient comes out `TP x CP` times too small
+    (Megatron-LM issue 1652; fixed upstream by scaling with the TP x CP size, which is what this does). The
+    CSBP block-parallel ranks live in the CP slot, so without this the aux loss would weigh less the more
+    block-parallel ranks a run has, and no layout would train like the one-rank run."""
+
+    def attach_and_log_load_balancing_loss(self, activation, aux_loss_coeff, aux_loss, aux_loss_name, reduce_group,
+                                           reduce_group_has_dp=False, valid_token_count=None):
+        if self.calculate_per_token_loss:
+            tokens = activation.shape[0] if valid_token_count is None else valid_token_count
+            valid_token_count = tokens * self.tp_cp_group.size()
+        return super().attach_and_log_load_balancing_loss(activation, aux_loss_coeff, aux_loss, aux_loss_name,
+                                                          reduce_group, reduce_group_has_dp, valid_token_count)
+
+
+class LayoutInvariantSequentialMLP(SequentialMLP):
+    """megatron-core's local experts (one MLP after another), initialised alike on every expert-parallel layout.
+
+    With `use_cpu_initialization` every weight is drawn whole from the default generator, in construction order,
+    and TP ranks keep their slice: the same model on any TP x CSBP x PP layout. Experts break this: an EP rank
+    builds only its `E/EP` experts, so it would draw another rank's experts' weights and shift every draw after
+    them. Here each rank draws (and drops) the experts of the EP ranks before and after its own, built the way
+    megatron-core builds them, one at a time, so expert `e` and every later weight get the one-rank run's
+    values. (Without CPU initialisation megatron-core seeds each EP rank's experts apart; nothing to match.)"""
+
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None):
+        ep_size, ep_rank = pg_collection.ep.size(), pg_collection.ep.rank()
+        aligned = config.use_cpu_initialization and ep_size > 1
+        self._draw_experts(ep_rank * num_local_experts if aligned else 0, config, submodules, pg_collection)
+        super().__init__(num_local_experts, config, submodules, pg_collection)
+        self._draw_experts((ep_size - 1 - ep_rank) * num_local_experts if aligned else 0, config, submodules,
+                           pg_collection)
+
+    @staticmethod
+    def _draw_experts(count, config, submodules, pg_collection) -> None:
+        for _ in range(count):
+            SequentialMLP(1, config, submodules, pg_collection)
+
+
 class SequenceParallelTorchNorm:
     """Megatron's torch LayerNorm/RMSNorm, allowed under sequence parallelism.
 
@@ -174,11 +234,37 @@ def get_csbp_layer_spec(use_transformer_engine: bool = False, context: Attention
     for message in refused_features(SimpleNamespace(**megatron_spec_kwargs)):
         raise ValueError(message)
     if base_spec is not None:
-        spec = copy.deepcopy(base_spec)
+        spec = base_spec
     elif use_transformer_engine:
         spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(**megatron_spec_kwargs)
     else:
         spec = gpt_layer_specs.get_gpt_layer_local_spec(**megatron_spec_kwargs)
+    return _with_csbp_attention(spec, use_transformer_engine, context)
+
+
+def get_csbp_block_spec(config, use_transformer_engine: bool = False, context: AttentionContext | None = None,
+                        vp_stage: int | None = None) -> TransformerBlockSubmodules:
+    """This pipeline stage's layer specs for a mixture-of-experts config: megatron-core's GPT decoder block
+    spec (`get_gpt_decoder_block_spec`: MoE layers where `config.moe_layer_freq` puts them, dense ones
+    elsewhere, local experts or grouped GEMM as `config.moe_grouped_gemm` says), each with CSBP's core
+    attention; the final norm accepts sequence parallelism as the layers' do."""
+    for message in refused_features(config):
+        raise ValueError(message)
+    block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine,
+                                                       normalization=config.normalization, vp_stage=vp_stage)
+    bound = {}  # one CSBP copy per distinct megatron-core layer spec (dense, MoE)
+    for spec in block.layer_specs:
+        if id(spec) not in bound:
+            bound[id(spec)] = _with_csbp_attention(spec, use_transformer_engine, context)
+    layer_specs = [bound[id(spec)] for spec in block.layer_specs]
+    layer_norm = block.layer_norm if use_transformer_engine else SequenceParallelTorchNorm
+    return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=layer_norm)
+
+
+def _with_csbp_attention(spec: ModuleSpec, use_transformer_engine: bool, context: AttentionContext | None):
+    """A copy of the layer spec `spec` whose core attention is CSBP's, bound to `context` (and, without
+    Transformer Engine, whose torch norms accept sequence parallelism)."""
+    spec = copy.deepcopy(spec)
     if not use_transformer_engine:
         spec = _swap_torch_norms(spec)
     try:
@@ -187,6 +273,13 @@ def get_csbp_layer_spec(use_transformer_engine: bool = False, context: Attention
         raise ValueError(f"the layer spec {spec.module.__name__} has no self_attention.core_attention to make "
                          f"CSBP's; give a GPT layer spec (--spec)") from None
     attention.core_attention = ModuleSpec(module=CSBPCoreAttention, params={"context": context})
+    mlp = getattr(spec.submodules, "mlp", None)
+    if isinstance(getattr(mlp, "submodules", None), MoESubmodules):
+        moe = mlp.submodules
+        if moe.router is TopKRouter:
+            moe.router = TokenCountedTopKRouter
+        if isinstance(moe.experts, ModuleSpec) and moe.experts.module is SequentialMLP:
+            moe.experts.module = LayoutInvariantSequentialMLP
     return spec
 
 

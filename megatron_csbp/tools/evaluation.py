@@ -204,7 +204,9 @@ def run_arguments(saved: dict, options, world_size: int, directory: str):
                   pipeline_model_parallel_size=options.pipeline_model_parallel_size,
                   context_block_parallel=P, context_parallel_size=P,
                   context_block_parallel_clean_shards=options.context_block_parallel_clean_shards,
-                  sequence_parallel=options.sequence_parallel)
+                  sequence_parallel=options.sequence_parallel,
+                  # a mixture of experts: every expert on each rank (torch_dist reshards the checkpoint's EP)
+                  expert_model_parallel_size=1, expert_tensor_parallel_size=None)
     vars(args).update(layout)
     for flag in ("bdlm_parallel_mode", "csbp_transport", "distributed_timeout_minutes"):
         if getattr(options, flag) is not None:

@@ -61,6 +61,8 @@ def model_args(directory: str, config: str | None, tensor_parallel: int) -> argp
                                                          tensor_parallel)
     args.pipeline_model_parallel_size = args.context_parallel_size = 1
     args.context_block_parallel, args.context_block_parallel_clean_shards = 1, None
+    # every expert on this rank, split over TP as the dense layers are (torch_dist reshards the checkpoint's EP)
+    args.expert_model_parallel_size, args.expert_tensor_parallel_size = 1, tensor_parallel
     args.sequence_parallel = False
     problem = rules.tensor_parallel_problem(args.num_attention_heads, args.num_query_groups, tensor_parallel)
     if problem is None and args.padded_vocab_size % tensor_parallel:  # padded for the TP size it was trained at

@@ -336,11 +336,16 @@ def sampling_model(config, vocab_size: int, block_size: int, **gpt_kwargs):
              "sampling runs one pipeline stage without context/block parallelism: use "
              "--tensor-model-parallel-size only")
     _require(not config.sequence_parallel, "sampling does not use sequence parallelism: drop --sequence-parallel")
-    layer = csbp_spec.get_csbp_layer_spec(qk_layernorm=config.qk_layernorm)  # as training's (model.model_provider)
-    layer.submodules.self_attention.submodules.core_attention = ModuleSpec(
-        module=BlockCausalAttention, params={"block_size": block_size})
-    layers = TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers,
-                                        layer_norm=csbp_spec.SequenceParallelTorchNorm)
+    attention = ModuleSpec(module=BlockCausalAttention, params={"block_size": block_size})
+    if config.num_moe_experts:  # as training's (model.model_provider): megatron-core's MoE and dense layers
+        layers = csbp_spec.get_csbp_block_spec(config)
+        for layer in {id(spec): spec for spec in layers.layer_specs}.values():
+            layer.submodules.self_attention.submodules.core_attention = attention
+    else:
+        layer = csbp_spec.get_csbp_layer_spec(qk_layernorm=config.qk_layernorm)  # as training's
+        layer.submodules.self_attention.submodules.core_attention = attention
+        layers = TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers,
+                                            layer_norm=csbp_spec.SequenceParallelTorchNorm)
     gpt_kwargs.setdefault("position_embedding_type", "rope")
     return GPTModel(config=config, transformer_layer_spec=layers, vocab_size=vocab_size, **gpt_kwargs)
 

@@ -144,7 +144,7 @@ def _check_directory(flag: str, path: str, *, written: bool) -> None:
 def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
     """(bytes, parameters, bytes per parameter) one checkpoint of validated `args` takes: the weights, the
     optimizer's moments (Adam 2, SGD 1, fp32) and its fp32 master weights under --bf16/--fp16."""
-    from megatron_csbp.bdlm.flops import parameter_count
+    from megatron_csbp.bdlm.flops import MoEShape, parameter_count
 
     ids = (args.vocab_size or 256) + 1 + 1  # the tokenizer's ids, EOD, MASK (the data module has the exact count)
     padded = rules.padded_vocab_size(ids, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
@@ -153,7 +153,7 @@ def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
         padded_vocab_size=padded, ffn_hidden_size=args.ffn_hidden_size,
         num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, swiglu=args.swiglu,
         add_bias_linear=args.add_bias_linear, layernorm_bias=args.normalization == "LayerNorm",
-        untied_output=args.untie_embeddings_and_output_weights)
+        untied_output=args.untie_embeddings_and_output_weights, moe=MoEShape.from_args(args))
     mixed = args.bf16 or args.fp16
     per_parameter = (2 if mixed else 4) + (8 if args.optimizer == "adam" else 4) + (4 if mixed else 0)
     return parameters * per_parameter, parameters, per_parameter
@@ -196,7 +196,10 @@ def run_config(args: argparse.Namespace, world_size: int | None = None) -> RunCo
         world_size=world_size or getattr(args, "world_size", None), micro_batch_size=args.micro_batch_size,
         global_batch_size=args.global_batch_size, reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
         reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
-        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)))
+        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
+        num_experts=getattr(args, "num_experts", None) or None,
+        expert_parallel_size=getattr(args, "expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
 
 
 def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
@@ -227,6 +230,17 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
 
     for message in refused_features(args):
         raise ConfigError(message)
+    if getattr(args, "num_experts", None):
+        _refuse(rules.moe_problem(
+            args.num_experts, args.moe_router_topk, args.moe_router_load_balancing_type,
+            args.moe_token_dispatcher_type, args.tensor_model_parallel_size, args.expert_model_parallel_size,
+            args.sequence_parallel, args.pipeline_model_parallel_size,
+            shared_expert=bool(args.moe_shared_expert_intermediate_size), bias=args.add_bias_linear)
+                or rules.moe_layer_freq_problem(args.moe_layer_freq, args.num_layers))
+        import importlib.util
+        _require(not args.moe_grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,
+                 "--moe-grouped-gemm needs Transformer Engine (its grouped GEMM); drop it to run the experts one "
+                 "by one (megatron-core's SequentialMLP)")
     _require(args.position_embedding_type == "rope",
              f"--position-embedding-type {args.position_embedding_type}: BDLM needs rope (a token's noisy and clean "
              f"copy share one position); use --position-embedding-type rope")
@@ -266,6 +280,12 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
         args.kv_channels = args.hidden_size // args.num_attention_heads
     if args.ffn_hidden_size is None:
         args.ffn_hidden_size = rules.default_ffn_hidden_size(args.hidden_size, args.swiglu)
+    if args.num_experts == 0:  # Megatron-LM's reading: no experts
+        args.num_experts = None
+    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
+        args.moe_ffn_hidden_size = args.ffn_hidden_size
+    if args.expert_tensor_parallel_size is None:
+        args.expert_tensor_parallel_size = TP
     if TP == 1:
         args.sequence_parallel = False
 

@@ -130,8 +130,10 @@ def _loop_state(common: dict) -> LoopState:
 
 def _saved_parallel_sizes(common: dict) -> dict:
     recorded = saved_args(common)
-    return common.get("parallel_sizes") or {name: recorded.get(name, 1) for name in
-                                            ("tensor_model_parallel_size", "pipeline_model_parallel_size")}
+    sizes = dict(common.get("parallel_sizes") or {name: recorded.get(name, 1) for name in
+                                                  ("tensor_model_parallel_size", "pipeline_model_parallel_size")})
+    sizes.setdefault("expert_model_parallel_size", recorded.get("expert_model_parallel_size", 1))  # dense: 1
+    return sizes
 
 
 def _rng_state() -> list:
@@ -194,7 +196,8 @@ def _sharded_state_dict(model, optimizer, *, is_loading: bool, with_optimizer: b
 def _parallel_sizes() -> dict:
     from megatron.core import parallel_state as mpu
     return {"tensor_model_parallel_size": mpu.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": mpu.get_pipeline_model_parallel_world_size()}
+            "pipeline_model_parallel_size": mpu.get_pipeline_model_parallel_world_size(),
+            "expert_model_parallel_size": mpu.get_expert_model_parallel_world_size()}
 
 
 CHECKSUM = "sha256"
@@ -538,6 +541,14 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
         raise CheckpointError(f"checkpoint {directory} holds a model only (no optimizer state, e.g. a converted "
                               f"model): load it with --finetune (or --no-load-optim)")
     saved_sizes = _saved_parallel_sizes(common)
+    saved_ep, ep = saved_sizes["expert_model_parallel_size"], _parallel_sizes()["expert_model_parallel_size"]
+    if load_optimizer and saved_ep != ep:
+        # the weights reshard across EP sizes, but megatron-core's optimizer keeps expert parameters in a separate
+        # optimizer when EP > 1, and its state does not load into another grouping
+        raise CheckpointError(f"checkpoint {directory} was saved with --expert-model-parallel-size {saved_ep}, this "
+                              f"run has {ep}: its optimizer state does not reshard across EP sizes; resume with "
+                              f"--expert-model-parallel-size {saved_ep}, or load the weights only (--no-load-optim "
+                              f"or --finetune)")
     if load_rng and saved_sizes != _parallel_sizes():
         log(f" not restoring RNG states from {directory} (saved with {saved_sizes}, running with "
             f"{_parallel_sizes()})")

@@ -20,8 +20,9 @@ import os
 import yaml
 
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training.flags import build_parser
+from megatron_csbp.training.flags import build_parser, moe_layer_freq
 
+LAYER_PATTERN_TYPES = ("moe_layer_freq", "moe_freq_type")  # ours and Megatron-LM's --moe-layer-freq types
 SECTION_PREFIXES = {"csbp": ("csbp-", "context-block-parallel-"), "bdlm": ("bdlm-",)}
 
 
@@ -75,6 +76,14 @@ def _type_name(action: argparse.Action) -> str:
 def _convert(name: str, value, action: argparse.Action, where: str) -> str:
     """One scalar as argparse would receive it, refused here (with the file) if its type or choice is wrong."""
     wanted = _type_name(action)
+    if _type_name(action) in LAYER_PATTERN_TYPES:
+        # moe-layer-freq: an int or a 0/1 list (YAML's or a text), read here without running it
+        # (`flags.moe_layer_freq`) and handed on as a plain list without spaces (Megatron-LM's type takes no spaces)
+        try:
+            value = str(moe_layer_freq(str(value))).replace(" ", "")
+        except (TypeError, ValueError, SyntaxError):
+            raise ConfigError(f"{where}: '{name}' expects an int or a list of 0/1 per layer (e.g. [0, 1] or "
+                              f"([0]+[1]*3)*2), got {value!r}") from None
     if isinstance(value, (list, dict)) or (isinstance(value, bool) and action.type in (int, float)):
         raise ConfigError(f"{where}: '{name}' expects {'a number' if action.type in (int, float) else 'a value'} "
                           f"({wanted}), got {type(value).__name__} {value!r}")

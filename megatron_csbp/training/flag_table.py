@@ -112,6 +112,8 @@ PLUGIN_FLAGS = "tests/test_arguments.py::test_plugin_flags_land_with_their_types
 LAYOUTS = "tests/test_training.py::test_every_layout_logs_the_same_losses"
 PACKING = "tests/test_megatron_lm.py::test_both_loops_print_the_same_losses_and_grad_norms"
 PRECISION = "tests/test_arguments.py::test_bf16_and_fp16_are_exclusive_even_on_a_gpu"
+MOE = "tests/test_moe.py::test_world_2_moe_compositions_and_negative_control"
+MOE_GROUPED_GEMM = "tests/test_arguments.py::test_moe_flags_map_to_megatron_core_and_refusals"
 
 # The model: checked name by name and shape by shape against Megatron-LM's own GPT model (ARCHITECTURE).
 _classify(Honoured("tests/test_data.py::test_byte_tokenizer_and_padded_vocabulary"), "--make-vocab-size-divisible-by")
@@ -213,20 +215,29 @@ _classify(Neutral("in-process restart settings: used only with --inprocess-resta
     --inprocess-last-call-wait --inprocess-termination-grace-time --inprocess-granularity --inprocess-active-world-size
     --inprocess-empty-cuda-cache""")
 
-_DENSE = "train a dense model (drop the MoE flags)"
-_classify(Refused("mixture-of-experts is not supported by the BDLM model yet", _DENSE), """
-    --num-experts --moe-layer-freq --moe-use-upcycling --moe-router-load-balancing-type --moe-aux-loss-coeff
-    --moe-upcycling-granularity --moe-pad-experts-for-cuda-graph-inference --expert-model-parallel-size
-    --expert-tensor-parallel-size --moe-extended-tp --moe-shared-expert-intermediate-size --moe-shared-expert-gate
-    --moe-shared-expert-overlap --moe-ffn-hidden-size --moe-router-topk --moe-enable-routing-replay
+_classify(Honoured(MOE), """
+    --num-experts --moe-layer-freq --moe-ffn-hidden-size --moe-shared-expert-intermediate-size --moe-router-topk
+    --moe-router-score-function --moe-router-dtype --moe-router-load-balancing-type --moe-aux-loss-coeff
+    --moe-token-dispatcher-type --expert-model-parallel-size --expert-tensor-parallel-size""")
+_classify(Honoured(MOE_GROUPED_GEMM), "--moe-grouped-gemm")
+_MOE_SUPPORTED = ("drop it (supported MoE options: --num-experts, --moe-layer-freq, --moe-ffn-hidden-size, "
+                  "--moe-shared-expert-intermediate-size, --moe-router-topk, --moe-router-score-function, "
+                  "--moe-router-dtype, --moe-router-load-balancing-type aux_loss|none, --moe-aux-loss-coeff, "
+                  "--moe-token-dispatcher-type alltoall|allgather, --moe-grouped-gemm, --expert-model-parallel-size, "
+                  "--expert-tensor-parallel-size)")
+_classify(Refused("token dropping keeps each expert's first tokens in the rank's row order, which CSBP's "
+                  "[noisy ; clean] rows change, so no layout would train like another", _MOE_SUPPORTED), """
+    --moe-expert-capacity-factor --moe-pad-expert-input-to-capacity --moe-token-drop-policy""")
+_classify(Refused("is a mixture-of-experts option not supported with the BDLM model", _MOE_SUPPORTED), """
+    --moe-use-upcycling --moe-upcycling-granularity --moe-pad-experts-for-cuda-graph-inference --moe-extended-tp
+    --moe-shared-expert-gate --moe-shared-expert-overlap --moe-enable-routing-replay
     --moe-router-padding-for-quantization --moe-router-padding-for-fp8 --moe-router-num-groups --moe-router-group-topk
-    --moe-router-pre-softmax --moe-router-topk-scaling-factor --moe-router-score-function --moe-router-dtype
-    --moe-router-enable-expert-bias --moe-router-bias-update-rate --moe-router-force-load-balancing --moe-grouped-gemm
-    --moe-use-legacy-grouped-gemm --moe-z-loss-coeff --moe-input-jitter-eps --moe-token-dispatcher-type
-    --moe-enable-deepep --moe-flex-dispatcher-backend --moe-per-layer-logging --moe-expert-capacity-factor
-    --moe-pad-expert-input-to-capacity --moe-token-drop-policy --moe-layer-recompute --moe-permute-fusion
-    --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size --moe-deepep-num-sms --moe-hybridep-num-sms
-    --ep-overlap-early-attn-memory-release --overlap-moe-expert-parallel-comm""")
+    --moe-router-pre-softmax --moe-router-topk-scaling-factor --moe-router-enable-expert-bias
+    --moe-router-bias-update-rate --moe-router-force-load-balancing --moe-use-legacy-grouped-gemm --moe-z-loss-coeff
+    --moe-input-jitter-eps --moe-enable-deepep --moe-flex-dispatcher-backend --moe-per-layer-logging
+    --moe-layer-recompute --moe-permute-fusion --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size
+    --moe-deepep-num-sms --moe-hybridep-num-sms --ep-overlap-early-attn-memory-release
+    --overlap-moe-expert-parallel-comm""")
 _classify(Honoured(PACKING), "--reset-position-ids --reset-attention-mask --eod-mask-loss")
 _classify(Refused("selects data the plugin's datasets provider does not build",
                   "give --data-path PREFIX (or a weighted blend) and --split"), """

@@ -165,6 +165,65 @@ def _add_model_args(parser):
                        help="Pad the vocabulary (data ids + MASK) to a multiple of this x TP.")
 
 
+def moe_layer_freq(text):
+    """`--moe-layer-freq`, read as Megatron-LM reads it, without running the text: an int N (one MoE layer every N
+    layers, the first one MoE) or a list pattern of 0 (dense) and 1 (MoE) per layer, built of list literals, `+`
+    and `*` (e.g. `([0]+[1]*3)*2`)."""
+    import ast
+
+    if isinstance(text, int):
+        return text
+    text = str(text).strip()
+    if "[" not in text:
+        return int(text)
+
+    def value(node):
+        if isinstance(node, ast.Expression):
+            return value(node.body)
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(f"--moe-layer-freq {text!r}: use an int or a pattern of [0/1 ...] lists, + and *")
+
+    pattern = value(ast.parse(text, mode="eval"))
+    if not (isinstance(pattern, list) and all(item in (0, 1) for item in pattern)):
+        raise ValueError(f"--moe-layer-freq {text!r}: the pattern must be a list of 0 (dense) and 1 (MoE) per layer")
+    return pattern
+
+
+def _add_moe_args(parser):
+    group = parser.add_argument_group(title="mixture of experts (megatron-core's MoE layers)")
+    group.add_argument("--num-experts", type=int, default=None, help="Experts per MoE layer (None: a dense model).")
+    group.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1,
+                       help="One MoE layer every N layers (N), or a 0/1 pattern per layer, e.g. '([0]+[1]*3)*2'.")
+    group.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="Each expert's FFN size. Default: "
+                                                                                "--ffn-hidden-size.")
+    group.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                       help="FFN size of the shared expert(s) every token also goes through (None: none).")
+    group.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
+    group.add_argument("--moe-router-score-function", choices=rules.MOE_SCORE_FUNCTIONS, default="softmax")
+    group.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
+                       help="Router logits' precision (default: the model's).")
+    group.add_argument("--moe-router-load-balancing-type", nargs="+", type=str, default="aux_loss",
+                       choices=("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"),
+                       help="aux_loss (GShard/Switch load-balancing loss over every row of the rank, noisy and "
+                            "clean) or none; the others are refused with CSBP.")
+    group.add_argument("--moe-aux-loss-coeff", type=float, nargs="+", default=0.0,
+                       help="Weight of the load-balancing loss (1e-2 is a usual start).")
+    group.add_argument("--moe-token-dispatcher-type", choices=("allgather", "alltoall", "flex"), default="allgather",
+                       help="How tokens reach their experts' ranks (alltoall scales with EP; flex is refused).")
+    group.add_argument("--moe-grouped-gemm", action="store_true",
+                       help="All local experts in one grouped GEMM (Transformer Engine); else one by one.")
+    group.add_argument("--expert-model-parallel-size", type=int, default=1,
+                       help="EP: ranks the experts are spread over, carved from each stage's TP x CSBP x DP ranks.")
+    group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
+                       help="ETP: ranks each expert is split over. Default: --tensor-model-parallel-size.")
+
+
 def _add_training_args(parser):
     group = parser.add_argument_group(title="training")
     group.add_argument("--seq-length", type=int, default=None, help="Clean context length L (tokens of x0).")
@@ -257,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Block diffusion LM pretraining with context-sharded block "
                                                  "parallelism (CSBP) on Megatron-Core.", allow_abbrev=False)
     _add_model_args(parser)
+    _add_moe_args(parser)
     _add_training_args(parser)
     _add_parallel_args(parser)
     _add_data_and_io_args(parser)

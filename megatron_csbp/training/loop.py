@@ -246,7 +246,26 @@ class Trainer:
                 total = batch if total is None else total + batch
         self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.ddp.train()
+        if args.num_experts:
+            from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+            clear_aux_losses_tracker()  # as Megatron-LM: validation's routing is not the next step's to log
         return None if total is None else (total[0] / total[1]).item()
+
+    def moe_losses(self) -> dict[str, float]:
+        """The MoE losses Megatron-LM's training line shows (`load_balancing_loss`), of the step just taken: each
+        averaged over the MoE layers and this replica's micro-batches (summed over pipeline stages and TP x CP,
+        averaged over DP), as megatron-core's `track_moe_metrics` gives them. Collective: every rank calls it."""
+        args = self.args
+        if not args.num_experts:
+            return {}
+        from megatron.core.transformer.moe.moe_utils import track_moe_metrics
+
+        names = ["load_balancing_loss"] if "aux_loss" in args.moe_router_load_balancing_type else []
+        totals = {}
+        track_moe_metrics(loss_scale=1 / self.num_micro_batches, iteration=self.state.iteration,
+                          total_loss_dict=totals, force_initialize=True, track_names=names,
+                          num_layers=args.num_layers, moe_layer_freq=args.moe_layer_freq)
+        return {name: float(value) for name, value in totals.items()}
 
     # -------------------------------------------------------------------------------------------- loop
     def _stop_reason(self, signals, started, loss_is_finite) -> tuple[bool, str | None]:
@@ -288,6 +307,7 @@ class Trainer:
                     updated, grad_norm, bad = self._guarded_step(not bad_loss)
                 state.iteration = iteration
                 state.consumed_train_samples += args.global_batch_size
+                moe_losses = self.moe_losses()
                 if updated:
                     self.scheduler.step(increment=args.global_batch_size)
                     consecutive_bad = 0
@@ -310,7 +330,7 @@ class Trainer:
                     self.progress.training(iteration, state.consumed_train_samples,
                                            (now - interval_start) / interval_iterations,
                                            self.optimizer.param_groups[0]["lr"], loss, grad_norm,
-                                           state.skipped_iterations, state.nan_iterations)
+                                           state.skipped_iterations, state.nan_iterations, moe_losses)
                     interval_start, interval_iterations = now, 0
                 if evaluates and iteration % args.eval_interval == 0:
                     with supervision.watch(f"iteration {iteration}: validation"):
@@ -353,6 +373,8 @@ def _train(args) -> LoopState:
     parallel_state.initialize_model_parallel(
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         context_block_parallel_size=args.context_parallel_size, clean_shards=run_providers.settings.clean_shards,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=run_providers.settings.expert_tensor_parallel_size,
         get_embedding_ranks=run_providers.get_embedding_ranks, distributed_timeout_minutes=timeout / 60)
     signals = _StopSignals(args.exit_signal_handler)  # from the start: a signal while loading is not lost
     supervision.start_watchdog(timeout, dist.get_rank(), dist.get_world_size())

@@ -40,7 +40,26 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         variable_seq_lengths=args.pipeline_model_parallel_size > 1,
         # megatron-core refuses variable_seq_lengths beside its default MoE dispatcher, even without MoE.
         **({"moe_token_dispatcher_type": "alltoall"} if args.pipeline_model_parallel_size > 1 else {}),
+        **(moe_config_kwargs(args) if getattr(args, "num_experts", None) else {}),
     )
+
+
+def moe_config_kwargs(args: argparse.Namespace) -> dict:
+    """The MoE fields of the `TransformerConfig` (Megatron-LM's mapping of its MoE flags, our subset)."""
+    def single(value):  # Megatron-LM's nargs='+' flags, read as one value when one is given
+        return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+    return dict(
+        num_moe_experts=args.num_experts, moe_layer_freq=args.moe_layer_freq,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_router_topk=args.moe_router_topk, moe_router_score_function=args.moe_router_score_function,
+        moe_router_dtype=args.moe_router_dtype,
+        moe_router_load_balancing_type=single(args.moe_router_load_balancing_type),
+        moe_aux_loss_coeff=single(args.moe_aux_loss_coeff),
+        moe_token_dispatcher_type=args.moe_token_dispatcher_type, moe_grouped_gemm=args.moe_grouped_gemm,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size)
 
 
 def transformer_config_from_args(args: argparse.Namespace):

@@ -15,7 +15,7 @@ import torch
 
 from megatron_csbp.core import objectives
 from megatron_csbp.core.device import default_device
-from megatron_csbp.bdlm.flops import bdlm_step_flops
+from megatron_csbp.bdlm.flops import MoEShape, bdlm_step_flops
 
 _MB = 1024 * 1024
 
@@ -27,7 +27,7 @@ def step_flops(args) -> int:
                            seq_length=args.seq_length, block_size=args.bdlm_block_size,
                            batch_size=args.global_batch_size * objectives.objective_kind(args.bdlm_objective).views_per_sample,
                            ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
-                           kv_channels=args.kv_channels, swiglu=args.swiglu)
+                           kv_channels=args.kv_channels, swiglu=args.swiglu, moe=MoEShape.from_args(args))
 
 
 def memory_stats() -> dict:
@@ -66,8 +66,12 @@ class Progress:
             print(line, file=self.stream, flush=True)
 
     def training(self, iteration, consumed_samples, seconds_per_iteration, learning_rate, loss, grad_norm,
-                 skipped, nan_iterations) -> None:
+                 skipped, nan_iterations, moe_losses=None) -> None:
+        """One iteration's line; `moe_losses` (e.g. `load_balancing_loss`) follow the lm loss where positive, as
+        in Megatron-LM's line."""
         args = self.args
+        moe_losses = {name: value for name, value in (moe_losses or {}).items() if value > 0}
+        moe = "".join(f" {name}: {value:.6E} |" for name, value in moe_losses.items())
         tokens_per_second = args.global_batch_size * args.seq_length / seconds_per_iteration
         tflops_per_rank = self.flops_per_step / seconds_per_iteration / args.world_size / 1e12
         norm = "nan" if grad_norm is None else f"{grad_norm:.3f}"
@@ -75,13 +79,13 @@ class Progress:
                    f"{consumed_samples:12d} | elapsed time per iteration (ms): {seconds_per_iteration * 1e3:.1f} | "
                    f"tokens/s: {tokens_per_second:.1f} | TFLOP/s per rank: {tflops_per_rank:.4g} | "
                    f"learning rate: {learning_rate:.6E} | global batch size: {args.global_batch_size:5d} | "
-                   f"lm loss: {loss:.6E} | grad norm: {norm} | number of skipped iterations: {skipped:3d} | "
+                   f"lm loss: {loss:.6E} |{moe} grad norm: {norm} | number of skipped iterations: {skipped:3d} | "
                    f"number of nan iterations: {nan_iterations:3d} |")
         memory = memory_stats()
         self.print(" memory (MB) | " + " | ".join(f"{name}: {value:.1f}" for name, value in memory.items()) + " |")
         if self.writer is not None:
             scalars = {"lm loss": loss, "learning-rate": learning_rate, "tokens-per-second": tokens_per_second,
-                       "tflops-per-rank": tflops_per_rank, "skipped-iterations": skipped}
+                       "tflops-per-rank": tflops_per_rank, "skipped-iterations": skipped, **moe_losses}
             if grad_norm is not None and math.isfinite(grad_norm):
                 scalars["grad-norm"] = grad_norm
             scalars.update({f"memory/{name} (MB)": value for name, value in memory.items()})

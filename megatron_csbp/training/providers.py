@@ -58,8 +58,10 @@ def for_bdlm(config):
         # split evenly; twice the samples under Fast-dLLM v2), not Megatron's `seq_length / cp` x
         # micro-batch: the schedule must send each message's shape.
         config.variable_seq_lengths = True
-        # megatron-core refuses variable_seq_lengths beside its default MoE dispatcher, even without MoE.
-        config.moe_token_dispatcher_type = "alltoall"
+        # megatron-core refuses variable_seq_lengths beside its default MoE dispatcher, even without MoE (with
+        # MoE the flag chose alltoall: `rules.moe_problem` refuses allgather under PP).
+        if not config.num_moe_experts:
+            config.moe_token_dispatcher_type = "alltoall"
     return config
 
 
