@@ -37,7 +37,6 @@ import functools
 import json
 import sys
 
-import yaml
 
 from megatron_csbp.bdlm import flops
 from megatron_csbp.core import modes, rules, transports
