@@ -75,6 +75,9 @@ def parse_args(argv=None):
     parser.add_argument("--micro-batch-size", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3, help="measured steps per run (the median is reported)")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--interleave", action="store_true",
+                        help="run every mode of a length in the same ranks, their steps alternating (paired): step "
+                             "ratios a slow spell of a shared machine cannot bias; peak memory as exact tensor bytes")
     parser.add_argument("--link-gbps", default="",
                         help="comma-separated simulated link speeds (Gb/s) measured after the backend's own link")
     parser.add_argument("--link-latency-us", type=float, default=10.0, help="latency of each simulated transfer")
@@ -128,6 +131,11 @@ def parse_args(argv=None):
     problem = problem or rules.query_groups_problem(args.num_attention_heads, args.num_query_groups)
     if problem:
         parser.error(problem)
+    apart = [flag for flag, given in (("--link-gbps", args.link_gbps), ("--overlap-check", args.overlap_check),
+                                      ("--transport-memory", args.transport_memory), ("--predict", args.predict),
+                                      ("--calibrate-from", args.calibrate_from)) if given]
+    if args.interleave and apart:
+        parser.error(f"--interleave measures the backend's own link only; run {', '.join(apart)} without it")
     args.ffn_hidden_size = args.ffn_hidden_size or rules.default_ffn_hidden_size(args.hidden_size, swiglu=False)
     return args
 
@@ -310,93 +318,150 @@ def conditions(args):
     return measured + ([(None, False)] if args.overlap_check else [])
 
 
-def _rank_record(rank, world_size, args, mode, seq_length):
-    import psutil
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
+class _ModeRun:
+    """One mode's model, data and noise on this rank, and its timed step: what a (mode, length) run measures,
+    whether its ranks measure only it or every mode in turn (`--interleave`)."""
 
-    from megatron_csbp.core import comm
-    from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
-    from megatron_csbp.bdlm.objective import BDLMObjective
-    from megatron_csbp.core.device import default_device
-    from megatron_csbp.mcore.model import model_provider
+    def __init__(self, rank, world_size, args, mode, seq_length):
+        from megatron.core import parallel_state as mpu
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        from megatron.core.transformer import TransformerConfig
 
-    device = default_device()
-    clean_shards = layout_of(mode, seq_length, args.block_size, world_size, 0).clean_shards
-    parallel_state.initialize_model_parallel(context_block_parallel_size=world_size, clean_shards=clean_shards)
-    layout = layout_of(mode, seq_length, args.block_size, world_size, mpu.get_context_parallel_rank())
-    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
-        if args.recompute_granularity == "full" else dict(recompute_granularity=args.recompute_granularity)
-    config = TransformerConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
-        context_parallel_size=world_size, normalization="RMSNorm", use_cpu_initialization=True,
-        calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0, **recompute)
-    mask_token = args.vocab_size - 1
+        from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+        from megatron_csbp.bdlm.objective import BDLMObjective
+        from megatron_csbp.core.device import default_device
+        from megatron_csbp.mcore import parallel_state
+        from megatron_csbp.mcore.model import model_provider
 
-    def build_model(transport):
-        torch.manual_seed(1234)
-        model_parallel_cuda_manual_seed(1234)
-        return model_provider(config=config, layout=layout, vocab_size=args.vocab_size, mask_token_id=mask_token,
-                              group=parallel_state.get_block_parallel_groups(), transport=transport).to(device)
+        self.mode, self.seq_length, self.rank, self.args = mode, seq_length, rank, args
+        self.device = device = default_device()
+        self.clean_shards = layout_of(mode, seq_length, args.block_size, world_size, 0).clean_shards
+        if not parallel_state.is_initialized():
+            parallel_state.initialize_model_parallel(context_block_parallel_size=world_size,
+                                                     clean_shards=self.clean_shards)
+        elif parallel_state.get_clean_shards() != self.clean_shards:  # this mode's rings, in Megatron's CP groups
+            parallel_state.initialize_block_parallel_groups(self.clean_shards)
+        self.group = parallel_state.get_block_parallel_groups()
+        self.layout = layout = layout_of(mode, seq_length, args.block_size, world_size,
+                                         mpu.get_context_parallel_rank())
+        recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1) \
+            if args.recompute_granularity == "full" else dict(recompute_granularity=args.recompute_granularity)
+        self.config = config = TransformerConfig(
+            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+            num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
+            context_parallel_size=world_size, normalization="RMSNorm", use_cpu_initialization=True,
+            calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0, **recompute)
+        mask_token = args.vocab_size - 1
 
-    model = build_model(args.csbp_transport)
-    forward_step = BDLMForwardStep(BDLMObjective(block_size=args.block_size, mask_token_id=mask_token, seed=7),
-                                   layout)
-    generator = torch.Generator().manual_seed(42)
-    batch = {"tokens": torch.randint(0, mask_token, (args.micro_batch_size, seq_length), generator=generator),
-             "sample_index": torch.arange(args.micro_batch_size)}
-    baseline_rss = psutil.Process().memory_info().rss
-    if device.type != "cpu":
-        torch.get_device_module(device).reset_peak_memory_stats(device)
+        def build_model(transport):
+            torch.manual_seed(1234)
+            model_parallel_cuda_manual_seed(1234)
+            return model_provider(config=config, layout=layout, vocab_size=args.vocab_size,
+                                  mask_token_id=mask_token, group=self.group, transport=transport).to(device)
 
-    def step(saved):
+        self.build_model = build_model
+        self.model = build_model(args.csbp_transport)
+        self.forward_step = BDLMForwardStep(BDLMObjective(block_size=args.block_size, mask_token_id=mask_token,
+                                                          seed=7), layout)
+        generator = torch.Generator().manual_seed(42)
+        self.batch = {"tokens": torch.randint(0, mask_token, (args.micro_batch_size, seq_length),
+                                              generator=generator),
+                      "sample_index": torch.arange(args.micro_batch_size)}
+        self.work = kernel_work(layout, args.csbp_transport)
+        self.saved = [0]  # bytes the first step's forward kept for backward
+
+    def step(self):
+        """One forward+backward; returns (seconds, the byte counter of its collectives)."""
+        from megatron_csbp.core import comm
+
         torch.distributed.barrier()
         start = time.perf_counter()
         with comm.count_bytes() as counter:
-            with _saved_bytes_hooks(saved):  # what the forward keeps for backward (not what recompute re-saves)
-                output, loss_func = forward_step(iter([batch]), model)
+            with _saved_bytes_hooks(self.saved if not self.saved[0] else [0]):  # not what recompute re-saves
+                output, loss_func = self.forward_step(iter([self.batch]), self.model)
                 loss_sum, num_tokens, _ = loss_func(output)
             (loss_sum / num_tokens.clamp(min=1)).backward()
-        if device.type != "cpu":
+        if self.device.type != "cpu":
             torch.accelerator.synchronize()
         elapsed = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
         return elapsed, counter
 
-    work = kernel_work(layout, args.csbp_transport)
-    saved = [0]
-    for index in range(args.warmup):
-        step(saved if index == 0 else [0])
+    def record(self, times, waits, counter, peak_memory_bytes, **condition):
+        """The record of this mode's measured steps under one condition (link, overlap)."""
+        args, config = self.args, self.config
+        step_time, best = statistics.median(times), min(range(len(times)), key=times.__getitem__)
+        return dict(
+            mode=self.mode, seq_length=self.seq_length, block_size=args.block_size,
+            nproc=torch.distributed.get_world_size(), rank=self.rank, transport=args.csbp_transport,
+            recompute=args.recompute_granularity or "none", **condition,
+            bytes_sent_per_rank=counter.bytes_sent, step_time_s=step_time, exposed_comm_s=statistics.median(waits),
+            best_step_time_s=times[best], best_exposed_comm_s=waits[best], peak_memory_bytes=peak_memory_bytes,
+            saved_activation_bytes=self.saved[0], rows_per_rank=self.layout.num_rows,
+            attention_pairs_per_rank=rank_attention_pairs(self.layout) * config.num_attention_heads
+            * config.num_layers * args.micro_batch_size,
+            tokens_per_s=args.micro_batch_size * self.seq_length / step_time, kernel_work=self.work,
+            **_kernel_summary(self.work))
+
+
+def _rank_record(rank, world_size, args, mode, seq_length):
+    import psutil
+
+    from megatron_csbp.core import comm
+    from megatron_csbp.mcore import parallel_state
+
+    baseline_rss = psutil.Process().memory_info().rss
+    run = _ModeRun(rank, world_size, args, mode, seq_length)
+    if run.device.type != "cpu":
+        torch.get_device_module(run.device).reset_peak_memory_stats(run.device)
+    for _ in range(args.warmup):
+        run.step()
     records = []
     for gbps, overlap in conditions(args):
         times, waits = [], []
         link = comm.simulated_link(gbps, args.link_latency_us) if gbps else contextlib.nullcontext()
         with link, contextlib.nullcontext() if overlap else comm.serialised():
             for _ in range(args.steps):
-                elapsed, counter = step(saved if not saved[0] else [0])
+                elapsed, counter = run.step()
                 times.append(elapsed)
                 waits.append(counter.wait_s)
-        step_time, best = statistics.median(times), min(range(len(times)), key=times.__getitem__)
-        records.append(dict(
-            mode=mode, seq_length=seq_length, block_size=args.block_size, nproc=world_size, rank=rank,
-            transport=args.csbp_transport, recompute=args.recompute_granularity or "none",
-            link_gbps=gbps, link_latency_us=args.link_latency_us if gbps else None, overlap=overlap,
-            bytes_sent_per_rank=counter.bytes_sent, step_time_s=step_time,
-            exposed_comm_s=statistics.median(waits), best_step_time_s=times[best], best_exposed_comm_s=waits[best],
-            peak_memory_bytes=_peak_memory(device, baseline_rss),
-            saved_activation_bytes=saved[0], rows_per_rank=layout.num_rows,
-            attention_pairs_per_rank=rank_attention_pairs(layout) * config.num_attention_heads
-            * config.num_layers * args.micro_batch_size,
-            tokens_per_s=args.micro_batch_size * seq_length / step_time, kernel_work=work, **_kernel_summary(work)))
-    if args.transport_memory and clean_shards > 1:
-        del model
-        memory = transport_memory(build_model, forward_step, batch, layout, parallel_state.get_block_parallel_groups(),
-                                  config, args.micro_batch_size, device)
+        records.append(run.record(times, waits, counter, _peak_memory(run.device, baseline_rss), link_gbps=gbps,
+                                  link_latency_us=args.link_latency_us if gbps else None, overlap=overlap))
+    if args.transport_memory and run.clean_shards > 1:
+        del run.model
+        memory = transport_memory(run.build_model, run.forward_step, run.batch, run.layout, run.group, run.config,
+                                  args.micro_batch_size, run.device)
         records = [dict(record, **memory) for record in records]
     parallel_state.destroy_model_parallel()
+    return records
+
+
+def _rank_interleaved(rank, world_size, args, seq_length):
+    """Every mode at one length in the same ranks, their steps alternating (round r starts at mode r, so no mode
+    always follows the same one): paired, so a slow spell of a shared host slows every mode alike and the step
+    ratios keep what the modes do. Peak memory: each mode's exact tensor bytes in one more step
+    (`peak_tensor_memory`), as the process's RSS would mix the modes. One record per mode."""
+    from megatron_csbp.mcore import cpu_backend, parallel_state
+
+    with cpu_backend.active():
+        runs = [_ModeRun(rank, world_size, args, mode, seq_length) for mode in args.modes]
+        for _ in range(args.warmup):
+            for run in runs:
+                run.step()
+        times, waits, counters = ({run.mode: [] for run in runs} for _ in range(3))
+        for round_index in range(args.steps):
+            for run in runs[round_index % len(runs):] + runs[:round_index % len(runs)]:
+                elapsed, counter = run.step()
+                times[run.mode].append(elapsed)
+                waits[run.mode].append(counter.wait_s)
+                counters[run.mode] = counter
+        records = []
+        for run in runs:
+            with peak_tensor_memory(run.device) as peak:
+                run.step()
+            records.append(run.record(times[run.mode], waits[run.mode], counters[run.mode], peak.bytes,
+                                      link_gbps=None, link_latency_us=None, overlap=True, interleaved=True))
+        parallel_state.destroy_model_parallel()
     return records
 
 
@@ -404,6 +469,12 @@ def _spawn_run(args, mode, seq_length):
     from megatron_csbp.training.launch import run_ranks
 
     return run_ranks(_rank_run, args.nproc, args, mode, seq_length, timeout=args.run_timeout)
+
+
+def _spawn_interleaved(args, seq_length):
+    from megatron_csbp.training.launch import run_ranks
+
+    return run_ranks(_rank_interleaved, args.nproc, args, seq_length, timeout=args.run_timeout * len(args.modes))
 
 
 def summarise(per_rank):
@@ -414,6 +485,7 @@ def summarise(per_rank):
         first = conditions_of_ranks[0]
         record = {key: first[key] for key in ("mode", "seq_length", "block_size", "nproc", "transport", "recompute",
                                               "link_gbps", "link_latency_us", "overlap")}
+        record["interleaved"] = first.get("interleaved", False)
         for key in ("bytes_sent_per_rank", "step_time_s", "exposed_comm_s", "best_step_time_s",
                     "best_exposed_comm_s", "peak_memory_bytes",
                     "saved_activation_bytes", "rows_per_rank", "attention_pairs_per_rank"):
@@ -666,6 +738,9 @@ def print_table(records, out=None):
     print("CP = the field's conventional CP (mode cp); kernels, calls, real and computed pairs: one layer's forward "
           "on the rank computing most, per head and sample, counted off the kernels' plans; load: the load "
           "average during the run", file=out)
+    if any(r.get("interleaved") for r in records):
+        print("interleaved: each length's modes in the same ranks, steps alternating; peak mem: exact tensor bytes "
+              "of one step (not the RSS growth of a run of its own)", file=out)
     print(header, file=out)
     print("-" * len(header), file=out)
     by_key = {(r["mode"], r["seq_length"]): r for r in records}
@@ -920,21 +995,22 @@ def main(argv=None):
                 json.dump(records, handle, indent=2)
         return records
     records = []
-    for seq_length in args.seq_lengths:
-        for mode in args.modes:
-            load_before = os.getloadavg()[0]
-            run = summarise(_spawn_run(args, mode, seq_length))
-            load = max(load_before, os.getloadavg()[0])  # the 1-minute average, before and at the end of the run
-            records += [dict(r, load_average=load) for r in run]
-            warning = load_warning(load)
-            if warning:
-                print(f"{mode} L={seq_length}: {warning}", file=sys.stderr)
-            if args.json:  # kept up to date, so a long sweep cut short keeps what it measured
-                with open(args.json, "w") as handle:
-                    json.dump(records, handle, indent=2)
-            print(f"measured {mode} L={seq_length}: " + ", ".join(
-                f"{_link_label(r)} {r['step_time_s']:.3f} s/step" for r in records[-len(conditions(args)):]),
-                file=sys.stderr)
+    runs = [(seq_length, None) for seq_length in args.seq_lengths] if args.interleave else \
+        [(seq_length, mode) for seq_length in args.seq_lengths for mode in args.modes]
+    for seq_length, mode in runs:
+        what = f"{mode or ','.join(args.modes)} L={seq_length}"
+        load_before = os.getloadavg()[0]
+        run = summarise(_spawn_interleaved(args, seq_length) if mode is None else _spawn_run(args, mode, seq_length))
+        load = max(load_before, os.getloadavg()[0])  # the 1-minute average, before and at the end of the run
+        records += [dict(r, load_average=load) for r in run]
+        warning = load_warning(load)
+        if warning:
+            print(f"{what}: {warning}", file=sys.stderr)
+        if args.json:  # kept up to date, so a long sweep cut short keeps what it measured
+            with open(args.json, "w") as handle:
+                json.dump(records, handle, indent=2)
+        print(f"measured {what}: " + ", ".join(
+            f"{r['mode']} {_link_label(r)} {r['step_time_s']:.3f} s/step" for r in run), file=sys.stderr)
     main_records = baseline(records)
     print_table(main_records)
     for seq_length in args.seq_lengths:
