@@ -95,6 +95,29 @@ def test_all_modes_side_by_side(tmp_path, capsys):
     assert out_png.stat().st_size > 10_000
 
 
+def test_interleaved_modes_measure_what_their_own_runs_do(tmp_path, capsys):
+    """`--interleave` runs every mode in the same ranks, steps alternating: each mode must still run its own
+    layout and rings (bytes, saved activations, rows, pairs and kernel work equal to the modes' own runs), and the
+    table says how peak memory was taken. Flags that need runs of their own are refused in one line."""
+    common = ["--seq-lengths", "512", "--block-size", "16", "--num-layers", "1", "--hidden-size", "64",
+              "--steps", "2", "--warmup", "0"]
+    apart = {r["mode"]: r for r in bench.main(common)}
+    paired = {r["mode"]: r for r in bench.main(common + ["--interleave", "--json", str(tmp_path / "il.json")])}
+    assert list(paired) == ["csbp", "cp", "cp-traffic", "bp"]
+    exact = ("bytes_sent_per_rank", "saved_activation_bytes", "rows_per_rank", "attention_pairs_per_rank",
+             "kernel_work_by_rank", "kernel_calls", "kernel_computed_pairs")
+    for mode, record in paired.items():
+        assert {key: record[key] for key in exact} == {key: apart[mode][key] for key in exact}, mode
+        assert record["interleaved"] and not apart[mode]["interleaved"]
+        assert record["step_time_s"] > 0 and record["peak_memory_bytes"] > record["saved_activation_bytes"] > 0
+    assert paired["csbp"]["bytes_sent_per_rank"] * 2 == paired["cp"]["bytes_sent_per_rank"]  # rings of their own
+    assert "peak mem: exact tensor bytes of one step" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench.parse_args(common + ["--interleave", "--predict", "--link-gbps", "1"])
+    assert "--interleave measures the backend's own link only; run --link-gbps, --predict without it" in \
+        capsys.readouterr().err
+
+
 def test_exposed_communication_link_sweep_overlap_check_and_planner(tmp_path, capsys):
     """Every condition of one run reports exposed communication with its share; a simulated link changes the
     time, never the bytes; the serialised run and the calibrated planner appear beside the measurements."""
