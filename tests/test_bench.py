@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import statistics
 
 import pytest
 import torch
@@ -111,6 +112,9 @@ def test_interleaved_modes_measure_what_their_own_runs_do(tmp_path, capsys):
         assert record["interleaved"] and not apart[mode]["interleaved"]
         assert record["step_time_s"] > 0 and record["peak_memory_bytes"] > record["saved_activation_bytes"] > 0
     assert paired["csbp"]["bytes_sent_per_rank"] * 2 == paired["cp"]["bytes_sent_per_rank"]  # rings of their own
+    csbp, cp = paired["csbp"]["step_times_s"], paired["cp"]["step_times_s"]  # round by round, side by side
+    assert len(csbp) == len(cp) == 2 and paired["csbp"]["step_vs_cp"] == statistics.median(
+        [csbp[0] / cp[0], csbp[1] / cp[1]]) and paired["cp"]["step_vs_cp"] == 1
     assert "peak mem: exact tensor bytes of one step" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.parse_args(common + ["--interleave", "--predict", "--link-gbps", "1"])
