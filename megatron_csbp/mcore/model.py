@@ -198,7 +198,22 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
             layer_norm=csbp_spec.SequenceParallelTorchNorm)
     gpt_kwargs.setdefault("max_sequence_length", layout.seq_length)
     gpt_kwargs.setdefault("position_embedding_type", "rope")
-    return BDLMGPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=vocab_size,
-                        pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                        layout=layout, mask_token_id=mask_token_id, vocab_ids=vocab_ids,
-                        per_sample_positions=per_sample_positions, **gpt_kwargs)
+    return _experts_apart(BDLMGPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=vocab_size,
+                                       pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                                       layout=layout, mask_token_id=mask_token_id, vocab_ids=vocab_ids,
+                                       per_sample_positions=per_sample_positions, **gpt_kwargs))
+
+
+def _experts_apart(model):
+    """Marks every expert weight expert-parallel (`allreduce = False`) on every EP size, local or grouped experts;
+    megatron-core marks them only when EP > 1. So the experts always get megatron-core's expert gradient buffers
+    (reduced over the expert-data-parallel group, which is DP x CP at EP 1: the same sum) and an optimizer of their
+    own, and a checkpoint's optimizer state loads into another EP size (at EP 1 it would otherwise sit in the dense
+    optimizer, with other parameter groups)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in model.modules():
+        if isinstance(module, MoELayer):
+            for parameter in module.experts.parameters():
+                parameter.allreduce = False
+    return model

@@ -541,14 +541,6 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
         raise CheckpointError(f"checkpoint {directory} holds a model only (no optimizer state, e.g. a converted "
                               f"model): load it with --finetune (or --no-load-optim)")
     saved_sizes = _saved_parallel_sizes(common)
-    saved_ep, ep = saved_sizes["expert_model_parallel_size"], _parallel_sizes()["expert_model_parallel_size"]
-    if load_optimizer and saved_ep != ep:
-        # the weights reshard across EP sizes, but megatron-core's optimizer keeps expert parameters in a separate
-        # optimizer when EP > 1, and its state does not load into another grouping
-        raise CheckpointError(f"checkpoint {directory} was saved with --expert-model-parallel-size {saved_ep}, this "
-                              f"run has {ep}: its optimizer state does not reshard across EP sizes; resume with "
-                              f"--expert-model-parallel-size {saved_ep}, or load the weights only (--no-load-optim "
-                              f"or --finetune)")
     if load_rng and saved_sizes != _parallel_sizes():
         log(f" not restoring RNG states from {directory} (saved with {saved_sizes}, running with "
             f"{_parallel_sizes()})")
