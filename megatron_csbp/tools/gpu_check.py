@@ -215,8 +215,10 @@ class DenseFlexStandIn:
         if enable_gqa:  # query head h reads K/V head h // (query heads per K/V head), as flex does
             group = query.shape[1] // key.shape[1]
             key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-        visible = create_mask(block_mask.mask_mod, 1, 1, query.shape[2], key.shape[2], query.device)
-        scores = (query.float() @ key.float().transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+        scores = query.float() @ key.float().transpose(-1, -2) * scale
+        if block_mask is not None:  # none: every key visible
+            visible = create_mask(block_mask.mask_mod, 1, 1, query.shape[2], key.shape[2], query.device)
+            scores = scores.masked_fill(~visible, float("-inf"))
         lse = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - torch.where(torch.isinf(lse), 0.0, lse).unsqueeze(-1))
         return (probs @ value.float()).to(query.dtype), argparse.Namespace(lse=lse)

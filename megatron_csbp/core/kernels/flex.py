@@ -1,5 +1,6 @@
-"""The GPU kernels: flex attention with block masks, one call per part; backward recomputes each part under
-autograd (flex has no CPU backward)."""
+"""The GPU kernels: flex attention, one call per part; backward recomputes each part under autograd (flex has no
+CPU backward). The masked parts (clean prefix, the field's CP's BDLM mask) take block masks; the block-diagonal
+part, the blocks as a batch of dense problems, takes none: the decomposition leaves nothing there to mask."""
 
 import torch
 
@@ -10,10 +11,11 @@ MASKED_TILE = 128  # flex attention's default block size (its BLOCK_SIZE): the m
 
 
 class FlexKernels:
-    """Flex attention (GPU): one call per part, hidden tiles skipped by its block mask.
+    """Flex attention (GPU): one call per part, hidden tiles skipped by its block mask, the block-diagonal part
+    unmasked (each block of noisy rows its own batch entry; a block mask only where packed documents cut a block).
 
     Query heads stay grouped under their K/V head (`enable_gqa`), so masks are `n × n_k`, built
-    compiled (never a dense bool matrix) and cached: per shape for the block-diagonal part, per plan
+    compiled (never a dense bool matrix) and cached: per shape for blocks cut by packed documents, per plan
     (one per layout, reused by every layer and the backward) for the prefix part and for the field's CP's
     masked call (the BDLM `mask_mod` of its rows and keys, tiles of `masked_tile`, flex's 128 by default).
     """
@@ -30,7 +32,6 @@ class FlexKernels:
         self._create_block_mask = flex.create_block_mask
         self._compile_masks = compile
         self._aux = flex.AuxRequest(lse=True)
-        self._block_masks = {}
 
     def _attend(self, q, k, v, scale, block_mask):
         b, h, g, n, d = q.shape
@@ -38,19 +39,23 @@ class FlexKernels:
                               enable_gqa=True, return_aux=self._aux)
         return out.view(q.shape), aux.lse.view(q.shape[:-1])
 
+    def _attend_blocks(self, q, k, v, scale, block_size):
+        """Each block's rows against its own keys, unmasked: `[b, h, g, nb·B, d]` as `nb·b` problems of `B` rows."""
+        b, h, g, n, d = q.shape
+        blocks = n // block_size
+        q_blocks = q.reshape(b, h, g, blocks, block_size, d).permute(0, 3, 1, 2, 4, 5).reshape(
+            b * blocks, h, g, block_size, d)
+        k_blocks, v_blocks = (x.reshape(b, h, blocks, block_size, d).transpose(1, 2).reshape(
+            b * blocks, h, block_size, d) for x in (k, v))
+        out, lse = self._attend(q_blocks, k_blocks, v_blocks, scale, None)
+        out = out.reshape(b, blocks, h, g, block_size, d).permute(0, 2, 3, 1, 4, 5).reshape(q.shape)
+        lse = lse.reshape(b, blocks, h, g, block_size).permute(0, 2, 3, 1, 4).reshape(q.shape[:-1])
+        return out, lse
+
     def _mask(self, mask_mod, n, n_keys, device, tile=None):
         size = {} if tile is None else {"BLOCK_SIZE": tile}
         return self._create_block_mask(mask_mod, None, None, n, n_keys, device=device, _compile=self._compile_masks,
                                        **size)
-
-    def _block_diagonal_mask(self, q, k, block_size):
-        key = (q.shape[3], k.shape[2], block_size, q.device)
-        if key not in self._block_masks:
-            def same_block(b, h, q_idx, kv_idx):
-                return q_idx // block_size == kv_idx // block_size
-
-            self._block_masks[key] = self._mask(same_block, q.shape[3], k.shape[2], q.device)
-        return self._block_masks[key]
 
     def plan(self, query_limits, key_positions, query_starts=None):
         return FlexPrefixPlan(query_limits, key_positions, query_starts)
@@ -105,7 +110,8 @@ class FlexKernels:
         return out.masked_fill(torch.isinf(lse).unsqueeze(-1), 0.0), lse
 
     def masked_backward(self, dout, q, k, v, out, lse, plan, scale):
-        return self._recompute_backward(dout, q, k, v, out, lse, scale, self._bdlm_mask(q, k, plan))
+        mask = self._bdlm_mask(q, k, plan)
+        return self._recompute_backward(dout, q, k, v, out, lse, lambda *qkv: self._attend(*qkv, scale, mask))
 
     def _document_block_diagonal_mask(self, q, k, block_size, documents):
         """Blocks straddling documents: a noisy row sees its block's noisy rows of its own document (cached on
@@ -120,21 +126,27 @@ class FlexKernels:
             documents.masks[key] = self._mask(same_block_and_document, q.shape[3], k.shape[2], q.device)
         return documents.masks[key]
 
+    def _block_diagonal(self, q, k, block_size, scale, documents):
+        """The block-diagonal part's call: `attend(q, k, v)`, unmasked blocks, or the document mask under packing."""
+        if documents is None:
+            return lambda *qkv: self._attend_blocks(*qkv, scale, block_size)
+        mask = self._document_block_diagonal_mask(q, k, block_size, documents)
+        return lambda *qkv: self._attend(*qkv, scale, mask)
+
     def block_diagonal_forward(self, q, k, v, block_size, scale, documents=None):
-        if documents is not None:
-            return self._attend(q, k, v, scale, self._document_block_diagonal_mask(q, k, block_size, documents))
-        return self._attend(q, k, v, scale, self._block_diagonal_mask(q, k, block_size))
+        return self._block_diagonal(q, k, block_size, scale, documents)(q, k, v)
 
     def prefix_forward(self, q, k, v, plan, scale):
         out, lse = self._attend(q, k, v, scale, self._prefix_mask(q, k, plan))
         hidden = torch.isinf(lse)
         return out.masked_fill(hidden.unsqueeze(-1), 0.0), lse
 
-    def _recompute_backward(self, dout, q, k, v, out, lse, scale, block_mask):
-        """Gradient of one part of a merged result: upstream `w·dO` on its output and `w·(dO·(o−O))` on its LSE."""
+    def _recompute_backward(self, dout, q, k, v, out, lse, attend):
+        """Gradient of one part of a merged result, its forward `attend(q, k, v)` recomputed: upstream `w·dO` on
+        its output and `w·(dO·(o−O))` on its LSE."""
         with torch.enable_grad():
             q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
-            part_out, part_lse = self._attend(q, k, v, scale, block_mask)
+            part_out, part_lse = attend(q, k, v)
             acc = accumulation_dtype(q.dtype)
             visible_lse = part_lse.detach().to(acc)
             weight = torch.exp(visible_lse - finite_lse(lse).to(acc))
@@ -144,12 +156,12 @@ class FlexKernels:
             return torch.autograd.grad((part_out, part_lse), (q, k, v), (grad_out, grad_lse))
 
     def block_diagonal_backward(self, dout, q, k, v, out, lse, block_size, scale, documents=None):
-        mask = (self._block_diagonal_mask(q, k, block_size) if documents is None
-                else self._document_block_diagonal_mask(q, k, block_size, documents))
-        return self._recompute_backward(dout, q, k, v, out, lse, scale, mask)
+        return self._recompute_backward(dout, q, k, v, out, lse, self._block_diagonal(q, k, block_size, scale,
+                                                                                      documents))
 
     def prefix_backward(self, dout, q, k, v, out, lse, plan, scale):
-        return self._recompute_backward(dout, q, k, v, out, lse, scale, self._prefix_mask(q, k, plan))
+        mask = self._prefix_mask(q, k, plan)
+        return self._recompute_backward(dout, q, k, v, out, lse, lambda *qkv: self._attend(*qkv, scale, mask))
 
 
 class FlexPrefixPlan:
