@@ -115,6 +115,8 @@ def test_interleaved_modes_measure_what_their_own_runs_do(tmp_path, capsys):
     csbp, cp = paired["csbp"]["step_times_s"], paired["cp"]["step_times_s"]  # round by round, side by side
     assert len(csbp) == len(cp) == 2 and paired["csbp"]["step_vs_cp"] == statistics.median(
         [csbp[0] / cp[0], csbp[1] / cp[1]]) and paired["cp"]["step_vs_cp"] == 1
+    assert all(0 < cpu for record in paired.values() for cpu in record["cpu_times_s"]) and \
+        paired["cp"]["cpu_vs_cp"] == 1
     assert "peak mem: exact tensor bytes of one step" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench.parse_args(common + ["--interleave", "--predict", "--link-gbps", "1"])

@@ -371,11 +371,13 @@ class _ModeRun:
         self.saved = [0]  # bytes the first step's forward kept for backward
 
     def step(self):
-        """One forward+backward; returns (seconds, the byte counter of its collectives)."""
+        """One forward+backward; returns (seconds, this process's CPU seconds, the byte counter of its collectives).
+        The CPU seconds (every thread of the rank, gloo's included; not the time it waited for a core or a peer)
+        are what the step computed whatever else the machine ran."""
         from megatron_csbp.core import comm
 
         torch.distributed.barrier()
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         with comm.count_bytes() as counter:
             with _saved_bytes_hooks(self.saved if not self.saved[0] else [0]):  # not what recompute re-saves
                 output, loss_func = self.forward_step(iter([self.batch]), self.model)
@@ -383,11 +385,11 @@ class _ModeRun:
             (loss_sum / num_tokens.clamp(min=1)).backward()
         if self.device.type != "cpu":
             torch.accelerator.synchronize()
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         self.model.zero_grad(set_to_none=True)
-        return elapsed, counter
+        return elapsed, cpu, counter
 
-    def record(self, times, waits, counter, peak_memory_bytes, **condition):
+    def record(self, times, cpu_times, waits, counter, peak_memory_bytes, **condition):
         """The record of this mode's measured steps under one condition (link, overlap)."""
         args, config = self.args, self.config
         step_time, best = statistics.median(times), min(range(len(times)), key=times.__getitem__)
@@ -397,6 +399,7 @@ class _ModeRun:
             recompute=args.recompute_granularity or "none", **condition,
             bytes_sent_per_rank=counter.bytes_sent, step_time_s=step_time, exposed_comm_s=statistics.median(waits),
             best_step_time_s=times[best], best_exposed_comm_s=waits[best], step_times_s=list(times),
+            cpu_time_s=statistics.median(cpu_times), cpu_times_s=list(cpu_times),
             peak_memory_bytes=peak_memory_bytes,
             saved_activation_bytes=self.saved[0], rows_per_rank=self.layout.num_rows,
             attention_pairs_per_rank=rank_attention_pairs(self.layout) * config.num_attention_heads
@@ -419,14 +422,15 @@ def _rank_record(rank, world_size, args, mode, seq_length):
         run.step()
     records = []
     for gbps, overlap in conditions(args):
-        times, waits = [], []
+        times, cpu_times, waits = [], [], []
         link = comm.simulated_link(gbps, args.link_latency_us) if gbps else contextlib.nullcontext()
         with link, contextlib.nullcontext() if overlap else comm.serialised():
             for _ in range(args.steps):
-                elapsed, counter = run.step()
+                elapsed, cpu, counter = run.step()
                 times.append(elapsed)
+                cpu_times.append(cpu)
                 waits.append(counter.wait_s)
-        records.append(run.record(times, waits, counter, _peak_memory(run.device, baseline_rss), link_gbps=gbps,
+        records.append(run.record(times, cpu_times, waits, counter, _peak_memory(run.device, baseline_rss), link_gbps=gbps,
                                   link_latency_us=args.link_latency_us if gbps else None, overlap=overlap))
     if args.transport_memory and run.clean_shards > 1:
         del run.model
@@ -449,18 +453,20 @@ def _rank_interleaved(rank, world_size, args, seq_length):
         for _ in range(args.warmup):
             for run in runs:
                 run.step()
-        times, waits, counters = ({run.mode: [] for run in runs} for _ in range(3))
+        times, cpu_times, waits, counters = ({run.mode: [] for run in runs} for _ in range(4))
         for round_index in range(args.steps):
             for run in runs[round_index % len(runs):] + runs[:round_index % len(runs)]:
-                elapsed, counter = run.step()
+                elapsed, cpu, counter = run.step()
                 times[run.mode].append(elapsed)
+                cpu_times[run.mode].append(cpu)
                 waits[run.mode].append(counter.wait_s)
                 counters[run.mode] = counter
         records = []
         for run in runs:
             with peak_tensor_memory(run.device) as peak:
                 run.step()
-            records.append(run.record(times[run.mode], waits[run.mode], counters[run.mode], peak.bytes,
+            records.append(run.record(times[run.mode], cpu_times[run.mode], waits[run.mode], counters[run.mode],
+                                      peak.bytes,
                                       link_gbps=None, link_latency_us=None, overlap=True, interleaved=True))
         parallel_state.destroy_model_parallel()
     return records
@@ -487,8 +493,9 @@ def summarise(per_rank):
         record = {key: first[key] for key in ("mode", "seq_length", "block_size", "nproc", "transport", "recompute",
                                               "link_gbps", "link_latency_us", "overlap")}
         record["interleaved"] = first.get("interleaved", False)
-        record["step_times_s"] = [max(times) for times in zip(*(r["step_times_s"] for r in conditions_of_ranks))]
-        for key in ("bytes_sent_per_rank", "step_time_s", "exposed_comm_s", "best_step_time_s",
+        for key in ("step_times_s", "cpu_times_s"):  # round by round, the slowest rank's
+            record[key] = [max(times) for times in zip(*(r[key] for r in conditions_of_ranks))]
+        for key in ("bytes_sent_per_rank", "step_time_s", "cpu_time_s", "exposed_comm_s", "best_step_time_s",
                     "best_exposed_comm_s", "peak_memory_bytes",
                     "saved_activation_bytes", "rows_per_rank", "attention_pairs_per_rank"):
             record[key] = max(r[key] for r in conditions_of_ranks)
@@ -731,23 +738,27 @@ def baseline(records):
     return [r for r in records if r.get("link_gbps") is None and r.get("overlap", True) and r["mode"] in MODES]
 
 
-def step_ratio(record, cp):
-    """A step time against CP's. Interleaved, the median over rounds of each round's ratio: the two steps of a
-    round ran side by side, so a slow spell of the machine divides out. Otherwise the ratio of the medians."""
+def step_ratio(record, cp, times="step_times_s"):
+    """A step time (`times`: "step_times_s" wall clock, "cpu_times_s" CPU) against CP's. Interleaved, the median
+    over rounds of each round's ratio: the two steps of a round ran side by side, so a slow spell of the machine
+    divides out. Otherwise the ratio of the medians."""
     if record.get("interleaved") and cp.get("interleaved"):
-        return statistics.median(a / b for a, b in zip(record["step_times_s"], cp["step_times_s"]))
-    return record["step_time_s"] / cp["step_time_s"]
+        return statistics.median(a / b for a, b in zip(record[times], cp[times]))
+    summary = {"step_times_s": "step_time_s", "cpu_times_s": "cpu_time_s"}[times]
+    return record[summary] / cp[summary]
 
 
 def print_table(records, out=None):
     out = out or sys.stdout
     header = (f"{'mode':<10} {'L':>7} {'rows/rank':>9} {'bytes/rank':>12} {'vs CP':>6} {'step (s)':>9} "
-              f"{'vs CP':>6} {'exposed (s)':>11} {'share':>6} {'peak mem (MiB)':>14} {'saved act (MiB)':>15} "
+              f"{'vs CP':>6} {'CPU (s)':>8} {'vs CP':>6} {'exposed (s)':>11} {'share':>6} {'peak mem (MiB)':>14} "
+              f"{'saved act (MiB)':>15} "
               f"{'pairs/rank':>12} {'tokens/s':>9} {'load':>5} {'kernels':>13} {'calls':>5} {'real pairs':>12} "
               f"{'computed':>12} {'comp/real':>9}")
     print("CP = the field's conventional CP (mode cp); kernels, calls, real and computed pairs: one layer's forward "
-          "on the rank computing most, per head and sample, counted off the kernels' plans; load: the load "
-          "average during the run", file=out)
+          "on the rank computing most, per head and sample, counted off the kernels' plans; CPU: the step's CPU "
+          "seconds (the busiest rank's; not time waiting for a core or a peer); load: the load average during the "
+          "run", file=out)
     if any(r.get("interleaved") for r in records):
         print("interleaved: each length's modes in the same ranks, steps alternating; step vs CP: the median of the "
               "rounds' ratios; peak mem: exact tensor bytes of one step (not the RSS growth of a run of its own)",
@@ -759,8 +770,10 @@ def print_table(records, out=None):
         cp = by_key.get((BASELINE, r["seq_length"]))
         byte_ratio = f"{r['bytes_sent_per_rank'] / cp['bytes_sent_per_rank']:.3f}" if cp and cp["bytes_sent_per_rank"] else "-"
         time_ratio = f"{step_ratio(r, cp):.3f}" if cp else "-"
+        cpu_ratio = f"{step_ratio(r, cp, 'cpu_times_s'):.3f}" if cp else "-"
         print(f"{r['mode']:<10} {r['seq_length']:>7} {r['rows_per_rank']:>9} {r['bytes_sent_per_rank']:>12,} "
-              f"{byte_ratio:>6} {r['step_time_s']:>9.3f} {time_ratio:>6} {r['exposed_comm_s']:>11.3f} "
+              f"{byte_ratio:>6} {r['step_time_s']:>9.3f} {time_ratio:>6} {r['cpu_time_s']:>8.3f} {cpu_ratio:>6} "
+              f"{r['exposed_comm_s']:>11.3f} "
               f"{r['exposed_share']:>6.1%} {r['peak_memory_bytes'] / 2**20:>14.1f} "
               f"{r['saved_activation_bytes'] / 2**20:>15.1f} {r['attention_pairs_per_rank']:>12,} "
               f"{r['tokens_per_s']:>9.0f} {r.get('load_average', float('nan')):>5.1f} {r['kernels']:>13} "
@@ -1026,13 +1039,14 @@ def main(argv=None):
     for record in main_records:
         cp = next((r for r in main_records if r["mode"] == BASELINE and r["seq_length"] == record["seq_length"]), None)
         record["step_vs_cp"] = step_ratio(record, cp) if cp else None
+        record["cpu_vs_cp"] = step_ratio(record, cp, "cpu_times_s") if cp else None
     print_table(main_records)
     for seq_length in args.seq_lengths:
         by_mode = {r["mode"]: r for r in main_records if r["seq_length"] == seq_length}
         if "csbp" in by_mode and BASELINE in by_mode:
             csbp, cp = by_mode["csbp"], by_mode[BASELINE]
             print(f"L={seq_length}: CSBP/CP bytes {csbp['bytes_sent_per_rank'] / cp['bytes_sent_per_rank']:.3f}, "
-                  f"step time {step_ratio(csbp, cp):.3f}, "
+                  f"step time {step_ratio(csbp, cp):.3f} (CPU {step_ratio(csbp, cp, 'cpu_times_s'):.3f}), "
                   f"exposed comm {csbp['exposed_comm_s']:.3f} vs {cp['exposed_comm_s']:.3f} s, "
                   f"saved activations {csbp['saved_activation_bytes'] / cp['saved_activation_bytes']:.3f}, "
                   f"peak memory {csbp['peak_memory_bytes'] / max(cp['peak_memory_bytes'], 1):.3f}, "
