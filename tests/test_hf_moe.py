@@ -216,6 +216,9 @@ def test_import_export_round_trip_is_bit_exact(converted, tmp_path):
                                                                         out=str(tmp_path / name))) for name in MODELS],
               timeout=600)
     for name in MODELS:
+        stored = test_hf._safetensors(os.path.join(converted, name, "hf"))  # the layout the import read
+        fused = any(key.endswith("mlp.experts.gate_up_proj") for key in stored)
+        assert fused == MODELS[name].get("fused_experts", False) != any(".experts.0.gate_proj." in key for key in stored)
         _check_export(str(tmp_path / name), name, converted)
 
 
