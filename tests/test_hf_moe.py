@@ -12,6 +12,7 @@ The reference is transformers' model on the same `[x_t ; x_0]` rows under the BD
 * import -> export gives every HF tensor back bit for bit (in the hub's per-expert layout; MASK rows as documented),
   from the import and from a checkpoint our training loop saved at EP2 x CSBP2; the export loads with transformers
   and gives the very logits of the original;
+* the sparse layers and the expert count in either spelling map both ways (a unit test);
 * what does not map (Qwen2-MoE's gated shared expert, other MoE architectures, a sigmoid router or a shared expert
   on export) is one line, exit 2.
 """
@@ -296,3 +297,30 @@ def test_export_refuses_what_qwen3_moe_cannot_hold(converted):
         assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)
     with pytest.raises(ConfigError, match="--format sdar: SDARForCausalLM"):
         convert_hf.export_config(argparse.Namespace(**saved), None, 384, torch.float32, "sdar")
+
+
+def test_sparse_layers_and_the_expert_count_in_either_spelling():
+    """transformers' sparse layers (`decoder_sparse_step`, `mlp_only_layers`) as `--moe-layer-freq`, and the expert
+    count under the hub's `num_experts` or transformers 5's `num_local_experts`, both ways."""
+    from megatron_csbp.core import rules
+    from megatron_csbp.training import hf
+
+    experts = hf.QWEN3_MOE.experts
+    config = {"num_hidden_layers": 6, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+              "norm_topk_prob": True, "decoder_sparse_step": 2, "mlp_only_layers": [3]}
+    assert experts.layer_pattern(config) == [0, 1, 0, 0, 0, 1]  # layers 1, 3, 5 by the step; 3 kept dense
+    flags = experts.flags(config)
+    assert (flags["num-experts"], flags["moe-layer-freq"], flags["moe-router-pre-softmax"]) == (8, [0, 1, 0, 0, 0, 1],
+                                                                                              False)
+    local = {**{key: value for key, value in config.items() if key != "num_experts"}, "num_local_experts": 8}
+    assert experts.flags(local) == flags and experts.problem("Qwen3MoeForCausalLM", local) is None
+    assert rules.moe_layer_pattern(flags["moe-layer-freq"], 6) == experts.layer_pattern(config)
+    args = argparse.Namespace(num_layers=6, num_experts=8, moe_layer_freq=flags["moe-layer-freq"], moe_router_topk=2,
+                              moe_ffn_hidden_size=16, ffn_hidden_size=64, moe_router_pre_softmax=False,
+                              moe_aux_loss_coeff=[0.01], moe_router_load_balancing_type=["aux_loss"])
+    assert experts.config(args, config) == {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                            "norm_topk_prob": True, "router_aux_loss_coef": 0.01}  # base's words kept
+    assert experts.config(args, local)["num_local_experts"] == 8
+    assert experts.config(args)["mlp_only_layers"] == [0, 2, 3, 4] and "num_experts" in experts.config(args)
+    assert "needs a softmax before the top 1" in experts.problem("Qwen3MoeForCausalLM",
+                                                                 {**config, "num_experts_per_tok": 1})
