@@ -57,6 +57,7 @@ MODULE_MARKERS = {
     "test_flag_table_megatron_lm": ("spawn", "slow", "megatron_lm"),
     "test_sampling": ("spawn", "slow"),
     "test_hf": ("spawn", "slow"),
+    "test_hf_moe": ("spawn", "slow"),
     "test_export_formats": ("spawn", "slow"),
     "test_vocabulary_padding": ("spawn", "slow"),
     "test_start_up_output": ("spawn", "slow"),

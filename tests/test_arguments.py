@@ -227,6 +227,9 @@ def test_moe_flags_map_to_megatron_core_and_refusals():
     settings = run_config(args)
     assert (settings.num_experts, settings.expert_parallel_size, settings.expert_tensor_parallel_size) == (4, 2, 1)
     assert "num_moe_experts" not in transformer_config_kwargs(validate())  # dense: no MoE fields at all
+    assert kwargs["moe_router_pre_softmax"] is False
+    pre_softmax = transformer_config_kwargs(validate(*MOE[:2], "--moe-router-topk", "1", "--moe-router-pre-softmax"))
+    assert (pre_softmax["moe_router_topk"], pre_softmax["moe_router_pre_softmax"]) == (1, True)
 
     refusals = [
         ((*MOE, "--expert-model-parallel-size", "3"), 3, "--expert-model-parallel-size 3 does not divide --num-experts 4"),
@@ -235,6 +238,7 @@ def test_moe_flags_map_to_megatron_core_and_refusals():
          "does not divide the world size 2"),
         (("--expert-model-parallel-size", "2"), 2, "--expert-model-parallel-size 2 needs experts"),
         ((*MOE, "--moe-router-topk", "5"), 1, "--moe-router-topk 5 must be in"),
+        ((*MOE, "--moe-router-topk", "1"), 1, "--moe-router-topk 1 with a softmax over the top k"),
         ((*MOE, "--moe-router-load-balancing-type", "seq_aux_loss"), 1, "--moe-router-load-balancing-type seq_aux_loss"),
         ((*MOE[:4], "--moe-token-dispatcher-type", "allgather", "--pipeline-model-parallel-size", "2"), 2,
          "--moe-token-dispatcher-type allgather cannot"),

@@ -80,8 +80,7 @@ class MoEShape:
         """The MoE of validated arguments (None for a dense model)."""
         if not getattr(args, "num_experts", None):
             return None
-        freq, layers = args.moe_layer_freq, args.num_layers
-        moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, layers, freq))
+        moe_layers = sum(rules.moe_layer_pattern(args.moe_layer_freq, args.num_layers))
         return MoEShape(args.num_experts, args.moe_router_topk, args.moe_ffn_hidden_size or args.ffn_hidden_size,
                         moe_layers, args.moe_shared_expert_intermediate_size or 0)
 

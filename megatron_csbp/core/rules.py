@@ -198,7 +198,7 @@ def expert_parallel_problem(num_experts: int | None, expert_parallel: int, exper
 
 def moe_problem(num_experts: int, topk: int, load_balancing, dispatcher: str, tensor_parallel: int,
                 expert_parallel: int, sequence_parallel: bool, pipeline_parallel: int, shared_expert: bool = False,
-                bias: bool = False) -> str | None:
+                bias: bool = False, score_function: str = "softmax", pre_softmax: bool = False) -> str | None:
     """What a mixture-of-experts BDLM needs so that each token is routed alike on every layout.
 
     Routing must see each row on its own: `seq_aux_loss`, `global_aux_loss` and `sinkhorn` balance over per-rank
@@ -210,6 +210,9 @@ def moe_problem(num_experts: int, topk: int, load_balancing, dispatcher: str, te
         else load_balancing
     if not 1 <= topk <= num_experts:
         return f"--moe-router-topk {topk} must be in [1, --num-experts {num_experts}]"
+    if topk == 1 and score_function == "softmax" and not pre_softmax:
+        return ("--moe-router-topk 1 with a softmax over the top k gives every token weight 1 and the router no "
+                "gradient (megatron-core refuses it); add --moe-router-pre-softmax")
     if isinstance(balancing, (list, tuple)) or balancing not in MOE_LOAD_BALANCING:
         return (f"--moe-router-load-balancing-type {balancing}: only {' or '.join(MOE_LOAD_BALANCING)} route every "
                 f"row alike under CSBP (the others balance over each rank's own rows, which the layout changes); "
@@ -237,6 +240,14 @@ def moe_layer_freq_problem(layer_freq, num_layers: int) -> str | None:
         return None
     return (f"--moe-layer-freq {layer_freq} names {len(layer_freq)} layers, but --num-layers is {num_layers}: give "
             f"one 0 (dense) or 1 (MoE) per layer, or an int N (every N-th layer MoE)")
+
+
+def moe_layer_pattern(layer_freq, num_layers: int) -> list[int]:
+    """`--moe-layer-freq` as one 0 (dense) or 1 (MoE) per layer, as megatron-core reads it: an int N makes layers
+    0, N, 2N, ... MoE; a list is the pattern itself."""
+    if isinstance(layer_freq, int):
+        return [int(layer % layer_freq == 0) for layer in range(num_layers)]
+    return [int(bool(value)) for value in layer_freq]
 
 
 def query_groups_problem(heads: int, query_groups: int, flags: Flags = FLAGS) -> str | None:

@@ -4,9 +4,9 @@
                                         [--make-vocab-size-divisible-by N] [--mask-token TOKEN]
     python scripts/convert_hf.py export --load CKPT --hf-dir OUT [--max-shard-size-mb M] [--format hf|sdar|fast-dllm-v2]
 
-import: a dense Llama / Mistral / Qwen2 / Qwen3 directory (`config.json`, `*.safetensors`, tokenizer files;
-nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only checkpoint (fp32) that training loads with
-`--load CKPT --finetune` into any TP / PP / CSBP layout (dist_checkpointing reshards it). Beside it:
+import: a dense Llama / Mistral / Qwen2 / Qwen3 or a Qwen3-MoE directory (`config.json`, `*.safetensors`,
+tokenizer files; nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only checkpoint (fp32) that training
+loads with `--load CKPT --finetune` into any TP / PP / CSBP (/ EP) layout (dist_checkpointing reshards it). Beside it:
 `CKPT/hf/` (the tokenizer with the MASK token, for `--tokenizer-type HuggingFaceTokenizer`, and the HF
 config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK token is a new one,
 `<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.training.hf`), or, with `--mask-token`,
@@ -15,7 +15,7 @@ checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / 
 divisible-by` must be those training will use: they fix the padded vocabulary. Weights are read tensor
 by tensor and copied into one (uninitialised) model, never two full copies.
 
-export: the latest checkpoint of any of our runs (saved at any TP / PP) becomes an HF directory that
+export: the latest checkpoint of any of our runs (saved at any TP / PP / EP) becomes an HF directory that
 `transformers` loads offline with `from_pretrained(OUT)`: safetensors shards, `config.json` (with how it
 decodes: `mask_token_id`, `block_size`, `bdlm_objective`, `bdlm_label_shift`; see `hf.bdlm_config`), and the
 tokenizer with its MASK token. A non-empty OUT is refused unless `--overwrite`, which replaces it whole.
@@ -88,6 +88,7 @@ def _single_rank(args):
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
     args.context_parallel_size = args.context_block_parallel = args.context_block_parallel_clean_shards = 1
     args.sequence_parallel, args.world_size, args.data_parallel_size = False, 1, 1
+    args.expert_model_parallel_size = args.expert_tensor_parallel_size = 1  # every expert (torch_dist reshards EP)
     args.bdlm_parallel_mode = "csbp"
     args.use_cpu_initialization = True  # conversion happens in host memory, also on a GPU machine
     return args
@@ -185,10 +186,7 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
     _check_tying(weights, flags, hf_dir)
     hf.check_shapes(hf_dir, weights)
     hf_rows = weights.shape("model.embed_tokens.weight")[0]
-    shape_probe = hf.Shape(flags["num-layers"], flags["num-attention-heads"], flags["num-query-groups"],
-                           flags["kv-channels"], flags["add-qkv-bias"], flags["qk-layernorm"],
-                           not flags["untie-embeddings-and-output-weights"])
-    used = {name for names in hf.name_map(shape_probe).values() for name in names} | {"lm_head.weight"}
+    used = {name for names in hf.name_map(hf.Shape.from_flags(flags)).values() for name in names} | {"lm_head.weight"}
     unused = sorted(key for key in weights.keys() if key not in used and not key.endswith(_IGNORED_HF_TENSORS))
     if unused:
         raise hf.UnsupportedModel(f"--hf-dir {hf_dir}: tensors the mapping cannot express, e.g. {unused[0]} "
@@ -311,9 +309,15 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
             getattr(args, "position_embedding_type", "rope") != "rope":
         raise hf.UnsupportedModel("export needs a Llama-family model (--normalization RMSNorm --swiglu "
                                   "--disable-bias-linear, rope); this checkpoint has another shape")
-    family = hf.exported_family(qkv_bias=args.add_qkv_bias, qk_norm=args.qk_layernorm).name
-    config = dict(base) if base else {"architectures": [hf.FAMILIES[family].architecture], "model_type": family,
+    family = hf.exported_family(args.add_qkv_bias, args.qk_layernorm, bool(getattr(args, "num_experts", None)))
+    problem = family.experts.export_problem(args) if family.experts else None
+    if problem:
+        raise hf.UnsupportedModel(problem)
+    config = dict(base) if base else {"architectures": [family.architecture], "model_type": family.name,
                                       "hidden_act": "silu", "attention_bias": False}
+    if family.experts:
+        config.update(family.experts.config(args, base))
+    family = family.name
     rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
     if getattr(args, "use_rope_scaling", False):
         rope.update(rope_type="llama3", factor=float(args.rope_scaling_factor), **hf.LLAMA3_ROPE_FIXED)

@@ -3,8 +3,10 @@
     python scripts/make_tiny_hf_model.py --family llama --output runs/tiny_llama_hf
 
 A byte-level BPE tokenizer trained on a slice of this Python's standard library, and a Llama / Qwen2 / Qwen3
-(or Mistral without sliding window) with random weights, norms and biases (so none is trivially 1 or 0),
-saved as `config.json`, `model.safetensors` and the tokenizer files, in fp32.
+(or Mistral without sliding window) or a Qwen3-MoE (4 experts, top 2, by default) with random weights, norms
+and biases (so none is trivially 1 or 0), saved as `config.json`, `model.safetensors` and the tokenizer files, in
+fp32. A Qwen3-MoE's experts are saved per expert, as the hub holds them, or with `fused_experts` as transformers 5
+holds them in memory (`save_pretrained(..., save_original_format=False)`).
 
 `main(argv)` is the command of `scripts/make_tiny_hf_model.py`.
 """
@@ -13,7 +15,7 @@ import argparse
 import os
 import sysconfig
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|unused_0|>"]  # EOD, and an unused special token (for --mask-token)
 
 
@@ -48,18 +50,26 @@ def make_tokenizer(vocab_size: int):
 def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows: int | None = None,
                hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
                head_dim: int = 16, intermediate_size: int = 96, tied: bool = False, rope_parameters: dict | None = None,
+               num_experts: int = 4, experts_per_token: int = 2, moe_intermediate_size: int = 32,
+               mlp_only_layers: tuple = (), norm_topk_prob: bool = True, fused_experts: bool = False,
                seed: int = 0) -> str:
     """Writes a tiny random `family` model with a `tokenizer_ids`-id tokenizer and `model_rows` (default:
-    as many) embedding rows to `output`; returns `output`."""
+    as many) embedding rows to `output`; returns `output`. The expert settings apply to a Qwen3-MoE only."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+                              Qwen3MoeConfig)
 
-    configs = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    configs = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+               "qwen3_moe": Qwen3MoeConfig}
     from megatron_csbp.training.hf import FAMILIES
 
     extra = {"sliding_window": None} if FAMILIES[family].windowed_by_default else {}
     if rope_parameters:
         extra["rope_parameters"] = rope_parameters
+    if FAMILIES[family].experts:
+        extra.update(num_experts=num_experts, num_experts_per_tok=experts_per_token,
+                     moe_intermediate_size=moe_intermediate_size, mlp_only_layers=list(mlp_only_layers),
+                     norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.01)
     config = configs[family](
         vocab_size=model_rows or tokenizer_ids, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
@@ -74,7 +84,7 @@ def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows
             elif name.endswith("bias"):
                 parameter.copy_(0.1 * torch.randn_like(parameter))
     os.makedirs(output, exist_ok=True)
-    model.save_pretrained(output)
+    model.save_pretrained(output, save_original_format=not fused_experts)
     make_tokenizer(tokenizer_ids).save_pretrained(output)
     return output
 
@@ -86,9 +96,11 @@ def main(argv=None) -> int:
     parser.add_argument("--tokenizer-ids", type=int, default=383, help="Tokenizer size (>= 258: byte-level BPE).")
     parser.add_argument("--model-rows", type=int, default=None, help="Embedding rows (default: the tokenizer's ids).")
     parser.add_argument("--tied", action="store_true", help="Tie the embeddings and the LM head.")
+    parser.add_argument("--fused-experts", action="store_true",
+                        help="qwen3_moe: save the experts fused, as transformers 5 holds them (default: per expert).")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     make_model(args.family, args.output, tokenizer_ids=args.tokenizer_ids, model_rows=args.model_rows,
-               tied=args.tied, seed=args.seed)
+               tied=args.tied, fused_experts=args.fused_experts, seed=args.seed)
     print(f"wrote a tiny random {args.family} model to {args.output}")
     return 0

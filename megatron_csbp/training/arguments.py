@@ -235,7 +235,9 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
             args.num_experts, args.moe_router_topk, args.moe_router_load_balancing_type,
             args.moe_token_dispatcher_type, args.tensor_model_parallel_size, args.expert_model_parallel_size,
             args.sequence_parallel, args.pipeline_model_parallel_size,
-            shared_expert=bool(args.moe_shared_expert_intermediate_size), bias=args.add_bias_linear)
+            shared_expert=bool(args.moe_shared_expert_intermediate_size), bias=args.add_bias_linear,
+            score_function=args.moe_router_score_function,
+            pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)))
                 or rules.moe_layer_freq_problem(args.moe_layer_freq, args.num_layers))
         import importlib.util
         _require(not args.moe_grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,

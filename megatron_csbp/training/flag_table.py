@@ -114,6 +114,7 @@ PACKING = "tests/test_megatron_lm.py::test_both_loops_print_the_same_losses_and_
 PRECISION = "tests/test_arguments.py::test_bf16_and_fp16_are_exclusive_even_on_a_gpu"
 MOE = "tests/test_moe.py::test_world_2_moe_compositions_and_negative_control"
 MOE_GROUPED_GEMM = "tests/test_arguments.py::test_moe_flags_map_to_megatron_core_and_refusals"
+HF_MOE = "tests/test_hf_moe.py::test_logits_equal_huggingface"
 
 # The model: checked name by name and shape by shape against Megatron-LM's own GPT model (ARCHITECTURE).
 _classify(Honoured("tests/test_data.py::test_byte_tokenizer_and_padded_vocabulary"), "--make-vocab-size-divisible-by")
@@ -220,8 +221,10 @@ _classify(Honoured(MOE), """
     --moe-router-score-function --moe-router-dtype --moe-router-load-balancing-type --moe-aux-loss-coeff
     --moe-token-dispatcher-type --expert-model-parallel-size --expert-tensor-parallel-size""")
 _classify(Honoured(MOE_GROUPED_GEMM), "--moe-grouped-gemm")
+_classify(Honoured(HF_MOE), "--moe-router-pre-softmax")  # Qwen-MoE's norm_topk_prob false, against transformers
 _MOE_SUPPORTED = ("drop it (supported MoE options: --num-experts, --moe-layer-freq, --moe-ffn-hidden-size, "
                   "--moe-shared-expert-intermediate-size, --moe-router-topk, --moe-router-score-function, "
+                  "--moe-router-pre-softmax, "
                   "--moe-router-dtype, --moe-router-load-balancing-type aux_loss|none, --moe-aux-loss-coeff, "
                   "--moe-token-dispatcher-type alltoall|allgather, --moe-grouped-gemm, --expert-model-parallel-size, "
                   "--expert-tensor-parallel-size)")
@@ -232,7 +235,7 @@ _classify(Refused("is a mixture-of-experts option not supported with the BDLM mo
     --moe-use-upcycling --moe-upcycling-granularity --moe-pad-experts-for-cuda-graph-inference --moe-extended-tp
     --moe-shared-expert-gate --moe-shared-expert-overlap --moe-enable-routing-replay
     --moe-router-padding-for-quantization --moe-router-padding-for-fp8 --moe-router-num-groups --moe-router-group-topk
-    --moe-router-pre-softmax --moe-router-topk-scaling-factor --moe-router-enable-expert-bias
+    --moe-router-topk-scaling-factor --moe-router-enable-expert-bias
     --moe-router-bias-update-rate --moe-router-force-load-balancing --moe-use-legacy-grouped-gemm --moe-z-loss-coeff
     --moe-input-jitter-eps --moe-enable-deepep --moe-flex-dispatcher-backend --moe-per-layer-logging
     --moe-layer-recompute --moe-permute-fusion --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size

@@ -206,6 +206,9 @@ def _add_moe_args(parser):
                        help="FFN size of the shared expert(s) every token also goes through (None: none).")
     group.add_argument("--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
     group.add_argument("--moe-router-score-function", choices=rules.MOE_SCORE_FUNCTIONS, default="softmax")
+    group.add_argument("--moe-router-pre-softmax", action="store_true",
+                       help="Softmax over all experts, then the top k (their weights do not sum to 1: Qwen-MoE's "
+                            "norm_topk_prob false); default: the top k logits, then a softmax over them.")
     group.add_argument("--moe-router-dtype", choices=("fp32", "fp64"), default=None,
                        help="Router logits' precision (default: the model's).")
     group.add_argument("--moe-router-load-balancing-type", nargs="+", type=str, default="aux_loss",

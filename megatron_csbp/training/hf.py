@@ -1,4 +1,4 @@
-"""Hugging Face <-> megatron-core weights for dense Llama-family models: Llama, Mistral, Qwen2, Qwen3.
+"""Hugging Face <-> megatron-core weights for Llama-family models: Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE.
 
 One mapping, both directions; `scripts/convert_hf.py` drives it (import: HF directory -> our `torch_dist`
 checkpoint; export: any of our checkpoints -> HF directory). Megatron-Bridge's `AutoBridge` is the
@@ -15,6 +15,14 @@ for it, with its conventions and names:
 * QK-norm (Qwen3): `q_norm`/`k_norm` are megatron's `q_layernorm`/`k_layernorm` (RMSNorm over `d`).
 * RoPE scaling: Llama 3's `llama3` type is megatron-core's `rope_scaling` (its fixed low/high frequency
   factors and original context); other types are refused.
+* Mixture of experts (Qwen3-MoE, `Family.experts`): a sparse layer's router `mlp.gate.weight` is megatron-core's
+  `mlp.router.weight`; expert `e`'s `mlp.experts.{e}.{gate,up,down}_proj.weight` (the hub's per-expert tensors) are
+  megatron-core's local expert `mlp.experts.local_experts.{e}.linear_fc1.weight` (`[gate ; up]`, as the dense MLP)
+  and `linear_fc2.weight`. transformers 5 holds the experts fused (`mlp.experts.gate_up_proj` `[E, 2I, H]`,
+  `mlp.experts.down_proj` `[E, H, I]`) and writes the hub's per-expert tensors back on `save_pretrained`; a
+  directory saved fused (`save_original_format=False`) is read too (`FUSED_EXPERTS`), one expert at a time. Export
+  writes the hub's layout. Routing: `norm_topk_prob` true is megatron-core's default (a softmax over the top-k
+  logits); false is `--moe-router-pre-softmax` (a softmax over all experts, then the top k).
 
 Vocabulary. The megatron embedding (and untied output layer) has `padded_vocab_size` rows: the HF rows,
 then zero rows (Megatron's padding). A new MASK id (`Vocabulary.new_mask`) gets, in both matrices, the
@@ -33,9 +41,96 @@ import torch
 from megatron_csbp.core import objectives
 from megatron_csbp.core.rules import ConfigError
 
+class UnsupportedModel(ConfigError):
+    """An HF model (or one of our checkpoints) that the mapping cannot express, with what to do."""
+
+
+def _refuse(condition: bool, message: str) -> None:
+    if condition:
+        raise UnsupportedModel(message)
+
+
+@dataclass(frozen=True)
+class QwenExperts:
+    """The sparse MLP of transformers' Qwen-MoE models and its megatron-core counterpart (MoE layers, local experts).
+
+    Layer `i` is sparse unless it is in `mlp_only_layers` or `(i + 1) % decoder_sparse_step != 0`; a sparse layer
+    routes each token to `num_experts_per_tok` of `num_experts` SwiGLU experts of size `moe_intermediate_size`,
+    weighted by the softmax over the experts (renormalised over the top k when `norm_topk_prob`), and trains with
+    the load-balancing loss weighted by `router_aux_loss_coef`. Dense layers are the family's dense MLP
+    (`intermediate_size`)."""
+
+    @staticmethod
+    def experts_key(config: dict) -> str:
+        """Where `config.json` keeps the expert count: the hub's `num_experts`, or `num_local_experts`, which
+        transformers 5 writes (its `attribute_map` reads either)."""
+        return "num_local_experts" if "num_local_experts" in config and "num_experts" not in config else "num_experts"
+
+    def layer_pattern(self, config: dict) -> list[int]:
+        """transformers' choice of sparse (1) and dense (0) layers, as `--moe-layer-freq`'s pattern."""
+        dense, step = set(config.get("mlp_only_layers") or []), config.get("decoder_sparse_step", 1)
+        return [int(layer not in dense and (layer + 1) % step == 0) for layer in range(config["num_hidden_layers"])]
+
+    def problem(self, name: str, config: dict) -> str | None:
+        """What of an HF config the MoE layers cannot express (one line), or None."""
+        experts, topk, step = config.get(self.experts_key(config)), config.get("num_experts_per_tok"), \
+            config.get("decoder_sparse_step", 1)
+        for key, value in (("num_experts", experts), ("num_experts_per_tok", topk), ("decoder_sparse_step", step),
+                           ("moe_intermediate_size", config.get("moe_intermediate_size"))):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                key = self.experts_key(config) if key == "num_experts" else key
+                return f"{name}: {key} {value!r} is not a positive integer; restore the model's config.json"
+        if topk > experts:
+            return f"{name}: num_experts_per_tok {topk} exceeds num_experts {experts}; restore the model's config.json"
+        if topk == 1 and config.get("norm_topk_prob", False):
+            return (f"{name}: num_experts_per_tok 1 with norm_topk_prob true weighs every expert output 1, which "
+                    f"megatron-core's router cannot express (it needs a softmax before the top 1)")
+        if not any(self.layer_pattern(config)):
+            return (f"{name}: no layer is sparse (mlp_only_layers / decoder_sparse_step leave every MLP dense); "
+                    f"convert the dense model as Qwen3ForCausalLM")
+        return None
+
+    def flags(self, config: dict) -> dict:
+        """Our MoE flags (YAML keys) for the HF config."""
+        pattern = self.layer_pattern(config)
+        return {"num-experts": config[self.experts_key(config)], "moe-router-topk": config["num_experts_per_tok"],
+                "moe-ffn-hidden-size": config["moe_intermediate_size"],
+                "moe-layer-freq": 1 if all(pattern) else pattern,
+                "moe-router-pre-softmax": not config.get("norm_topk_prob", False),
+                "moe-router-load-balancing-type": "aux_loss",
+                "moe-aux-loss-coeff": float(config.get("router_aux_loss_coef", 0.0))}
+
+    def export_problem(self, args) -> str | None:
+        """What of a checkpoint's MoE the HF model cannot hold (one line naming the flag), or None."""
+        if getattr(args, "moe_router_score_function", "softmax") != "softmax":
+            return (f"--moe-router-score-function {args.moe_router_score_function}: Qwen3-MoE routes by a softmax; "
+                    f"this checkpoint has no Hugging Face form")
+        if getattr(args, "moe_shared_expert_intermediate_size", None):
+            return ("--moe-shared-expert-intermediate-size: Qwen3-MoE has no shared expert; this checkpoint has no "
+                    "Hugging Face form")
+        return None
+
+    def config(self, args, base: dict | None = None) -> dict:
+        """The HF config keys of a checkpoint's MoE (`export_problem` is None); the sparse layers in `base`'s words
+        (`decoder_sparse_step`, `mlp_only_layers`) where they say the checkpoint's."""
+        pattern = moe_layer_pattern(args)
+        if base and self.layer_pattern({**base, "num_hidden_layers": args.num_layers}) == pattern:
+            layers = {}
+        else:
+            layers = {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, sparse in enumerate(pattern) if not sparse]}
+        coeff = args.moe_aux_loss_coeff
+        coeff = coeff[0] if isinstance(coeff, (list, tuple)) else coeff
+        balancing = args.moe_router_load_balancing_type
+        balancing = balancing[0] if isinstance(balancing, (list, tuple)) else balancing
+        return {self.experts_key(base or {}): args.num_experts, "num_experts_per_tok": args.moe_router_topk,
+                "moe_intermediate_size": args.moe_ffn_hidden_size or args.ffn_hidden_size, **layers,
+                "norm_topk_prob": not getattr(args, "moe_router_pre_softmax", False),
+                "router_aux_loss_coef": float(coeff) if balancing == "aux_loss" else 0.0}
+
+
 @dataclass(frozen=True)
 class Family:
-    """A dense HF model family the mapping converts, and what sets its weights apart from Llama's."""
+    """An HF model family the mapping converts, and what sets its weights apart from Llama's."""
 
     name: str  # our name for it (`model_type`)
     display: str  # as messages name it
@@ -44,29 +139,44 @@ class Family:
     qk_norm: bool = False  # RMSNorm of each query and key head (megatron's --qk-layernorm)
     exported: bool = True  # export writes this family (Mistral's dense weights are exported as Llama's)
     windowed_by_default: bool = False  # its transformers config has a sliding window unless told `None`
+    experts: QwenExperts | None = None  # its sparse (mixture-of-experts) MLP layers; None: a dense model
 
 
 LLAMA = Family("llama", "Llama", "LlamaForCausalLM")
 MISTRAL = Family("mistral", "Mistral", "MistralForCausalLM", exported=False, windowed_by_default=True)
 QWEN2 = Family("qwen2", "Qwen2 / Qwen2.5 (QKV bias)", "Qwen2ForCausalLM", qkv_bias=True)
 QWEN3 = Family("qwen3", "Qwen3 (QK-norm)", "Qwen3ForCausalLM", qk_norm=True)
-FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3)}
+QWEN3_MOE = Family("qwen3_moe", "Qwen3-MoE (QK-norm, experts)", "Qwen3MoeForCausalLM", qk_norm=True,
+                   experts=QwenExperts())
+FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)}
 ARCHITECTURES = {family.architecture: family.name for family in FAMILIES.values()}
+# Mixture-of-experts architectures the mapping knows and refuses, and why (one line each).
+REFUSED_EXPERTS = {
+    "Qwen2MoeForCausalLM": "its shared expert's sigmoid gate (megatron-core's --moe-shared-expert-gate) is not "
+                           "supported with the BDLM model; convert a Qwen3-MoE model",
+}
 
 
-def exported_family(qkv_bias: bool, qk_norm: bool) -> Family:
-    """The family export writes for a model with (or without) QKV biases and QK-norm."""
-    return next(family for family in FAMILIES.values()
-                if family.exported and (family.qkv_bias, family.qk_norm) == (bool(qkv_bias), bool(qk_norm)))
+def exported_family(qkv_bias: bool, qk_norm: bool, experts: bool = False) -> Family:
+    """The family export writes for a model with (or without) QKV biases, QK-norm and experts; refuses (one line)
+    a combination no family has."""
+    for family in FAMILIES.values():
+        if family.exported and (family.qkv_bias, family.qk_norm, family.experts is not None) == \
+                (bool(qkv_bias), bool(qk_norm), bool(experts)):
+            return family
+    wanted = ", ".join(f"{family.display}" for family in FAMILIES.values() if family.exported)
+    raise UnsupportedModel(f"a model with{'' if qkv_bias else 'out'} --add-qkv-bias, with{'' if qk_norm else 'out'} "
+                           f"--qk-layernorm and with{'' if experts else 'out'} --num-experts has no Hugging Face "
+                           f"family here (export writes {wanted})")
 
 
-class UnsupportedModel(ConfigError):
-    """An HF model (or one of our checkpoints) that the mapping cannot express, with what to do."""
+def moe_layer_pattern(args) -> list[int]:
+    """A checkpoint's MoE (1) and dense (0) layers (`--moe-layer-freq`); all 0 for a dense model."""
+    from megatron_csbp.core import rules
 
-
-def _refuse(condition: bool, message: str) -> None:
-    if condition:
-        raise UnsupportedModel(message)
+    if not getattr(args, "num_experts", None):
+        return [0] * args.num_layers
+    return rules.moe_layer_pattern(args.moe_layer_freq, args.num_layers)
 
 
 def read_config(hf_dir: str) -> dict:
@@ -106,10 +216,17 @@ def model_family(config: dict) -> str:
     name = architectures[0] if architectures else str(config.get("model_type"))
     moe = ("moe" in name.lower() or "mixtral" in name.lower()
            or any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts")))
-    _refuse(moe, f"{name} is a mixture-of-experts model: only dense Llama/Mistral/Qwen2/Qwen3 models convert")
+    _refuse(name in REFUSED_EXPERTS, f"{name} is a mixture-of-experts model that does not convert: "
+                                     f"{REFUSED_EXPERTS.get(name)}")
+    _refuse(moe and (name not in ARCHITECTURES or FAMILIES[ARCHITECTURES[name]].experts is None),
+            f"{name} is a mixture-of-experts model the mapping does not know: of the mixture-of-experts models only "
+            f"Qwen3-MoE (Qwen3MoeForCausalLM) converts, besides dense Llama/Mistral/Qwen2/Qwen3 models")
     _refuse(name not in ARCHITECTURES, f"architecture {name} is not supported: convert one of "
-                                       f"{', '.join(ARCHITECTURES)} (dense decoder models)")
+                                       f"{', '.join(ARCHITECTURES)} (decoder models)")
     family = ARCHITECTURES[name]
+    experts = FAMILIES[family].experts
+    problem = experts.problem(name, config) if experts else None
+    _refuse(problem is not None, problem or "")
     layer_types = set(config.get("layer_types") or ["full_attention"])
     _refuse("linear_attention" in layer_types, f"{name}: linear-attention layers cannot be expressed")
     _refuse(layer_types != {"full_attention"}, f"{name}: layer_types {sorted(layer_types)}: only full-attention "
@@ -158,6 +275,7 @@ def model_flags(config: dict, hf_dir: str = ".") -> dict:
         "disable-bias-linear": True, "add-qkv-bias": family.qkv_bias, "qk-layernorm": family.qk_norm,
         "untie-embeddings-and-output-weights": not config.get("tie_word_embeddings", False),
         "attention-dropout": 0.0, "hidden-dropout": 0.0,
+        **(family.experts.flags(config) if family.experts else {}),
     }
     return {key: value for key, value in flags.items() if value is not None}
 
@@ -189,12 +307,26 @@ class Shape:
     qkv_bias: bool
     qk_norm: bool
     tied: bool
+    moe_layers: tuple[int, ...] = ()  # per layer: 1 MoE, 0 dense (empty: a dense model)
+    num_experts: int = 0
 
     @classmethod
     def from_args(cls, args) -> "Shape":
         return cls(args.num_layers, args.num_attention_heads, args.num_query_groups, args.kv_channels,
                    bool(getattr(args, "add_qkv_bias", False)), bool(getattr(args, "qk_layernorm", False)),
-                   not args.untie_embeddings_and_output_weights)
+                   not args.untie_embeddings_and_output_weights, tuple(moe_layer_pattern(args)),
+                   getattr(args, "num_experts", None) or 0)
+
+    @classmethod
+    def from_flags(cls, flags: dict) -> "Shape":
+        """The shape of the model flags `model_flags` gives."""
+        from megatron_csbp.core import rules
+
+        experts = flags.get("num-experts") or 0
+        pattern = rules.moe_layer_pattern(flags["moe-layer-freq"], flags["num-layers"]) if experts else []
+        return cls(flags["num-layers"], flags["num-attention-heads"], flags["num-query-groups"], flags["kv-channels"],
+                   flags["add-qkv-bias"], flags["qk-layernorm"], not flags["untie-embeddings-and-output-weights"],
+                   tuple(pattern), experts)
 
 
 @dataclass(frozen=True)
@@ -216,15 +348,27 @@ _LAYER = "decoder.layers.{}."
 _HF_LAYER = "model.layers.{}."
 
 
-def _layer_names(shape: Shape) -> dict[str, list[str]]:
+def _mlp_names(shape: Shape, sparse: bool) -> dict[str, list[str]]:
+    """A layer's MLP: megatron name suffix -> the HF name suffixes (dense, or router and experts)."""
+    if not sparse:
+        return {"mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+                "mlp.linear_fc2.weight": ["mlp.down_proj.weight"]}
+    names = {"mlp.router.weight": ["mlp.gate.weight"]}
+    for expert in range(shape.num_experts):
+        ours, theirs = f"mlp.experts.local_experts.{expert}.", f"mlp.experts.{expert}."
+        names[ours + "linear_fc1.weight"] = [theirs + "gate_proj.weight", theirs + "up_proj.weight"]
+        names[ours + "linear_fc2.weight"] = [theirs + "down_proj.weight"]
+    return names
+
+
+def _layer_names(shape: Shape, sparse: bool = False) -> dict[str, list[str]]:
     """Per-layer megatron name suffix -> the HF name suffixes it is built from."""
     names = {"input_layernorm.weight": ["input_layernorm.weight"],
              "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                   "self_attn.v_proj.weight"],
              "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
              "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
-             "mlp.linear_fc1.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
-             "mlp.linear_fc2.weight": ["mlp.down_proj.weight"]}
+             **_mlp_names(shape, sparse)}
     if shape.qkv_bias:
         names["self_attention.linear_qkv.bias"] = ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                                    "self_attn.v_proj.bias"]
@@ -241,7 +385,8 @@ def name_map(shape: Shape) -> dict[str, list[str]]:
     if not shape.tied:
         names["output_layer.weight"] = ["lm_head.weight"]
     for layer in range(shape.num_layers):
-        for ours, theirs in _layer_names(shape).items():
+        sparse = bool(shape.moe_layers) and bool(shape.moe_layers[layer])
+        for ours, theirs in _layer_names(shape, sparse).items():
             names[_LAYER.format(layer) + ours] = [_HF_LAYER.format(layer) + name for name in theirs]
     return names
 
@@ -321,8 +466,27 @@ def _shard_files(hf_dir: str) -> list[str]:
     return files
 
 
+# transformers 5's fused experts (its `qwen2_moe` weight converter, which `qwen3_moe` shares): the stored tensor
+# `[E, k * R, C]` per layer -> expert e's k hub tensors `[R, C]`, rows `[j * R, (j + 1) * R)` the j-th.
+FUSED_EXPERTS = {"mlp.experts.gate_up_proj": ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight"),
+                 "mlp.experts.down_proj": ("mlp.experts.{}.down_proj.weight",)}
+
+
+def unfused_names(key: str, shape) -> dict[str, tuple[int, int, int, list[int]]]:
+    """The hub's per-expert tensors a fused expert tensor `key` of `shape` holds: name -> (expert, start row,
+    stop row, shape); {} for any other tensor."""
+    suffix = next((fused for fused in FUSED_EXPERTS if key.endswith("." + fused)), None)
+    if suffix is None or len(shape) != 3:
+        return {}
+    prefix, parts = key[: -len(suffix)], FUSED_EXPERTS[suffix]
+    rows = shape[1] // len(parts)
+    return {prefix + part.format(expert): (expert, j * rows, (j + 1) * rows, [rows, shape[2]])
+            for expert in range(shape[0]) for j, part in enumerate(parts)}
+
+
 class SafetensorsDir:
-    """The tensors of a local HF directory's safetensors files, each read only when asked for."""
+    """The tensors of a local HF directory's safetensors files, each read only when asked for, in the hub's names:
+    fused expert tensors (`FUSED_EXPERTS`) are seen as their per-expert tensors, each read by itself."""
 
     def __init__(self, hf_dir: str):
         from safetensors import safe_open
@@ -338,36 +502,52 @@ class SafetensorsDir:
             self._files[name] = handle
             for key in handle.keys():
                 self._where[key] = name
+        self._parts = {}  # per-expert name -> (fused tensor, expert, start row, stop row, shape)
+        for key in list(self._where):
+            for part, where in unfused_names(key, self.stored_shape(key)).items():
+                self._parts[part] = (key, *where)
+        self._fused = {fused for fused, *_ in self._parts.values()}
 
     def __contains__(self, key: str) -> bool:
-        return key in self._where
+        return key in self._parts or (key in self._where and key not in self._fused)
 
     def keys(self):
+        """The hub's names of the tensors (a fused expert tensor: its per-expert names)."""
+        return [key for key in self._where if key not in self._fused] + list(self._parts)
+
+    def stored_keys(self):
+        """The names the files hold."""
         return self._where.keys()
 
     def where(self, key: str) -> str:
-        return self._where[key]
+        return self._where[self._parts[key][0] if key in self._parts else key]
+
+    def stored_shape(self, key: str) -> list[int]:
+        return self._files[self._where[key]].get_slice(key).get_shape()
 
     def shape(self, key: str) -> list[int]:
         self._check(key)
-        return self._files[self._where[key]].get_slice(key).get_shape()
+        return list(self._parts[key][4]) if key in self._parts else self.stored_shape(key)
 
     def numel(self) -> int:
         """Elements of all tensors (what an import writes, per byte of its dtype)."""
         total = 0
         for key in self._where:
             count = 1
-            for size in self.shape(key):
+            for size in self.stored_shape(key):
                 count *= size
             total += count
         return total
 
     def _check(self, key: str) -> None:
-        if key not in self._where:
+        if key not in self:
             raise UnsupportedModel(f"the HF weights have no tensor {key}: not a model this mapping can express")
 
     def get(self, key: str) -> torch.Tensor:
         self._check(key)
+        if key in self._parts:
+            fused, expert, start, stop, _ = self._parts[key]
+            return self._files[self._where[fused]].get_slice(fused)[expert:expert + 1, start:stop][0].contiguous()
         return self._files[self._where[key]].get_tensor(key)
 
 
@@ -384,8 +564,10 @@ def check_shapes(hf_dir: str, weights: SafetensorsDir) -> None:
     except Exception as error:  # noqa: BLE001 - transformers refusing the config, in its own words
         raise ConfigError(f"--hf-dir {hf_dir}: transformers cannot build a model from its config.json "
                           f"({type(error).__name__}: {' '.join(str(error).split())[:160]})") from None
-    for key in sorted(weights.keys()):
-        if key in expected and list(weights.shape(key)) != expected[key]:
+    for key, shape in list(expected.items()):  # transformers' fused experts, and the hub's per-expert tensors
+        expected.update({part: where[3] for part, where in unfused_names(key, shape).items()})
+    for key in sorted(weights.stored_keys()):
+        if key in expected and list(weights.stored_shape(key)) != expected[key]:
             raise ConfigError(f"--hf-dir {hf_dir}: config.json disagrees with the weights: {key} is "
-                              f"{list(weights.shape(key))} in {weights.where(key)}, config.json makes it "
+                              f"{list(weights.stored_shape(key))} in {weights.where(key)}, config.json makes it "
                               f"{expected[key]}; restore the model's config.json")

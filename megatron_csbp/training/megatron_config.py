@@ -54,6 +54,7 @@ def moe_config_kwargs(args: argparse.Namespace) -> dict:
         moe_ffn_hidden_size=args.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_router_topk=args.moe_router_topk, moe_router_score_function=args.moe_router_score_function,
+        moe_router_pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)),
         moe_router_dtype=args.moe_router_dtype,
         moe_router_load_balancing_type=single(args.moe_router_load_balancing_type),
         moe_aux_loss_coeff=single(args.moe_aux_loss_coeff),
