@@ -27,7 +27,19 @@ The model, in one place so it can be argued with:
   kernels keep no `L²` scores), or each layer's input plus the larger of one layer's backward working set
   (its recomputed saved tensors and their gradients) and the noisy rows' logits with their fp32 copy
   (full recompute; the loss's backward frees the logits before any layer's backward runs); with `logits_tile_rows` the loss runs over the noisy rows in tiles of that many
-  rows (a tiled linear cross-entropy), so only one tile's logits live.
+  rows (a tiled linear cross-entropy), so only one tile's logits live;
+* mixture of experts (`--num-experts` ...): every EP dividing the experts (ETP = TP, or 1 under TP), EP x ETP x
+  expert-DP carved from each stage's TP x P x DP ranks as megatron-core does (the trainer's rules decide). Per
+  rank: the MoE layers' linear FLOPs are the router's, the top-k experts' and the shared expert's
+  (`flops.moe_layer_linear_flops_per_row`, the training TFLOP/s count), which uniform routing gives each rank
+  for its own rows; the routed experts' parameters are `E / EP` experts per MoE layer (/ ETP), their gradients
+  and Adam state sharded over the expert-data-parallel group (TP·P·DP / (EP·ETP)) as megatron-core's
+  distributed optimizer shards them, the dense ones (routers whole on every rank) over DP×P; the alltoall
+  dispatcher sends `flops.moe_all_to_all_bytes` per MoE layer (every row of the rank, noisy and clean, x top-k,
+  the `(EP-1)/EP` leaving the rank under uniform routing; rows and probabilities out, outputs back, and the
+  same in the backward), on NVLink or the inter-node link as the EP group lies (expert ranks ordered
+  tp-ep-dp-pp), exposed (the experts wait for their rows). Not modelled: the ETP all-gather of routed rows,
+  routing imbalance, the expert computation's lower efficiency on small GEMMs.
 Everything is per GPU per step; one micro-batch per DP replica unless `--global-batch-size` is set.
 """
 
