@@ -89,6 +89,8 @@ def test_all_modes_side_by_side(tmp_path, capsys):
     assert records["cp"]["bytes_sent_per_rank"] == records["cp-traffic"]["bytes_sent_per_rank"] == 4 * 512 // 2 * beta
     assert 2 * records["csbp"]["bytes_sent_per_rank"] == records["cp"]["bytes_sent_per_rank"]
     assert records["bp"]["bytes_sent_per_rank"] == 0
+    assert all(r["all_to_all_bytes_per_rank"] == 0 for r in records.values())  # a dense model: no all-to-all
+    assert "experts:" not in table
     # CSBP keeps only the clean K/V it gathered (L tokens) for backward; CP keeps all 2L
     assert records["csbp"]["saved_activation_bytes"] < records["cp"]["saved_activation_bytes"]
     assert records["bp"]["rows_per_rank"] > records["csbp"]["rows_per_rank"] == records["cp"]["rows_per_rank"]

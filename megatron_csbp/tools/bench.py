@@ -591,7 +591,7 @@ def print_experts(args, records, out=None):
     the routers' outputs), its dense and expert parameters and the distributed optimizer's state, beside the
     planner's."""
     out = out or sys.stdout
-    rows = [r for r in records if "all_to_all_bytes_by_rank" in r]
+    rows = [r for r in records if "routed_pairs_to_ep_ranks_by_rank" in r]  # runs with experts
     if not rows:
         return
     routing = " (round robin: uniform)" if args.moe_round_robin_routing else ""
