@@ -90,6 +90,8 @@ def test_all_modes_side_by_side(tmp_path, capsys):
     assert records["cp"]["bytes_sent_per_rank"] == records["cp-traffic"]["bytes_sent_per_rank"] == 4 * 512 // 2 * beta
     assert 2 * records["csbp"]["bytes_sent_per_rank"] == records["cp"]["bytes_sent_per_rank"]
     assert records["bp"]["bytes_sent_per_rank"] == 0
+    assert all(r["all_to_all_bytes_per_rank"] == 0 for r in records.values())  # a dense model: no all-to-all
+    assert "experts:" not in table
     # CSBP keeps only the clean K/V it gathered (L tokens) for backward; CP keeps all 2L
     assert records["csbp"]["saved_activation_bytes"] < records["cp"]["saved_activation_bytes"]
     assert records["bp"]["rows_per_rank"] > records["csbp"]["rows_per_rank"] == records["cp"]["rows_per_rank"]
@@ -215,3 +217,89 @@ def test_load_warning_and_held_out_calibration_file(tmp_path, capsys):
                                      "calibration": {"linear_gflops": 1.0}}]))
     args = bench.parse_args(["--seq-lengths", "256", "--calibrate-from", str(recorded)])
     assert args.held_out_calibration == {"linear_gflops": 1.0, "origin": f"cp L=512 of {recorded}"}
+
+
+MOE_BENCH = ["--modes", "csbp", "--seq-lengths", "64", "--block-size", "16", "--nproc", "2", "--num-layers", "2",
+             "--hidden-size", "32", "--num-attention-heads", "4", "--num-query-groups", "2", "--vocab-size", "256",
+             "--steps", "1", "--warmup", "0", "--num-experts", "4", "--moe-router-topk", "2",
+             "--moe-ffn-hidden-size", "16", "--moe-shared-expert-intermediate-size", "8"]
+
+
+def _moe_bench(tmp_path, *extra):
+    out_json = tmp_path / "moe.json"
+    bench.main(MOE_BENCH + ["--json", str(out_json), *extra])
+    record, = json.loads(out_json.read_text())
+    return record
+
+
+def _bytes_from_routing(record, rank, hidden=32):
+    """By hand, from the routing the routers took: rank r's rows sent `out` (row, expert) pairs to the other EP
+    rank's experts (both layers are MoE), and received `in` from it. The dispatch sends each pair's row (hidden
+    fp32 values) and probability (one fp32), the combine returns each received pair's output row; the backward
+    runs both exchanges in reverse: `out x (4h + 4) + in x 4h` forward, `out x 4h + in x (4h + 4)` backward."""
+    other = 1 - rank
+    routed = record["routed_pairs_to_ep_ranks_by_rank"]
+    pairs_out = sum(layer[other] for layer in routed[rank])
+    pairs_in = sum(layer[rank] for layer in routed[other])
+    forward = pairs_out * (4 * hidden + 4) + pairs_in * 4 * hidden
+    backward = pairs_out * 4 * hidden + pairs_in * (4 * hidden + 4)
+    return forward + backward, pairs_out, pairs_in
+
+
+def test_moe_all_to_all_bytes_and_expert_memory_measured_against_hand_counts(tmp_path, capsys):
+    """EP2 x CSBP2 on 2 ranks, 4 experts (2 per rank), top-2, both layers MoE, fp32. Each rank routes its 32 noisy
+    and 32 clean rows: 64 rows x 2 = 128 (row, expert) pairs per layer.
+    * Routing forced uniform (round robin): 64 pairs per layer leave each rank and 64 arrive, so by hand
+      2 layers x (64 x (4·32 + 4) + 64 x 4·32) x 2 passes = 66560 bytes per rank: measured off the collectives,
+      from the routing taken, and the planner's uniform figure, all equal.
+    * The trained router's own routing: measured = the count from its top-k choices (exact); the planner's
+      uniform figure is not what a random router does (negative control: it differs).
+    * Parameters per rank, counted off the model, equal the planner's: dense 2 layers x (QKV 32 x 64 + projection
+      32 x 32 + 2 norms x 32 + router 4 x 32 + shared expert 2 x 32 x 8 = 3776) + embedding and output layer
+      2 x 256 x 32 + final norm 32 = 23968; expert 2 layers x 2 experts x (2 x 32 x 16) = 4096. Adam's state
+      (fp32 moments, 8 bytes a parameter) after a step of megatron-core's distributed optimizer: the experts' whole on each rank (expert-DP 1: 4096 x 8), the dense
+      parameters' sharded over the 2 CP ranks (the two shards add up to 23968 x 8)."""
+    uniform = _moe_bench(tmp_path, "--expert-model-parallel-size", "2", "--moe-round-robin-routing")
+    table = capsys.readouterr().out
+    assert uniform["ep_group_by_rank"] == [[0, 1], [0, 1]] and uniform["ep_rank_by_rank"] == [0, 1]
+    for rank in range(2):
+        by_routing, pairs_out, pairs_in = _bytes_from_routing(uniform, rank)
+        assert (pairs_out, pairs_in) == (2 * 64, 2 * 64)
+        assert uniform["all_to_all_bytes_by_rank"][rank] == by_routing == 66560
+        assert uniform["all_to_all_calls_by_rank"][rank] == 2 * 6  # per layer: rows, probabilities, combine; x 2
+        assert uniform["routed_rows_by_rank"][rank] == [64, 64]
+    planned = bench.planned_experts(bench.parse_args(MOE_BENCH + ["--expert-model-parallel-size", "2"]), uniform)
+    assert planned.all_to_all_bytes == 66560
+    assert uniform["dense_parameters_by_rank"] == [23968, 23968] == [planned.dense_params_per_rank] * 2
+    assert uniform["expert_parameters_by_rank"] == [4096, 4096] == [planned.expert_params_per_rank] * 2
+    assert uniform["optimizer_expert_state_bytes_by_rank"] == [4096 * 8] * 2
+    assert sum(uniform["optimizer_dense_state_bytes_by_rank"]) == 23968 * 8
+    assert planned.optimizer_bytes == 23968 * 8 / 2 + 4096 * 8
+    assert "experts: 4 per MoE layer, top-2, EP2, alltoall dispatcher (round robin: uniform)" in table
+    assert "66,560       66,560" in table
+
+    routed = _moe_bench(tmp_path, "--expert-model-parallel-size", "2")
+    measured = routed["all_to_all_bytes_by_rank"]
+    assert measured == [_bytes_from_routing(routed, rank)[0] for rank in range(2)]
+    assert measured != [66560, 66560]  # negative control: the router's own choices are not uniform
+
+    dense = _moe_bench(tmp_path, "--expert-model-parallel-size", "1")
+    assert dense["all_to_all_bytes_by_rank"] == [0, 0]  # EP1: nothing leaves a rank, though every row is routed
+    assert [sum(layer) for layer in dense["routed_pairs_to_ep_ranks_by_rank"][0]] == [128, 128]
+    assert dense["expert_parameters_by_rank"] == [8192, 8192] and dense["dense_parameters_by_rank"] == [23968] * 2
+    # EP1: expert-DP = DP x CP = 2, every parameter's state sharded over both ranks (megatron-core keeps the experts
+    # with the dense parameters then)
+    assert sum(dense["optimizer_dense_state_bytes_by_rank"] + dense["optimizer_expert_state_bytes_by_rank"]) \
+        == (23968 + 8192) * 8
+
+
+def test_moe_bench_flags_are_the_trainers_rules(capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(MOE_BENCH + ["--expert-model-parallel-size", "3"])
+    assert "--expert-model-parallel-size 3 does not divide --num-experts 4" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(MOE_BENCH + ["--moe-router-topk", "5"])
+    assert "--moe-router-topk 5 must be in [1, --num-experts 4]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--expert-model-parallel-size", "2"])
+    assert "--expert-model-parallel-size 2 needs experts" in capsys.readouterr().err

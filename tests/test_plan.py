@@ -1,5 +1,6 @@
 """The topology planner: the paper's exact traffic through the CLI, records, valid layouts, YAML."""
 
+import dataclasses
 import io
 import json
 import math
@@ -45,7 +46,8 @@ RECORD_FIELDS = {"mode", "tp", "pp", "p", "c", "dp", "noisy_rows", "clean_rows",
                  "attention_bytes", "attention_traffic_gib_per_step", "ring_link", "bytes_intra_node",
                  "bytes_inter_node", "activation_bytes", "state_bytes", "memory_bytes", "memory_limit_bytes",
                  "fits", "compute_s", "forward_s", "exposed_attention_s", "exposed_other_comm_s", "bubble_s", "step_time_s",
-                 "tokens_per_s", "reason", "requested"}
+                 "tokens_per_s", "reason", "requested", "ep", "etp", "dense_params_per_rank", "expert_params_per_rank",
+                 "parameter_bytes", "gradient_bytes", "optimizer_bytes", "all_to_all_bytes", "exposed_all_to_all_s"}
 
 
 def test_records_fields_and_halving():
@@ -189,3 +191,117 @@ def test_shipped_configs_plan_with_their_sections(name):
     path = pathlib.Path(__file__).parent.parent / "configs" / f"{name}.yaml"
     args = plan.parse_args(["--config", str(path), "--gpus", "16", "--gpus-per-node", "8"])
     assert args.bdlm_block_size == 16 and args.context_block_parallel >= 2
+
+
+# A tiny MoE BDLM for the expert-parallel checks: 2 layers (layer 0 MoE, layer 1 dense), h 64, 4 heads of 16
+# (MHA), dense FFN 128, 4 experts of FFN 32, top-2, a shared expert of FFN 48, no biases, RMSNorm, tied
+# embeddings of 254 ids + EOD + MASK = 256 rows (already a multiple of 128), bf16, fp32 router.
+TINY_MOE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, seq_length=64,
+                block_size=16, vocab_size=254, bytes_per_elem=2, num_experts=4, moe_router_topk=2,
+                moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=48, moe_layer_freq=[1, 0],
+                moe_router_dtype="fp32")
+
+
+def test_expert_parallel_memory_per_rank_by_hand():
+    """Parameters, gradients and optimizer state per rank of the tiny MoE on 4 GPUs as CSBP P2 x DP2 with EP2
+    (EP carved from DP x CP), written out by hand:
+    * one rank's dense parameters: attention (QKV 64 x 192 + projection 64 x 64 = 16384) and two norms (128) in
+      each layer = 2 x 16512; layer 1's MLP 64 x 128 x 2 = 16384; layer 0's router 4 x 64 = 256 and shared
+      expert 64 x 48 x 2 = 6144; embeddings 256 x 64 = 16384; final norm 64: 72256;
+    * its expert parameters: 2 of the 4 experts (EP2) of 64 x 32 x 2 = 4096 each: 8192;
+    * weights bf16: (72256 + 8192) x 2 = 160896 bytes; fp32 gradients, whole: 80448 x 4 = 321792;
+    * distributed optimizer (fp32 master + 2 Adam moments = 12 bytes a parameter): the dense state sharded over
+      DP x CP = 4 ranks, 72256 x 12 / 4 = 216768; the experts' over the expert-data-parallel group, 4 ranks /
+      EP2 = 2, 8192 x 12 / 2 = 49152; total 265920.
+    With EP1 each rank holds all 4 experts (16384) and shards their state over 4 ranks."""
+    model = plan.Model(**TINY_MOE)
+    cluster = plan.Cluster(4, 8, plan.GPU_PRESETS["h200"])
+    ep2 = plan.predict(model, cluster, plan.Topology("csbp", 1, 1, 2, 2, 2, ep=2))
+    assert (ep2.dense_params_per_rank, ep2.expert_params_per_rank) == (72256, 8192)
+    assert (ep2.parameter_bytes, ep2.gradient_bytes, ep2.optimizer_bytes) == (160896, 321792, 216768 + 49152)
+    assert ep2.state_bytes == 160896 + 321792 + 265920
+    ep1 = plan.predict(model, cluster, plan.Topology("csbp", 1, 1, 2, 2, 2, ep=1))
+    assert ep1.expert_params_per_rank == 16384 and ep1.dense_params_per_rank == 72256
+    assert ep1.optimizer_bytes == (72256 + 16384) * 12 / 4
+    # ZeRO-2 (sharded gradients): the dense gradients over 4 ranks, the experts' over 2
+    sharded = plan.predict(dataclasses.replace(model, sharded_gradients=True), cluster,
+                           plan.Topology("csbp", 1, 1, 2, 2, 2, ep=2))
+    assert sharded.gradient_bytes == 72256 * 4 / 4 + 8192 * 4 / 2
+    # the whole model, as the trainer counts it (flops.parameter_count), is one EP group's experts + the dense part
+    from megatron_csbp.bdlm import flops
+
+    whole = flops.parameter_count(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=256,
+                                  ffn_hidden_size=128, add_bias_linear=False, layernorm_bias=False, moe=model.moe)
+    assert whole == ep2.dense_params_per_rank + 2 * ep2.expert_params_per_rank
+
+
+def test_expert_parallel_all_to_all_bytes_by_hand():
+    """All-to-all bytes per rank per step of the tiny MoE's one MoE layer as CSBP P2 (each rank 32 noisy + 32
+    clean rows, all routed) with EP2, uniform routing, by hand: 64 rows x top-2 = 128 (row, expert) pairs, half
+    of them to the other EP rank: 64 pairs out, and 64 in. Forward: the dispatch sends 64 rows of 64 bf16 (8192
+    bytes) and their 64 fp32 probabilities (256), the combine sends back the 64 rows it received (8192); the
+    backward the same in reverse: 2 x 16640 = 33280 bytes. Full recompute runs the forward's 16640 again; EP1
+    sends nothing; 3 micro-batches send 3x."""
+    model = plan.Model(**TINY_MOE)
+    cluster = plan.Cluster(4, 8, plan.GPU_PRESETS["h200"])
+    topo = plan.Topology("csbp", 1, 1, 2, 2, 2, ep=2)
+    assert plan.predict(model, cluster, topo).all_to_all_bytes == 33280
+    assert plan.predict(dataclasses.replace(model, recompute="full"), cluster, topo).all_to_all_bytes == 33280 + 16640
+    assert plan.predict(model, cluster, dataclasses.replace(topo, ep=1)).all_to_all_bytes == 0
+    assert plan.predict(dataclasses.replace(model, global_batch_size=6), cluster, topo).all_to_all_bytes == 3 * 33280
+    # BP keeps every clean row on each rank: 32 noisy + 64 clean rows routed, 96 pairs out
+    assert plan.predict(model, cluster, dataclasses.replace(topo, mode="bp", c=1)).all_to_all_bytes == \
+        2 * (96 * (64 * 2 + 4) + 96 * 64 * 2)
+    # bf16 probabilities when the router runs in the model's dtype
+    assert plan.predict(dataclasses.replace(model, moe_router_dtype=None), cluster, topo).all_to_all_bytes == \
+        2 * (64 * (64 * 2 + 2) + 64 * 64 * 2)
+
+
+def test_expert_flops_per_rank_are_the_training_count():
+    """One rank holding a whole sample (P1): the planner's FLOPs per rank equal the trainer's TFLOP/s count of one
+    sample (`flops.bdlm_step_flops` with the MoE: router, top-k experts, shared expert), whatever the EP."""
+    from megatron_csbp.bdlm import flops
+
+    model = plan.Model(**TINY_MOE)
+    expected = flops.bdlm_step_flops(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=256,
+                                     seq_length=64, block_size=16, ffn_hidden_size=128, moe=model.moe)
+    dense = flops.bdlm_step_flops(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=256,
+                                  seq_length=64, block_size=16, ffn_hidden_size=128)
+    assert expected != dense  # negative control: the experts change the count
+    for ep in (1, 2, 4):
+        cluster = plan.Cluster(4, 8, plan.GPU_PRESETS["h200"])
+        assert plan.predict(model, cluster, plan.Topology("csbp", 1, 1, 1, 1, 4, ep=ep)).flops_per_rank == expected
+
+
+def test_expert_layouts_refused_with_the_trainers_words():
+    """EP not dividing the experts, EP x ETP x PP not dividing the world: the trainer's rules
+    (`rules.expert_parallel_problem`, through `RunConfig`), in its words; the planner proposes EP layouts."""
+    from megatron_csbp.core import rules
+
+    model = plan.Model(**TINY_MOE)
+    cluster = plan.Cluster(4, 8, plan.GPU_PRESETS["h200"])
+    for topo in (plan.Topology("csbp", 1, 1, 2, 2, 2, ep=3), plan.Topology("csbp", 2, 1, 2, 2, 1, ep=4)):
+        expected = rules.expert_parallel_problem(4, topo.ep, topo.etp, topo.tp, topo.pp, 4)
+        assert expected and plan.topology_problem(model, cluster, topo) == expected
+    valid = plan.valid_topologies(model, cluster)
+    assert {t.ep for t in valid} == {1, 2, 4} and all(4 % t.ep == 0 for t in valid)
+    assert plan.Topology("csbp", 1, 1, 2, 2, 2, ep=2) in valid
+    dense = plan.Model(**{k: v for k, v in TINY_MOE.items() if not k.startswith(("num_experts", "moe_"))})
+    assert {t.ep for t in plan.valid_topologies(dense, cluster)} == {1}
+
+
+def test_moe_flags_and_table():
+    """The MoE flags as training reads them (a --moe-layer-freq pattern too): the requested EP layout's line and the
+    table name the experts, their state and the all-to-all bytes."""
+    argv = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+            "--seq-length", "64", "--bdlm-block-size", "16", "--vocab-size", "254", "--bf16", "--gpus", "4",
+            "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
+            "--moe-shared-expert-intermediate-size", "48", "--moe-layer-freq", "[1]+[0]", "--moe-router-dtype", "fp32",
+            "--context-block-parallel", "2", "--expert-model-parallel-size", "2"]
+    records, text = run(argv)
+    requested = {r["mode"]: r for r in records if r["requested"]}
+    assert requested["csbp"]["ep"] == 2 and requested["csbp"]["all_to_all_bytes"] == 33280
+    assert requested["csbp"]["expert_params_per_rank"] == 8192
+    assert "experts: 4 per MoE layer in 1 of 2 layers, top-2" in text and "(TP1 PP1 P2 C2 EP2)" in text
+    assert "EP2: 8.19K expert + 72.3K dense params per rank, expert state over expert-DP 2" in text
+    assert "a2a GiB" in text and "state GiB" in text

@@ -156,3 +156,25 @@ def test_rules_import_nothing_but_the_standard_library():
     assert _imported_modules("import torch\nfrom yaml import safe_load\n") == {"torch", "yaml"}
     assert _imported_modules("def views():\n    import torch\n") == set()  # runs only when called
     assert "torch" in _modules_added_by(["megatron_csbp.core.layout"], after=None)
+
+
+def test_the_planner_and_the_trainer_agree_on_expert_layouts(tmp_path):
+    """The tiny config as a MoE (4 experts, alltoall): every layout the planner considers on 8 GPUs, with every EP
+    and ETP it enumerates, is proposed exactly when the trainer's validation accepts it (with sequence parallelism
+    under TP, which the planner's TP model assumes), and refused with the trainer's message otherwise."""
+    moe = ["--num-experts", "4", "--moe-token-dispatcher-type", "alltoall", "--disable-bias-linear"]
+    model, cluster = _planner(TINY, 8, "--num-experts", "4")
+    parsed = parse_args(["--config", TINY, *moe])
+    candidates = list(plan.candidate_topologies(cluster, model))
+    assert {t.ep for t in candidates} == {1, 2, 4} and {t.etp for t in candidates} == {None, 1}
+    accepted, expert_refusals = 0, 0
+    for topo in candidates:
+        args = copy.deepcopy(parsed)
+        args.expert_model_parallel_size, args.expert_tensor_parallel_size = topo.ep, topo.etp
+        args.sequence_parallel = topo.tp > 1
+        trainer = _trainer_problem(args, topo, 8)
+        assert plan.topology_problem(model, cluster, topo) == trainer, topo
+        accepted += trainer is None
+        expert_refusals += trainer is not None and "--expert-model-parallel-size" in trainer
+    assert accepted == len(plan.valid_topologies(model, cluster)) and accepted > 0 and expert_refusals > 0
+    assert any(t.ep == 4 for t in plan.valid_topologies(model, cluster))

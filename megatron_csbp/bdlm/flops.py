@@ -98,6 +98,34 @@ def moe_mlp_flops_per_row(hidden_size: int, moe: MoEShape, swiglu: bool) -> int:
             + shared)
 
 
+def moe_layer_linear_flops_per_row(hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                                   num_query_groups: int, kv_channels: int, swiglu: bool, moe: MoEShape) -> int:
+    """Forward FLOPs of one MoE layer's linear layers for one row: a dense layer's (`linear_flops_per_row`) with its
+    MLP replaced by the router, the `topk` experts and the shared expert (`moe_mlp_flops_per_row`)."""
+    return (linear_flops_per_row(hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels,
+                                 swiglu)
+            - mlp_flops_per_row(hidden_size, ffn_hidden_size, swiglu) + moe_mlp_flops_per_row(hidden_size, moe, swiglu))
+
+
+def moe_all_to_all_bytes(routed_rows: int, moe: MoEShape, expert_parallel: int, hidden_size: int,
+                         bytes_per_elem: int, probs_bytes: int, forward_runs: int = 1) -> float:
+    """Bytes one rank sends through megatron-core's alltoall token dispatcher in one MoE layer, forward and backward,
+    when its `routed_rows` rows (every row it holds, noisy and clean, `/ TP` under sequence parallelism) are routed
+    uniformly: of its `routed_rows x topk` (row, expert) pairs, `(EP-1)/EP` go to experts on other ranks, and as
+    many come in from the other ranks to its own experts.
+
+    Per pair leaving the rank: the dispatch sends the row (`hidden x bytes`) and its routing probability
+    (`probs_bytes`), the combine sends the expert's output row back; the backward runs both exchanges in reverse
+    (the probability's gradient too). A rank sends for its own pairs (dispatch forward, combine backward) and for
+    the pairs it received (combine forward, dispatch backward), so per layer
+    `pairs_out x (2h·e + p) + pairs_in x (2h·e + p)` with `pairs_out = pairs_in = rows x topk x (EP-1)/EP`;
+    `forward_runs = 2` (full recompute) sends the forward's part twice."""
+    pairs = routed_rows * moe.topk * (expert_parallel - 1) / expert_parallel
+    forward = pairs * (hidden_size * bytes_per_elem + probs_bytes) + pairs * hidden_size * bytes_per_elem
+    backward = forward
+    return forward_runs * forward + backward
+
+
 def lm_head_flops_per_row(hidden_size: int, padded_vocab_size: int) -> int:
     return 2 * hidden_size * padded_vocab_size
 
@@ -131,14 +159,14 @@ def bdlm_step_flops(*, num_layers: int, hidden_size: int, num_attention_heads: i
     """
     ffn_hidden_size, num_query_groups, kv_channels = _shape(
         hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, swiglu)
-    layer_forward = (2 * seq_length * linear_flops_per_row(hidden_size, ffn_hidden_size, num_attention_heads,
-                                                           num_query_groups, kv_channels, swiglu)
+    shape = (hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, swiglu)
+    layer_forward = (2 * seq_length * linear_flops_per_row(*shape)
                      + bdlm_attention_pairs(seq_length, block_size)
                      * attention_flops_per_pair(num_attention_heads, kv_channels))
     layers_forward = num_layers * layer_forward
     if moe is not None:  # the MoE layers' MLP replaced by the router, the top-k experts and the shared expert
         layers_forward += moe.num_moe_layers * 2 * seq_length * (
-            moe_mlp_flops_per_row(hidden_size, moe, swiglu) - mlp_flops_per_row(hidden_size, ffn_hidden_size, swiglu))
+            moe_layer_linear_flops_per_row(*shape, moe) - linear_flops_per_row(*shape))
     head_forward = seq_length * lm_head_flops_per_row(hidden_size, padded_vocab_size)
     return batch_size * (rules.step_passes(recompute) * layers_forward + rules.step_passes() * head_forward)
 
@@ -212,15 +240,22 @@ def parameter_count(*, num_layers: int, hidden_size: int, num_attention_heads: i
     total = num_layers * layer + final_norm + padded_vocab_size * hidden_size * (2 if untied_output else 1)
     if moe is not None:
         ffn = _shape(hidden_size, ffn_hidden_size, num_attention_heads, num_query_groups, kv_channels, swiglu)[0]
-        mlp = lambda size: _mlp_parameters(hidden_size, size, swiglu, add_bias_linear)  # noqa: E731
-        router = hidden_size * moe.num_experts + (moe.num_experts if add_bias_linear else 0)
-        moe_mlp = (router + moe.num_experts * mlp(moe.ffn_hidden_size)
-                   + (mlp(moe.shared_expert_ffn_hidden_size) if moe.shared_expert_ffn_hidden_size else 0))
-        total += moe.num_moe_layers * (moe_mlp - mlp(ffn))
+        parts = moe_mlp_parameters(hidden_size, moe, swiglu, add_bias_linear)
+        total += moe.num_moe_layers * (sum(parts.values()) - mlp_parameters(hidden_size, ffn, swiglu, add_bias_linear))
     return total
 
 
-def _mlp_parameters(hidden_size: int, ffn_hidden_size: int, swiglu: bool, add_bias_linear: bool) -> int:
+def moe_mlp_parameters(hidden_size: int, moe: MoEShape, swiglu: bool, add_bias_linear: bool) -> dict:
+    """Parameters of one MoE layer's MLP part, by what holds them: `router` (`h x E`, on every rank), `experts` (all
+    `E` routed experts, split over EP), `shared` (the shared expert, a dense MLP)."""
+    mlp = lambda size: mlp_parameters(hidden_size, size, swiglu, add_bias_linear)  # noqa: E731
+    return dict(router=hidden_size * moe.num_experts + (moe.num_experts if add_bias_linear else 0),
+                experts=moe.num_experts * mlp(moe.ffn_hidden_size),
+                shared=mlp(moe.shared_expert_ffn_hidden_size) if moe.shared_expert_ffn_hidden_size else 0)
+
+
+def mlp_parameters(hidden_size: int, ffn_hidden_size: int, swiglu: bool, add_bias_linear: bool) -> int:
+    """Parameters of one MLP (fc1, fc2; SwiGLU's fc1 twice as wide) and their biases when the flags give them."""
     fc1 = ffn_hidden_size * (2 if swiglu else 1)
     return hidden_size * fc1 + ffn_hidden_size * hidden_size + (fc1 + hidden_size if add_bias_linear else 0)
 

@@ -7,6 +7,9 @@ of `n` bytes in total sends `(C-1)/C·n`, a point-to-point send sends its tensor
 read them with `count_bytes()`, beside `wait_s`: the seconds spent blocked in the handles' `wait()`,
 i.e. the communication the compute did not hide (exposed communication).
 
+`count_all_to_all()` counts, while active, the bytes this rank sends through `torch.distributed.all_to_all_single`
+(megatron-core's MoE token dispatcher issues its exchanges there): every split but the rank's own.
+
 `simulated_link(gbps, latency_us)` makes every collective last at least `latency + bytes / bandwidth`
 from its start, on one link per rank that carries one transfer at a time: the delay is taken in the
 handle's `wait()`, so compute issued between start and wait hides it as on a real link, and nothing
@@ -70,6 +73,37 @@ def count_bytes():
         yield counter
     finally:
         _active.remove(counter)
+
+
+@dataclass
+class AllToAllCounter:
+    """Bytes this rank sent to other ranks through `all_to_all_single` while counting, and the calls made."""
+
+    bytes_sent: int = 0
+    calls: int = 0
+
+
+@contextmanager
+def count_all_to_all():
+    """`with count_all_to_all() as counter: ...`: every `torch.distributed.all_to_all_single` issued inside the block
+    (by any caller: megatron-core's MoE dispatcher calls it by its module attribute, forward and backward) counts the
+    rows of its input that go to other ranks, `sum(input_split_sizes) - input_split_sizes[own rank]` rows (an even
+    split when none are given) of `input.numel() / rows` elements. The function is wrapped only inside the block."""
+    counter, original = AllToAllCounter(), dist.all_to_all_single
+
+    def counted(output, input, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):
+        size, me, rows = dist.get_world_size(group), dist.get_rank(group), input.shape[0]
+        splits = [rows // size] * size if input_split_sizes is None else [int(n) for n in input_split_sizes]
+        row_bytes = input.numel() // rows * input.element_size() if rows else 0
+        counter.bytes_sent += (sum(splits) - splits[me]) * row_bytes
+        counter.calls += 1
+        return original(output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op)
+
+    dist.all_to_all_single = counted
+    try:
+        yield counter
+    finally:
+        dist.all_to_all_single = original
 
 
 @contextmanager

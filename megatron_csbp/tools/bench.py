@@ -52,6 +52,10 @@ BASELINE = next(mode for mode in MODES if modes.parallel_mode(mode).is_baseline)
 FLAGS = rules.FLAGS.renamed(seq_length="--seq-lengths", block_size="--block-size", parallel_size="--nproc",
                             clean_shards="clean shards", mode="--modes", clean_layout="clean layout")
 CALIBRATION_FLAGS = FLAGS.renamed(seq_length="--predict's calibration: half of --seq-lengths,")
+# What each rank of a MoE run records (kept per rank: the all-to-all and the routing differ from rank to rank).
+MOE_RANK_KEYS = ("all_to_all_bytes", "all_to_all_calls", "ep_rank", "ep_group", "routed_rows",
+                 "routed_pairs_to_ep_ranks", "dense_parameters", "expert_parameters", "optimizer_dense_state_bytes",
+                 "optimizer_expert_state_bytes", "gradient_buffer_dense_bytes", "gradient_buffer_expert_bytes")
 TRANSPORT_MEMORY_KEYS = tuple(f"{transport}_{part}_peak_bytes" for transport in rules.TRANSPORTS
                               for part in ("step", "attention_forward", "attention"))
 
@@ -102,6 +106,14 @@ def parse_args(argv=None):
                              "static schedule and of the document-balanced deal")
     parser.add_argument("--json", help="write the records to this file")
     parser.add_argument("--plot", help="write time / bytes / memory against sequence length to this PNG")
+    from megatron_csbp.training.flags import add_moe_args
+
+    add_moe_args(parser)  # the trainer's MoE flags, its defaults but the dispatcher (the all-to-all is measured)
+    parser.set_defaults(moe_token_dispatcher_type="alltoall")
+    parser.add_argument("--moe-round-robin-routing", action="store_true",
+                        help="route row i of each rank to experts (i*topk + j) mod E, j < topk, instead of the "
+                             "router's choice: exactly uniform routing, the planner's assumption (no load-balancing "
+                             "loss is computed)")
     args = parser.parse_args(argv)
     if args.calibrate_from:
         args.held_out_calibration = _recorded_calibration(args.calibrate_from, parser)
@@ -129,6 +141,13 @@ def parse_args(argv=None):
                                    rules.clean_shards(mode, args.nproc), flags=FLAGS) for mode in RING_MODES)),
             None)
     problem = problem or rules.query_groups_problem(args.num_attention_heads, args.num_query_groups)
+    problem = problem or rules.expert_parallel_problem(args.num_experts, args.expert_model_parallel_size,
+                                                       args.expert_tensor_parallel_size, 1, 1, args.nproc, FLAGS)
+    if args.num_experts and not problem:
+        problem = rules.moe_layer_freq_problem(args.moe_layer_freq, args.num_layers) or rules.moe_problem(
+            args.num_experts, args.moe_router_topk, args.moe_router_load_balancing_type,
+            args.moe_token_dispatcher_type, 1, args.expert_model_parallel_size, False, 1,
+            shared_expert=bool(args.moe_shared_expert_intermediate_size), bias=False)
     if problem:
         parser.error(problem)
     apart = [flag for flag, given in (("--link-gbps", args.link_gbps), ("--overlap-check", args.overlap_check),
@@ -291,6 +310,103 @@ def transport_memory(build_model, forward_step, batch, layout, group, config, mi
     return peaks
 
 
+def moe_config(args) -> dict:
+    """The `TransformerConfig` fields of the bench's experts: the trainer's mapping of its MoE flags
+    (`megatron_config.moe_config_kwargs`), without linear biases (megatron-core's shared expert has none, and the
+    planner counts none); nothing for a dense model."""
+    if not args.num_experts:
+        return {}
+    from megatron_csbp.training.megatron_config import moe_config_kwargs
+
+    return dict(moe_config_kwargs(args), add_bias_linear=False)
+
+
+def round_robin_routing(router, logits, padding_mask=None):
+    """Top-k routing that ignores the scores' order: the rank's row `i` (in `[s, b]` order) goes to experts
+    `(i * topk + j) mod E`, `j < topk`, weighted by its softmax scores there. Over `R` rows with `E | R * topk`
+    every expert gets `R * topk / E` (row, expert) pairs: the planner's uniform routing, exactly."""
+    experts, topk = router.config.num_moe_experts, router.topk
+    logits = logits.reshape(-1, experts)
+    chosen = (torch.arange(logits.shape[0], device=logits.device).unsqueeze(1) * topk
+              + torch.arange(topk, device=logits.device)) % experts
+    routing_map = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device).scatter_(1, chosen, True)
+    return torch.softmax(logits, dim=-1) * routing_map, routing_map
+
+
+class MoERouting:
+    """What this rank's MoE layers route in a step, read off each router's output (a forward hook, apart from the
+    all-to-all counting): per router call, the (row, expert) pairs going to each expert-parallel rank's experts
+    (`E / EP` consecutive experts each); and the rank's dense and expert parameters. With
+    `--moe-round-robin-routing` the routers route by `round_robin_routing`."""
+
+    def __init__(self, model, args):
+        import functools
+
+        from megatron.core import parallel_state as mpu
+
+        self.ep, self.ep_rank = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank()
+        self.ep_group = torch.distributed.get_process_group_ranks(mpu.get_expert_model_parallel_group())
+        self.pairs, self.rows = [], []
+        for layer in model.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is None:
+                continue
+            if args.moe_round_robin_routing:
+                router.routing = functools.partial(round_robin_routing, router)
+            router.register_forward_hook(self._routed)
+        # routed experts by module (megatron-core marks them expert-parallel, `allreduce = False`, only under EP > 1)
+        sizes = [(".experts." in name, param.numel()) for name, param in model.named_parameters()]
+        self.dense_parameters = sum(size for expert, size in sizes if not expert)
+        self.expert_parameters = sum(size for expert, size in sizes if expert)
+
+    def _routed(self, module, inputs, output):
+        routing_map = output[1]
+        self.rows.append(routing_map.shape[0])
+        self.pairs.append(routing_map.reshape(routing_map.shape[0], self.ep, -1).sum(dim=(0, 2)).tolist())
+
+    def clear(self):
+        self.pairs, self.rows = [], []
+
+    def record(self) -> dict:
+        return dict(ep_rank=self.ep_rank, ep_group=self.ep_group, routed_rows=list(self.rows),
+                    routed_pairs_to_ep_ranks=list(self.pairs), dense_parameters=self.dense_parameters,
+                    expert_parameters=self.expert_parameters)
+
+
+def optimizer_state(model, config) -> dict:
+    """The memory megatron-core's distributed optimizer gives this rank, measured on `model`: the fp32 gradient
+    buffers DDP allocates (whole, dense and expert, padded as megatron-core pads them), and Adam's state tensors
+    for the shard of the parameters megatron-core assigns this rank (the dense parameters' sharded over DP x CP,
+    the experts' over the expert-data-parallel group; under EP1 megatron-core counts the experts as dense, whose
+    group, DP x CP, is then the expert-data-parallel group too). The state is allocated by the inner torch optimizer's own
+    step on those shards, given zero gradients: the shards are megatron-core's, the step needs no gradient
+    exchange (which gloo cannot coalesce)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
+                                                                        use_distributed_optimizer=True), model)
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-4, use_distributed_optimizer=True,
+                                                       params_dtype=torch.float32), [ddp])
+    state = {"dense": 0, "expert": 0}
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = sub.optimizer
+        for group in inner.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        inner.step()
+        for group in inner.param_groups:
+            for param in group["params"]:
+                tensors = [t for t in inner.state.get(param, {}).values()
+                           if torch.is_tensor(t) and t.dim() > 0]  # Adam's moments (not its step count)
+                state["expert" if group["is_expert_parallel"] else "dense"] += sum(
+                    t.numel() * t.element_size() for t in tensors)
+    gradient = lambda buffers: sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers)  # noqa: E731
+    return dict(optimizer_dense_state_bytes=state["dense"], optimizer_expert_state_bytes=state["expert"],
+                gradient_buffer_dense_bytes=gradient(ddp.buffers),
+                gradient_buffer_expert_bytes=gradient(ddp.expert_parallel_buffers))
+
+
 def _rank_run(rank, world_size, args, mode, seq_length):
     """One (mode, length) on this rank, inside the CPU backend (a no-op on accelerators); returns its record."""
     from megatron_csbp.mcore import cpu_backend
@@ -337,8 +453,10 @@ class _ModeRun:
         self.device = device = default_device()
         self.clean_shards = layout_of(mode, seq_length, args.block_size, world_size, 0).clean_shards
         if not parallel_state.is_initialized():
-            parallel_state.initialize_model_parallel(context_block_parallel_size=world_size,
-                                                     clean_shards=self.clean_shards)
+            parallel_state.initialize_model_parallel(
+                context_block_parallel_size=world_size, clean_shards=self.clean_shards,
+                expert_model_parallel_size=args.expert_model_parallel_size,
+                expert_tensor_parallel_size=args.expert_tensor_parallel_size)
         elif parallel_state.get_clean_shards() != self.clean_shards:  # this mode's rings, in Megatron's CP groups
             parallel_state.initialize_block_parallel_groups(self.clean_shards)
         self.group = parallel_state.get_block_parallel_groups()
@@ -350,7 +468,8 @@ class _ModeRun:
             num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
             num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
             context_parallel_size=world_size, normalization="RMSNorm", use_cpu_initialization=True,
-            calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0, **recompute)
+            calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0, **recompute,
+            **moe_config(args))
         mask_token = args.vocab_size - 1
 
         def build_model(transport):
@@ -361,6 +480,7 @@ class _ModeRun:
 
         self.build_model = build_model
         self.model = build_model(args.csbp_transport)
+        self.routing = MoERouting(self.model, args) if args.num_experts else None
         self.forward_step = BDLMForwardStep(BDLMObjective(block_size=args.block_size, mask_token_id=mask_token,
                                                           seed=7), layout)
         generator = torch.Generator().manual_seed(42)
@@ -377,8 +497,10 @@ class _ModeRun:
         from megatron_csbp.core import comm
 
         torch.distributed.barrier()
+        if self.routing:
+            self.routing.clear()
         start, cpu_start = time.perf_counter(), time.process_time()
-        with comm.count_bytes() as counter:
+        with comm.count_bytes() as counter, comm.count_all_to_all() as exchanged:
             with _saved_bytes_hooks(self.saved if not self.saved[0] else [0]):  # not what recompute re-saves
                 output, loss_func = self.forward_step(iter([self.batch]), self.model)
                 loss_sum, num_tokens, _ = loss_func(output)
@@ -387,6 +509,7 @@ class _ModeRun:
             torch.accelerator.synchronize()
         elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         self.model.zero_grad(set_to_none=True)
+        counter.all_to_all_bytes, counter.all_to_all_calls = exchanged.bytes_sent, exchanged.calls
         return elapsed, cpu, counter
 
     def record(self, times, cpu_times, waits, counter, peak_memory_bytes, **condition):
@@ -405,7 +528,12 @@ class _ModeRun:
             attention_pairs_per_rank=rank_attention_pairs(self.layout) * config.num_attention_heads
             * config.num_layers * args.micro_batch_size,
             tokens_per_s=args.micro_batch_size * self.seq_length / step_time, kernel_work=self.work,
-            **_kernel_summary(self.work))
+            **_kernel_summary(self.work), all_to_all_bytes=counter.all_to_all_bytes,
+            all_to_all_calls=counter.all_to_all_calls, **(self.routing.record() if self.routing else {}))
+
+    def expert_memory(self) -> dict:
+        """Parameters and optimizer state per rank, dense and expert (an MoE model; else nothing)."""
+        return optimizer_state(self.model, self.config) if self.routing else {}
 
 
 def _rank_record(rank, world_size, args, mode, seq_length):
@@ -432,6 +560,7 @@ def _rank_record(rank, world_size, args, mode, seq_length):
                 waits.append(counter.wait_s)
         records.append(run.record(times, cpu_times, waits, counter, _peak_memory(run.device, baseline_rss), link_gbps=gbps,
                                   link_latency_us=args.link_latency_us if gbps else None, overlap=overlap))
+    records = [dict(record, **run.expert_memory()) for record in records]
     if args.transport_memory and run.clean_shards > 1:
         del run.model
         memory = transport_memory(run.build_model, run.forward_step, run.batch, run.layout, run.group, run.config,
@@ -466,7 +595,7 @@ def _rank_interleaved(rank, world_size, args, seq_length):
             with peak_tensor_memory(run.device) as peak:
                 run.step()
             records.append(run.record(times[run.mode], cpu_times[run.mode], waits[run.mode], counters[run.mode],
-                                      peak.bytes,
+                                      peak.bytes, **run.expert_memory(),
                                       link_gbps=None, link_latency_us=None, overlap=True, interleaved=True))
         parallel_state.destroy_model_parallel()
     return records
@@ -510,8 +639,67 @@ def summarise(per_rank):
         if first.get("calibration"):
             record["calibration"] = combine_calibrations([r["calibration"] for r in conditions_of_ranks])
         record["tokens_per_s"] = min(r["tokens_per_s"] for r in conditions_of_ranks)
+        record["all_to_all_bytes_per_rank"] = max(r.get("all_to_all_bytes", 0) for r in conditions_of_ranks)
+        for key in MOE_RANK_KEYS:
+            if key in first:
+                record[f"{key}_by_rank"] = [r[key] for r in conditions_of_ranks]
         records.append(record)
     return records
+
+
+def planned_experts(args, record):
+    """The planner's figures for a MoE bench record (its model, layout and EP; bytes do not depend on the GPU):
+    the prediction, whose `all_to_all_bytes` assume uniform routing."""
+    from megatron_csbp.tools import plan
+
+    model = plan.Model(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+                       ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.vocab_size - 2, untie_embeddings=True,
+                       seq_length=record["seq_length"], block_size=args.block_size, bytes_per_elem=4,
+                       recompute=None if record["recompute"] == "none" else record["recompute"],
+                       micro_batch_size=args.micro_batch_size, transport=args.csbp_transport,
+                       num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                       moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                       moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+                       moe_layer_freq=args.moe_layer_freq, moe_router_dtype=args.moe_router_dtype)
+    nproc, mode = record["nproc"], record["mode"]
+    topology = plan.Topology(mode, 1, 1, nproc, rules.clean_shards(mode, nproc), 1, args.expert_model_parallel_size,
+                             args.expert_tensor_parallel_size)
+    return plan.predict(model, plan.Cluster(nproc, nproc, plan.GPU_PRESETS["h200"]), topology)
+
+
+def print_experts(args, records, out=None):
+    """Per rank of each MoE run: the all-to-all bytes it sent (counted off the collectives) beside the planner's
+    uniform-routing figure, the (row, expert) pairs its rows sent to other EP ranks and received from them (off
+    the routers' outputs), its dense and expert parameters and the distributed optimizer's state, beside the
+    planner's."""
+    out = out or sys.stdout
+    rows = [r for r in records if "routed_pairs_to_ep_ranks_by_rank" in r]  # runs with experts
+    if not rows:
+        return
+    routing = " (round robin: uniform)" if args.moe_round_robin_routing else ""
+    print(f"\nexperts: {args.num_experts} per MoE layer, top-{args.moe_router_topk}, EP"
+          f"{args.expert_model_parallel_size}, {args.moe_token_dispatcher_type} dispatcher{routing}; per rank, "
+          f"measured | planner", file=out)
+    header = (f"{'mode':<10} {'L':>7} {'rank':>4} {'a2a bytes':>12} {'planner':>12} {'pairs out':>9} {'pairs in':>8} "
+              f"{'dense params':>12} {'planner':>10} {'expert params':>13} {'planner':>10} {'Adam dense B':>12} "
+              f"{'Adam expert B':>13} {'planner':>10}")
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for r in rows:
+        q = planned_experts(args, r)
+        for rank, sent in enumerate(r["all_to_all_bytes_by_rank"]):
+            ep_rank = r["ep_rank_by_rank"][rank]
+            routed = r["routed_pairs_to_ep_ranks_by_rank"]
+            pairs_out = sum(sum(layer) - layer[ep_rank] for layer in routed[rank])
+            pairs_in = sum(layer[ep_rank] for other in r["ep_group_by_rank"][rank] if other != rank
+                           for layer in routed[other])
+            adam = r["optimizer_dense_state_bytes_by_rank"][rank], r["optimizer_expert_state_bytes_by_rank"][rank]
+            print(f"{r['mode']:<10} {r['seq_length']:>7} {rank:>4} {sent:>12,} {q.all_to_all_bytes:>12,.0f} "
+                  f"{pairs_out:>9,} {pairs_in:>8,} {r['dense_parameters_by_rank'][rank]:>12,} "
+                  f"{q.dense_params_per_rank:>10,.0f} {r['expert_parameters_by_rank'][rank]:>13,} "
+                  f"{q.expert_params_per_rank:>10,.0f} {adam[0]:>12,} {adam[1]:>13,} {q.optimizer_bytes:>10,.0f}",
+                  file=out)
 
 
 def kernel_efficiency(seq_length, block_size, heads=8, head_dim=64, repeats=3):
@@ -1052,6 +1240,7 @@ def main(argv=None):
                   f"peak memory {csbp['peak_memory_bytes'] / max(cp['peak_memory_bytes'], 1):.3f}, "
                   f"computed pairs {csbp['kernel_computed_pairs'] / cp['kernel_computed_pairs']:.3f}")
     print_scaling(main_records)
+    print_experts(args, main_records)
     print_transport_memory(main_records)
     print_link_sweep(records)
     print_overlap(records)

@@ -27,7 +27,19 @@ The model, in one place so it can be argued with:
   kernels keep no `L²` scores), or each layer's input plus the larger of one layer's backward working set
   (its recomputed saved tensors and their gradients) and the noisy rows' logits with their fp32 copy
   (full recompute; the loss's backward frees the logits before any layer's backward runs); with `logits_tile_rows` the loss runs over the noisy rows in tiles of that many
-  rows (a tiled linear cross-entropy), so only one tile's logits live.
+  rows (a tiled linear cross-entropy), so only one tile's logits live;
+* mixture of experts (`--num-experts` ...): every EP dividing the experts (ETP = TP, or 1 under TP), EP x ETP x
+  expert-DP carved from each stage's TP x P x DP ranks as megatron-core does (the trainer's rules decide). Per
+  rank: the MoE layers' linear FLOPs are the router's, the top-k experts' and the shared expert's
+  (`flops.moe_layer_linear_flops_per_row`, the training TFLOP/s count), which uniform routing gives each rank
+  for its own rows; the routed experts' parameters are `E / EP` experts per MoE layer (/ ETP), their gradients
+  and Adam state sharded over the expert-data-parallel group (TP·P·DP / (EP·ETP)) as megatron-core's
+  distributed optimizer shards them, the dense ones (routers whole on every rank) over DP×P; the alltoall
+  dispatcher sends `flops.moe_all_to_all_bytes` per MoE layer (every row of the rank, noisy and clean, x top-k,
+  the `(EP-1)/EP` leaving the rank under uniform routing; rows and probabilities out, outputs back, and the
+  same in the backward), on NVLink or the inter-node link as the EP group lies (expert ranks ordered
+  tp-ep-dp-pp), exposed (the experts wait for their rows). Not modelled: the ETP all-gather of routed rows,
+  routing imbalance, the expert computation's lower efficiency on small GEMMs.
 Everything is per GPU per step; one micro-batch per DP replica unless `--global-batch-size` is set.
 """
 
@@ -41,6 +53,7 @@ import sys
 from megatron_csbp.bdlm import flops
 from megatron_csbp.core import modes, rules, transports
 from megatron_csbp.core.run_config import RunConfig
+from megatron_csbp.training.flags import moe_layer_freq
 
 GIB = 2 ** 30
 MODES = tuple(sorted(rules.PARALLEL_MODES, key=lambda name: not modes.parallel_mode(name).is_baseline))  # baseline first
@@ -154,6 +167,13 @@ class Model:
     transport: str = "collective"
     sharded_gradients: bool = False  # fp32 gradients sharded over DP×P (ZeRO-2 / FSDP), not whole on every rank
     logits_tile_rows: int = None     # the loss over the noisy rows in tiles of this many rows (None: all at once)
+    # mixture of experts (the trainer's flags; num_experts None: a dense model)
+    num_experts: int = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int = None  # None: ffn_hidden_size
+    moe_shared_expert_intermediate_size: int = None
+    moe_layer_freq: object = 1       # an int N (layers 0, N, 2N, ... MoE) or a 0/1 pattern per layer
+    moe_router_dtype: str = None     # the routing probabilities' precision (fp32, fp64; None: the model's)
 
     def __post_init__(self):
         fill = lambda name, value: object.__setattr__(self, name, value)
@@ -161,6 +181,15 @@ class Model:
             fill("ffn_hidden_size", rules.default_ffn_hidden_size(self.hidden_size, self.swiglu))
         if self.num_query_groups is None:
             fill("num_query_groups", self.num_attention_heads)
+        if self.num_experts is not None:
+            if self.moe_ffn_hidden_size is None:
+                fill("moe_ffn_hidden_size", self.ffn_hidden_size)
+            if isinstance(self.moe_layer_freq, list):
+                fill("moe_layer_freq", tuple(self.moe_layer_freq))
+            rules.refuse(rules.moe_layer_freq_problem(
+                self.moe_layer_freq if isinstance(self.moe_layer_freq, int) else list(self.moe_layer_freq),
+                self.num_layers)
+                or rules.moe_problem(self.num_experts, self.moe_router_topk, "aux_loss", "alltoall", 1, 1, True, 1))
         problems = [rules.whole_blocks_problem(self.seq_length, self.block_size),
                     rules.query_groups_problem(self.num_attention_heads, self.num_query_groups),
                     rules.kv_channels_problem(self.hidden_size, self.num_attention_heads)
@@ -185,6 +214,26 @@ class Model:
         (`--make-vocab-size-divisible-by` x TP)."""
         return rules.padded_vocab_size(self.vocab_size + 2, rules.MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
 
+    @property
+    def moe(self) -> "flops.MoEShape | None":
+        """The experts as the FLOPs count takes them (None for a dense model)."""
+        if self.num_experts is None:
+            return None
+        return flops.MoEShape(self.num_experts, self.moe_router_topk, self.moe_ffn_hidden_size,
+                              sum(self.moe_layers()), self.moe_shared_expert_intermediate_size or 0)
+
+    def moe_layers(self) -> list:
+        """1 for each MoE layer, 0 for each dense one (all 0 for a dense model)."""
+        if self.num_experts is None:
+            return [0] * self.num_layers
+        freq = self.moe_layer_freq
+        return rules.moe_layer_pattern(freq if isinstance(freq, int) else list(freq), self.num_layers)
+
+    @property
+    def probs_bytes(self) -> int:
+        """Bytes of one routing probability as the dispatcher sends it (the router's dtype, else the model's)."""
+        return {"fp32": 4, "fp64": 8}.get(self.moe_router_dtype, self.bytes_per_elem)
+
     def layer_params(self) -> int:
         """One layer's parameters as the trainer counts them (`flops.layer_parameter_count`), for the planner's
         models: RMSNorm, no linear biases."""
@@ -203,13 +252,26 @@ class Topology:
     p: int
     c: int
     dp: int
+    ep: int = 1            # expert parallel: EP x ETP x expert-DP carved from each stage's TP x P x DP ranks
+    etp: int = None        # expert tensor parallel (None: TP)
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.p * self.dp
 
+    @property
+    def expert_tp(self) -> int:
+        return self.etp or self.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The expert-data-parallel size: each expert's replicas, over which its gradients and optimizer state go."""
+        return self.tp * self.p * self.dp // (self.ep * self.expert_tp)
+
     def label(self) -> str:
-        return f"{self.mode:<4} TP{self.tp} PP{self.pp} P{self.p} C{self.c} DP{self.dp}"
+        experts = f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp not in (None, self.tp) else "") \
+            if self.ep > 1 or self.etp not in (None, self.tp) else ""
+        return f"{self.mode:<4} TP{self.tp} PP{self.pp} P{self.p} C{self.c} DP{self.dp}{experts}"
 
 
 def _divisors(n: int):
@@ -242,24 +304,34 @@ def run_config(model: Model, topo: Topology, cluster: Cluster) -> RunConfig:
                      kv_channels=model.kv_channels, seq_length=model.seq_length, block_size=model.block_size,
                      mode=topo.mode, block_parallel_size=topo.p, clean_shards=topo.c, transport=model.transport,
                      tensor_parallel_size=topo.tp, pipeline_parallel_size=topo.pp, world_size=cluster.gpus,
-                     micro_batch_size=model.micro_batch_size, global_batch_size=model.global_batch_size)
+                     micro_batch_size=model.micro_batch_size, global_batch_size=model.global_batch_size,
+                     num_experts=model.num_experts, expert_parallel_size=topo.ep,
+                     expert_tensor_parallel_size=topo.etp)
 
 
-def candidate_topologies(cluster: Cluster):
+def candidate_topologies(cluster: Cluster, model: Model = None):
     """Every (mode, TP, PP, P, C, DP) that multiplies to the cluster size, valid or not: CP and pure BP at every
-    P, CSBP at every C > 1 dividing P (CSBP with C = 1 is pure BP, and at P = 1 all three are the same run)."""
+    P, CSBP at every C > 1 dividing P (CSBP with C = 1 is pure BP, and at P = 1 all three are the same run); for
+    a model with experts, every EP dividing the expert count, with ETP = TP and, under TP, ETP = 1 (which of them
+    the stage's ranks can hold is the trainer's `rules.expert_parallel_problem`)."""
     n = cluster.gpus
+    experts = model.num_experts if model is not None and model.num_experts else None
     for tp in _divisors(n):
         for pp in _divisors(n // tp):
             for p in _divisors(n // (tp * pp)):
                 dp = n // (tp * pp * p)
                 for mode in MODES:
                     for c in modes.parallel_mode(mode).clean_shard_choices(p):
-                        yield Topology(mode, tp, pp, p, c, dp)
+                        if experts is None:
+                            yield Topology(mode, tp, pp, p, c, dp)
+                            continue
+                        for ep in _divisors(experts):
+                            for etp in (None, 1) if tp > 1 else (None,):
+                                yield Topology(mode, tp, pp, p, c, dp, ep, etp)
 
 
 def valid_topologies(model: Model, cluster: Cluster):
-    return [t for t in candidate_topologies(cluster) if topology_problem(model, cluster, t) is None]
+    return [t for t in candidate_topologies(cluster, model) if topology_problem(model, cluster, t) is None]
 
 
 def _ring_crossings(cluster: Cluster, topo: Topology) -> int:
@@ -279,6 +351,14 @@ def _spans_nodes(cluster: Cluster, ranks) -> bool:
     return len({cluster.node(r) for r in ranks}) > 1
 
 
+def _expert_group_spans_nodes(cluster: Cluster, topo: Topology) -> bool:
+    """Whether an expert-parallel group leaves a node: megatron-core orders the expert ranks tp-ep-dp-pp (ETP
+    fastest), so an EP group is `EP` ranks `ETP` apart; every group of a stage is a shifted copy of rank 0's."""
+    stage = topo.tp * topo.p * topo.dp
+    return any(_spans_nodes(cluster, [base + topo.expert_tp * i for i in range(topo.ep)])
+               for base in range(0, stage, topo.expert_tp * topo.ep))
+
+
 @dataclasses.dataclass
 class Prediction:
     topology: Topology
@@ -290,7 +370,7 @@ class Prediction:
     bytes_intra_node: float
     bytes_inter_node: float
     activation_bytes: float
-    state_bytes: float
+    state_bytes: float  # parameter_bytes + gradient_bytes + optimizer_bytes
     memory_bytes: float
     memory_limit_bytes: float
     compute_s: float
@@ -300,6 +380,15 @@ class Prediction:
     bubble_s: float
     step_time_s: float
     tokens_per_s: float
+    # parameters on one rank of the worst stage (dense: attention, norms, dense MLPs, router, shared expert,
+    # embeddings; expert: its EP rank's routed experts, their ETP shard), and their weights, gradients, optimizer
+    dense_params_per_rank: float = 0.0
+    expert_params_per_rank: float = 0.0
+    parameter_bytes: float = 0.0
+    gradient_bytes: float = 0.0
+    optimizer_bytes: float = 0.0
+    all_to_all_bytes: float = 0.0      # MoE token dispatcher bytes this rank sends per step (uniform routing)
+    exposed_all_to_all_s: float = 0.0
     reason: str = ""
 
     @property
@@ -361,16 +450,33 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
 
     per_pair = flops.attention_flops_per_pair(heads_tp, model.kv_channels)
     forward_attention_s, backward_attention_s = attention_seconds(parallel_mode, model, topo, gpu, per_pair)
-    linear_forward = rows * flops.linear_flops_per_row(h, model.ffn_hidden_size, model.num_attention_heads,
-                                                       groups, model.kv_channels, model.swiglu) / tp
+    # The stage with the most MoE layers (its experts' state, FLOPs and all-to-all bound the step).
+    pattern = model.moe_layers()
+    moe_layers = max(sum(pattern[stage * layers:(stage + 1) * layers]) for stage in range(pp))
+    shape = (h, model.ffn_hidden_size, model.num_attention_heads, groups, model.kv_channels, model.swiglu)
+    dense_row_flops = flops.linear_flops_per_row(*shape)
+    # Under uniform routing each rank's experts get as many (row, expert) pairs as its rows send out, so a rank
+    # computes its own rows' top-k experts' FLOPs (`flops.moe_layer_linear_flops_per_row`), / TP under SP.
+    moe_row_flops = flops.moe_layer_linear_flops_per_row(*shape, model.moe) if model.moe else dense_row_flops
+    stage_linear = rows * ((layers - moe_layers) * dense_row_flops + moe_layers * moe_row_flops) / tp
     attention_forward = pairs * per_pair
     head_forward = noisy_rows * flops.lm_head_flops_per_row(h, vocab) / tp
-    forward_s = mbs * (layers * (linear_forward / rate + forward_attention_s) + head_forward / rate)
-    microbatch_flops = mbs * (layers * (passes * linear_forward + attention_passes * attention_forward)
+    forward_s = mbs * (stage_linear / rate + layers * forward_attention_s + head_forward / rate)
+    microbatch_flops = mbs * (passes * stage_linear + layers * attention_passes * attention_forward
                               + head_passes * head_forward)
     attention_runs = attention_passes - rules.BACKWARD_FLOPS_PER_FORWARD  # forward runs of the core attention: 1, or 2 when recomputed
-    compute_s = mbs * (layers * (passes * linear_forward / rate + attention_runs * forward_attention_s
-                                 + backward_attention_s) + head_passes * head_forward / rate)
+    compute_s = mbs * (passes * stage_linear / rate + layers * (attention_runs * forward_attention_s
+                                                                + backward_attention_s) + head_passes * head_forward / rate)
+
+    # MoE all-to-all (alltoall dispatcher) of the stage's MoE layers: every row of the rank is routed (noisy and
+    # clean; / TP under sequence parallelism), uniformly, on the EP group's link; on the critical path (the
+    # experts wait for their rows), so exposed; 3 exchanges per pass (rows, probabilities, combine).
+    model_forward_runs = 2 if model.full_recompute else 1
+    a2a_layer = flops.moe_all_to_all_bytes(mbs * rows // tp, model.moe, topo.ep, h, e, model.probs_bytes,
+                                           model_forward_runs) if model.moe and topo.ep > 1 else 0.0
+    a2a_bw = (gpu.internode_gb_s if _expert_group_spans_nodes(cluster, topo) else gpu.nvlink_gb_s) * 1e9
+    a2a_s = moe_layers * (a2a_layer / a2a_bw + 3 * (model_forward_runs + 1) * gpu.link_latency_us * 1e-6) \
+        if a2a_layer else 0.0
 
     # Attention traffic of one layer, forward (gather) and backward parts, on the ring's link.
     crossings = _ring_crossings(cluster, topo)
@@ -398,16 +504,17 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     pp_bw = gpu.internode_gb_s if _spans_nodes(cluster, [0, tp * p * dp]) else gpu.nvlink_gb_s
     tp_pp_s = tp_bytes / (gpu.nvlink_gb_s * 1e9) + pp_bytes / (pp_bw * 1e9)
 
-    # Distributed optimizer over the DP×P group: fp32 grad reduce-scatter + bf16 param all-gather.
+    # Distributed optimizer (megatron-core's): dense parameters' fp32 grad reduce-scatter + param all-gather over
+    # the DP×P group; the experts' over the expert-data-parallel group (TP·P·DP / (EP·ETP) ranks).
     embeddings = 2 if pp == 1 and model.untie_embeddings else 1
-    stage_params = (layers * model.layer_params() + embeddings * vocab * h) / tp
-    group = dp * p
-    dp_bytes = stage_params * (group - 1) / group * (4 + e)
+    dense_params, expert_params = _stage_parameters(model, topo, layers, moe_layers, vocab, embeddings)
+    group, expert_group = dp * p, topo.expert_dp
+    dp_bytes = (dense_params * (group - 1) / group + expert_params * (expert_group - 1) / expert_group) * (4 + e)
     dp_ranks = [tp * i for i in range(group)]
     dp_bw = gpu.internode_gb_s if _spans_nodes(cluster, dp_ranks) else gpu.nvlink_gb_s
     exposed_dp_s = max(0.0, dp_bytes / (dp_bw * 1e9) - compute_s)
 
-    microbatch_s = compute_s + exposed_attention_s + tp_pp_s
+    microbatch_s = compute_s + exposed_attention_s + tp_pp_s + a2a_s
     bubble_s = (pp - 1) * microbatch_s
     step_time_s = microbatches * microbatch_s + bubble_s + exposed_dp_s
 
@@ -427,8 +534,9 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     last_stage = layer_stored * layers + max(logits, recompute_working)
     first_stage = layer_stored * layers * min(pp, microbatches) + recompute_working
     activation_bytes = max(last_stage, first_stage) if pp > 1 else last_stage
-    gradients = 4 / group if model.sharded_gradients else 4
-    state_bytes = stage_params * ((e + gradients + 12 / group) if e == 2 else (4 + gradients + 8 / group))
+    parameter_bytes, gradient_bytes, optimizer_bytes = _state_bytes(model, dense_params, expert_params, group,
+                                                                    expert_group)
+    state_bytes = parameter_bytes + gradient_bytes + optimizer_bytes
     memory_limit = gpu.hbm_gb * 1e9 * gpu.usable_memory_fraction
 
     return Prediction(
@@ -440,7 +548,48 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
         memory_bytes=activation_bytes + state_bytes, memory_limit_bytes=memory_limit,
         compute_s=microbatches * compute_s, forward_s=microbatches * forward_s, exposed_attention_s=microbatches * exposed_attention_s,
         exposed_other_comm_s=microbatches * tp_pp_s + exposed_dp_s, bubble_s=bubble_s,
-        step_time_s=step_time_s, tokens_per_s=global_batch * L / step_time_s)
+        step_time_s=step_time_s, tokens_per_s=global_batch * L / step_time_s,
+        dense_params_per_rank=dense_params, expert_params_per_rank=expert_params, parameter_bytes=parameter_bytes,
+        gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
+        all_to_all_bytes=microbatches * moe_layers * a2a_layer, exposed_all_to_all_s=microbatches * a2a_s)
+
+
+def _stage_parameters(model: Model, topo: Topology, layers: int, moe_layers: int, vocab: int,
+                      embeddings: int) -> tuple[float, float]:
+    """(dense, expert) parameters on one rank of a stage of `layers` layers, `moe_layers` of them MoE.
+
+    Dense: the layers' attention, norms and MLPs, the shared experts, the final norm and the embeddings, / TP
+    (as the planner counts a dense model; every stage is charged the embeddings and the final norm, the worst
+    case), and the MoE layers' routers, whole on every rank; expert: the `E / EP` routed experts of each MoE layer
+    this rank's EP rank holds, / ETP."""
+    dense = layers * model.layer_params() + embeddings * vocab * model.hidden_size + model.hidden_size
+    if model.moe is None:
+        return dense / topo.tp, 0.0
+    parts = flops.moe_mlp_parameters(model.hidden_size, model.moe, model.swiglu, add_bias_linear=False)
+    dense_mlp = flops.mlp_parameters(model.hidden_size, model.ffn_hidden_size, model.swiglu, add_bias_linear=False)
+    dense += moe_layers * (parts["shared"] - dense_mlp)
+    experts = moe_layers * parts["experts"] / topo.ep / topo.expert_tp
+    return dense / topo.tp + moe_layers * parts["router"], experts
+
+
+def _state_bytes(model: Model, dense: float, expert: float, group: int, expert_group: int):
+    """(weights, gradients, optimizer) bytes of `dense` parameters whose distributed-optimizer state is sharded over
+    `group` (DP×P) and `expert` parameters sharded over `expert_group` (expert-DP), as megatron-core 0.16 shards
+    them: weights in the model's dtype; fp32 main gradients (sharded too with `sharded_gradients`, ZeRO-2); Adam's
+    two fp32 moments, and with bf16 weights an fp32 master copy, sharded."""
+    e = model.bytes_per_elem
+    optimizer = 12 if e == 2 else 8
+    gradients = sum(params * 4 / (shards if model.sharded_gradients else 1)
+                    for params, shards in ((dense, group), (expert, expert_group)))
+    return (dense + expert) * e, gradients, dense * optimizer / group + expert * optimizer / expert_group
+
+
+def _count(n: float) -> str:
+    """A parameter count in a few digits: 8.19K, 72.3M, 1.2B."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return f"{n:.0f}"
 
 
 def _reason(pred: Prediction, baseline: Prediction = None) -> str:
@@ -457,6 +606,12 @@ def _reason(pred: Prediction, baseline: Prediction = None) -> str:
     said.append(f"comm exposed {100 * exposed / pred.step_time_s:.1f}% of the step")
     if pred.bubble_s:
         said.append(f"PP bubble {100 * pred.bubble_s / pred.step_time_s:.0f}%")
+    if pred.expert_params_per_rank:
+        said.append(f"EP{topo.ep}: {_count(pred.expert_params_per_rank)} expert + "
+                    f"{_count(pred.dense_params_per_rank)} dense params per rank, expert state over "
+                    f"expert-DP {topo.expert_dp}" + (f", all-to-all {pred.all_to_all_bytes / GIB:.2f} GiB per step "
+                                                     f"(exposed {100 * pred.exposed_all_to_all_s / pred.step_time_s:.1f}%)"
+                                                     if topo.ep > 1 else ""))
     mem = f"{pred.memory_bytes / GIB:.1f} of {pred.memory_limit_bytes / GIB:.1f} GiB"
     said.append(f"fits ({mem})" if pred.fits else f"does NOT fit ({mem})")
     return "; ".join(said)
@@ -482,11 +637,12 @@ def best_by_mode(preds):
     return {mode: best.get(mode) for mode in MODES}
 
 
-def requested_topologies(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c: int):
-    """The user's layout in each mode: CP over the same P ranks, CSBP (P, C), BP (P, 1)."""
+def requested_topologies(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c: int, ep: int = 1,
+                         etp: int = None):
+    """The user's layout in each mode: CP over the same P ranks, CSBP (P, C), BP (P, 1); EP and ETP as given."""
     rules.refuse(rules.world_size_problem(tp, pp, p, cluster.gpus))
     dp = cluster.gpus // (tp * pp * p)
-    return [Topology(mode, tp, pp, p, rules.clean_shards(mode, p, c), dp) for mode in MODES]
+    return [Topology(mode, tp, pp, p, rules.clean_shards(mode, p, c), dp, ep, etp) for mode in MODES]
 
 
 # The paper's 16×H200, 256K rows (docs/algorithm.md §11; /work/shared csbp-algorithm §8): the model shapes of
@@ -597,6 +753,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bf16", action="store_true")
     add("--fp16", action="store_true")
     add("--csbp-transport", choices=rules.TRANSPORTS, default="collective")
+    add("--num-experts", type=int, help="experts per MoE layer (default: a dense model)")
+    add("--moe-router-topk", type=int, default=2)
+    add("--moe-ffn-hidden-size", type=int, help="each expert's FFN size (default: --ffn-hidden-size)")
+    add("--moe-shared-expert-intermediate-size", type=int)
+    add("--moe-layer-freq", type=moe_layer_freq, default=1, help="one MoE layer every N, or a 0/1 pattern per layer")
+    add("--moe-router-dtype", choices=("fp32", "fp64"), help="the routing probabilities' dtype (default: the model's)")
+    add("--expert-model-parallel-size", type=int, default=1, help="your EP (its layout is printed)")
+    add("--expert-tensor-parallel-size", type=int, help="your ETP (default: TP)")
     add("--tensor-model-parallel-size", type=int, default=1)
     add("--pipeline-model-parallel-size", type=int, default=1)
     add("--context-block-parallel", type=int, help="your block-parallel size P (its traffic is printed)")
@@ -672,7 +836,10 @@ def _model(args) -> Model:
                  swiglu=args.swiglu, untie_embeddings=args.untie_embeddings_and_output_weights,
                  recompute=args.recompute_granularity, bytes_per_elem=2 if (args.bf16 or args.fp16) else 4,
                  micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                 transport=args.csbp_transport)
+                 transport=args.csbp_transport, num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                 moe_ffn_hidden_size=args.moe_ffn_hidden_size,
+                 moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+                 moe_layer_freq=args.moe_layer_freq, moe_router_dtype=args.moe_router_dtype)
 
 
 def _print_setting(model: Model, cluster: Cluster, out):
@@ -683,15 +850,22 @@ def _print_setting(model: Model, cluster: Cluster, out):
           f"recompute {model.recompute or 'none'}, {'bf16' if model.bytes_per_elem == 2 else 'fp32'}, "
           f"micro-batch {model.micro_batch_size}, {model.transport} transport"
           f"{'' if model.bytes_per_elem == 2 else ' (FLOP rate is still the bf16 peak)'}", file=out)
+    if model.moe:
+        moe = model.moe
+        print(f"experts: {moe.num_experts} per MoE layer in {moe.num_moe_layers} of {model.num_layers} layers, top-"
+              f"{moe.topk}, expert ffn {moe.ffn_hidden_size}, shared expert ffn {moe.shared_expert_ffn_hidden_size}; "
+              f"alltoall dispatcher, every row (noisy and clean) routed, uniform routing assumed", file=out)
     print(f"cluster: {cluster.gpus} x {gpu.name} ({cluster.gpus_per_node} per node), {gpu.bf16_tflops:g} TFLOP/s "
           f"x {gpu.achievable_fraction:g}, {gpu.hbm_gb:g} GB HBM ({gpu.usable_memory_fraction:.0%} usable), "
           f"NVLink {gpu.nvlink_gb_s:g} GB/s, inter-node {gpu.internode_gb_s:g} GB/s", file=out)
 
 
-def _print_requested(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c: int, out) -> list:
-    print(f"\nattention traffic per GPU per step, your layout (TP{tp} PP{pp} P{p} C{c}):", file=out)
+def _print_requested(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c: int, out, ep: int = 1,
+                     etp: int = None) -> list:
+    experts = f" EP{ep}" + (f" ETP{etp}" if etp else "") if model.moe else ""
+    print(f"\nattention traffic per GPU per step, your layout (TP{tp} PP{pp} P{p} C{c}{experts}):", file=out)
     records, baseline = [], None
-    for topo in requested_topologies(model, cluster, tp, pp, p, c):
+    for topo in requested_topologies(model, cluster, tp, pp, p, c, ep, etp):
         problem = topology_problem(model, cluster, topo)
         if problem:
             print(f"  {topo.mode:<4}  invalid: {problem}", file=out)
@@ -707,9 +881,12 @@ def _print_requested(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c
 
 def _print_plan(preds: list, top: int, out):
     print(f"\nbest layouts of {len(preds)} valid ({sum(q.fits for q in preds)} fit in memory):", file=out)
-    print(f"  {'layout':<30} {'step s':>8} {'tok/s':>9} {'attn GiB':>9} {'mem GiB':>8}  why", file=out)
+    experts = any(q.expert_params_per_rank for q in preds)  # MoE columns: all-to-all, state per rank
+    moe_header = f" {'a2a GiB':>8} {'state GiB':>9}" if experts else ""
+    print(f"  {'layout':<38} {'step s':>8} {'tok/s':>9} {'attn GiB':>9}{moe_header} {'mem GiB':>8}  why", file=out)
     for q in preds[:top]:
-        print(f"  {q.topology.label():<30} {q.step_time_s:8.3f} {q.tokens_per_s:9.0f} {q.attention_gib:9.2f} "
+        moe = f" {q.all_to_all_bytes / GIB:8.2f} {q.state_bytes / GIB:9.2f}" if experts else ""
+        print(f"  {q.topology.label():<38} {q.step_time_s:8.3f} {q.tokens_per_s:9.0f} {q.attention_gib:9.2f}{moe} "
               f"{q.memory_bytes / GIB:8.1f}  {q.reason}", file=out)
     print("best per mode (attention traffic per GPU per step):", file=out)
     best = best_by_mode(preds)
@@ -738,7 +915,8 @@ def main(argv=None, out=sys.stdout) -> list:
         _print_setting(model, cluster, out)
         records = []
         if p is not None:
-            records += _print_requested(model, cluster, tp, pp, p, args.context_block_parallel_clean_shards or p, out)
+            records += _print_requested(model, cluster, tp, pp, p, args.context_block_parallel_clean_shards or p, out,
+                                        args.expert_model_parallel_size, args.expert_tensor_parallel_size)
         preds = plan(model, cluster)
         if preds:
             _print_plan(preds, args.top, out)

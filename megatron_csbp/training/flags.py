@@ -195,7 +195,7 @@ def moe_layer_freq(text):
     return pattern
 
 
-def _add_moe_args(parser):
+def add_moe_args(parser):
     group = parser.add_argument_group(title="mixture of experts (megatron-core's MoE layers)")
     group.add_argument("--num-experts", type=int, default=None, help="Experts per MoE layer (None: a dense model).")
     group.add_argument("--moe-layer-freq", type=moe_layer_freq, default=1,
@@ -319,7 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Block diffusion LM pretraining with context-sharded block "
                                                  "parallelism (CSBP) on Megatron-Core.", allow_abbrev=False)
     _add_model_args(parser)
-    _add_moe_args(parser)
+    add_moe_args(parser)
     _add_training_args(parser)
     _add_parallel_args(parser)
     _add_data_and_io_args(parser)
