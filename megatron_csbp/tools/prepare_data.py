@@ -9,7 +9,8 @@ here. A tiny model learns them in a few minutes on two CPU cores, so its samples
 
 Inputs ending in `.jsonl`/`.json` hold one JSON object per line (text under `--json-key`); any other file
 is one document. A malformed line is reported as `file:line: why` and skipped (counted) or fatal, per
-`--on-bad-line`. The dataset is read back and checked before it replaces anything (see
+`--on-bad-line`. Input must be UTF-8: where a bad line is fatal, every input is checked before any work. The
+dataset is read back and checked before it replaces anything (see
 `megatron_csbp.training.datasets.write_indexed_dataset`).
 
 `main(argv)` is the command of `scripts/prepare_data.py`.
@@ -70,6 +71,40 @@ def sequence_documents(count: int = 4000, seed: int = 0) -> list[str]:
     return documents
 
 
+NOT_UTF8_FIX = "convert the file to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)"
+
+
+def utf8_problem(data: bytes, path: str, line: int | None, offset: int) -> tuple[str, str] | None:
+    """None where `data` (the bytes of `path` from byte `offset`, its line `line`; None: the whole file) is UTF-8,
+    else `(where, why)`: the first byte that is not, with its line and its offset in the file."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1 if line is None else line
+        byte = f"byte 0x{data[error.start]:02x} at byte {offset + error.start} of the file"
+        return f"{path}:{line}", f"not UTF-8 text ({byte})"
+    return None
+
+
+def check_inputs(paths: list[str], on_bad_line: str) -> None:
+    """Before any work: every input file exists and, where a bad line is fatal, is UTF-8 throughout, so a file
+    that is not is refused in one line (file, line, byte offset, the fix) before anything is tokenized."""
+    for path in paths:
+        if not os.path.isfile(path):
+            raise BadInput(f"{path}: no such input file")
+    if on_bad_line != "error":
+        return  # bad lines are skipped as the readers meet them
+    for path in paths:
+        with open(path, "rb") as handle:
+            offset = 0
+            for number, raw in enumerate(handle, start=1):
+                problem = utf8_problem(raw, path, number, offset)
+                if problem:
+                    raise BadInput(f"{problem[0]}: {problem[1]}; {NOT_UTF8_FIX}, or skip such lines with "
+                                   f"--on-bad-line skip")
+                offset += len(raw)
+
+
 def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
     """Yield document texts; `report` gets one line per skipped bad line."""
 
@@ -82,15 +117,23 @@ def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
         if not os.path.isfile(path):
             raise BadInput(f"{path}: no such input file")
         if not path.endswith((".jsonl", ".json")):
-            try:
-                with open(path, encoding="utf-8") as handle:
-                    yield handle.read()
-            except UnicodeDecodeError as error:
-                bad(path, f"not UTF-8 text ({error.reason} at byte {error.start})")
+            with open(path, "rb") as handle:
+                data = handle.read()
+            problem = utf8_problem(data, path, None, 0)
+            if problem:
+                bad(*problem)
+            else:
+                yield data.decode("utf-8")
             continue
-        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
-            for number, line in enumerate(handle, start=1):
-                where = f"{path}:{number}"
+        with open(path, "rb") as handle:
+            offset = 0
+            for number, raw in enumerate(handle, start=1):
+                where, problem = f"{path}:{number}", utf8_problem(raw, path, number, offset)
+                offset += len(raw)
+                if problem:
+                    bad(*problem)
+                    continue
+                line = raw.decode("utf-8")
                 if not line.strip():
                     continue
                 try:
@@ -105,8 +148,8 @@ def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
                 else:
                     try:
                         record[json_key].encode("utf-8")
-                    except UnicodeEncodeError:
-                        bad(where, "not UTF-8 text")
+                    except UnicodeEncodeError:  # a JSON escape of half a surrogate pair
+                        bad(where, f"'{json_key}' holds an unpaired surrogate escape, not text")
                         continue
                     yield record[json_key]
 
@@ -164,9 +207,15 @@ def chat_documents(paths, key, render, tokenizer, pad_to: int, on_bad_line: str,
     for path in paths:
         if not os.path.isfile(path):
             raise BadInput(f"{path}: no such input file")
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                where = f"{path}:{number}"
+        with open(path, "rb") as handle:
+            offset = 0
+            for number, raw in enumerate(handle, start=1):
+                where, problem = f"{path}:{number}", utf8_problem(raw, path, number, offset)
+                offset += len(raw)
+                if problem:
+                    report(f"skipped {where}: {problem[1]}")
+                    continue
+                line = raw.decode("utf-8")
                 if not line.strip():
                     continue
                 try:
@@ -242,6 +291,7 @@ def _write_chat(args, prefix, tokenizer, report, skipped) -> int:
     if args.seq_length is not None and (args.seq_length < 1 or args.seq_length % args.pad_to_multiple):
         raise ConfigError(f"--seq-length {args.seq_length} must be a positive multiple of --pad-to-multiple "
                           f"{args.pad_to_multiple}, as training's is of its block size")
+    check_inputs(args.input, args.on_bad_line)
     documents = list(chat_documents(args.input, args.chat_key, render, tokenizer, args.pad_to_multiple,
                                     args.on_bad_line, report, args.seq_length))
     if not documents:
@@ -285,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr)
         if args.chat:
             return _write_chat(args, prefix, tokenizer, report, skipped)
+        check_inputs(inputs, args.on_bad_line)
         texts = generated or read_documents(inputs, args.json_key, args.on_bad_line, report)
         documents = (ids for ids in (tokenizer.tokenize(text) + eod for text in texts if text) if ids)
         first = next(documents, None)
