@@ -112,6 +112,27 @@ def test_a_chat_file_that_is_not_utf8_is_refused_in_one_line(chat_data, tmp_path
     assert os.listdir(tmp_path) == ["latin1.jsonl"]
 
 
+def test_plain_and_chat_inputs_share_one_jsonl_reader(chat_data, capsys, tmp_path):
+    """One reader of JSONL lines: a line that is not JSON is the same one line in plain and in chat mode (file,
+    line, why and the fix, exit 2), skipped alike with --on-bad-line skip, and blank lines are passed over."""
+    from megatron_csbp.tools import prepare_data
+
+    root, _ = chat_data
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n   \n{not json\n")
+    plain = ["--input", str(source), "--output-prefix", str(tmp_path / "plain")]
+    chat = ["--input", str(source), "--output-prefix", str(tmp_path / "chat"), "--chat", "--tokenizer-type",
+            "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok")]
+    why = f"{source}:3: not valid JSON (Expecting property name enclosed in double quotes at column 2)"
+    for argv in (plain, chat):
+        assert prepare_data.main(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"prepare_data: {why}; fix or remove the line, or skip such lines with --on-bad-line skip"]
+        assert prepare_data.main([*argv, "--on-bad-line", "skip"]) == 2  # nothing left to write
+        assert capsys.readouterr().err.strip().splitlines()[0] == f"skipped {why}"
+    assert os.listdir(tmp_path) == ["in.jsonl"]
+
+
 def test_training_reads_each_samples_mask_and_trains_packed(chat_data):
     from pretrain_runs import validated_args
     from megatron_csbp.training.providers import RunProviders
