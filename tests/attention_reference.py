@@ -18,15 +18,17 @@ def bdlm_mask(seq_length: int, block_size: int) -> torch.Tensor:
     return torch.cat([torch.cat([noisy_to_noisy, noisy_to_clean], 1), torch.cat([clean_to_noisy, clean_to_clean], 1)], 0)
 
 
-def dense_attention(query, key, value, seq_length, block_size, scale=None):
-    """`[2L, b, heads, d]` and `[2L, b, kv_heads, d]` -> `[2L, b, heads·d]`, fp64, K/V repeated for GQA."""
+def dense_attention(query, key, value, seq_length, block_size, scale=None, mask=None):
+    """`[2L, b, heads, d]` and `[2L, b, kv_heads, d]` -> `[2L, b, heads·d]`, fp64, K/V repeated for GQA, under
+    `mask` (`[2L, 2L]` bool; default: `bdlm_mask`)."""
     group = query.shape[2] // key.shape[2]
     q = query.double().permute(1, 2, 0, 3)
     k = key.double().repeat_interleave(group, dim=2).permute(1, 2, 0, 3)
     v = value.double().repeat_interleave(group, dim=2).permute(1, 2, 0, 3)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     scores = (q @ k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~bdlm_mask(seq_length, block_size), float("-inf"))
+    mask = bdlm_mask(seq_length, block_size) if mask is None else mask
+    scores = scores.masked_fill(~mask, float("-inf"))
     out = torch.softmax(scores, dim=-1) @ v
     return out.permute(2, 0, 1, 3).flatten(2)
 

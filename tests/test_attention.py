@@ -1,13 +1,14 @@
 """The CSBP op and its baselines equal dense fp64 attention, forward and backward, and send exactly the bytes
 of the algorithm doc's table. One spawn per world size runs every topology of that size."""
 
-from dataclasses import dataclass, field
+import contextlib
+from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from attention_reference import dense_attention, global_rows, relative_error
+from op_cases import OpCase, compare, run_cases, run_single
 from spawn import run_ranks
 
 TOLERANCE = 1e-5
@@ -15,19 +16,9 @@ TILE = 16  # small key tiles (prefix and masked kernels), so every case runs sev
 
 
 @dataclass(frozen=True)
-class Case:
-    name: str
-    mode: str  # a --bdlm-parallel-mode: csbp | cp | cp-traffic | bp
-    seq_length: int
-    block_size: int
-    clean_shards: int
-    transport: str = "collective"
-    heads: int = 4
-    kv_heads: int = 2
-    batch: int = 2
-    head_dim: int = 8
-    options: dict = field(default_factory=dict, hash=False)
-    broken: str = ""  # a deliberately broken reduction: the comparison must then fail
+class Case(OpCase):
+    """An op case (`op_cases.OpCase`; `broken`: "reduce_scatter", a reduction that does not sum), and the bytes
+    it sends."""
 
     @property
     def transported_tokens(self):
@@ -43,74 +34,36 @@ class Case:
         return hops * self.transported_tokens * (c - 1) // c * beta if c > 1 else 0
 
 
-def make_layout(case, world_size, rank):
-    from megatron_csbp.core.layout import layout_for
-
-    return layout_for(case.mode, case.seq_length, case.block_size, world_size, case.clean_shards, rank,
-                      **case.options)
-
-
-def inputs(case, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    rows = 2 * case.seq_length
-    shapes = [(rows, case.batch, case.heads, case.head_dim), (rows, case.batch, case.kv_heads, case.head_dim),
-              (rows, case.batch, case.kv_heads, case.head_dim), (rows, case.batch, case.heads * case.head_dim)]
-    return [torch.randn(shape, generator=gen) for shape in shapes]
-
-
 def _copy_instead_of_reduce_scatter(full, group):
     """Negative control: hand each rank its own slice of the gradient without summing the other ranks'."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
     return full.chunk(size)[me].clone(), None
 
 
-def _run_cases(rank, world_size, cases):
-    from megatron_csbp.core import comm, kernels, ops
-    from megatron_csbp.core.process_groups import new_block_parallel_groups
+@contextlib.contextmanager
+def _broken(case):
+    """The case's deliberately broken reduction, if any, for its forward and backward."""
+    from megatron_csbp.core import comm
 
-    kernels._kernels["cpu"] = kernels.CPUKernels(tile=TILE, masked_tile=TILE)
-    group_cache = {}
-    results = {}
-    for case in cases:
-        layout = make_layout(case, world_size, rank)
-        if case.clean_shards not in group_cache and world_size > 1:
-            group_cache[case.clean_shards] = new_block_parallel_groups([list(range(world_size))], case.clean_shards,
-                                                                       dist.group.WORLD)
-        rows = global_rows(layout)
-        query, key, value, weight = (t[rows] for t in inputs(case))
-        query, key, value = (t.clone().requires_grad_() for t in (query, key, value))
-        # Each of the num_rings replicas of a clean row carries an equal share of its upstream gradient,
-        # as the model's loss would split it; their sum is the reference's.
-        weight[layout.num_noisy_rows:] /= layout.num_rings
-        reduce_scatter = comm.reduce_scatter_start
-        if case.broken == "reduce_scatter":
-            comm.reduce_scatter_start = _copy_instead_of_reduce_scatter
-        try:
-            with comm.count_bytes() as counter:
-                out = ops.context_sharded_block_attention(query, key, value, layout, group_cache.get(case.clean_shards),
-                                                          transport=case.transport)
-                (out * weight).sum().backward()
-        finally:
-            comm.reduce_scatter_start = reduce_scatter
-        results[case.name] = (rows, out.detach(), query.grad, key.grad, value.grad, counter.bytes_sent)
-    return results
+    reduce_scatter = comm.reduce_scatter_start
+    if case.broken == "reduce_scatter":
+        comm.reduce_scatter_start = _copy_instead_of_reduce_scatter
+    try:
+        yield
+    finally:
+        comm.reduce_scatter_start = reduce_scatter
 
 
-def compare(case, per_rank):
-    """Relative errors of output and Q/K/V gradients against the dense reference, plus bytes sent per rank."""
-    query, key, value, weight = inputs(case)
-    reference_inputs = [t.double().requires_grad_() for t in (query, key, value)]
-    reference = dense_attention(*reference_inputs, case.seq_length, case.block_size)
-    (reference * weight.double()).sum().backward()
-    out = torch.zeros_like(reference)
-    grads = [torch.zeros_like(t, dtype=torch.float64) for t in reference_inputs]
-    for rows, rank_out, *rank_grads, _ in (result[case.name] for result in per_rank):
-        out[rows] = rank_out.double()
-        for total, grad in zip(grads, rank_grads):
-            total.index_add_(0, rows, grad.double())  # clean replicas each hold part of a clean token's grad
-    errors = {"out": relative_error(out, reference)}
-    errors.update({name: relative_error(g, t.grad) for name, g, t in zip("qkv", grads, reference_inputs)})
-    return errors, [result[case.name][-1] for result in per_rank]
+def _attend(case, layout, group, query, key, value):
+    from megatron_csbp.core import ops
+
+    return ops.context_sharded_block_attention(query, key, value, layout, group, transport=case.transport)
+
+
+def _kernels():
+    from megatron_csbp.core.kernels import CPUKernels
+
+    return CPUKernels(tile=TILE, masked_tile=TILE)
 
 
 CASES = {
@@ -161,27 +114,15 @@ def topology(request):
     world_size = request.param
     cases = CASES[world_size]
     if world_size == 1:
-        return cases, [_run_single(cases)]
-    return cases, run_ranks(_run_cases, world_size, cases, timeout=600)
-
-
-def _run_single(cases):
-    import megatron_csbp.core.kernels as kernels
-
-    saved = kernels._kernels.pop("cpu", None)
-    try:
-        return _run_cases(0, 1, cases)
-    finally:
-        kernels._kernels.pop("cpu", None)
-        if saved is not None:
-            kernels._kernels["cpu"] = saved
+        return cases, [run_single(cases, _kernels(), _attend, _broken)]
+    return cases, run_ranks(run_cases, world_size, cases, _kernels(), _attend, _broken, timeout=600)
 
 
 def test_outputs_and_gradients_match_dense_reference(topology):
     cases, per_rank = topology
     failures = []
     for case in cases:
-        errors, _ = compare(case, per_rank)
+        errors = compare(case, per_rank)
         worst = max(errors.values())
         if case.broken:
             assert worst > 1e-2, f"{case.name}: a broken {case.broken} went unnoticed ({errors})"
@@ -195,7 +136,7 @@ def test_bytes_sent_equal_the_formulas(topology):
     for case in cases:
         if case.broken:
             continue
-        _, sent = compare(case, per_rank)
+        sent = [result[case.name][-1] for result in per_rank]
         assert sent == [case.expected_bytes()] * len(per_rank), f"{case.name}: {sent} != {case.expected_bytes()}"
 
 

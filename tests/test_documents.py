@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 
-from attention_reference import bdlm_mask, global_rows, relative_error
+from attention_reference import bdlm_mask, global_rows
+from op_cases import OpCase, compare, run_cases, run_single
 from spawn import run_ranks
 
 TOLERANCE = 1e-5
@@ -16,19 +16,11 @@ TILE = 8
 
 
 @dataclass(frozen=True)
-class Case:
-    name: str
-    mode: str
-    seq_length: int
-    block_size: int
-    clean_shards: int
-    starts: tuple
-    transport: str = "collective"
-    heads: int = 4
-    kv_heads: int = 2
-    batch: int = 2
-    head_dim: int = 8
-    broken: bool = False  # negative control: the op runs without the documents
+class Case(OpCase):
+    """An op case of a packed sample (`op_cases.OpCase`): its documents' starts; `broken`: "documents", the op
+    runs without them (negative control)."""
+
+    starts: tuple = (0,)
 
 
 def document_mask(seq_length, block_size, starts):
@@ -39,104 +31,49 @@ def document_mask(seq_length, block_size, starts):
     return bdlm_mask(seq_length, block_size) & (ids.view(-1, 1) == ids.view(1, -1))
 
 
-def dense(query, key, value, mask):
-    group = query.shape[2] // key.shape[2]
-    q = query.double().permute(1, 2, 0, 3)
-    k = key.double().repeat_interleave(group, dim=2).permute(1, 2, 0, 3)
-    v = value.double().repeat_interleave(group, dim=2).permute(1, 2, 0, 3)
-    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    out = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1) @ v
-    return out.permute(2, 0, 1, 3).flatten(2)
-
-
-def inputs(case, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    rows = 2 * case.seq_length
-    shapes = [(rows, case.batch, case.heads, case.head_dim), (rows, case.batch, case.kv_heads, case.head_dim),
-              (rows, case.batch, case.kv_heads, case.head_dim), (rows, case.batch, case.heads * case.head_dim)]
-    return [torch.randn(shape, generator=gen) for shape in shapes]
-
-
-def _run_cases(rank, world_size, cases):
-    from megatron_csbp.core import kernels, ops
+def _attend(case, layout, group, query, key, value):
+    from megatron_csbp.core import ops
     from megatron_csbp.core.documents import Documents
-    from megatron_csbp.core.layout import layout_for
-    from megatron_csbp.core.process_groups import new_block_parallel_groups
 
-    kernels._kernels["cpu"] = kernels.CPUKernels(tile=TILE)
-    groups, results = {}, {}
-    for case in cases:
-        layout = layout_for(case.mode, case.seq_length, case.block_size, world_size, case.clean_shards, rank)
-        if case.clean_shards not in groups and world_size > 1:
-            groups[case.clean_shards] = new_block_parallel_groups([list(range(world_size))], case.clean_shards,
-                                                                  dist.group.WORLD)
-        rows = global_rows(layout)
-        query, key, value, weight = (t[rows] for t in inputs(case))
-        query, key, value = (t.clone().requires_grad_() for t in (query, key, value))
-        weight[layout.num_noisy_rows:] /= layout.num_rings
-        documents = None if case.broken else Documents(case.seq_length, case.starts)
-        out = ops.context_sharded_block_attention(query, key, value, layout, groups.get(case.clean_shards),
-                                                  transport=case.transport, documents=documents)
-        (out * weight).sum().backward()
-        results[case.name] = (rows, out.detach(), query.grad, key.grad, value.grad)
-    return results
+    documents = None if case.broken == "documents" else Documents(case.seq_length, case.starts)
+    return ops.context_sharded_block_attention(query, key, value, layout, group, transport=case.transport,
+                                               documents=documents)
 
 
-def compare(case, per_rank):
-    query, key, value, weight = inputs(case)
-    reference_inputs = [t.double().requires_grad_() for t in (query, key, value)]
-    reference = dense(*reference_inputs, document_mask(case.seq_length, case.block_size, case.starts))
-    (reference * weight.double()).sum().backward()
-    out = torch.zeros_like(reference)
-    grads = [torch.zeros_like(t, dtype=torch.float64) for t in reference_inputs]
-    for rows, rank_out, *rank_grads in (result[case.name] for result in per_rank):
-        out[rows] = rank_out.double()
-        for total, grad in zip(grads, rank_grads):
-            total.index_add_(0, rows, grad.double())
-    errors = {"out": relative_error(out, reference)}
-    errors.update({name: relative_error(g, t.grad) for name, g, t in zip("qkv", grads, reference_inputs)})
-    return errors
+def _kernels():
+    from megatron_csbp.core.kernels import CPUKernels
+
+    return CPUKernels(tile=TILE)
 
 
 ALIGNED = (0, 8, 24, 40)         # L = 64, B = 8: documents of 8, 16, 16, 24 tokens, starts on blocks
 UNALIGNED = (0, 5, 19, 20, 47)   # boundaries inside blocks, a one-token document
 CASES = {
-    1: [Case("one_rank_aligned", "csbp", 64, 8, 1, ALIGNED), Case("one_rank_unaligned", "csbp", 64, 8, 1, UNALIGNED),
-        Case("one_rank_unaligned_streaming", "csbp", 64, 8, 1, UNALIGNED, "streaming"),
-        Case("negative_control", "csbp", 64, 8, 1, UNALIGNED, broken=True)],
-    2: [Case(f"{mode}_{name}_{transport}", mode, 64, 8, 2 if mode != "bp" else 1, starts, transport)
+    1: [Case("one_rank_aligned", "csbp", 64, 8, 1, starts=ALIGNED),
+        Case("one_rank_unaligned", "csbp", 64, 8, 1, starts=UNALIGNED),
+        Case("one_rank_unaligned_streaming", "csbp", 64, 8, 1, "streaming", starts=UNALIGNED),
+        Case("negative_control", "csbp", 64, 8, 1, starts=UNALIGNED, broken="documents")],
+    2: [Case(f"{mode}_{name}_{transport}", mode, 64, 8, 2 if mode != "bp" else 1, transport, starts=starts)
         for mode in ("csbp", "cp", "bp") for name, starts in (("aligned", ALIGNED), ("unaligned", UNALIGNED))
         for transport in ("collective", "streaming")],
-    4: [Case(f"csbp_p4_c2_{name}_{transport}", "csbp", 64, 4, 2, starts, transport)
+    4: [Case(f"csbp_p4_c2_{name}_{transport}", "csbp", 64, 4, 2, transport, starts=starts)
         for name, starts in (("aligned", (0, 8, 24, 40)), ("unaligned", UNALIGNED))
         for transport in ("collective", "streaming")],
 }
-
-
-def _run_single(cases):
-    import megatron_csbp.core.kernels as kernels
-
-    saved = kernels._kernels.pop("cpu", None)
-    try:
-        return _run_cases(0, 1, cases)
-    finally:
-        kernels._kernels.pop("cpu", None)
-        if saved is not None:
-            kernels._kernels["cpu"] = saved
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
 def topology(request):
     cases = CASES[request.param]
     if request.param == 1:
-        return cases, [_run_single(cases)]
-    return cases, run_ranks(_run_cases, request.param, cases, timeout=600)
+        return cases, [run_single(cases, _kernels(), _attend)]
+    return cases, run_ranks(run_cases, request.param, cases, _kernels(), _attend, timeout=600)
 
 
 def test_packed_attention_matches_dense_document_mask(topology):
     cases, per_rank = topology
     for case in cases:
-        errors = compare(case, per_rank)
+        errors = compare(case, per_rank, document_mask(case.seq_length, case.block_size, case.starts))
         if case.broken:
             assert max(errors.values()) > 1e-2, f"{case.name}: documents ignored, yet matches: {errors}"
         else:
@@ -231,3 +168,64 @@ def test_document_balanced_deal_keeps_rows_and_balances_real_work():
     assert row_pairs(layout, small).tolist() == mask[rows].sum(1).tolist()
     with pytest.raises(ValueError):
         static[0].dealt(((0,),) * 8)
+
+
+def _brute_force_calls(layout, mask, tile):
+    """(kind, real, computed) of each kernel call of `layout`'s rank, counted pair by pair off the dense `[2L, 2L]`
+    mask (block mask AND same document): the block-diagonal call computes its owned blocks whole; a range kernel
+    computes, per row, the key tiles from the one holding its first visible key to the one holding its last; a
+    masked kernel every (query tile, key tile) with a visible pair. Keys in position order (masked: noisy copy,
+    then clean), `tile` wide."""
+    L = layout.seq_length
+    rows = global_rows(layout)
+    seen = mask[rows]
+    if layout.masked_attention:
+        tiles = [(q, k) for q in range(0, len(rows), tile) for k in range(0, 2 * L, tile)]
+        computed = sum(seen[q:q + tile, k:k + tile].numel() for q, k in tiles if seen[q:q + tile, k:k + tile].any())
+        return [("masked", int(seen.sum()), computed)]
+    calls = []
+    if layout.num_noisy_rows:
+        noisy = seen[:layout.num_noisy_rows, :L]
+        calls.append(("dense", int(noisy.sum()), layout.num_noisy_rows * layout.block_size))
+    clean_keys, computed = seen[:, L:], 0
+    for row in clean_keys:
+        visible = torch.nonzero(row).flatten()
+        if visible.numel():
+            computed += min((int(visible[-1]) // tile + 1) * tile, L) - int(visible[0]) // tile * tile
+    return calls + [("prefix", int(clean_keys.sum()), computed)]
+
+
+PACKINGS = {"on blocks": (0, 8, 24, 40), "inside blocks": (0, 5, 19, 20, 47), "on and inside": (0, 16, 21, 48, 50)}
+
+
+@pytest.mark.parametrize("tile", [8, 24])
+def test_kernel_calls_of_a_packed_sample_are_what_its_kernels_compute(tile):
+    """`RingPlan.kernel_calls` of a packed sample equals a pair-by-pair count off the dense document mask, for
+    every mode's plan on 1, 2 and 4 ranks (static and document-dealt blocks), with documents on and inside
+    blocks: real pairs are the block mask AND same document, computed pairs the kernels' whole blocks and tiles.
+    The streamed calls (one per ring member) add up to the same real pairs. Negative control: where a block
+    straddles documents, its real pairs fall short of the whole blocks the count once reported."""
+    from megatron_csbp.core import ops
+    from megatron_csbp.core.documents import Documents, balanced_layout
+    from megatron_csbp.core.kernels import CPUKernels
+    from megatron_csbp.core.layout import layout_for
+
+    L, B = 64, 8
+    geometries = [("csbp", 1, 1), ("csbp", 2, 2), ("csbp", 4, 4), ("csbp", 4, 2), ("bp", 2, 1), ("bp", 4, 1),
+                  ("cp", 1, 1), ("cp", 2, 2), ("cp", 4, 4), ("cp-traffic", 2, 2), ("cp-traffic", 4, 4)]
+    checked, short = 0, set()
+    for name, starts in PACKINGS.items():
+        documents, mask = Documents(L, starts), document_mask(L, B, starts)
+        for mode, P, C in geometries:
+            for rank in range(P):
+                static = layout_for(mode, L, B, P, C, rank)
+                for layout in {static, balanced_layout(static, documents)}:
+                    plan = ops.ring_plan(layout, "cpu", CPUKernels(tile=tile, masked_tile=tile), documents=documents)
+                    counted = [(c.kind, c.real_pairs, c.computed_pairs) for c in plan.kernel_calls()]
+                    assert counted == _brute_force_calls(layout, mask, tile), (name, mode, P, C, rank, layout)
+                    streamed = plan.kernel_calls(per_member=True)
+                    assert sum(c.real_pairs for c in streamed) == sum(real for _, real, _ in counted)
+                    if counted[0][0] == "dense" and counted[0][1] < counted[0][2]:
+                        short.add(name)
+                    checked += 1
+    assert checked > 100 and short == {"inside blocks", "on and inside"}, (checked, short)

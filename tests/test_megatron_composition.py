@@ -9,32 +9,14 @@ core attention is a dense softmax under a BD3-LM mask written here, independentl
 Negative control: keeping Megatron's own RoPE (zigzag CP slicing) must break the match.
 """
 
-import functools
-from dataclasses import dataclass
-
 import pytest
 import torch
 
-from spawn import on_cpu_backend, run_ranks
+from megatron_step import BLOCK, MASK, SEQ, VOCAB, Topology, run_steps, train_step, worst_error
+from spawn import run_ranks
 
-SEQ, BLOCK, VOCAB, MASK = 32, 4, 64, 63
 MICRO_BATCH, NUM_MICRO = 2, 6  # global batch: 12 samples
 TOLERANCE = 1e-5
-
-
-@dataclass(frozen=True)
-class Topology:
-    name: str
-    mode: str = "csbp"  # "reference" or a --bdlm-parallel-mode: "csbp", "cp", "cp-traffic", "bp"
-    tp: int = 1
-    pp: int = 1
-    block_parallel: int = 1
-    clean_shards: int = 1
-    sequence_parallel: bool = False
-    transport: str = "collective"
-    seq: int = SEQ
-    block: int = BLOCK
-    megatron_rope: bool = False  # negative control
 
 
 REFERENCE = Topology("reference", mode="reference")
@@ -86,19 +68,6 @@ def dense_bdlm_attention_class():
     return DenseBDLMAttention
 
 
-def _config(topology):
-    from megatron.core.transformer import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-        tensor_model_parallel_size=topology.tp, pipeline_model_parallel_size=topology.pp,
-        context_parallel_size=topology.block_parallel, sequence_parallel=topology.sequence_parallel,
-        normalization="RMSNorm", use_cpu_initialization=True, calculate_per_token_loss=True,
-        hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
-        # as megatron_config.transformer_config_kwargs sets them
-        variable_seq_lengths=topology.pp > 1, moe_token_dispatcher_type="alltoall" if topology.pp > 1 else "allgather")
-
-
 def _build_model(topology, config):
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -127,39 +96,6 @@ def _build_model(topology, config):
     return model, layout
 
 
-def _global_name(model, name):
-    """Parameter name with the pipeline stage's local layer index replaced by the global one; the last
-    stage's copy of the tied embedding is the embedding."""
-    if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
-        return "embedding.word_embeddings.weight"
-    parts = name.split(".")
-    if parts[:2] == ["decoder", "layers"]:
-        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
-    return ".".join(parts)
-
-
-def _full(param, tensor):
-    """`tensor` (a TP shard of `param`'s shape) gathered over TP."""
-    from megatron.core import parallel_state as mpu
-
-    if not getattr(param, "tensor_model_parallel", False) or mpu.get_tensor_model_parallel_world_size() == 1:
-        return tensor.detach().clone()
-    shards = [torch.empty_like(tensor) for _ in range(mpu.get_tensor_model_parallel_world_size())]
-    torch.distributed.all_gather(shards, tensor.detach().contiguous(), group=mpu.get_tensor_model_parallel_group())
-    return torch.cat(shards, dim=param.partition_dim)
-
-
-def _load(model, weights):
-    from megatron.core import parallel_state as mpu
-
-    tp_size, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
-    for name, param in model.named_parameters():
-        full = weights[_global_name(model, name)]
-        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
-        param.data.copy_(full)
-
-
 def _batches(seq, dp_rank, dp_size):
     generator = torch.Generator().manual_seed(2024)
     tokens = torch.randint(0, MASK, (MICRO_BATCH * NUM_MICRO, seq), generator=generator)
@@ -171,65 +107,14 @@ def _batches(seq, dp_rank, dp_size):
 
 
 def _train_step(topology, weights):
-    """One Megatron training step; returns loss, gathered grads and parameters after the step."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from megatron_csbp.mcore import parallel_state
+    """One Megatron training step (`megatron_step.train_step`) and the noise this rank drew in it."""
     from megatron_csbp.bdlm.forward_step import BDLMForwardStep
-    from megatron_csbp.mcore.model import pipeline_seq_length
 
-    parallel_state.initialize_model_parallel(topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,
-                                             clean_shards=topology.clean_shards)
-    try:
-        torch.manual_seed(1234)
-        model_parallel_cuda_manual_seed(1234)
-        config = _config(topology)
-        model, layout = _build_model(topology, config)
-        if weights is None:  # the reference: perturb Megatron's init so norms and biases are not trivial
-            generator = torch.Generator().manual_seed(7)
-            for _, param in sorted(model.named_parameters()):
-                param.data.add_(0.05 * torch.randn(param.shape, generator=generator))
-            initial = {name: param.detach().clone() for name, param in model.named_parameters()}
-        else:
-            _load(model, weights)
-            initial = None
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = ddp.no_sync
-        # adam_eps well above rounding noise: grads that are zero in exact arithmetic (the key bias's)
-        # come out ~1e-10, and Adam with eps=1e-8 would turn that noise into lr-sized updates.
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, adam_eps=1e-4, clip_grad=1.0,
-                            params_dtype=torch.float32), [ddp])
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        batches = _batches(topology.seq, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-        objective = _noise_recording_objective()(block_size=topology.block, mask_token_id=MASK, seed=99)
-        _NOISE_SEEN.clear()
-        reports = get_forward_backward_func()(
-            forward_step_func=BDLMForwardStep(objective, layout), data_iterator=iter(batches), model=[ddp],
-            # Under pipeline parallelism the clean length L stands here, as Megatron-LM's pretrain() passes
-            # it: the shapes travel with the messages (variable_seq_lengths), so it must not matter.
-            num_microbatches=len(batches),
-            seq_length=SEQ if topology.pp > 1 else pipeline_seq_length(layout, config),
-            micro_batch_size=MICRO_BATCH, forward_only=False)
-        loss = None
-        if mpu.is_pipeline_last_stage():
-            total = torch.stack([r["lm loss"] for r in reports]).sum(0)
-            torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
-            loss = (total[0] / total[1]).item()
-        grads = {_global_name(model, n): _full(p, p.main_grad) for n, p in model.named_parameters()}
-        success, grad_norm, _ = optimizer.step()
-        assert success
-        after = {_global_name(model, n): _full(p, p) for n, p in model.named_parameters()}
-        return dict(loss=loss, grads=grads, after=after, initial=initial, grad_norm=grad_norm,
-                    noise=dict(_NOISE_SEEN))
-    finally:
-        parallel_state.destroy_model_parallel()
+    objective = _noise_recording_objective()(block_size=topology.block, mask_token_id=MASK, seed=99)
+    _NOISE_SEEN.clear()
+    result = train_step(topology, weights, _build_model, lambda layout: BDLMForwardStep(objective, layout),
+                        lambda dp_rank, dp_size: _batches(topology.seq, dp_rank, dp_size), MICRO_BATCH)
+    return dict(result, noise=dict(_NOISE_SEEN))
 
 
 _NOISE_SEEN = {}  # sample index -> (noise times, masked positions) this rank drew in the step
@@ -263,62 +148,21 @@ def _assert_same_noise_everywhere(per_rank, topology):
     assert first_seen, f"{topology.name}: no rank drew noise"
 
 
-@on_cpu_backend
-def _run(rank, world_size, topologies, weights):
-
-    if weights is not None:
-        weights = {name: torch.from_numpy(array) for name, array in weights.items()}
-    results = []
-    for topology in topologies:
-        result = _train_step(topology, weights)
-        weights = weights if weights is not None else result["initial"]  # later references start from it
-        results.append(_as_numpy(result))
-    return results
-
-
-def _as_numpy(result):
-    """Tensors leave a rank as numpy arrays: torch tensors would travel as shared memory the exiting
-    rank takes with it."""
-    if isinstance(result, dict):
-        return {key: _as_numpy(value) for key, value in result.items()}
-    return result.numpy() if isinstance(result, torch.Tensor) else result
-
-
-def _relative(a, b):
-    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
-    return ((a - b).norm() / b.norm()).item()
-
-
-def _worst_error(per_rank, references, topology):
-    """Largest relative error of loss, grads and updated params over all ranks; checks every param is seen."""
-    reference = references[topology.seq, topology.block]
-    losses = [r["loss"] for r in per_rank if r["loss"] is not None]
-    assert losses, "no rank reported a loss"
-    worst = max(abs(loss - reference["loss"]) / abs(reference["loss"]) for loss in losses)
-    for field in ("grads", "after"):
-        seen = set()
-        for result in per_rank:
-            for name, tensor in result[field].items():
-                worst = max(worst, _relative(tensor, reference[field][name]))
-                seen.add(name)
-        assert seen == set(reference[field]), f"{field}: missing {set(reference[field]) - seen}"
-    return worst
-
-
 @pytest.fixture(scope="module")
 def references():
     """Reference results by (seq, block); both references start from the same weights."""
-    results = run_ranks(_run, 1, [REFERENCE, REFERENCE_ODD_ROWS], None, timeout=300)[0]
+    results = run_ranks(run_steps, 1, _train_step, [REFERENCE, REFERENCE_ODD_ROWS], None, timeout=300)[0]
     return {(REFERENCE.seq, REFERENCE.block): results[0], (REFERENCE_ODD_ROWS.seq, REFERENCE_ODD_ROWS.block): results[1]}
 
 
 def _check_world(world_size, topologies, references, timeout):
     """One spawn runs every topology of this world size; each must match the reference (controls must not)."""
-    results = run_ranks(_run, world_size, topologies, references[SEQ, BLOCK]["initial"], timeout=timeout)
+    results = run_ranks(run_steps, world_size, _train_step, topologies, references[SEQ, BLOCK]["initial"],
+                        timeout=timeout)
     for index, topology in enumerate(topologies):
         per_rank = [results[rank][index] for rank in range(world_size)]
         _assert_same_noise_everywhere(per_rank, topology)
-        error = _worst_error(per_rank, references, topology)
+        error = worst_error(per_rank, references[topology.seq, topology.block])
         print(f"{topology.name}: worst relative error {error:.2e}")
         if topology.megatron_rope:
             assert error > 1e-3, f"{topology.name} should not match the reference (error {error:.2e})"

@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+import megatron_step
 import test_megatron_composition as composition
 from spawn import on_cpu_backend, run_ranks
 
 pytest_plugins = ["pretrain_runs"]  # the corpus fixture
-SEQ, BLOCK, VOCAB, MASK = composition.SEQ, composition.BLOCK, composition.VOCAB, composition.MASK
+SEQ, BLOCK, VOCAB, MASK = megatron_step.SEQ, megatron_step.BLOCK, megatron_step.VOCAB, megatron_step.MASK
 MICRO_BATCH, NUM_MICRO = composition.MICRO_BATCH, composition.NUM_MICRO
 EXPERTS, TOPK, AUX_LOSS_COEFF = 4, 2, 1e-2
 MOE_LAYERS = (1, 0, 1, 1)  # layer 2 dense
@@ -130,10 +131,10 @@ def _build_model(topology, config):
 
 
 def _global_name(model, name):
-    """`composition._global_name`, with each local expert numbered by its global expert index."""
+    """`megatron_step._global_name`, with each local expert numbered by its global expert index."""
     from megatron.core import parallel_state as mpu
 
-    name = composition._global_name(model, name)
+    name = megatron_step._global_name(model, name)
     parts = name.split(".")
     if "local_experts" in parts:
         at = parts.index("local_experts") + 1
@@ -253,7 +254,7 @@ def _run(rank, world_size, topologies, weights):
     results = []
     for topology in topologies:
         result = _train_step(topology, weights)
-        results.append(composition._as_numpy(result))
+        results.append(megatron_step._as_numpy(result))
     return results
 
 
@@ -268,7 +269,7 @@ def _worst_error(per_rank, reference):
         seen = set()
         for result in per_rank:
             for name, tensor in result[field].items():
-                worst = max(worst, composition._relative(tensor, reference[field][name]))
+                worst = max(worst, megatron_step._relative(tensor, reference[field][name]))
                 seen.add(name)
         assert seen == set(reference[field]), f"{field}: missing {set(reference[field]) - seen}"
     return worst

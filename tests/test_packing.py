@@ -11,8 +11,8 @@ import dataclasses
 
 import torch
 
-from spawn import on_cpu_backend, run_ranks
-from test_megatron_composition import MASK, Topology, _full, _global_name, _load, _relative
+from megatron_step import MASK, VOCAB, Topology, run_steps, train_step, worst_error
+from spawn import run_ranks
 
 SEQ, BLOCK, EOD = 32, 4, 62
 TOLERANCE = 1e-5
@@ -84,95 +84,31 @@ class Run:
 
 
 def _train_step(run, weights):
+    """One Megatron training step (`megatron_step.train_step`) of the packed or the unpacked batch; the one-rank
+    reference ("reference" topology) runs the op on one rank, as packing is the op's business."""
     from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_csbp.bdlm.forward_step import BDLMForwardStep, Packing
     from megatron_csbp.core.layout import layout_for
     from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.mcore.model import model_provider, pipeline_seq_length
-    from test_megatron_composition import _config
+    from megatron_csbp.mcore.model import model_provider
 
-    topology = run.topology
-    parallel_state.initialize_model_parallel(topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,
-                                             clean_shards=topology.clean_shards)
-    try:
-        torch.manual_seed(1234)
-        model_parallel_cuda_manual_seed(1234)
-        config = _config(topology)
+    def build_model(topology, config):
         layout = layout_for("csbp" if topology.mode == "reference" else topology.mode, SEQ, BLOCK,
                             topology.block_parallel, topology.clean_shards, rank=mpu.get_context_parallel_rank())
         model = model_provider(config=config, layout=layout, group=parallel_state.get_block_parallel_groups(),
                                transport=topology.transport, pre_process=mpu.is_pipeline_first_stage(),
-                               post_process=mpu.is_pipeline_last_stage(), vocab_size=64, mask_token_id=MASK,
+                               post_process=mpu.is_pipeline_last_stage(), vocab_size=VOCAB, mask_token_id=MASK,
                                share_embeddings_and_output_weights=True, per_sample_positions=run.packed)
-        if weights is None:
-            generator = torch.Generator().manual_seed(7)
-            for _, param in sorted(model.named_parameters()):
-                param.data.add_(0.05 * torch.randn(param.shape, generator=generator))
-            initial = {name: param.detach().clone() for name, param in model.named_parameters()}
-        else:
-            _load(model, weights)
-            initial = None
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = ddp.no_sync
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, adam_eps=1e-4, clip_grad=1.0,
-                            params_dtype=torch.float32), [ddp])
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
-        packing = Packing(EOD, reset_position_ids=run.packed, reset_attention_mask=run.packed and run.separate_documents,
-                          eod_mask_loss=True)
-        batches = _batches(run.packed, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-        reports = get_forward_backward_func()(
-            forward_step_func=BDLMForwardStep(_objective(run.objective), layout, packing=packing),
-            data_iterator=iter(batches), model=[ddp], num_microbatches=len(batches),
-            seq_length=SEQ if topology.pp > 1 else pipeline_seq_length(layout, config),
-            micro_batch_size=2 * (2 if run.objective == "fast-dllm-v2" else 1),
-            forward_only=False)
-        loss = None
-        if mpu.is_pipeline_last_stage():
-            total = torch.stack([r["lm loss"] for r in reports]).sum(0)
-            torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
-            loss = (total[0] / total[1]).item()
-        grads = {_global_name(model, n): _full(p, p.main_grad).numpy() for n, p in model.named_parameters()}
-        success, _, _ = optimizer.step()
-        assert success
-        after = {_global_name(model, n): _full(p, p).numpy() for n, p in model.named_parameters()}
-        return dict(loss=loss, grads=grads, after=after,
-                    initial=None if initial is None else {k: v.numpy() for k, v in initial.items()})
-    finally:
-        parallel_state.destroy_model_parallel()
+        return model, layout
 
-
-@on_cpu_backend
-def _run(rank, world_size, runs, weights):
-    weights = None if weights is None else {name: torch.from_numpy(array) for name, array in weights.items()}
-    results = []
-    for run in runs:
-        result = _train_step(run, weights)
-        if weights is None:
-            weights = {name: torch.from_numpy(array) for name, array in result["initial"].items()}
-        results.append(result)
-    return results
-
-
-def _worst_error(per_rank, reference):
-    losses = [r["loss"] for r in per_rank if r["loss"] is not None]
-    assert losses, "no rank reported a loss"
-    worst = max(abs(loss - reference["loss"]) / abs(reference["loss"]) for loss in losses)
-    for field in ("grads", "after"):
-        seen = set()
-        for result in per_rank:
-            for name, tensor in result[field].items():
-                worst = max(worst, _relative(tensor, reference[field][name]))
-                seen.add(name)
-        assert seen == set(reference[field])
-    return worst
+    packing = Packing(EOD, reset_position_ids=run.packed, reset_attention_mask=run.packed and run.separate_documents,
+                      eod_mask_loss=True)
+    objective = _objective(run.objective)
+    return train_step(run.topology, weights, build_model,
+                      lambda layout: BDLMForwardStep(objective, layout, packing=packing),
+                      lambda dp_rank, dp_size: _batches(run.packed, dp_rank, dp_size),
+                      2 * (2 if run.objective == "fast-dllm-v2" else 1))
 
 
 ONE = Topology("one rank", mode="reference")
@@ -188,14 +124,15 @@ WORLD_4 = [Topology("csbp P=4 C=2", block_parallel=4, clean_shards=2),
 
 def _reference():
     """The unpacked batch on one rank, then the packed batch and the control on one rank, from the same weights."""
-    separate, packed, control = run_ranks(_run, 1, [Run(ONE, False), Run(ONE, True), Run(ONE, True, False)], None,
+    separate, packed, control = run_ranks(run_steps, 1, _train_step,
+                                          [Run(ONE, False), Run(ONE, True), Run(ONE, True, False)], None,
                                           timeout=300)[0]
     return separate, packed, control
 
 
 def test_packed_equals_separate_on_one_rank_and_control_differs():
     separate, packed, control = _reference()
-    error, control_error = _worst_error([packed], separate), _worst_error([control], separate)
+    error, control_error = worst_error([packed], separate), worst_error([control], separate)
     print(f"packed, one rank: loss {packed['loss']:.6f} vs {separate['loss']:.6f}, worst relative error {error:.2e}; "
           f"control {control_error:.2e}")
     assert error <= TOLERANCE
@@ -204,18 +141,20 @@ def test_packed_equals_separate_on_one_rank_and_control_differs():
 
 def test_packed_equals_separate_under_fast_dllm_v2_on_one_rank():
     """Shifted targets: a document's last row predicts nothing across the boundary, as alone its EOD padding."""
-    separate, packed = run_ranks(_run, 1, [Run(ONE, False, objective="fast-dllm-v2"),
-                                           Run(ONE, True, objective="fast-dllm-v2")], None, timeout=300)[0]
-    error = _worst_error([packed], separate)
+    separate, packed = run_ranks(run_steps, 1, _train_step, [Run(ONE, False, objective="fast-dllm-v2"),
+                                                             Run(ONE, True, objective="fast-dllm-v2")], None,
+                                 timeout=300)[0]
+    error = worst_error([packed], separate)
     print(f"packed, fast-dllm-v2, one rank: worst relative error {error:.2e}")
     assert error <= TOLERANCE
 
 
 def _check(world_size, topologies):
     separate, _, _ = _reference()
-    results = run_ranks(_run, world_size, [Run(t, True) for t in topologies], separate["initial"], timeout=900)
+    results = run_ranks(run_steps, world_size, _train_step, [Run(t, True) for t in topologies], separate["initial"],
+                        timeout=900)
     for index, topology in enumerate(topologies):
-        error = _worst_error([results[rank][index] for rank in range(world_size)], separate)
+        error = worst_error([results[rank][index] for rank in range(world_size)], separate)
         print(f"packed, {topology.name}: worst relative error {error:.2e}")
         assert error <= TOLERANCE, f"{topology.name}: relative error {error:.2e}"
 

@@ -14,8 +14,8 @@ import torch
 
 from pretrain_runs import base, run, significant
 from spawn import on_cpu_backend, run_ranks
-from test_megatron_composition import (MICRO_BATCH, SEQ, TOLERANCE, Topology, _as_numpy, _batches, _build_model,
-                                       _config, _full, _global_name, _relative)
+from megatron_step import SEQ, Topology, _as_numpy, _config, _full, _global_name, _relative
+from test_megatron_composition import MICRO_BATCH, TOLERANCE, _batches, _build_model
 
 pytest_plugins = ["pretrain_runs"]  # corpus, reference_runs
 

@@ -185,6 +185,33 @@ def test_prepare_data_on_empty_input_is_one_line(tmp_path):
         assert not list(tmp_path.glob("out*")), list(tmp_path.glob("out*"))
 
 
+def prepare_data_command(*argv):
+    """`scripts/prepare_data.py ARGV` in a fresh interpreter: (exit status, stderr)."""
+    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "prepare_data.py"), *map(str, argv)],
+                          capture_output=True, text=True, timeout=300)
+    return done.returncode, done.stderr
+
+
+def test_prepare_data_refuses_input_that_is_not_utf8_in_one_line(tmp_path):
+    """A text file or a JSONL line in Latin-1: one line naming the file, line and byte and the fix, exit 2, and
+    nothing written; the same JSONL with --on-bad-line skip builds the dataset from its good line (control)."""
+    good, text, jsonl = tmp_path / "good.txt", tmp_path / "notes.txt", tmp_path / "lines.jsonl"
+    good.write_text("read first, never written\n")
+    text.write_bytes(b"plain line\n" + "caf\u00e9 au lait\n".encode("latin-1"))  # 0xe9: line 2, byte 14
+    jsonl.write_bytes(b'{"text": "ok"}\n' + '{"text": "caf\u00e9"}\n'.encode("latin-1"))  # line 2, byte 28
+    fix = "convert the file to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8), or skip such lines with --on-bad-line skip"
+    for source, byte in ((text, 14), (jsonl, 28)):
+        code, err = prepare_data_command("--input", good, source, "--output-prefix", tmp_path / "out")
+        assert code == 2 and err.strip().splitlines() == [
+            f"prepare_data: {source}:2: not UTF-8 text (byte 0xe9 at byte {byte} of the file); {fix}"], err
+        assert sorted(os.listdir(tmp_path)) == ["good.txt", "lines.jsonl", "notes.txt"]  # no dataset, no temporary
+    code, err = prepare_data_command("--input", jsonl, "--output-prefix", tmp_path / "out", "--on-bad-line", "skip")
+    assert code == 0 and err.strip().splitlines() == [
+        f"skipped {jsonl}:2: not UTF-8 text (byte 0xe9 at byte 28 of the file)"], err
+    assert sorted(os.listdir(tmp_path)) == ["good.txt", "lines.jsonl", "notes.txt", "out.bin", "out.idx",
+                                            "out.stats.json"]
+
+
 def test_submit_refuses_a_non_positive_cpus_per_task():
     submit = os.path.join(REPO, "scripts", "slurm", "submit.py")
     for cpus, refused in (("-1", True), ("0", True), ("2", False)):

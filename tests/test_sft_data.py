@@ -5,6 +5,8 @@ multiple; training reads the mask beside every sample, and a packed SFT run trai
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -87,6 +89,48 @@ def test_a_conversation_longer_than_the_sequence_is_refused_in_one_line(chat_dat
     assert re.match(r"prepare_data: .*chat\.jsonl:1: the conversation is \d+ tokens with its EOD, longer than "
                     r"--seq-length 16", line), line
     assert not os.path.exists(tmp_path / "short.bin")  # refused before anything is written
+
+
+def test_a_chat_file_that_is_not_utf8_is_refused_in_one_line(chat_data, tmp_path):
+    """Through the command: a Latin-1 line in the chat JSONL is one line naming the file, line and byte and the
+    fix, exit 2, and nothing is written (was a UnicodeDecodeError traceback)."""
+    root, _ = chat_data
+    good = json.dumps({"messages": [{"role": "user", "content": "HI?"}, {"role": "assistant", "content": "apple"}]})
+    bad = json.dumps({"messages": [{"role": "user", "content": "CAF\u00c9?"}, {"role": "assistant", "content": "x"}]},
+                     ensure_ascii=False)
+    source = tmp_path / "latin1.jsonl"
+    source.write_bytes(good.encode() + b"\n" + bad.encode("latin-1") + b"\n")
+    byte = len(good) + 1 + bad.index("\u00c9")
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                                         "scripts", "prepare_data.py"),
+                           "--input", str(source), "--output-prefix", str(tmp_path / "out"), "--chat",
+                           "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        f"prepare_data: {source}:2: not UTF-8 text (byte 0xc9 at byte {byte} of the file); convert the file to UTF-8 "
+        f"(e.g. iconv -f LATIN1 -t UTF-8), or skip such lines with --on-bad-line skip"], done.stderr
+    assert os.listdir(tmp_path) == ["latin1.jsonl"]
+
+
+def test_plain_and_chat_inputs_share_one_jsonl_reader(chat_data, capsys, tmp_path):
+    """One reader of JSONL lines: a line that is not JSON is the same one line in plain and in chat mode (file,
+    line, why and the fix, exit 2), skipped alike with --on-bad-line skip, and blank lines are passed over."""
+    from megatron_csbp.tools import prepare_data
+
+    root, _ = chat_data
+    source = tmp_path / "in.jsonl"
+    source.write_text("\n   \n{not json\n")
+    plain = ["--input", str(source), "--output-prefix", str(tmp_path / "plain")]
+    chat = ["--input", str(source), "--output-prefix", str(tmp_path / "chat"), "--chat", "--tokenizer-type",
+            "HuggingFaceTokenizer", "--tokenizer-model", str(root / "tok")]
+    why = f"{source}:3: not valid JSON (Expecting property name enclosed in double quotes at column 2)"
+    for argv in (plain, chat):
+        assert prepare_data.main(argv) == 2
+        assert capsys.readouterr().err.strip().splitlines() == [
+            f"prepare_data: {why}; fix or remove the line, or skip such lines with --on-bad-line skip"]
+        assert prepare_data.main([*argv, "--on-bad-line", "skip"]) == 2  # nothing left to write
+        assert capsys.readouterr().err.strip().splitlines()[0] == f"skipped {why}"
+    assert os.listdir(tmp_path) == ["in.jsonl"]
 
 
 def test_training_reads_each_samples_mask_and_trains_packed(chat_data):

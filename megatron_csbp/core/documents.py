@@ -125,6 +125,12 @@ class NoisyDocuments:
         self.ids = ids
         self.masks = {}
 
+    def visible_pairs(self, block_size: int) -> int:
+        """Query-key pairs the block-diagonal masks let through (per head and sample): in each block, each row
+        with the rows of its own document."""
+        ids = self.ids.view(-1, block_size)
+        return int((ids.unsqueeze(2) == ids.unsqueeze(1)).sum())
+
 
 def row_pairs(layout, documents) -> torch.Tensor:
     """Real query-key pairs of each of `layout`'s rows under the block mask cut to documents (per head and sample):

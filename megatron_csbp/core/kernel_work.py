@@ -19,7 +19,7 @@ class KernelCall:
     """One attention kernel call of one rank in one layer's forward, and the query-key pairs it covers."""
 
     kind: str  # one of KINDS
-    real_pairs: int  # pairs the BDLM mask allows (the useful work)
+    real_pairs: int  # pairs the BDLM mask allows (the useful work; a packed sample's: and the same document)
     computed_pairs: int  # pairs the kernel multiplies: whole tiles at its tile size (>= real_pairs)
     calls: int = 1  # launches of this shape (e.g. one per ring step)
 

@@ -76,9 +76,12 @@ class RingPlan:
 
         calls = []
         if self.block_diagonal and self.layout.num_noisy_rows:
-            blocks = self.layout.num_noisy_rows // self.layout.block_size
-            pairs = blocks * self.layout.block_size ** 2
-            calls.append(KernelCall("dense", pairs, pairs))
+            # every owned block is computed whole; one straddling documents is masked to each row's document
+            # (packed samples: the kernel's `NoisyDocuments`), which leaves fewer real pairs
+            block = self.layout.block_size
+            computed = self.layout.num_noisy_rows * block
+            real = computed if self.noisy_documents is None else self.noisy_documents.visible_pairs(block)
+            calls.append(KernelCall("dense", real, computed))
         plans = self.members if per_member else (self.gathered,)
         return tuple(calls + [KernelCall(self.kind, *plan.work()) for plan in plans])
 

@@ -7,10 +7,12 @@ sources (a sorted, deterministic list, about 4 MB) — byte-tokenized, one docum
 runs of well-known sequences (months, weekdays, planets, rainbow colours) from random starts, generated
 here. A tiny model learns them in a few minutes on two CPU cores, so its samples can be checked by eye.
 
-Inputs ending in `.jsonl`/`.json` hold one JSON object per line (text under `--json-key`); any other file
-is one document. A malformed line is reported as `file:line: why` and skipped (counted) or fatal, per
-`--on-bad-line`. The dataset is read back and checked before it replaces anything (see
-`megatron_csbp.training.datasets.write_indexed_dataset`).
+Inputs ending in `.jsonl`/`.json` hold one JSON object per line (text under `--json-key`; with `--chat`, a
+conversation under `--chat-key`), read by one reader (`jsonl_values`); any other file is one document. Input
+must be UTF-8: where a bad line is fatal, every input is checked before any work. A bad line (not UTF-8, not
+JSON, without the key, or a value the command cannot use) is reported as `file:line: why` and skipped (counted)
+or fatal (one line with the fix, exit 2), per `--on-bad-line`. The dataset is read back and checked before it
+replaces anything (see `megatron_csbp.training.datasets.write_indexed_dataset`).
 
 `main(argv)` is the command of `scripts/prepare_data.py`.
 """
@@ -37,7 +39,15 @@ CORPUS_PREFIXES = {"stdlib": DEFAULT_PREFIX, "sequences": os.path.join("data", "
 
 
 class BadInput(ValueError):
-    """A malformed input line or file (reported with file and line number)."""
+    """Input that cannot be used, said in one line naming the file (and line) or the flag, and the fix."""
+
+
+class BadLine(BadInput):
+    """One unusable input line (or text file): why, how to fix it, and where (`file:line`; the reader fills it in)."""
+
+    def __init__(self, why: str, fix: str = "fix or remove the line", where: str | None = None):
+        super().__init__(why)
+        self.why, self.fix, self.where = why, fix, where
 
 
 def stdlib_sources(max_bytes: int | None = DEFAULT_MAX_BYTES) -> list[str]:
@@ -70,45 +80,105 @@ def sequence_documents(count: int = 4000, seed: int = 0) -> list[str]:
     return documents
 
 
-def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
-    """Yield document texts; `report` gets one line per skipped bad line."""
+def _decoded(data: bytes, path: str, line: int | None, offset: int) -> str:
+    """`data`, the bytes of `path` from byte `offset` (its line `line`; None: the whole file), as UTF-8 text; else a
+    `BadLine` naming the first byte that is not UTF-8, its line and its offset in the file."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1 if line is None else line
+        raise BadLine(f"not UTF-8 text (byte 0x{data[error.start]:02x} at byte {offset + error.start} of the file)",
+                      "convert the file to UTF-8 (e.g. iconv -f LATIN1 -t UTF-8)", f"{path}:{line}") from None
 
-    def bad(where: str, why: str):
-        if on_bad_line == "error":
-            raise BadInput(f"{where}: {why} (use --on-bad-line skip to skip such lines)")
-        report(f"skipped {where}: {why}")
 
+def _bad_line(error: BadLine, on_bad_line: str, report) -> None:
+    """The bad-line policy (`--on-bad-line`): fatal, one line with the fix (exit 2), or reported and skipped."""
+    if on_bad_line == "error":
+        raise BadInput(f"{error.where}: {error.why}; {error.fix}, or skip such lines with --on-bad-line skip")
+    report(f"skipped {error.where}: {error.why}")
+
+
+def check_inputs(paths: list[str], on_bad_line: str) -> None:
+    """Before any work: every input file exists and, where a bad line is fatal, is UTF-8 throughout, so a file
+    that is not is refused in one line (file, line, byte offset, the fix) before anything is tokenized."""
     for path in paths:
         if not os.path.isfile(path):
             raise BadInput(f"{path}: no such input file")
-        if not path.endswith((".jsonl", ".json")):
-            try:
-                with open(path, encoding="utf-8") as handle:
-                    yield handle.read()
-            except UnicodeDecodeError as error:
-                bad(path, f"not UTF-8 text ({error.reason} at byte {error.start})")
-            continue
-        with open(path, encoding="utf-8", errors="surrogateescape") as handle:
-            for number, line in enumerate(handle, start=1):
-                where = f"{path}:{number}"
-                if not line.strip():
-                    continue
+    if on_bad_line != "error":
+        return  # bad lines are skipped as the readers meet them
+    for path in paths:
+        with open(path, "rb") as handle:
+            offset = 0
+            for number, raw in enumerate(handle, start=1):
                 try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    bad(where, f"not valid JSON ({error.msg} at column {error.colno})")
-                    continue
-                if not isinstance(record, dict) or json_key not in record:
-                    bad(where, f"no '{json_key}' key (set --json-key)")
-                elif not isinstance(record[json_key], str):
-                    bad(where, f"'{json_key}' is a {type(record[json_key]).__name__}, not a string")
-                else:
-                    try:
-                        record[json_key].encode("utf-8")
-                    except UnicodeEncodeError:
-                        bad(where, "not UTF-8 text")
-                        continue
-                    yield record[json_key]
+                    _decoded(raw, path, number, offset)
+                except BadLine as error:
+                    _bad_line(error, on_bad_line, None)
+                offset += len(raw)
+
+
+_BLANK = object()
+
+
+def _jsonl_value(raw: bytes, path: str, number: int, offset: int, key: str, key_flag: str, parse):
+    """One JSONL line's `parse(record[key])`, `_BLANK` for a blank line, or a `BadLine`."""
+    line = _decoded(raw, path, number, offset)
+    if not line.strip():
+        return _BLANK
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise BadLine(f"not valid JSON ({error.msg} at column {error.colno})") from None
+    if not isinstance(record, dict) or key not in record:
+        raise BadLine(f"no '{key}' key", f"set {key_flag} to the key that holds it")
+    return parse(record[key])
+
+
+def jsonl_values(paths: list[str], key: str, key_flag: str, on_bad_line: str, report, parse=lambda value: value):
+    """The one reader of JSONL input: `parse(record[key])` for each non-blank line of each file of `paths`, in order.
+
+    A line that is not UTF-8, not JSON, not an object with `key` (the flag `key_flag` names it), or whose value
+    `parse` refuses (a `BadLine`), is a bad line: fatal or reported and skipped, per `on_bad_line`."""
+    for path in paths:
+        with open(path, "rb") as handle:
+            offset = 0
+            for number, raw in enumerate(handle, start=1):
+                try:
+                    value = _jsonl_value(raw, path, number, offset, key, key_flag, parse)
+                except BadLine as error:
+                    error.where = error.where or f"{path}:{number}"
+                    _bad_line(error, on_bad_line, report)
+                    value = _BLANK
+                offset += len(raw)
+                if value is not _BLANK:
+                    yield value
+
+
+def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
+    """Yield document texts: the `json_key` string of each line of a `.jsonl`/`.json` file, any other file whole.
+    Bad lines (and text files that are not UTF-8) follow `on_bad_line`; `report` gets one line per skipped one."""
+
+    def text(value):
+        if not isinstance(value, str):
+            raise BadLine(f"'{json_key}' is a {type(value).__name__}, not a string")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadLine(f"'{json_key}' holds an unpaired surrogate escape (\\ud800-\\udfff), not text") from None
+        return value
+
+    for path in paths:
+        if path.endswith((".jsonl", ".json")):
+            yield from jsonl_values([path], json_key, "--json-key", on_bad_line, report, text)
+            continue
+        with open(path, "rb") as handle:
+            data = handle.read()
+        try:
+            document = _decoded(data, path, None, 0)
+        except BadLine as error:
+            _bad_line(error, on_bad_line, report)
+            continue
+        yield document
 
 
 def chat_template(tokenizer_model: str):
@@ -129,18 +199,18 @@ def chat_template(tokenizer_model: str):
         messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
-def chat_document(messages, render, tokenizer, where: str) -> tuple[list[int], list[int]]:
+def chat_document(messages, render, tokenizer) -> tuple[list[int], list[int]]:
     """A conversation's token ids under the chat template and its loss mask: 1 on the tokens of the assistant
     turns (what the template writes for each, its end-of-turn marker included), 0 on everything else.
 
     Each assistant turn is the text between the template's rendering of the turns before it (with the
     generation prompt) and of the turns up to it; a template that does not render a conversation's beginning
-    as a prefix of the whole cannot be cut so, and is refused."""
+    as a prefix of the whole cannot be cut so, and is refused (`BadLine`)."""
     if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
                                                  and isinstance(m.get("content"), str) for m in messages):
-        raise BadInput(f"{where}: 'messages' must be a list of {{'role': str, 'content': str}}")
+        raise BadLine("the conversation must be a list of {'role': str, 'content': str}")
     if not any(m["role"] == "assistant" for m in messages):
-        raise BadInput(f"{where}: no assistant turn, so nothing would be trained on")
+        raise BadLine("no assistant turn, so nothing would be trained on")
     text = render(messages, False)
     spans = []
     for turn, message in enumerate(messages):
@@ -149,8 +219,8 @@ def chat_document(messages, render, tokenizer, where: str) -> tuple[list[int], l
         before = render(messages[:turn], True) if turn else ""
         through = render(messages[:turn + 1], False)
         if not (through.startswith(before) and text.startswith(through)):
-            raise BadInput(f"{where}: the chat template does not render turn {turn}'s conversation as a prefix of the "
-                           f"whole, so its assistant tokens cannot be found; use another template")
+            raise BadLine(f"the chat template does not render turn {turn}'s conversation as a prefix of the whole, "
+                          f"so its assistant tokens cannot be found", "use another chat template")
         spans.append((len(before), len(through)))
     ids, offsets = tokenizer.tokenize_with_offsets(text)
     mask = [int(any(lo <= start < hi for lo, hi in spans)) for start, _ in offsets]
@@ -161,31 +231,16 @@ def chat_documents(paths, key, render, tokenizer, pad_to: int, on_bad_line: str,
     """`(ids, mask)` per conversation of the JSONL `paths`, each ending with EOD and padded with EODs (mask 0) to a
     multiple of `pad_to` tokens, so packed documents start on block boundaries. A conversation longer than
     `max_length` (the training `--seq-length`) would be cut across samples: a bad line."""
-    for path in paths:
-        if not os.path.isfile(path):
-            raise BadInput(f"{path}: no such input file")
-        with open(path, encoding="utf-8") as handle:
-            for number, line in enumerate(handle, start=1):
-                where = f"{path}:{number}"
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    if not isinstance(record, dict) or key not in record:
-                        raise BadInput(f"{where}: no '{key}' key (set --chat-key)")
-                    ids, mask = chat_document(record[key], render, tokenizer, where)
-                    if max_length is not None and len(ids) + 1 > max_length:
-                        raise BadInput(f"{where}: the conversation is {len(ids) + 1} tokens with its EOD, longer than "
-                                       f"--seq-length {max_length}, so training would cut it across samples; raise "
-                                       f"--seq-length or drop it (--on-bad-line skip)")
-                except (json.JSONDecodeError, BadInput) as error:
-                    why = f"not valid JSON ({error.msg})" if isinstance(error, json.JSONDecodeError) else str(error)
-                    if on_bad_line == "error":
-                        raise BadInput(why if isinstance(error, BadInput) else f"{where}: {why}") from None
-                    report(f"skipped {why if isinstance(error, BadInput) else where + ': ' + why}")
-                    continue
-                padding = (-(len(ids) + 1)) % pad_to
-                yield ids + [tokenizer.eod] * (1 + padding), mask + [0] * (1 + padding)
+
+    def conversation(messages):
+        ids, mask = chat_document(messages, render, tokenizer)
+        if max_length is not None and len(ids) + 1 > max_length:
+            raise BadLine(f"the conversation is {len(ids) + 1} tokens with its EOD, longer than --seq-length "
+                          f"{max_length}, so training would cut it across samples", "raise --seq-length")
+        padding = (-(len(ids) + 1)) % pad_to
+        return ids + [tokenizer.eod] * (1 + padding), mask + [0] * (1 + padding)
+
+    yield from jsonl_values(paths, key, "--chat-key", on_bad_line, report, conversation)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,6 +297,7 @@ def _write_chat(args, prefix, tokenizer, report, skipped) -> int:
     if args.seq_length is not None and (args.seq_length < 1 or args.seq_length % args.pad_to_multiple):
         raise ConfigError(f"--seq-length {args.seq_length} must be a positive multiple of --pad-to-multiple "
                           f"{args.pad_to_multiple}, as training's is of its block size")
+    check_inputs(args.input, args.on_bad_line)
     documents = list(chat_documents(args.input, args.chat_key, render, tokenizer, args.pad_to_multiple,
                                     args.on_bad_line, report, args.seq_length))
     if not documents:
@@ -285,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr)
         if args.chat:
             return _write_chat(args, prefix, tokenizer, report, skipped)
+        check_inputs(inputs, args.on_bad_line)
         texts = generated or read_documents(inputs, args.json_key, args.on_bad_line, report)
         documents = (ids for ids in (tokenizer.tokenize(text) + eod for text in texts if text) if ids)
         first = next(documents, None)

@@ -1,0 +1,182 @@
+"""One Megatron training step of a small GQA/RoPE GPTModel (tied embeddings) on any composition, and its
+comparison with a reference step: the machinery test_megatron_composition and test_packing share.
+
+`train_step` runs megatron-core's DDP, `finalize_model_grads`, `get_forward_backward_func` and
+`get_megatron_optimizer` with a BDLM forward step, from given weights (loaded by global layer number) or, for a
+reference, from Megatron's initialisation perturbed so norms and biases are not trivial. It returns the loss,
+every parameter's gradient (gathered over TP) and every parameter after the optimizer step, by global name;
+`worst_error` is the largest relative difference of all three from a reference's, over every rank.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from spawn import on_cpu_backend
+
+SEQ, BLOCK, VOCAB, MASK = 32, 4, 64, 63
+
+
+@dataclass(frozen=True)
+class Topology:
+    name: str
+    mode: str = "csbp"  # "reference" or a --bdlm-parallel-mode: "csbp", "cp", "cp-traffic", "bp"
+    tp: int = 1
+    pp: int = 1
+    block_parallel: int = 1
+    clean_shards: int = 1
+    sequence_parallel: bool = False
+    transport: str = "collective"
+    seq: int = SEQ
+    block: int = BLOCK
+    megatron_rope: bool = False  # negative control
+
+
+def _config(topology):
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
+        tensor_model_parallel_size=topology.tp, pipeline_model_parallel_size=topology.pp,
+        context_parallel_size=topology.block_parallel, sequence_parallel=topology.sequence_parallel,
+        normalization="RMSNorm", use_cpu_initialization=True, calculate_per_token_loss=True,
+        hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
+        # as megatron_config.transformer_config_kwargs sets them
+        variable_seq_lengths=topology.pp > 1, moe_token_dispatcher_type="alltoall" if topology.pp > 1 else "allgather")
+
+
+def _global_name(model, name):
+    """Parameter name with the pipeline stage's local layer index replaced by the global one; the last
+    stage's copy of the tied embedding is the embedding."""
+    if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
+        return "embedding.word_embeddings.weight"
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
+def _full(param, tensor):
+    """`tensor` (a TP shard of `param`'s shape) gathered over TP."""
+    from megatron.core import parallel_state as mpu
+
+    if not getattr(param, "tensor_model_parallel", False) or mpu.get_tensor_model_parallel_world_size() == 1:
+        return tensor.detach().clone()
+    shards = [torch.empty_like(tensor) for _ in range(mpu.get_tensor_model_parallel_world_size())]
+    torch.distributed.all_gather(shards, tensor.detach().contiguous(), group=mpu.get_tensor_model_parallel_group())
+    return torch.cat(shards, dim=param.partition_dim)
+
+
+def _load(model, weights):
+    from megatron.core import parallel_state as mpu
+
+    tp_size, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    for name, param in model.named_parameters():
+        full = weights[_global_name(model, name)]
+        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
+            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        param.data.copy_(full)
+
+
+def train_step(topology, weights, build_model, forward_step, batches, micro_batch_size):
+    """One Megatron training step under `topology` from `weights` (full tensors by global name; None: Megatron's
+    initialisation perturbed, returned as "initial"). `build_model(topology, config) -> (model, layout)`,
+    `forward_step(layout)`: the step's forward-step function, `batches(dp_rank, dp_size)`: this rank's
+    micro-batches. Returns the loss (on the last pipeline stage, else None), the gathered grads and the
+    parameters after the step by global name, the initial weights and the grad norm."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.mcore.model import pipeline_seq_length
+
+    parallel_state.initialize_model_parallel(topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,
+                                             clean_shards=topology.clean_shards)
+    try:
+        torch.manual_seed(1234)
+        model_parallel_cuda_manual_seed(1234)
+        config = _config(topology)
+        model, layout = build_model(topology, config)
+        if weights is None:  # the reference: perturb Megatron's init so norms and biases are not trivial
+            generator = torch.Generator().manual_seed(7)
+            for _, param in sorted(model.named_parameters()):
+                param.data.add_(0.05 * torch.randn(param.shape, generator=generator))
+            initial = {name: param.detach().clone() for name, param in model.named_parameters()}
+        else:
+            _load(model, weights)
+            initial = None
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        config.finalize_model_grads_func = finalize_model_grads
+        config.no_sync_func = ddp.no_sync
+        # adam_eps well above rounding noise: grads that are zero in exact arithmetic (the key bias's)
+        # come out ~1e-10, and Adam with eps=1e-8 would turn that noise into lr-sized updates.
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, adam_eps=1e-4, clip_grad=1.0,
+                            params_dtype=torch.float32), [ddp])
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        rank_batches = batches(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+        reports = get_forward_backward_func()(
+            forward_step_func=forward_step(layout), data_iterator=iter(rank_batches), model=[ddp],
+            # Under pipeline parallelism the clean length L stands here, as Megatron-LM's pretrain() passes
+            # it: the shapes travel with the messages (variable_seq_lengths), so it must not matter.
+            num_microbatches=len(rank_batches),
+            seq_length=topology.seq if topology.pp > 1 else pipeline_seq_length(layout, config),
+            micro_batch_size=micro_batch_size, forward_only=False)
+        loss = None
+        if mpu.is_pipeline_last_stage():
+            total = torch.stack([r["lm loss"] for r in reports]).sum(0)
+            torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
+            loss = (total[0] / total[1]).item()
+        grads = {_global_name(model, n): _full(p, p.main_grad) for n, p in model.named_parameters()}
+        success, grad_norm, _ = optimizer.step()
+        assert success
+        after = {_global_name(model, n): _full(p, p) for n, p in model.named_parameters()}
+        return dict(loss=loss, grads=grads, after=after, initial=initial, grad_norm=grad_norm)
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@on_cpu_backend
+def run_steps(rank, world_size, step, items, weights):
+    """On each rank of a spawn: `step(item, weights)` for each of `items` in order, from `weights` (numpy arrays by
+    global name; None: the first step's own initial weights, which the later steps then start from)."""
+    if weights is not None:
+        weights = {name: torch.from_numpy(array) for name, array in weights.items()}
+    results = []
+    for item in items:
+        result = step(item, weights)
+        weights = weights if weights is not None else result["initial"]
+        results.append(_as_numpy(result))
+    return results
+
+
+def _as_numpy(result):
+    """Tensors leave a rank as numpy arrays: torch tensors would travel as shared memory the exiting
+    rank takes with it."""
+    if isinstance(result, dict):
+        return {key: _as_numpy(value) for key, value in result.items()}
+    return result.numpy() if isinstance(result, torch.Tensor) else result
+
+
+def _relative(a, b):
+    a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+    return ((a - b).norm() / b.norm()).item()
+
+
+def worst_error(per_rank, reference):
+    """Largest relative error of loss, grads and updated params over all ranks; checks every param is seen."""
+    losses = [r["loss"] for r in per_rank if r["loss"] is not None]
+    assert losses, "no rank reported a loss"
+    worst = max(abs(loss - reference["loss"]) / abs(reference["loss"]) for loss in losses)
+    for field in ("grads", "after"):
+        seen = set()
+        for result in per_rank:
+            for name, tensor in result[field].items():
+                worst = max(worst, _relative(tensor, reference[field][name]))
+                seen.add(name)
+        assert seen == set(reference[field]), f"{field}: missing {set(reference[field]) - seen}"
+    return worst
