@@ -121,17 +121,6 @@ def _our_logits(rank, world, root, names, cp, ep, controls):
     return results
 
 
-def _assemble(per_rank, name, control):
-    out = None
-    for result in per_rank:
-        positions, logits = result[name, control]
-        if out is None:
-            out = torch.full((logits.shape[0], SEQ, logits.shape[2]), float("nan"))
-        out[:, positions] = logits
-    assert not out.isnan().any()
-    return out
-
-
 def _reference(hf_dir, name):
     mask_id = _mask_id(name)
     x0, x_t = test_hf._inputs(mask_id, MODELS[name]["tokenizer_ids"])
@@ -149,11 +138,11 @@ def test_logits_equal_huggingface(converted, layout):
                          timeout=600)
     for name in MODELS:
         reference = _reference(os.path.join(converted, name, "hf"), name)
-        error = test_hf._relative_error(_assemble(per_rank, name, "none"), reference, _mask_id(name))
+        error = test_hf._relative_error(test_hf._assemble(per_rank, name, "none"), reference, _mask_id(name))
         print(f"{name} {layout}: relative error {error:.2e}")
         assert error <= TOLERANCE, (name, layout, error)
         for control in controls:
-            wrong = test_hf._relative_error(_assemble(per_rank, name, control), reference, _mask_id(name))
+            wrong = test_hf._relative_error(test_hf._assemble(per_rank, name, control), reference, _mask_id(name))
             print(f"{name} control '{control}': relative error {wrong:.2e}")
             assert wrong > 100 * TOLERANCE, (name, control, wrong)
 
