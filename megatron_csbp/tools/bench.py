@@ -354,7 +354,7 @@ class MoERouting:
             if args.moe_round_robin_routing:
                 router.routing = functools.partial(round_robin_routing, router)
             router.register_forward_hook(self._routed)
-        # routed experts by module (megatron-core marks them expert-parallel, `allreduce = False`, only under EP > 1)
+        # routed experts by module name: every MoE layer's `experts` (a shared expert is dense)
         sizes = [(".experts." in name, param.numel()) for name, param in model.named_parameters()]
         self.dense_parameters = sum(size for expert, size in sizes if not expert)
         self.expert_parameters = sum(size for expert, size in sizes if expert)
@@ -377,8 +377,8 @@ def optimizer_state(model, config) -> dict:
     """The memory megatron-core's distributed optimizer gives this rank, measured on `model`: the fp32 gradient
     buffers DDP allocates (whole, dense and expert, padded as megatron-core pads them), and Adam's state tensors
     for the shard of the parameters megatron-core assigns this rank (the dense parameters' sharded over DP x CP,
-    the experts' over the expert-data-parallel group; under EP1 megatron-core counts the experts as dense, whose
-    group, DP x CP, is then the expert-data-parallel group too). The state is allocated by the inner torch optimizer's own
+    the experts' over the expert-data-parallel group, which is DP x CP under EP1; the plugin gives the experts
+    their own optimizer on every EP size, `mcore.model`). The state is allocated by the inner torch optimizer's own
     step on those shards, given zero gradients: the shards are megatron-core's, the step needs no gradient
     exchange (which gloo cannot coalesce)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
