@@ -558,7 +558,8 @@ def _rank_record(rank, world_size, args, mode, seq_length):
                 times.append(elapsed)
                 cpu_times.append(cpu)
                 waits.append(counter.wait_s)
-        records.append(run.record(times, cpu_times, waits, counter, _peak_memory(run.device, baseline_rss), link_gbps=gbps,
+        records.append(run.record(times, cpu_times, waits, counter, _peak_memory(run.device, baseline_rss),
+                                  link_gbps=gbps,
                                   link_latency_us=args.link_latency_us if gbps else None, overlap=overlap))
     records = [dict(record, **run.expert_memory()) for record in records]
     if args.transport_memory and run.clean_shards > 1:
