@@ -154,7 +154,8 @@ def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatr
     (["--num-experts", "4", "--moe-z-loss-coeff", "0.001"],
      "--moe-z-loss-coeff{}: is a mixture-of-experts option not supported with the BDLM model; drop it (supported MoE "
      "options: --num-experts, --moe-layer-freq, --moe-ffn-hidden-size, --moe-shared-expert-intermediate-size, "
-     "--moe-router-topk, --moe-router-score-function, --moe-router-dtype, --moe-router-load-balancing-type "
+     "--moe-router-topk, --moe-router-score-function, --moe-router-pre-softmax, --moe-router-dtype, "
+     "--moe-router-load-balancing-type "
      "aux_loss|none, --moe-aux-loss-coeff, --moe-token-dispatcher-type alltoall|allgather, --moe-grouped-gemm, "
      "--expert-model-parallel-size, --expert-tensor-parallel-size)"),
     (["--sft"], "--sft: selects data the plugin's datasets provider does not build; give --data-path PREFIX (or a "
