@@ -1,11 +1,12 @@
 """One Megatron training step of a small GQA/RoPE GPTModel (tied embeddings) on any composition, and its
-comparison with a reference step: the machinery test_megatron_composition and test_packing share.
+comparison with a reference step: the machinery test_megatron_composition, test_packing and test_moe share.
 
 `train_step` runs megatron-core's DDP, `finalize_model_grads`, `get_forward_backward_func` and
 `get_megatron_optimizer` with a BDLM forward step, from given weights (loaded by global layer number) or, for a
 reference, from Megatron's initialisation perturbed so norms and biases are not trivial. It returns the loss,
-every parameter's gradient (gathered over TP) and every parameter after the optimizer step, by global name;
-`worst_error` is the largest relative difference of all three from a reference's, over every rank.
+every parameter's gradient (gathered over TP; an expert's over expert TP, numbered by its global expert index)
+and every parameter after the optimizer step, by global name; `worst_error` is the largest relative difference
+of all three (and of any named scalars) from a reference's, over every rank.
 """
 
 from dataclasses import dataclass
@@ -25,6 +26,8 @@ class Topology:
     pp: int = 1
     block_parallel: int = 1
     clean_shards: int = 1
+    ep: int = 1  # expert model parallel size
+    etp: int | None = None  # expert tensor parallel size (None: TP)
     sequence_parallel: bool = False
     transport: str = "collective"
     seq: int = SEQ
@@ -46,44 +49,64 @@ def _config(topology):
 
 
 def _global_name(model, name):
-    """Parameter name with the pipeline stage's local layer index replaced by the global one; the last
-    stage's copy of the tied embedding is the embedding."""
+    """Parameter name with the pipeline stage's local layer index replaced by the global one and each local expert
+    numbered by its global expert index; the last stage's copy of the tied embedding is the embedding."""
+    from megatron.core import parallel_state as mpu
+
     if name == "output_layer.weight" and model.share_embeddings_and_output_weights:
         return "embedding.word_embeddings.weight"
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    if "local_experts" in parts:
+        at = parts.index("local_experts") + 1
+        local = len(model.get_submodule(".".join(name.split(".")[:at])))
+        parts[at] = str(mpu.get_expert_model_parallel_rank() * local + int(parts[at]))
     return ".".join(parts)
 
 
-def _full(param, tensor):
-    """`tensor` (a TP shard of `param`'s shape) gathered over TP."""
+def _tp_group(param):
+    """The group a parameter is split over: expert tensor parallelism for an expert's, TP for the rest."""
     from megatron.core import parallel_state as mpu
 
-    if not getattr(param, "tensor_model_parallel", False) or mpu.get_tensor_model_parallel_world_size() == 1:
+    is_expert = not getattr(param, "allreduce", True)
+    return mpu.get_expert_tensor_parallel_group() if is_expert else mpu.get_tensor_model_parallel_group()
+
+
+def _full(param, tensor):
+    """`tensor` (a TP shard of `param`'s shape) gathered over its TP group, strided shards (SwiGLU's fc1 holds
+    `[gate_r ; up_r]`) put back in the full weight's order."""
+    group = _tp_group(param)
+    if not getattr(param, "tensor_model_parallel", False) or group.size() == 1:
         return tensor.detach().clone()
-    shards = [torch.empty_like(tensor) for _ in range(mpu.get_tensor_model_parallel_world_size())]
-    torch.distributed.all_gather(shards, tensor.detach().contiguous(), group=mpu.get_tensor_model_parallel_group())
-    return torch.cat(shards, dim=param.partition_dim)
+    shards = [torch.empty_like(tensor) for _ in range(group.size())]
+    torch.distributed.all_gather(shards, tensor.detach().contiguous(), group=group)
+    stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
+    return torch.cat([pieces[rank][part] for part in range(stride) for rank in range(group.size())], dim=dim)
 
 
 def _load(model, weights):
-    from megatron.core import parallel_state as mpu
-
-    tp_size, tp_rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    """The full `weights` into this rank's shards (the inverse of `_full`)."""
     for name, param in model.named_parameters():
         full = weights[_global_name(model, name)]
-        if getattr(param, "tensor_model_parallel", False) and tp_size > 1:
-            full = full.chunk(tp_size, dim=param.partition_dim)[tp_rank]
+        group = _tp_group(param)
+        if getattr(param, "tensor_model_parallel", False) and group.size() > 1:
+            stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+            chunks = full.chunk(group.size() * stride, dim=dim)
+            full = torch.cat(chunks[group.rank()::group.size()], dim=dim)
         param.data.copy_(full)
 
 
-def train_step(topology, weights, build_model, forward_step, batches, micro_batch_size):
+def train_step(topology, weights, build_model, forward_step, batches, micro_batch_size, make_config=_config,
+               before_step=None, after_step=None):
     """One Megatron training step under `topology` from `weights` (full tensors by global name; None: Megatron's
-    initialisation perturbed, returned as "initial"). `build_model(topology, config) -> (model, layout)`,
-    `forward_step(layout)`: the step's forward-step function, `batches(dp_rank, dp_size)`: this rank's
-    micro-batches. Returns the loss (on the last pipeline stage, else None), the gathered grads and the
-    parameters after the step by global name, the initial weights and the grad norm."""
+    initialisation perturbed, returned as "initial"). `make_config(topology)`: its TransformerConfig,
+    `build_model(topology, config) -> (model, layout)`, `forward_step(layout)`: the step's forward-step function,
+    `batches(dp_rank, dp_size)`: this rank's micro-batches; `before_step(ddp)` runs before the forward and
+    `after_step(num_microbatches) -> dict` after the backward, its entries joining the result. Returns the loss
+    (on the last pipeline stage, else None), the gathered grads and the parameters after the step by global name,
+    the initial weights and the grad norm."""
     from megatron.core import parallel_state as mpu
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -94,11 +117,12 @@ def train_step(topology, weights, build_model, forward_step, batches, micro_batc
     from megatron_csbp.mcore.model import pipeline_seq_length
 
     parallel_state.initialize_model_parallel(topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,
-                                             clean_shards=topology.clean_shards)
+                                             clean_shards=topology.clean_shards, expert_model_parallel_size=topology.ep,
+                                             expert_tensor_parallel_size=topology.etp or topology.tp)
     try:
         torch.manual_seed(1234)
         model_parallel_cuda_manual_seed(1234)
-        config = _config(topology)
+        config = make_config(topology)
         model, layout = build_model(topology, config)
         if weights is None:  # the reference: perturb Megatron's init so norms and biases are not trivial
             generator = torch.Generator().manual_seed(7)
@@ -118,6 +142,8 @@ def train_step(topology, weights, build_model, forward_step, batches, micro_batc
                             params_dtype=torch.float32), [ddp])
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
+        if before_step:
+            before_step(ddp)
         rank_batches = batches(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
         reports = get_forward_backward_func()(
             forward_step_func=forward_step(layout), data_iterator=iter(rank_batches), model=[ddp],
@@ -131,11 +157,12 @@ def train_step(topology, weights, build_model, forward_step, batches, micro_batc
             total = torch.stack([r["lm loss"] for r in reports]).sum(0)
             torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
             loss = (total[0] / total[1]).item()
+        observed = after_step(len(rank_batches)) if after_step else {}
         grads = {_global_name(model, n): _full(p, p.main_grad) for n, p in model.named_parameters()}
         success, grad_norm, _ = optimizer.step()
         assert success
         after = {_global_name(model, n): _full(p, p) for n, p in model.named_parameters()}
-        return dict(loss=loss, grads=grads, after=after, initial=initial, grad_norm=grad_norm)
+        return dict(loss=loss, grads=grads, after=after, initial=initial, grad_norm=grad_norm, **observed)
     finally:
         parallel_state.destroy_model_parallel()
 
@@ -167,11 +194,14 @@ def _relative(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def worst_error(per_rank, reference):
-    """Largest relative error of loss, grads and updated params over all ranks; checks every param is seen."""
+def worst_error(per_rank, reference, scalars=()):
+    """Largest relative error of loss, grads, updated params and each of `scalars` (every rank's) over all ranks;
+    checks every param is seen."""
     losses = [r["loss"] for r in per_rank if r["loss"] is not None]
     assert losses, "no rank reported a loss"
     worst = max(abs(loss - reference["loss"]) / abs(reference["loss"]) for loss in losses)
+    for scalar in scalars:
+        worst = max([worst] + [abs(r[scalar] - reference[scalar]) / abs(reference[scalar]) for r in per_rank])
     for field in ("grads", "after"):
         seen = set()
         for result in per_rank:

@@ -23,7 +23,7 @@ import torch
 
 import megatron_step
 import test_megatron_composition as composition
-from spawn import on_cpu_backend, run_ranks
+from spawn import run_ranks
 
 pytest_plugins = ["pretrain_runs"]  # the corpus fixture
 SEQ, BLOCK, VOCAB, MASK = megatron_step.SEQ, megatron_step.BLOCK, megatron_step.VOCAB, megatron_step.MASK
@@ -34,23 +34,10 @@ TOLERANCE = 1e-5
 
 
 @dataclass(frozen=True)
-class MoETopology:
-    name: str
-    mode: str = "csbp"  # "reference" or "csbp"
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    etp: int | None = None  # expert tensor parallel size (None: TP)
-    block_parallel: int = 1
-    clean_shards: int = 1
-    sequence_parallel: bool = False
+class MoETopology(megatron_step.Topology):
     dispatcher: str = "alltoall"
     skip_expert_grad_reduction: bool = False  # negative control
     megatron_router: bool = False  # negative control: megatron-core's router, its aux-loss gradient / (TP x CP)
-    seq: int = SEQ
-    block: int = BLOCK
-    transport: str = "collective"
-    megatron_rope: bool = False
 
 
 REFERENCE = MoETopology("reference", mode="reference")
@@ -130,161 +117,46 @@ def _build_model(topology, config):
     return model, layout
 
 
-def _global_name(model, name):
-    """`megatron_step._global_name`, with each local expert numbered by its global expert index."""
-    from megatron.core import parallel_state as mpu
-
-    name = megatron_step._global_name(model, name)
-    parts = name.split(".")
-    if "local_experts" in parts:
-        at = parts.index("local_experts") + 1
-        local = EXPERTS // mpu.get_expert_model_parallel_world_size()
-        parts[at] = str(mpu.get_expert_model_parallel_rank() * local + int(parts[at]))
-    return ".".join(parts)
-
-
-def _is_expert(param) -> bool:
-    return not getattr(param, "allreduce", True)
-
-
-def _tp_group(param):
-    from megatron.core import parallel_state as mpu
-
-    return mpu.get_expert_tensor_parallel_group() if _is_expert(param) else mpu.get_tensor_model_parallel_group()
-
-
-def _full(param, tensor):
-    """`tensor` (a TP shard of `param`'s shape) gathered over its TP group, strided shards (SwiGLU's fc1 holds
-    `[gate_r ; up_r]`) put back in the full weight's order."""
-    group = _tp_group(param)
-    if not getattr(param, "tensor_model_parallel", False) or group.size() == 1:
-        return tensor.detach().clone()
-    shards = [torch.empty_like(tensor) for _ in range(group.size())]
-    torch.distributed.all_gather(shards, tensor.detach().contiguous(), group=group)
-    stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
-    pieces = [shard.chunk(stride, dim=dim) for shard in shards]
-    return torch.cat([pieces[rank][part] for part in range(stride) for rank in range(group.size())], dim=dim)
-
-
-def _load(model, weights):
-    """The full `weights` into this rank's shards (the inverse of `_full`)."""
-    for name, param in model.named_parameters():
-        full = weights[_global_name(model, name)]
-        group = _tp_group(param)
-        if getattr(param, "tensor_model_parallel", False) and group.size() > 1:
-            stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
-            chunks = full.chunk(group.size() * stride, dim=dim)
-            full = torch.cat(chunks[group.rank()::group.size()], dim=dim)
-        param.data.copy_(full)
-
-
 def _train_step(topology, weights):
-    """One Megatron training step; returns loss, grad norm, aux loss, gathered grads and parameters after it."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    """One Megatron training step (`megatron_step.train_step`) with the load-balancing loss Megatron-LM logs."""
     from megatron.core.transformer.moe.moe_utils import (clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker,
                                                          reduce_aux_losses_tracker_across_ranks)
 
     from megatron_csbp.bdlm.forward_step import BDLMForwardStep
     from megatron_csbp.bdlm.objective import BDLMObjective
-    from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.mcore.model import pipeline_seq_length
 
-    parallel_state.initialize_model_parallel(topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,
-                                             clean_shards=topology.clean_shards,
-                                             expert_model_parallel_size=topology.ep,
-                                             expert_tensor_parallel_size=topology.etp or topology.tp)
-    try:
-        torch.manual_seed(1234)
-        model_parallel_cuda_manual_seed(1234)
-        config = _config(topology)
-        model, layout = _build_model(topology, config)
-        if weights is None:
-            generator = torch.Generator().manual_seed(7)
-            for _, param in sorted(model.named_parameters()):
-                param.data.add_(0.05 * torch.randn(param.shape, generator=generator))
-            initial = {name: param.detach().clone() for name, param in model.named_parameters()}
-        else:
-            _load(model, weights)
-            initial = None
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    def before_step(ddp):
         if topology.skip_expert_grad_reduction:
             for bucket_group in ddp.expert_parallel_bucket_groups:
                 bucket_group.start_grad_sync = lambda *args, **kwargs: None
                 bucket_group.finish_grad_sync = lambda *args, **kwargs: None
-        config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = ddp.no_sync
-        optimizer = get_megatron_optimizer(
-            OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, adam_eps=1e-4, clip_grad=1.0,
-                            params_dtype=torch.float32), [ddp])
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
         clear_aux_losses_tracker()
-        batches = composition._batches(topology.seq, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-        objective = BDLMObjective(block_size=topology.block, mask_token_id=MASK, seed=99)
-        reports = get_forward_backward_func()(
-            forward_step_func=BDLMForwardStep(objective, layout), data_iterator=iter(batches), model=[ddp],
-            num_microbatches=len(batches), seq_length=SEQ if topology.pp > 1 else pipeline_seq_length(layout, config),
-            micro_batch_size=MICRO_BATCH, forward_only=False)
-        loss = None
-        if mpu.is_pipeline_last_stage():
-            total = torch.stack([r["lm loss"] for r in reports]).sum(0)
-            torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
-            loss = (total[0] / total[1]).item()
+
+    def load_balancing_loss(num_microbatches):
         reduce_aux_losses_tracker_across_ranks()
         tracker = get_moe_layer_wise_logging_tracker()
         # what Megatron-LM logs as load_balancing_loss: the mean over MoE layers and this rank's micro-batches
-        aux = float(tracker["load_balancing_loss"]["values"].sum()) / (sum(MOE_LAYERS) * len(batches))
-        grads = {_global_name(model, n): _full(p, p.main_grad) for n, p in model.named_parameters()}
-        success, grad_norm, _ = optimizer.step()
-        assert success
-        after = {_global_name(model, n): _full(p, p) for n, p in model.named_parameters()}
-        return dict(loss=loss, grads=grads, after=after, initial=initial, grad_norm=grad_norm, aux=aux)
-    finally:
-        parallel_state.destroy_model_parallel()
+        return dict(aux=float(tracker["load_balancing_loss"]["values"].sum()) / (sum(MOE_LAYERS) * num_microbatches))
 
-
-@on_cpu_backend
-def _run(rank, world_size, topologies, weights):
-    if weights is not None:
-        weights = {name: torch.from_numpy(array) for name, array in weights.items()}
-    results = []
-    for topology in topologies:
-        result = _train_step(topology, weights)
-        results.append(megatron_step._as_numpy(result))
-    return results
-
-
-def _worst_error(per_rank, reference):
-    losses = [r["loss"] for r in per_rank if r["loss"] is not None]
-    assert losses, "no rank reported a loss"
-    worst = max(abs(loss - reference["loss"]) / abs(reference["loss"]) for loss in losses)
-    worst = max([worst] + [abs(r["grad_norm"] - reference["grad_norm"]) / reference["grad_norm"] for r in per_rank])
-    # the load-balancing loss Megatron logs (reduced over TP x CP, averaged over DP)
-    worst = max([worst] + [abs(r["aux"] - reference["aux"]) / reference["aux"] for r in per_rank])
-    for field in ("grads", "after"):
-        seen = set()
-        for result in per_rank:
-            for name, tensor in result[field].items():
-                worst = max(worst, megatron_step._relative(tensor, reference[field][name]))
-                seen.add(name)
-        assert seen == set(reference[field]), f"{field}: missing {set(reference[field]) - seen}"
-    return worst
+    objective = BDLMObjective(block_size=topology.block, mask_token_id=MASK, seed=99)
+    return megatron_step.train_step(topology, weights, _build_model, lambda layout: BDLMForwardStep(objective, layout),
+                                    lambda dp_rank, dp_size: composition._batches(topology.seq, dp_rank, dp_size),
+                                    MICRO_BATCH, make_config=_config, before_step=before_step,
+                                    after_step=load_balancing_loss)
 
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_ranks(_run, 1, [REFERENCE], None, timeout=300)[0][0]
+    return run_ranks(megatron_step.run_steps, 1, _train_step, [REFERENCE], None, timeout=300)[0][0]
 
 
 def _check_world(world_size, topologies, reference, timeout):
-    results = run_ranks(_run, world_size, topologies, reference["initial"], timeout=timeout)
+    results = run_ranks(megatron_step.run_steps, world_size, _train_step, topologies, reference["initial"],
+                        timeout=timeout)
     for index, topology in enumerate(topologies):
         per_rank = [results[rank][index] for rank in range(world_size)]
-        error = _worst_error(per_rank, reference)
+        # the grad norm, and the load-balancing loss Megatron logs (reduced over TP x CP, averaged over DP)
+        error = megatron_step.worst_error(per_rank, reference, scalars=("grad_norm", "aux"))
         print(f"{topology.name}: worst relative error {error:.2e} (loss {per_rank[-1]['loss']}, "
               f"grad norm {per_rank[-1]['grad_norm']}, aux {per_rank[-1]['aux']}; reference {reference['loss']}, "
               f"{reference['grad_norm']}, {reference['aux']})")
