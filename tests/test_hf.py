@@ -266,24 +266,28 @@ def test_import_export_round_trip_is_bit_exact(converted, tmp_path):
         AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # transformers loads it offline
 
 
-@pytest.fixture(scope="module")
-def llama_data(converted):
-    """A small dataset in the Llama tokenizer's ids (never MASK)."""
+def training_data(converted, name, mask_id):
+    """A small dataset in the ids below `mask_id` (the tokenizer's, never MASK), beside `name`'s import."""
     from megatron_csbp.training.datasets import write_indexed_dataset
 
     generator = torch.Generator().manual_seed(5)
-    documents = [torch.randint(0, _mask_id("llama"), (int(n),), generator=generator).tolist()
+    documents = [torch.randint(0, mask_id, (int(n),), generator=generator).tolist()
                  for n in torch.randint(20, 120, (60,), generator=generator)]
-    prefix = os.path.join(converted, "llama_data")
-    write_indexed_dataset(documents, prefix, _mask_id("llama") + 1)
+    prefix = os.path.join(converted, f"{name}_data")
+    write_indexed_dataset(documents, prefix, mask_id + 1)
     return prefix
 
 
-def _finetune_config(converted, tmp_path):
-    """The recipe: the import's model flags beside configs/ar_to_bdlm_fast_dllm_v2.yaml, in one file."""
+@pytest.fixture(scope="module")
+def llama_data(converted):
+    return training_data(converted, "llama", _mask_id("llama"))
+
+
+def finetune_config(converted, name, tmp_path):
+    """The recipe: `name`'s import's model flags beside configs/ar_to_bdlm_fast_dllm_v2.yaml, in one file."""
     path = tmp_path / "finetune.yaml"
     with open(os.path.join(REPO, "configs", "ar_to_bdlm_fast_dllm_v2.yaml"), encoding="utf-8") as recipe:
-        path.write_text(open(_fragment(converted, "llama"), encoding="utf-8").read() + recipe.read())
+        path.write_text(open(_fragment(converted, name), encoding="utf-8").read() + recipe.read())
     return str(path)
 
 
@@ -300,7 +304,7 @@ def test_round_trip_from_a_tp2_pp2_training_checkpoint(converted, llama_data, tm
     """Our loop loads the import at TP2 x PP2 and saves after one step at lr 0 (Adam moves nothing):
     exporting that checkpoint gives the very same HF weights."""
     save = str(tmp_path / "tp2pp2")
-    _pretrain(4, _finetune_config(converted, tmp_path), f"data-path={llama_data}", f"seq-length={SEQ}",
+    _pretrain(4, finetune_config(converted, "llama", tmp_path), f"data-path={llama_data}", f"seq-length={SEQ}",
               f"bdlm-block-size={BLOCK}", "tensor-model-parallel-size=2", "pipeline-model-parallel-size=2",
               "train-iters=1", "lr=0", "min-lr=0", "lr-warmup-iters=0", "eval-iters=0", f"save={save}",
               "save-interval=1", "micro-batch-size=1", "global-batch-size=2")
@@ -324,7 +328,7 @@ def test_finetune_first_loss_is_the_huggingface_models(converted, llama_data, tm
     from megatron_csbp.training.arguments import validate_args
     from megatron_csbp.training.config import parse_args
 
-    config = _finetune_config(converted, tmp_path)
+    config = finetune_config(converted, "llama", tmp_path)
     overrides = [f"data-path={llama_data}", f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}", "train-iters=2",
                  "lr-warmup-iters=0",
                  "bdlm-noise-range=1 1", "eval-iters=0", f"save={tmp_path / 'finetuned'}", "save-interval=2",
@@ -440,7 +444,7 @@ def test_existing_token_as_mask_round_trips_exactly(converted, tmp_path):
 
 
 def test_a_converted_model_needs_finetune(converted, llama_data, tmp_path):
-    config = _finetune_config(converted, tmp_path)
+    config = finetune_config(converted, "llama", tmp_path)
     launcher = [sys.executable, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), "--config", config,
                 f"data-path={llama_data}", f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}", "finetune=false",
                 "train-iters=1", "lr-warmup-iters=0", "eval-iters=0", "save=null"]

@@ -214,26 +214,15 @@ def test_import_export_round_trip_is_bit_exact(converted, tmp_path):
 
 @pytest.fixture(scope="module")
 def moe_data(converted):
-    """A small dataset in the tokenizer's ids (never MASK)."""
-    from megatron_csbp.training.datasets import write_indexed_dataset
-
-    generator = torch.Generator().manual_seed(5)
-    documents = [torch.randint(0, _mask_id("qwen3_moe"), (int(n),), generator=generator).tolist()
-                 for n in torch.randint(20, 120, (60,), generator=generator)]
-    prefix = os.path.join(converted, "moe_data")
-    write_indexed_dataset(documents, prefix, _mask_id("qwen3_moe") + 1)
-    return prefix
+    return test_hf.training_data(converted, "qwen3_moe", _mask_id("qwen3_moe"))
 
 
 def test_round_trip_from_an_ep2_csbp2_training_checkpoint(converted, moe_data, tmp_path):
     """Our loop loads the import at EP2 x CSBP2 and saves after one step at lr 0 (Adam moves nothing): exporting
     that checkpoint (each rank saved half the experts) gives the very same HF weights."""
-    config = tmp_path / "finetune.yaml"
-    with open(os.path.join(test_hf.REPO, "configs", "ar_to_bdlm_fast_dllm_v2.yaml"), encoding="utf-8") as recipe:
-        config.write_text(open(os.path.join(converted, "qwen3_moe", "ckpt", "model.yaml")).read() + recipe.read())
     save = str(tmp_path / "ep2")
-    output = test_hf._pretrain(2, str(config), f"data-path={moe_data}", f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}",
-                               "context-block-parallel=2", "expert-model-parallel-size=2",
+    output = test_hf._pretrain(2, test_hf.finetune_config(converted, "qwen3_moe", tmp_path), f"data-path={moe_data}",
+                               f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}", "context-block-parallel=2", "expert-model-parallel-size=2",
                                "moe-token-dispatcher-type=alltoall", "train-iters=1", "lr=0", "min-lr=0",
                                "lr-warmup-iters=0", "eval-iters=0", f"save={save}", "save-interval=1",
                                "micro-batch-size=1", "global-batch-size=1")
