@@ -69,21 +69,25 @@ def dense_bdlm_attention_class():
 
 
 def _build_model(topology, config):
+    """The BDLM of `topology`: the model provider's, or (reference) the same layer specs with dense BD3-LM
+    attention on one rank."""
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron_csbp.mcore import parallel_state
     from megatron_csbp.core.layout import CSBPLayout, layout_for
     from megatron_csbp.mcore.model import BDLMGPTModel, model_provider
-    from megatron_csbp.mcore.spec import get_csbp_layer_spec
+    from megatron_csbp.mcore.spec import get_csbp_block_spec, get_csbp_layer_spec
 
     stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
     common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True)
     if topology.mode == "reference":
         layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, schedule="contiguous", clean_layout="contiguous")
-        spec = get_csbp_layer_spec()
-        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-            module=dense_bdlm_attention_class(), params={"layout": layout})
+        dense = ModuleSpec(module=dense_bdlm_attention_class(), params={"layout": layout})
+        # a mixture of experts: a spec per layer, MoE layers where config.moe_layer_freq puts them
+        spec = get_csbp_block_spec(config) if config.num_moe_experts else get_csbp_layer_spec()
+        for layer_spec in getattr(spec, "layer_specs", [spec]):
+            layer_spec.submodules.self_attention.submodules.core_attention = dense
         model = BDLMGPTModel(config=config, transformer_layer_spec=spec, max_sequence_length=topology.seq,
                              position_embedding_type="rope", layout=layout, **stages, **common)
     else:

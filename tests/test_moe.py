@@ -83,31 +83,8 @@ def _config(topology):
 
 
 def _build_model(topology, config):
-    """The MoE BDLM of `topology`: the model provider's, or (reference) the same layer specs with dense BD3-LM
-    attention on one rank."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megatron_csbp.core.layout import CSBPLayout, layout_for
-    from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.mcore.model import BDLMGPTModel, model_provider
-    from megatron_csbp.mcore.spec import get_csbp_block_spec
-
-    stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
-    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True)
-    if topology.mode == "reference":
-        layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, schedule="contiguous", clean_layout="contiguous")
-        block = get_csbp_block_spec(config)
-        dense = ModuleSpec(module=composition.dense_bdlm_attention_class(), params={"layout": layout})
-        for spec in block.layer_specs:
-            spec.submodules.self_attention.submodules.core_attention = dense
-        model = BDLMGPTModel(config=config, transformer_layer_spec=block, max_sequence_length=topology.seq,
-                             position_embedding_type="rope", layout=layout, **stages, **common)
-    else:
-        layout = layout_for(topology.mode, topology.seq, topology.block, topology.block_parallel,
-                            topology.clean_shards, rank=mpu.get_context_parallel_rank())
-        model = model_provider(config=config, layout=layout, group=parallel_state.get_block_parallel_groups(),
-                               transport=topology.transport, **stages, **common)
+    """`test_megatron_composition._build_model`, with megatron-core's own router where the control asks for it."""
+    model, layout = composition._build_model(topology, config)
     if topology.megatron_router:
         from megatron.core.transformer.moe.router import TopKRouter
 
