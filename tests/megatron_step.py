@@ -116,9 +116,10 @@ def train_step(topology, weights, build_model, forward_step, batches, micro_batc
     from megatron_csbp.mcore import parallel_state
     from megatron_csbp.mcore.model import pipeline_seq_length
 
-    parallel_state.initialize_model_parallel(topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,
-                                             clean_shards=topology.clean_shards, expert_model_parallel_size=topology.ep,
-                                             expert_tensor_parallel_size=topology.etp or topology.tp)
+    parallel_state.initialize_model_parallel(
+        topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,
+        clean_shards=topology.clean_shards, expert_model_parallel_size=topology.ep,
+        expert_tensor_parallel_size=topology.etp or topology.tp)
     try:
         torch.manual_seed(1234)
         model_parallel_cuda_manual_seed(1234)
