@@ -223,9 +223,9 @@ def test_round_trip_from_an_ep2_csbp2_training_checkpoint(converted, moe_data, t
     save = str(tmp_path / "ep2")
     output = test_hf._pretrain(2, test_hf.finetune_config(converted, "qwen3_moe", tmp_path), f"data-path={moe_data}",
                                f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}", "context-block-parallel=2",
-                               "expert-model-parallel-size=2", "moe-token-dispatcher-type=alltoall", "train-iters=1", "lr=0", "min-lr=0",
-                               "lr-warmup-iters=0", "eval-iters=0", f"save={save}", "save-interval=1",
-                               "micro-batch-size=1", "global-batch-size=1")
+                               "expert-model-parallel-size=2", "moe-token-dispatcher-type=alltoall", "train-iters=1",
+                               "lr=0", "min-lr=0", "lr-warmup-iters=0", "eval-iters=0", f"save={save}",
+                               "save-interval=1", "micro-batch-size=1", "global-batch-size=1")
     assert "load_balancing_loss" in output, output[-3000:]
     out = str(tmp_path / "exported")
     code, text = test_hf._convert("export", "--load", save, "--hf-dir", out)
