@@ -35,17 +35,21 @@ class Topology:
     megatron_rope: bool = False  # negative control
 
 
-def _config(topology):
+def _config(topology, **overrides):
+    """The model's TransformerConfig under `topology`; `overrides` (a mixture of experts, say) replace or add
+    fields."""
     from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
+    fields = dict(
         num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
         tensor_model_parallel_size=topology.tp, pipeline_model_parallel_size=topology.pp,
         context_parallel_size=topology.block_parallel, sequence_parallel=topology.sequence_parallel,
+        expert_model_parallel_size=topology.ep, expert_tensor_parallel_size=topology.etp or topology.tp,
         normalization="RMSNorm", use_cpu_initialization=True, calculate_per_token_loss=True,
         hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
         # as megatron_config.transformer_config_kwargs sets them
         variable_seq_lengths=topology.pp > 1, moe_token_dispatcher_type="alltoall" if topology.pp > 1 else "allgather")
+    return TransformerConfig(**{**fields, **overrides})
 
 
 def _global_name(model, name):

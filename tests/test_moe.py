@@ -19,7 +19,6 @@ import sys
 from dataclasses import dataclass
 
 import pytest
-import torch
 
 import megatron_step
 import test_megatron_composition as composition
@@ -64,22 +63,16 @@ WORLD_4 = [
 
 
 def _config(topology):
+    """`megatron_step._config` with the MoE: layers 1, 3 and 4 (2 dense), SwiGLU experts and a shared expert,
+    softmax top-2 with the load-balancing loss."""
     import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
 
-    return TransformerConfig(
-        num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-        tensor_model_parallel_size=topology.tp, pipeline_model_parallel_size=topology.pp,
-        context_parallel_size=topology.block_parallel, sequence_parallel=topology.sequence_parallel,
-        expert_model_parallel_size=topology.ep, expert_tensor_parallel_size=topology.etp or topology.tp,
-        normalization="RMSNorm", use_cpu_initialization=True,
-        calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0, pipeline_dtype=torch.float32,
-        variable_seq_lengths=topology.pp > 1,
-        # the MoE: layers 1, 3 and 4 (2 dense), a shared expert, softmax top-2 with the load-balancing loss
-        num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=48, moe_layer_freq=list(MOE_LAYERS),
-        moe_shared_expert_intermediate_size=40, moe_router_load_balancing_type="aux_loss",
-        moe_aux_loss_coeff=AUX_LOSS_COEFF, moe_token_dispatcher_type=topology.dispatcher,
-        moe_router_dtype="fp32", add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu)
+    return megatron_step._config(
+        topology, num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=48,
+        moe_layer_freq=list(MOE_LAYERS), moe_shared_expert_intermediate_size=40,
+        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=AUX_LOSS_COEFF,
+        moe_token_dispatcher_type=topology.dispatcher, moe_router_dtype="fp32", add_bias_linear=False,
+        gated_linear_unit=True, activation_func=F.silu)
 
 
 def _build_model(topology, config):
