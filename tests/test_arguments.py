@@ -6,7 +6,8 @@ import dataclasses
 import pytest
 
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training.arguments import run_config, validate_args
+from megatron_csbp.core.run_config import RunConfig
+from megatron_csbp.training.arguments import validate_args
 from megatron_csbp.training.datasets import parse_data_path
 from megatron_csbp.training.flags import add_csbp_args, build_parser
 
@@ -81,20 +82,22 @@ def test_validate_fills_derived_values():
 
 
 def test_the_run_config_resolves_what_the_flags_leave_to_defaults():
-    """The defaults the run leaves (C, the weighting) are resolved once, in the RunConfig, not written to args."""
+    """The defaults the run leaves (C, the weighting) are resolved once, in the RunConfig, not written to args;
+    the sizes Megatron's code reads off args are written back from it (`RunConfig.write_back`)."""
     args = validate("--context-block-parallel", "2", "--tensor-model-parallel-size", "2", "--micro-batch-size", "2",
                     world=8)
-    settings = run_config(args)
+    settings = RunConfig.from_args(args)
     assert (settings.block_parallel_size, settings.clean_shards, settings.data_parallel_size) == (2, 2, 2)
-    assert (settings.loss_weighting, settings.global_batch_size, settings.kv_channels) == ("inverse-t", 4, 16)
+    assert (settings.loss_weighting, settings.global_batch_size, settings.shape.kv_channels) == ("inverse-t", 4, 16)
+    assert (args.kv_channels, args.num_query_groups, args.global_batch_size) == (16, 4, 4)  # written back
     assert args.context_block_parallel_clean_shards is None and args.bdlm_loss_weighting is None  # args untouched
-    assert run_config(validate("--bdlm-objective", "fast-dllm-v2")).loss_weighting == "unit"
-    assert run_config(validate("--context-block-parallel", "4", "--bdlm-parallel-mode", "bp", world=4)).clean_shards == 1
+    assert RunConfig.from_args(validate("--bdlm-objective", "fast-dllm-v2")).loss_weighting == "unit"
+    assert RunConfig.from_args(validate("--context-block-parallel", "4", "--bdlm-parallel-mode", "bp", world=4)).clean_shards == 1
     with pytest.raises(dataclasses.FrozenInstanceError):
         settings.clean_shards = 1
     assert validate("--sequence-parallel").sequence_parallel is False  # as Megatron-LM: no SP without TP
     cp_slot_only = validate("--context-parallel-size", "2", world=2)  # P has one home: Megatron's CP slot
-    assert run_config(cp_slot_only).block_parallel_size == 2 and cp_slot_only.context_block_parallel is None
+    assert RunConfig.from_args(cp_slot_only).block_parallel_size == 2 and cp_slot_only.context_block_parallel is None
     assert validate("--bf16", "--use-distributed-optimizer", on_accelerator=True).bf16
 
 
@@ -224,8 +227,8 @@ def test_moe_flags_map_to_megatron_core_and_refusals():
     assert (kwargs["moe_aux_loss_coeff"], kwargs["moe_router_load_balancing_type"]) == (1e-2, "aux_loss")
     assert (kwargs["expert_model_parallel_size"], kwargs["expert_tensor_parallel_size"]) == (2, 1)
     assert (kwargs["moe_token_dispatcher_type"], kwargs["moe_shared_expert_intermediate_size"]) == ("alltoall", 32)
-    settings = run_config(args)
-    assert (settings.num_experts, settings.expert_parallel_size, settings.expert_tensor_parallel_size) == (4, 2, 1)
+    settings = RunConfig.from_args(args)
+    assert (settings.shape.moe.num_experts, settings.expert_parallel_size, settings.expert_tensor_parallel_size) == (4, 2, 1)
     assert "num_moe_experts" not in transformer_config_kwargs(validate())  # dense: no MoE fields at all
     assert kwargs["moe_router_pre_softmax"] is False
     pre_softmax = transformer_config_kwargs(validate(*MOE[:2], "--moe-router-topk", "1", "--moe-router-pre-softmax"))

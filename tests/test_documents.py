@@ -134,11 +134,12 @@ def test_flex_forward_with_documents_matches_cpu_kernels():
 
 def test_packing_options_that_cannot_be_honoured_are_refused_in_one_line():
     from megatron_csbp.core.rules import ConfigError, packing_problem
+    from megatron_csbp.core.model_shape import ModelShape
     from megatron_csbp.core.run_config import RunConfig
 
     assert packing_problem(True, True, 2) is None and packing_problem(False, False, 4) is None
     with pytest.raises(ConfigError) as refused:
-        RunConfig(num_layers=4, hidden_size=32, num_attention_heads=4, seq_length=64, block_size=8,
+        RunConfig(ModelShape(num_layers=4, hidden_size=32, num_attention_heads=4), seq_length=64, block_size=8,
                   pipeline_parallel_size=4, reset_attention_mask=True)
     assert str(refused.value).startswith("--reset-attention-mask with --pipeline-model-parallel-size=4: the middle "
                                          "stages never read the batch") and "\n" not in str(refused.value)

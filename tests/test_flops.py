@@ -7,6 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_csbp.bdlm import flops
 from megatron_csbp.core import rules
+from megatron_csbp.core.model_shape import ModelShape
 
 SHAPES = [(6, 1), (8, 2), (12, 3), (16, 4), (16, 16), (32, 8), (40, 5)]
 
@@ -56,36 +57,38 @@ def _counted_linear_and_head_flops(L, batch, layers, h, heads, groups, d, ffn, v
 
 
 def test_step_flops_match_torch_counter_plus_pairs():
-    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-                 ffn_hidden_size=48, padded_vocab_size=40, swiglu=True)
+    shape = ModelShape(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                       ffn_hidden_size=48, swiglu=True)
     L, B, batch = 16, 4, 3
     counted = _counted_linear_and_head_flops(L, batch, 2, 32, 4, 2, 8, 48, 40)
     attention = batch * 3 * 2 * int(dense_bdlm_mask(L, B).sum()) * 4 * 4 * 8
-    total = flops.bdlm_step_flops(seq_length=L, block_size=B, batch_size=batch, **shape)
+    total = flops.bdlm_step_flops(shape, padded_vocab_size=40, seq_length=L, block_size=B, batch_size=batch)
     assert total == counted + attention
     assert total != counted + batch * 3 * 2 * (2 * L) ** 2 * 4 * 4 * 8  # a dense 2L grid is not it
     layer_forward = (counted - batch * 3 * 2 * L * 32 * 40) // 3 + attention // 3
-    assert flops.bdlm_step_flops(seq_length=L, block_size=B, batch_size=batch, recompute=True, **shape) \
-        == total + layer_forward
+    assert flops.bdlm_step_flops(shape, padded_vocab_size=40, seq_length=L, block_size=B, batch_size=batch,
+                                 recompute=True) == total + layer_forward
 
 
 def test_megatron_causal_count_differs_by_attention_and_head():
-    shape = dict(num_layers=3, hidden_size=64, num_attention_heads=8, num_query_groups=2, kv_channels=16,
-                 ffn_hidden_size=96, padded_vocab_size=128, swiglu=True, batch_size=2)
+    shape = ModelShape(num_layers=3, hidden_size=64, num_attention_heads=8, num_query_groups=2, kv_channels=16,
+                       ffn_hidden_size=96, swiglu=True)
     L, B = 64, 8
-    causal = flops.megatron_causal_flops(seq_length=L, **shape)
-    bdlm = flops.bdlm_step_flops(seq_length=L, block_size=B, **shape)
+    causal = flops.megatron_causal_flops(shape, padded_vocab_size=128, seq_length=L, batch_size=2)
+    bdlm = flops.bdlm_step_flops(shape, padded_vocab_size=128, seq_length=L, block_size=B, batch_size=2)
     attention = 2 * 3 * 3 * 4 * 8 * 16 * ((2 * L) ** 2 // 2 - (L * L + L * B))
     head = 2 * 3 * L * 2 * 64 * 128
     assert causal - bdlm == attention + head
 
 
 def test_defaults_follow_megatron():
-    explicit = flops.bdlm_step_flops(num_layers=1, hidden_size=64, num_attention_heads=4, padded_vocab_size=128,
-                                     seq_length=32, block_size=4, ffn_hidden_size=256, num_query_groups=4,
-                                     kv_channels=16)
-    assert explicit == flops.bdlm_step_flops(num_layers=1, hidden_size=64, num_attention_heads=4,
-                                             padded_vocab_size=128, seq_length=32, block_size=4)
+    step = dict(padded_vocab_size=128, seq_length=32, block_size=4)
+    explicit = ModelShape(num_layers=1, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, num_query_groups=4,
+                          kv_channels=16)
+    defaulted = ModelShape(num_layers=1, hidden_size=64, num_attention_heads=4)
+    assert defaulted == explicit  # the defaults are filled once, in the shape
+    assert flops.bdlm_step_flops(explicit, **step) == flops.bdlm_step_flops(defaulted, **step)
+    assert ModelShape(num_layers=1, hidden_size=96, num_attention_heads=4, swiglu=True).ffn_hidden_size == 256
     assert rules.default_ffn_hidden_size(4096, swiglu=True) == 10880
 
 
@@ -127,30 +130,42 @@ def test_traffic_bad_input():
 def test_moe_step_flops_count_the_router_the_topk_experts_and_the_shared_expert():
     """A hand-derived count: 2 layers of which 1 is MoE (4 experts of FFN 24, top-2, shared expert of 16, SwiGLU),
     h = 32, L = 16 (32 rows per sample: noisy and clean rows are all routed), 3 samples, 3 passes per step."""
-    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
-                 ffn_hidden_size=48, padded_vocab_size=40, swiglu=True, seq_length=16, block_size=4, batch_size=3)
+    sizes = dict(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8,
+                 ffn_hidden_size=48, swiglu=True)
+    step = dict(padded_vocab_size=40, seq_length=16, block_size=4, batch_size=3)
     moe = flops.MoEShape(num_experts=4, topk=2, ffn_hidden_size=24, num_moe_layers=1, shared_expert_ffn_hidden_size=16)
-    dense = flops.bdlm_step_flops(**shape)
+    dense = flops.bdlm_step_flops(ModelShape(**sizes), **step)
     rows, passes = 3 * 2 * 16, 3
     dense_mlp = 2 * 32 * 48 * 3  # per row: fc1 (2 x 48 wide) and fc2
     moe_mlp = 2 * 32 * 4 + 2 * (2 * 32 * 24 * 3) + 2 * 32 * 16 * 3  # router + 2 experts + shared expert
-    assert flops.bdlm_step_flops(**shape, moe=moe) == dense + passes * rows * (moe_mlp - dense_mlp)
+    assert flops.bdlm_step_flops(ModelShape(**sizes, moe=moe), **step) == dense + passes * rows * (moe_mlp - dense_mlp)
     assert moe_mlp - dense_mlp == 256 + 9216 + 3072 - 9216
-    args = type("Args", (), dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=None, ffn_hidden_size=48,
-                                 moe_layer_freq=2, num_layers=3, moe_shared_expert_intermediate_size=None))
-    assert flops.MoEShape.from_args(args) == flops.MoEShape(4, 2, 48, 2, 0)  # layers 0 and 2
-    args.moe_layer_freq = [0, 1, 1]
-    assert flops.MoEShape.from_args(args).num_moe_layers == 2
-    args.num_experts = None
-    assert flops.MoEShape.from_args(args) is None
+
+
+def test_the_run_reads_the_experts_off_the_flags():
+    """`RunConfig.from_args`: the MoE layers of `--moe-layer-freq`, each expert's FFN size defaulting to the dense
+    one (resolved in the shape), no experts without `--num-experts` (0 too, as Megatron-LM reads it)."""
+    from megatron_csbp.core.run_config import RunConfig
+    from megatron_csbp.training.flags import build_parser
+
+    def shape(*extra):
+        args = build_parser().parse_args(["--num-layers", "3", "--hidden-size", "32", "--num-attention-heads", "4",
+                                          "--ffn-hidden-size", "48", "--seq-length", "64", "--micro-batch-size", "1",
+                                          *extra])
+        return RunConfig.from_args(args).shape
+
+    experts = ("--num-experts", "4", "--moe-router-topk", "2")
+    assert shape(*experts, "--moe-layer-freq", "2").moe == flops.MoEShape(4, 2, 48, 2, 0)  # layers 0 and 2
+    assert shape(*experts, "--moe-layer-freq", "[0,1,1]").moe.num_moe_layers == 2
+    assert shape().moe is None and shape("--num-experts", "0").moe is None
 
 
 def test_moe_parameter_count_holds_the_router_every_expert_and_the_shared_expert():
     """Hand count: the dense MLP (h 32, ffn 48, SwiGLU, no biases) of 1 of 2 layers replaced by a router (32 x 4),
     4 experts of FFN 24 and a shared expert of FFN 16."""
-    shape = dict(num_layers=2, hidden_size=32, num_attention_heads=4, padded_vocab_size=40, ffn_hidden_size=48,
-                 swiglu=True, add_bias_linear=False)
+    sizes = dict(num_layers=2, hidden_size=32, num_attention_heads=4, ffn_hidden_size=48, swiglu=True,
+                 add_bias_linear=False)
     moe = flops.MoEShape(num_experts=4, topk=2, ffn_hidden_size=24, num_moe_layers=1, shared_expert_ffn_hidden_size=16)
     dense_mlp, expert, shared = 3 * 32 * 48, 3 * 32 * 24, 3 * 32 * 16
-    assert flops.parameter_count(**shape, moe=moe) == flops.parameter_count(**shape) + 32 * 4 + 4 * expert + shared \
-        - dense_mlp
+    assert flops.parameter_count(ModelShape(**sizes, moe=moe), 40) == flops.parameter_count(ModelShape(**sizes), 40) \
+        + 32 * 4 + 4 * expert + shared - dense_mlp

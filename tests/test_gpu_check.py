@@ -212,7 +212,7 @@ def _check_correctness_cases(cpu_case, flex_case, stand_in_case):
 
 
 def _rest_of_the_sections(sections):
-    from megatron_csbp.bdlm.flops import bdlm_attention_pairs, bdlm_step_flops
+    from megatron_csbp.bdlm.flops import ModelShape, bdlm_attention_pairs, bdlm_step_flops
 
     bdlm, causal = sections["throughput"]["records"]
     assert (bdlm["attention"], causal["attention"]) == ("bdlm", "causal")
@@ -226,9 +226,9 @@ def _rest_of_the_sections(sections):
     (run,) = sections["train"]["records"]
     assert run["spec"] == "local" and run["dtype"] == "fp32" and len(run["losses"]) == 3
     assert all(math.isfinite(loss) for loss in run["losses"])
-    assert run["step_flops"] == bdlm_step_flops(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                                padded_vocab_size=128, seq_length=64, block_size=8,
-                                                ffn_hidden_size=128, num_query_groups=2, swiglu=True)
+    assert run["step_flops"] == bdlm_step_flops(
+        ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, num_query_groups=2,
+                   swiglu=True), padded_vocab_size=128, seq_length=64, block_size=8)
     assert run["tokens_per_s"] == pytest.approx(64 / run["step_time_s"])
     assert run["parameters"] > 0 and run["peak_memory_bytes"] is None
 

@@ -147,16 +147,18 @@ def test_modes_kernel_calls_equal_what_the_plans_count(tile):
     and tiles) of every rank; the figures at another tile differ from the plans' (negative control: somewhere for
     every mode, so the equality is not blind to the tile)."""
     from megatron_csbp.core import modes, ops
+    from megatron_csbp.core.layout import layout_for
+    from megatron_csbp.core.schedule import ZIGZAG
 
     checked, differs = set(), set()
     for L, B, P, C in GEOMETRIES:
         for name, mode in modes.PARALLEL_MODES.items():
             c = mode.clean_shards(P, C if name == "csbp" else None)
-            if mode.geometry_problem(L, B, P, c, "zigzag", modes_flags()) or (name == "bp" and C != 1) \
+            if mode.geometry_problem(L, B, P, c, ZIGZAG, modes_flags()) or (name == "bp" and C != 1) \
                     or (name != "bp" and C == 1):
                 continue
             for rank in range(P):
-                layout = mode.layout(L, B, P, c, rank)
+                layout = layout_for(mode, L, B, P, c, rank)
                 counted = ops.ring_plan(layout, "cpu", CPUKernels(tile=tile, masked_tile=tile)).kernel_calls()
                 assert mode.kernel_calls(L, B, P, c, rank, tile) == counted, (name, L, B, P, C, rank)
                 if mode.kernel_calls(L, B, P, c, rank, tile + 8) != counted:

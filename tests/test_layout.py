@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megatron_csbp.core.layout import CPLayout, CSBPLayout, block_cost, layout_for
+from megatron_csbp.core.layout import CPLayout, CSBPLayout, layout_for
+from megatron_csbp.core.schedule import block_cost
 
 TOPOLOGIES = [(L, B, P, C) for L, B, P, C in [
     (64, 4, 4, 4), (64, 4, 4, 2), (64, 4, 4, 1), (72, 8, 2, 2), (48, 8, 4, 4), (56, 8, 4, 4), (32, 8, 4, 4),

@@ -229,9 +229,10 @@ def test_expert_parallel_memory_per_rank_by_hand():
     assert sharded.gradient_bytes == 72256 * 4 / 4 + 8192 * 4 / 2
     # the whole model, as the trainer counts it (flops.parameter_count), is one EP group's experts + the dense part
     from megatron_csbp.bdlm import flops
+    from megatron_csbp.core.model_shape import ModelShape
 
-    whole = flops.parameter_count(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=256,
-                                  ffn_hidden_size=128, add_bias_linear=False, layernorm_bias=False, moe=model.moe)
+    whole = flops.parameter_count(ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                             add_bias_linear=False, layernorm_bias=False, moe=model.moe), 256)
     assert whole == ep2.dense_params_per_rank + 2 * ep2.expert_params_per_rank
 
 
@@ -261,12 +262,13 @@ def test_expert_flops_per_rank_are_the_training_count():
     """One rank holding a whole sample (P1): the planner's FLOPs per rank equal the trainer's TFLOP/s count of one
     sample (`flops.bdlm_step_flops` with the MoE: router, top-k experts, shared expert), whatever the EP."""
     from megatron_csbp.bdlm import flops
+    from megatron_csbp.core.model_shape import ModelShape
 
     model = plan.Model(**TINY_MOE)
-    expected = flops.bdlm_step_flops(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=256,
-                                     seq_length=64, block_size=16, ffn_hidden_size=128, moe=model.moe)
-    dense = flops.bdlm_step_flops(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=256,
-                                  seq_length=64, block_size=16, ffn_hidden_size=128)
+    sizes, step = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128), dict(
+        padded_vocab_size=256, seq_length=64, block_size=16)
+    expected = flops.bdlm_step_flops(ModelShape(**sizes, moe=model.moe), **step)
+    dense = flops.bdlm_step_flops(ModelShape(**sizes), **step)
     assert expected != dense  # negative control: the experts change the count
     for ep in (1, 2, 4):
         cluster = plan.Cluster(4, 8, plan.GPU_PRESETS["h200"])

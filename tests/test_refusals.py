@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training.arguments import checkpoint_bytes, validate_args
+from megatron_csbp.training.arguments import checkpoint_bytes, validate, validate_args
 from megatron_csbp.training.flags import build_parser
 from spawn import on_cpu_backend
 
@@ -118,7 +118,7 @@ def test_save_needs_room_for_a_checkpoint(places, monkeypatch, capsys):
 
     save = os.path.join(places["tmp"], "checkpoints")
     parsed = build_parser().parse_args(BASE + ["--data-path", places["prefix"], "--save", save])
-    need, parameters, per_parameter = checkpoint_bytes(validate_args(parsed, 1, on_accelerator=False))
+    need, parameters, per_parameter = checkpoint_bytes(validate(parsed, 1, on_accelerator=False), parsed)
     assert per_parameter == 4 + 8  # fp32 weights and Adam's two moments
     usage = namedtuple("usage", "total used free")
     for free, refused, warned in ((need - 1, True, False), (need + 1, False, True), (3 * need, False, False)):
@@ -144,9 +144,8 @@ def test_checkpoint_size_estimate_matches_a_real_checkpoint(tmp_path):
 
     from megatron_csbp.training.config import parse_args
 
-    args = validate_args(parse_args(flags({**TINY, "data_path": "unused", "train_iters": 4})), 1,
-                         on_accelerator=False, check_paths=False)
-    estimate = checkpoint_bytes(args)[0]
+    args = parse_args(flags({**TINY, "data_path": "unused", "train_iters": 4}))
+    estimate = checkpoint_bytes(validate(args, 1, on_accelerator=False, check_paths=False), args)[0]
     actual = run_ranks(_save_once, 1, args, str(tmp_path / "save"), timeout=300)[0]
     assert 0.9 * actual <= estimate <= 1.1 * actual, (estimate, actual)
 

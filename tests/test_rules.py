@@ -114,7 +114,7 @@ def test_the_planner_refuses_what_the_trainer_refuses_with_its_message(path, ext
 
 
 def test_one_clean_shard_rule_for_every_mode_and_a_tools_own_flag_names():
-    assert rules.PARALLEL_MODES == ("csbp", "cp", "cp-traffic", "bp")
+    assert rules.PARALLEL_MODES.names == ("csbp", "cp", "cp-traffic", "bp")
     assert [rules.clean_shards(mode, 8) for mode in rules.PARALLEL_MODES] == [8, 8, 8, 1]
     assert [rules.clean_shards(mode, 8, 4) for mode in rules.PARALLEL_MODES] == [4, 8, 8, 1]
     assert rules.clean_shards_problem("csbp", 8, 4) is None and rules.clean_shards_problem("bp", 8, 1) is None

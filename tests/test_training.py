@@ -51,14 +51,14 @@ def test_every_layout_logs_the_same_losses(layout_runs):
 
 
 def test_log_lines_memory_and_tensorboard(layout_runs):
-    from megatron_csbp.bdlm.flops import bdlm_step_flops
+    from megatron_csbp.bdlm.flops import ModelShape, bdlm_step_flops
 
     csbp = layout_runs["csbp"]
     lines = [m for m in (LINE.fullmatch(line) for line in csbp.output.splitlines()) if m]
     assert [int(m.group(1)) for m in lines] == list(range(1, 2 * K + 1)), csbp.output
-    step_flops = bdlm_step_flops(num_layers=2, hidden_size=64, num_attention_heads=4, padded_vocab_size=384,
-                                 seq_length=64, block_size=8, batch_size=4, ffn_hidden_size=128, num_query_groups=2,
-                                 swiglu=True)
+    step_flops = bdlm_step_flops(ModelShape(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128,
+                                            num_query_groups=2, swiglu=True),
+                                 padded_vocab_size=384, seq_length=64, block_size=8, batch_size=4)
     for match in lines:
         iteration, milliseconds = int(match.group(1)), float(match.group(4))
         assert int(match.group(3)) == 4 * iteration and int(match.group(8)) == 4
@@ -185,9 +185,9 @@ EXPECTED_ROWS = {
 
 @pytest.mark.parametrize("mode,clean_shards", [("csbp", 2), ("cp", 2), ("cp-traffic", 2), ("bp", 1)])
 def test_the_run_configs_layouts(corpus, mode, clean_shards):
-    from megatron_csbp.training.arguments import run_config
+    from megatron_csbp.core.run_config import RunConfig
 
-    settings = run_config(validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode=mode))
+    settings = RunConfig.from_args(validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode=mode))
     assert settings.clean_shards == clean_shards
     for rank in (0, 1):
         layout = settings.layout(rank)

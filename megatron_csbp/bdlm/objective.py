@@ -82,8 +82,8 @@ class BDLMObjective:
 
     block_size: int
     mask_token_id: int
-    objective: str = "bd3lm"
-    loss_weighting: str | None = None  # None: "inverse-t" for bd3lm, "unit" for fast-dllm-v2
+    objective: objectives.ObjectiveKind = objectives.BD3LM  # or its --bdlm-objective name
+    loss_weighting: str | None = None  # None: the objective's default
     noise_range: tuple[float, float] = (1e-3, 1.0)
     antithetic: bool = True
     antithetic_group: int = 1
@@ -96,8 +96,8 @@ class BDLMObjective:
                  f"--bdlm-mask-token-id={self.mask_token_id!r} must be a non-negative vocabulary id "
                  f"(an extra id the data never uses, e.g. the tokenizer's vocabulary size)")
         rules.refuse(rules.loss_weighting_problem(self.objective, self.loss_weighting))
-        weighting = self.loss_weighting or rules.default_loss_weighting(self.objective)
-        object.__setattr__(self, "loss_weighting", weighting)
+        object.__setattr__(self, "objective", objectives.objective_kind(self.objective))
+        object.__setattr__(self, "loss_weighting", self.loss_weighting or self.objective.default_weighting)
         _require(len(self.noise_range) == 2, f"--bdlm-noise-range={self.noise_range!r} takes two numbers: T_MIN T_MAX")
         t_min, t_max = (float(t) for t in self.noise_range)
         object.__setattr__(self, "noise_range", (t_min, t_max))
@@ -108,14 +108,9 @@ class BDLMObjective:
         _require(isinstance(self.seed, int) and self.seed >= 0, f"--seed={self.seed!r} must be a non-negative integer")
 
     @property
-    def kind(self) -> objectives.ObjectiveKind:
-        """The objective's own facts: views per sample, label shift, weightings, how noise becomes views."""
-        return objectives.objective_kind(self.objective)
-
-    @property
     def views_per_sample(self) -> int:
         """Model batch rows per clean sample: Fast-dLLM v2 scores each sample under a mask and its complement."""
-        return self.kind.views_per_sample
+        return self.objective.views_per_sample
 
     def noise(self, sample_index, seq_length: int) -> Noise:
         """Noise times and MASK positions of the samples `sample_index`, built on the CPU."""
@@ -174,14 +169,14 @@ class BDLMObjective:
             documents = torch.as_tensor(documents).cpu().long()
             _require(documents.shape == tokens.shape,
                      f"document ids {tuple(documents.shape)} must match tokens {tuple(tokens.shape)}")
-            if separate_documents and self.kind.label_shift:  # no target across a document boundary
+            if separate_documents and self.objective.label_shift:  # no target across a document boundary
                 starts = torch.zeros_like(supervised)
                 starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
                 supervised = supervised & ~starts
         noise = self.noise(sample_index, seq_length)
         weight = torch.ones_like(noise.t) if self.loss_weighting == "unit" else 1.0 / noise.t
         weight = weight.repeat_interleave(self.block_size, dim=1)
-        masked, clean, labels, countable, scored, weight = self.kind.views(noise.masked, tokens, supervised, weight)
+        masked, clean, labels, countable, scored, weight = self.objective.views(noise.masked, tokens, supervised, weight)
         noisy_tokens = torch.where(masked, self.mask_token_id, clean)
         device = default_device()
         views = clean.shape[0] // tokens.shape[0]

@@ -96,10 +96,9 @@ def document_ids(tokens, eod: int) -> torch.Tensor:
 def clean_key_ranges(layout, documents):
     """`(starts, limits)` per row of `layout`: the clean keys a row sees are those with position in `[start, limit)`.
 
-    Without documents `start` is 0 and `limit` the block limit (`qb·B`, `(qb+1)·B` for a clean row); with
+    Without documents `start` is 0 and `limit` the layout's clean-attention limit (`layout.row_limits`); with
     documents the range is cut to the row's own document."""
-    positions, clean, block = layout.row_positions, layout.row_is_clean, layout.block_size
-    limits = (torch.div(positions, block, rounding_mode="floor") + clean.long()) * block
+    positions, limits = layout.row_positions, layout.row_limits
     if documents is None or documents.is_single:
         return torch.zeros_like(limits), limits
     return documents.start_of(positions), torch.minimum(limits, documents.end_of(positions))
@@ -134,15 +133,15 @@ class NoisyDocuments:
 
 def row_pairs(layout, documents) -> torch.Tensor:
     """Real query-key pairs of each of `layout`'s rows under the block mask cut to documents (per head and sample):
-    a noisy row sees its block's noisy keys in its document and its document's clean keys before its block; a
-    clean row its document's clean keys up to the end of its block."""
-    positions, clean = layout.row_positions, layout.row_is_clean
+    a row sees its document's clean keys below its limit (the layout's clean-attention rule), and a noisy row
+    also its block's noisy keys in its document."""
+    positions, clean, block = layout.row_positions, layout.row_is_clean, layout.block_size
+    limits = layout.clean_attention.row_limits(positions, clean, block)
     documents = documents or Documents(layout.seq_length)
     start, end = documents.start_of(positions), documents.end_of(positions)
-    block_start = torch.div(positions, layout.block_size, rounding_mode="floor") * layout.block_size
-    block_end = block_start + layout.block_size
-    noisy = (torch.minimum(block_end, end) - torch.maximum(block_start, start)) + (block_start - start).clamp(min=0)
-    return torch.where(clean, torch.minimum(block_end, end) - start, noisy)
+    block_start = torch.div(positions, block, rounding_mode="floor") * block
+    own_block = torch.minimum(block_start + block, end) - torch.maximum(block_start, start)
+    return (torch.minimum(limits, end) - start).clamp(min=0) + torch.where(clean, 0, own_block)
 
 
 def rank_pairs(layouts, documents) -> list[int]:
@@ -156,6 +155,7 @@ class _AllNoisy:
 
     seq_length: int
     block_size: int
+    clean_attention: object
 
     @property
     def row_positions(self):
@@ -175,12 +175,13 @@ def document_balanced_schedule(layout, documents) -> tuple:
     room = [len(blocks) for blocks in layout.schedule_table]
     bounds = documents.bounds()
     clean_loads = []
-    for rank in ranks:  # a clean row sees its document's clean keys up to its block's end
+    for rank in ranks:  # a clean row sees its document's clean keys below its limit
         positions = layout.for_rank(rank).clean_positions
         index = torch.searchsorted(bounds, positions, right=True) - 1
-        block_end = (torch.div(positions, layout.block_size, rounding_mode="floor") + 1) * layout.block_size
-        clean_loads.append(int((torch.minimum(block_end, bounds[index + 1]) - bounds[index]).sum()))
-    everything = _AllNoisy(layout.seq_length, layout.block_size)  # every position's noisy row: per-block costs
+        limits = layout.clean_attention.clean_row_limit(positions, layout.block_size)
+        clean_loads.append(int((torch.minimum(limits, bounds[index + 1]) - bounds[index]).sum()))
+    # every position's noisy row: per-block costs
+    everything = _AllNoisy(layout.seq_length, layout.block_size, layout.clean_attention)
     costs = row_pairs(everything, documents).view(layout.num_blocks, layout.block_size).sum(1)
     costs = costs.tolist()
     loads, owned = list(clean_loads), [[] for _ in ranks]

@@ -11,7 +11,7 @@ import dataclasses
 
 # Kernel families: "dense" (whole blocks, no mask), "prefix" (keys below a per-row limit, no mask tensor),
 # "masked" (an arbitrary mask, tiles fully masked skipped, partial tiles computed then masked).
-KINDS = ("dense", "prefix", "masked")
+KINDS = DENSE, PREFIX, MASKED = ("dense", "prefix", "masked")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,13 +9,15 @@ ranks. Conventional CP (`CPLayout`, modes `cp` and `cp-traffic`): the `2L` rows 
 into `2C` zigzag chunks by position, which hands rank `r` noisy chunk `r` and clean chunk `C-1-r`.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 
 import torch
 
 from megatron_csbp.core import modes, rules
-from megatron_csbp.core.schedule import block_cost, contiguous_schedule, dual_end_schedule  # noqa: F401
+from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS
+from megatron_csbp.core.schedule import CLEAN_LAYOUTS, DUAL_END, SCHEDULES, ZIGZAG
 
 
 def _span(start: int, stop: int) -> torch.Tensor:
@@ -66,6 +68,16 @@ class _Rows:
         return torch.cat([torch.zeros(self.num_noisy_rows, dtype=torch.bool),
                           torch.ones(self.num_clean_rows, dtype=torch.bool)])
 
+    @cached_property
+    def row_limits(self) -> torch.Tensor:
+        """Exclusive limit of the clean keys each row sees, by the layout's clean-attention rule."""
+        return self.clean_attention.row_limits(self.row_positions, self.row_is_clean, self.block_size)
+
+    def _coerce_variants(self, **registries):
+        """Variant fields given by name become their objects (a library caller may write `schedule="dual_end"`)."""
+        for field, registry in registries.items():
+            object.__setattr__(self, field, registry(getattr(self, field)))
+
 
 @dataclass(frozen=True)
 class CSBPLayout(_Rows):
@@ -80,12 +92,14 @@ class CSBPLayout(_Rows):
     block_parallel_size: int
     clean_shards: int
     rank: int = 0
-    schedule: str = "dual_end"
-    clean_layout: str = "zigzag"
+    schedule: object = DUAL_END  # core.schedule.BlockSchedule
+    clean_layout: object = ZIGZAG  # core.schedule.CleanLayout
     owned_table: tuple | None = None  # owned blocks of every rank, given (a packed sample's balanced deal)
+    clean_attention: object = BLOCK_CAUSAL  # core.clean_attention.CleanAttention
 
     def __post_init__(self):
-        rules.refuse(rules.layout_problem("csbp", self.seq_length, self.block_size, self.block_parallel_size,
+        self._coerce_variants(schedule=SCHEDULES, clean_layout=CLEAN_LAYOUTS, clean_attention=CLEAN_ATTENTIONS)
+        rules.refuse(rules.layout_problem(modes.CSBP, self.seq_length, self.block_size, self.block_parallel_size,
                                           self.clean_shards, self.schedule, self.clean_layout))
         if not 0 <= self.rank < self.block_parallel_size:
             raise ValueError(f"rank={self.rank} is outside block_parallel_size={self.block_parallel_size}")
@@ -117,8 +131,7 @@ class CSBPLayout(_Rows):
         """Owned blocks of every block-parallel rank, in row order."""
         if self.owned_table is not None:
             return [list(blocks) for blocks in self.owned_table]
-        deal = dual_end_schedule if self.schedule == "dual_end" else contiguous_schedule
-        return deal(self.num_blocks, self.block_parallel_size)
+        return self.schedule.deal(self.num_blocks, self.block_parallel_size)
 
     @property
     def owned_blocks(self) -> tuple[int, ...]:
@@ -130,15 +143,11 @@ class CSBPLayout(_Rows):
 
     @cached_property
     def clean_positions(self) -> torch.Tensor:
-        L, C, r = self.seq_length, self.clean_shards, self.ring_rank
-        if self.clean_layout == "contiguous":
-            return _span(r * L // C, (r + 1) * L // C)
-        chunk = L // (2 * C)
-        return torch.cat([_span(r * chunk, (r + 1) * chunk), _span((2 * C - 1 - r) * chunk, (2 * C - r) * chunk)])
+        spans = self.clean_layout.spans(self.seq_length, self.clean_shards, self.ring_rank)
+        return torch.cat([_span(start, stop) for start, stop in spans])
 
     def for_rank(self, rank: int) -> "CSBPLayout":
-        return CSBPLayout(self.seq_length, self.block_size, self.block_parallel_size, self.clean_shards,
-                          rank, self.schedule, self.clean_layout, self.owned_table)
+        return dataclasses.replace(self, rank=rank)
 
     def dealt(self, owned_table) -> "CSBPLayout":
         """This rank's layout with the blocks dealt as `owned_table` (each rank keeping its block count: same
@@ -146,8 +155,7 @@ class CSBPLayout(_Rows):
         if [len(blocks) for blocks in owned_table] != [len(blocks) for blocks in self.schedule_table] or sorted(
                 b for blocks in owned_table for b in blocks) != list(range(self.num_blocks)):
             raise ValueError("a deal of the blocks must give every block to one rank and each rank its block count")
-        return CSBPLayout(self.seq_length, self.block_size, self.block_parallel_size, self.clean_shards, self.rank,
-                          self.schedule, self.clean_layout, tuple(tuple(blocks) for blocks in owned_table))
+        return dataclasses.replace(self, owned_table=tuple(tuple(blocks) for blocks in owned_table))
 
 
 @dataclass(frozen=True)
@@ -164,9 +172,11 @@ class CPLayout(_Rows):
     # One masked kernel call over the rank's rows against all gathered keys (the field's CP, mode `cp`), or
     # CSBP's block-diagonal and prefix calls on the same rows and traffic (mode `cp-traffic`).
     masked_attention: bool = True
+    clean_attention: object = BLOCK_CAUSAL  # core.clean_attention.CleanAttention
 
     def __post_init__(self):
-        rules.refuse(rules.layout_problem("cp", self.seq_length, self.block_size, self.context_parallel_size))
+        self._coerce_variants(clean_attention=CLEAN_ATTENTIONS)
+        rules.refuse(rules.layout_problem(modes.CP, self.seq_length, self.block_size, self.context_parallel_size))
         if not 0 <= self.rank < self.context_parallel_size:
             raise ValueError(f"rank={self.rank} is outside context_parallel_size={self.context_parallel_size}")
 
@@ -204,11 +214,17 @@ class CPLayout(_Rows):
         return _span(mirror * chunk, (mirror + 1) * chunk)
 
     def for_rank(self, rank: int) -> "CPLayout":
-        return CPLayout(self.seq_length, self.block_size, self.context_parallel_size, rank, self.masked_attention)
+        return dataclasses.replace(self, rank=rank)
 
 
-def layout_for(mode: str, seq_length: int, block_size: int, parallel_size: int, clean_shards: int | None = None,
-               rank: int = 0, **options) -> CSBPLayout | CPLayout:
-    """The layout of `mode` (a `--bdlm-parallel-mode` value), so one model can be compared across the modes."""
-    rules.refuse(rules.choice_problem("--bdlm-parallel-mode", mode, rules.PARALLEL_MODES))
-    return modes.parallel_mode(mode).layout(seq_length, block_size, parallel_size, clean_shards, rank, **options)
+def layout_for(mode, seq_length: int, block_size: int, parallel_size: int, clean_shards: int | None = None,
+               rank: int = 0, *, schedule=DUAL_END, clean_layout=ZIGZAG,
+               clean_attention=BLOCK_CAUSAL) -> CSBPLayout | CPLayout:
+    """The rows rank `rank` holds under `mode` (a `modes.ParallelMode`, or its `--bdlm-parallel-mode` name), so
+    one model can be compared across the modes: conventional CP's zigzag chunks of both copies (CSBP's schedule
+    and clean layout do not apply), else whole noisy blocks and a clean shard of the mode's `C`."""
+    mode = modes.parallel_mode(mode)
+    if mode.shards_both_copies:
+        return CPLayout(seq_length, block_size, parallel_size, rank, mode.masked_attention, clean_attention)
+    return CSBPLayout(seq_length, block_size, parallel_size, mode.clean_shards(parallel_size, clean_shards), rank,
+                      schedule, clean_layout, clean_attention=clean_attention)

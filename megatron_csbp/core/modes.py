@@ -6,17 +6,22 @@ its layout needs, how many rows and attention pairs a rank holds, how many token
 which layout describes a rank and which kernel calls a rank makes (`kernel_calls`: real and computed
 query-key pairs per call, `core.kernel_work`). The trainer's checks (`rules`), the layouts, the FLOP and byte counts
 (`flops`), the planner and the bench ask the mode (`parallel_mode(name)`) instead of testing its name, so
-a new mode is one class here (docs/algorithm.md §4–§5 for the layouts).
+a new mode is one class here (docs/algorithm.md §4–§5 for the layouts; `core.layout.layout_for` builds the
+rows a mode gives a rank).
 
-Standard library only (the planner runs without torch): `layout()` imports the torch layouts when called.
+Standard library only (the planner runs without torch).
 """
 
 import dataclasses
 
+from megatron_csbp.core import kernel_work
+from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
 from megatron_csbp.core.kernel_work import KernelCall
-from megatron_csbp.core.schedule import dual_end_schedule
+from megatron_csbp.core.schedule import DUAL_END, ZIGZAG
+from megatron_csbp.core.variants import Registry, named
 
 
+@named
 @dataclasses.dataclass(frozen=True)
 class ParallelMode:
     """One way to split `[x_t ; x_0]` over `P` block-parallel ranks with `C` clean shards (base: CSBP's)."""
@@ -28,6 +33,8 @@ class ParallelMode:
     is_baseline: bool = False  # what the field runs; the others are compared with it
     # One masked kernel call over the rank's rows (the field's CP), or CSBP's block-diagonal and prefix calls.
     masked_attention = False  # a class fact, not a field
+    # Zigzag chunks of both copies by position (conventional CP), or whole noisy blocks and a clean shard.
+    shards_both_copies = False
 
     def clean_shard_choices(self, parallel_size: int) -> list[int]:
         """The `C` worth planning at `P` ranks: CSBP with `C = 1` is pure BP, and at `P = 1` all modes are
@@ -54,9 +61,10 @@ class ParallelMode:
         return None
 
     def geometry_problem(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int,
-                         clean_layout: str, flags) -> str | None:
-        """This mode's cut of the sequence, past the rules every mode shares (whole blocks, a block per rank)."""
-        chunks = 2 * clean_shards if clean_layout == "zigzag" else clean_shards
+                         clean_layout, flags) -> str | None:
+        """This mode's cut of the sequence, past the rules every mode shares (whole blocks, a block per rank):
+        the clean sequence cut into its clean layout's (`core.schedule.CleanLayout`) equal chunks."""
+        chunks = clean_layout.chunks(clean_shards)
         if seq_length % chunks == 0:
             return None
         return (f"{flags.seq_length} {seq_length} cannot be cut into {chunks} equal clean chunks ({flags.clean_layout} "
@@ -78,16 +86,15 @@ class ParallelMode:
         return self.transported_copies * seq_length if clean_shards > 1 else 0
 
     def row_spans(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int,
-                  rank: int) -> tuple[list, list]:
-        """(noisy, clean) position spans `[(start, stop)]` of rank `rank`'s rows, in row order (the dual-end
-        schedule and zigzag clean layout, the defaults): the stdlib twin of `layout().noisy/clean_positions`."""
-        L, B, C = seq_length, block_size, clean_shards
-        noisy = [(b * B, (b + 1) * B) for b in dual_end_schedule(L // B, parallel_size)[rank]]
-        chunk, r = L // (2 * C), rank % C
-        return noisy, [(r * chunk, (r + 1) * chunk), ((2 * C - 1 - r) * chunk, (2 * C - r) * chunk)]
+                  rank: int, schedule=DUAL_END, clean_layout=ZIGZAG) -> tuple[list, list]:
+        """(noisy, clean) position spans `[(start, stop)]` of rank `rank`'s rows, in row order: the stdlib twin
+        of the layout's `noisy_positions` and `clean_positions`."""
+        L, B = seq_length, block_size
+        noisy = [(b * B, (b + 1) * B) for b in schedule.deal(L // B, parallel_size)[rank]]
+        return noisy, clean_layout.spans(L, clean_shards, rank % clean_shards)
 
     def kernel_calls(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int, rank: int,
-                     tile: int) -> tuple[KernelCall, ...]:
+                     tile: int, clean_attention=BLOCK_CAUSAL) -> tuple[KernelCall, ...]:
         """The attention kernel calls rank `rank` makes in one layer's forward, per head and sample, under the
         collective transport (streaming makes the remote call once per ring step, over the same rows): the
         block-diagonal call of its noisy blocks ("dense": whole `B×B` blocks, no padding) and the call of every
@@ -96,20 +103,12 @@ class ParallelMode:
         L, B = seq_length, block_size
         noisy, clean = self.row_spans(L, B, parallel_size, clean_shards, rank)
         real = computed = 0
-        for limit, rows in _limits(noisy, clean, B):
+        for limit, rows in _limits(noisy, clean, B, clean_attention):
             real += rows * limit
             computed += rows * min(-(-limit // tile) * tile, L)
         noisy_pairs = sum(stop - start for start, stop in noisy) * B
-        calls = [KernelCall("dense", noisy_pairs, noisy_pairs)] if noisy_pairs else []
-        return tuple(calls + [KernelCall("prefix", real, computed)])
-
-    def layout(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int | None = None,
-               rank: int = 0, **options):
-        """The rows rank `rank` holds (`core.layout`; `options`: the schedule and clean layout)."""
-        from megatron_csbp.core.layout import CSBPLayout
-
-        return CSBPLayout(seq_length, block_size, parallel_size, self.clean_shards(parallel_size, clean_shards),
-                          rank, **options)
+        calls = [KernelCall(kernel_work.DENSE, noisy_pairs, noisy_pairs)] if noisy_pairs else []
+        return tuple(calls + [KernelCall(kernel_work.PREFIX, real, computed)])
 
 
 class _PureBlockParallel(ParallelMode):
@@ -131,14 +130,11 @@ class _PureBlockParallel(ParallelMode):
                 f"or use {flags.mode} csbp")
 
 
-def _limits(noisy_spans, clean_spans, block_size):
-    """(limit, rows) per run of rows sharing a limit: clean keys below `limit` are visible (`qb·B` for a noisy
-    row of block `qb`, `(qb+1)·B` for a clean one; docs/algorithm.md §3)."""
-    B = block_size
-    for spans, extra in ((noisy_spans, 0), (clean_spans, 1)):
-        for start, stop in spans:
-            for block in range(start // B, (stop - 1) // B + 1 if stop > start else start // B):
-                yield (block + extra) * B, min(stop, (block + 1) * B) - max(start, block * B)
+def _limits(noisy_spans, clean_spans, block_size, clean_attention=BLOCK_CAUSAL):
+    """(limit, rows) per run of rows sharing a limit: clean keys below `limit` are visible (the clean-attention
+    rule's limits, `core.clean_attention`; docs/algorithm.md §3)."""
+    yield from clean_attention.limit_runs(noisy_spans, False, block_size)
+    yield from clean_attention.limit_runs(clean_spans, True, block_size)
 
 
 class _ContextParallel(ParallelMode):
@@ -146,6 +142,7 @@ class _ContextParallel(ParallelMode):
     K/V all travel. This class computes with CSBP's two kernels (`cp-traffic`, the ablation that isolates
     bytes); `_FieldContextParallel` with the field's one masked call."""
 
+    shards_both_copies = True
 
     def clean_shard_choices(self, parallel_size):
         return [parallel_size]
@@ -183,12 +180,6 @@ class _ContextParallel(ParallelMode):
         mirror = clean_shards - 1 - rank
         return [(rank * chunk, (rank + 1) * chunk)], [(mirror * chunk, (mirror + 1) * chunk)]
 
-    def layout(self, seq_length, block_size, parallel_size, clean_shards=None, rank=0, **options):
-        """Chunks by position: CSBP's schedule and clean layout do not apply."""
-        from megatron_csbp.core.layout import CPLayout
-
-        return CPLayout(seq_length, block_size, parallel_size, rank, masked_attention=self.masked_attention)
-
 
 class _FieldContextParallel(_ContextParallel):
     """The context parallelism a Megatron user with a masked kernel runs on `[x_t ; x_0]`: the `2C` zigzag
@@ -202,7 +193,8 @@ class _FieldContextParallel(_ContextParallel):
             return ["gathers K/V of all 2L rows, one masked attention call over them"]
         return ["no sequence sharding, one masked attention call"]
 
-    def kernel_calls(self, seq_length, block_size, parallel_size, clean_shards, rank, tile):
+    def kernel_calls(self, seq_length, block_size, parallel_size, clean_shards, rank, tile,
+                     clean_attention=BLOCK_CAUSAL):
         """One "masked" call: the rank's `2L/C` rows (its noisy chunk, then its clean chunk) against the `2L`
         keys in position order (noisy copy, then clean), both cut into `tile`-sized tiles as flex cuts them;
         a key tile is computed for a query tile when any of its pairs is visible (`core.kernels.MaskedPlan`)."""
@@ -210,8 +202,8 @@ class _FieldContextParallel(_ContextParallel):
         (noisy,), (clean,) = self.row_spans(L, B, parallel_size, clean_shards, rank)
         rows = [(noisy, False), (clean, True)]  # (span, clean copy?) in row order
         # a noisy row sees its own block's B noisy keys besides the clean keys below its limit
-        real = (sum(count * (limit + B) for limit, count in _limits([noisy], [], B))
-                + sum(count * limit for limit, count in _limits([], [clean], B)))
+        real = (sum(count * (limit + B) for limit, count in _limits([noisy], [], B, clean_attention))
+                + sum(count * limit for limit, count in _limits([], [clean], B, clean_attention)))
         n, computed = 2 * (L // clean_shards), 0
         for lo in range(0, n, t):
             hi = min(lo + t, n)
@@ -222,13 +214,12 @@ class _FieldContextParallel(_ContextParallel):
                 if first >= last:
                     continue
                 p0, p1 = start + first - offset, start + last - offset  # positions of those rows: [p0, p1)
-                top_block = (p1 - 1) // B
-                if clean_copy:
-                    intervals.append((L, L + (top_block + 1) * B))
-                else:
-                    intervals += [(p0 // B * B, (top_block + 1) * B), (L, L + top_block * B)]
+                # clean keys up to the last row's limit (limits rise with position); noisy rows: their blocks too
+                intervals.append((L, L + clean_attention.row_limits(p1 - 1, clean_copy, B)))
+                if not clean_copy:
+                    intervals.append((p0 // B * B, ((p1 - 1) // B + 1) * B))
             computed += (hi - lo) * _tile_span(intervals, 2 * L, t)
-        return (KernelCall("masked", real, computed),)
+        return (KernelCall(kernel_work.MASKED, real, computed),)
 
 
 CSBP = ParallelMode("csbp", "CSBP: whole noisy blocks per rank (dual-end), a zigzag shard of the clean copy; "
@@ -241,7 +232,7 @@ CP_TRAFFIC = _ContextParallel("cp-traffic", "cp's layout and traffic computed wi
 BP = _PureBlockParallel("bp", "pure block parallelism: the clean copy replicated on every rank, nothing travels",
                         transported_copies=0)
 
-PARALLEL_MODES = {mode.name: mode for mode in (CSBP, CP, CP_TRAFFIC, BP)}  # the flag's choices, in its order
+PARALLEL_MODES = Registry("--bdlm-parallel-mode", CSBP, CP, CP_TRAFFIC, BP)  # the flag's choices, in its order
 
 
 def _tile_span(intervals, total, tile):
@@ -256,8 +247,4 @@ def _tile_span(intervals, total, tile):
     return keys
 
 
-def parallel_mode(name: str) -> ParallelMode:
-    """The mode called `name` (a `--bdlm-parallel-mode` value); `ValueError` naming the choices otherwise."""
-    if name not in PARALLEL_MODES:
-        raise ValueError(f"--bdlm-parallel-mode {name!r}: choose one of {', '.join(PARALLEL_MODES)}")
-    return PARALLEL_MODES[name]
+parallel_mode = PARALLEL_MODES  # parallel_mode(name or mode) -> the mode; ValueError naming the choices

@@ -12,9 +12,12 @@ given, importing torch only when it runs.
 
 import dataclasses
 
-LOSS_WEIGHTINGS = ("inverse-t", "unit")
+from megatron_csbp.core.variants import Registry, named
+
+LOSS_WEIGHTINGS = INVERSE_T, UNIT = ("inverse-t", "unit")
 
 
+@named
 @dataclasses.dataclass(frozen=True)
 class ObjectiveKind:
     """BD3-LM's facts (the base): one view per sample, row p predicts token p, the NELBO's `1/t` weights."""
@@ -23,7 +26,7 @@ class ObjectiveKind:
     summary: str
     views_per_sample: int = 1  # model batch rows per clean sample
     label_shift: int = 0  # positions from a noisy row to the token it predicts
-    default_weighting: str = "inverse-t"
+    default_weighting: str = INVERSE_T
     weightings: tuple = LOSS_WEIGHTINGS  # the loss weightings it trains with
 
     @property
@@ -41,7 +44,7 @@ class ObjectiveKind:
 
     def loss_is_bound(self, weighting: str) -> bool:
         """Whether the weighted validation loss per token is the NELBO, so `exp` of it bounds perplexity."""
-        return weighting == "inverse-t"
+        return weighting == INVERSE_T
 
     def views(self, masked, tokens, supervised, weight):
         """The model's views of a micro-batch from its noise (`masked [b, L]`, `weight [b, L]` per token),
@@ -72,13 +75,7 @@ class _ShiftedComplementary(ObjectiveKind):
 BD3LM = ObjectiveKind("bd3lm", "BD3-LM: tokens predicted in place, loss weighted by 1/t (the NELBO)")
 FAST_DLLM_V2 = _ShiftedComplementary(
     "fast-dllm-v2", "Fast-dLLM v2: next-token targets, a mask and its complement per sample, unit weights",
-    views_per_sample=2, label_shift=1, default_weighting="unit", weightings=("unit",))
+    views_per_sample=2, label_shift=1, default_weighting=UNIT, weightings=(UNIT,))
 
-OBJECTIVES = {kind.name: kind for kind in (BD3LM, FAST_DLLM_V2)}  # the flag's choices, in its order
-
-
-def objective_kind(name: str) -> ObjectiveKind:
-    """The objective called `name` (a `--bdlm-objective` value); `ValueError` naming the choices otherwise."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"--bdlm-objective {name!r}: choose one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name]
+OBJECTIVES = Registry("--bdlm-objective", BD3LM, FAST_DLLM_V2)  # the flag's choices, in its order
+objective_kind = OBJECTIVES  # objective_kind(name or objective) -> the objective; ValueError naming the choices

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_csbp.core import rules, transports
+from megatron_csbp.core import transports
 from megatron_csbp.core.documents import NoisyDocuments, clean_key_ranges, noisy_document_ids
+from megatron_csbp.core.kernel_work import MASKED, PREFIX
 from megatron_csbp.core.kernels import default_kernels, default_scale
 from megatron_csbp.core.process_groups import ring_group_of
 
@@ -55,17 +56,14 @@ class RingPlan:
     gathered: object                   # the kernels' plan against all keys (collective)
     members: tuple                     # the kernels' plan against each member's keys (streaming)
     block_diagonal: bool               # the noisy rows' own blocks are a separate local call (not masked)
-    kind: str                          # the remote part's kernel: "prefix" or "masked" (core.kernel_work.KINDS)
+    kind: str                          # the remote part's kernel: core.kernel_work.PREFIX or MASKED
     num_keys: int                      # keys of the gathered plan: the clean copy's L, or both copies' 2L
+    # The remote part (prefix or masked) of this rank's rows against keys `k, v` under a kernel plan, bound once:
+    # remote_forward(q, k, v, kernel_plan, scale), remote_backward(dout, q, k, v, out, lse, kernel_plan, scale)
+    remote_forward: object
+    remote_backward: object
     documents: object = None           # core.documents.Documents of a packed sample (None: one document)
     noisy_documents: object = None     # NoisyDocuments where an owned block straddles documents, else None
-
-    def remote_forward(self, q, k, v, kernel_plan, scale):
-        """The remote part (prefix or masked) of this rank's rows against keys `k, v` under `kernel_plan`."""
-        return getattr(self.kernels, f"{self.kind}_forward")(q, k, v, kernel_plan, scale)
-
-    def remote_backward(self, dout, q, k, v, out, lse, kernel_plan, scale):
-        return getattr(self.kernels, f"{self.kind}_backward")(dout, q, k, v, out, lse, kernel_plan, scale)
 
     def kernel_calls(self, per_member: bool = False) -> tuple:
         """The kernel calls of one layer's forward, per head and sample, counted from the plans' own masks and
@@ -98,6 +96,8 @@ def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
         documents = None
     block, masked = layout.block_size, layout.masked_attention
     if masked:  # keys of both copies, noisy first: 2L keys in position order when gathered
+        kind, remote_forward, remote_backward = MASKED, kernels.masked_forward, kernels.masked_backward
+
         def key_order(positions, clean):
             return positions + clean.long() * layout.seq_length
 
@@ -110,9 +110,9 @@ def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
             return kernels.masked_plan(*rows, query_documents=documents.index_of(layout.row_positions).to(device),
                                        key_documents=documents.index_of(positions).to(device))
     else:  # clean keys only, in position order; packed: each row's keys cut to its document, [start, limit)
+        kind, remote_forward, remote_backward = PREFIX, kernels.prefix_forward, kernels.prefix_backward
         if documents is None:
-            starts = None
-            limits = (torch.div(layout.row_positions, block, rounding_mode="floor") + layout.row_is_clean.long()) * block
+            starts, limits = None, layout.row_limits
         else:
             starts, limits = clean_key_ranges(layout, documents)
             starts = starts.to(device)
@@ -144,8 +144,9 @@ def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
     order = torch.argsort(key_order(gathered_positions, gathered_clean), stable=True)
     return RingPlan(layout, device, kernels, tuple(shard_rows), _indices_or_all(gathered_rows[order], offset, device),
                     plan_for(gathered_positions[order], gathered_clean[order]), tuple(shard_plans),
-                    block_diagonal=not masked, kind="masked" if masked else "prefix", num_keys=int(order.numel()),
-                    documents=documents, noisy_documents=_noisy_documents(layout, documents, masked, device))
+                    block_diagonal=not masked, kind=kind, num_keys=int(order.numel()), remote_forward=remote_forward,
+                    remote_backward=remote_backward, documents=documents,
+                    noisy_documents=_noisy_documents(layout, documents, masked, device))
 
 
 def _noisy_documents(layout, documents, masked, device):
@@ -193,25 +194,24 @@ class _ContextShardedBlockAttention(torch.autograd.Function):
     """Turns the rows-first tensors heads-first, saves what the transport's backward needs and calls it."""
 
     @staticmethod
-    def forward(ctx, query, key, value, ring, scale, transport, plan):
+    def forward(ctx, query, key, value, ring, scale, transport_functions, plan):
         q, k, v = _heads_first(query, key.shape[2]), key.permute(1, 2, 0, 3), value.permute(1, 2, 0, 3)
-        forward, _ = transports.transport(transport).functions()
+        forward, backward = transport_functions
         out, lse, saved = forward(q, k, v, ring, plan, scale)
         ctx.save_for_backward(q, k, v, out, lse, *saved)
-        ctx.ring, ctx.scale, ctx.transport, ctx.plan = ring, scale, transport, plan
+        ctx.ring, ctx.scale, ctx.backward, ctx.plan = ring, scale, backward, plan
         return _rows_first(out).flatten(2)
 
     @staticmethod
     def backward(ctx, grad_output):
         q, k, v, out, lse, *saved = ctx.saved_tensors
         dout = _heads_first(grad_output.view(grad_output.shape[:2] + (-1, q.shape[-1])), q.shape[1])
-        _, backward = transports.transport(ctx.transport).functions()
-        dq, dk, dv = backward(dout, q, k, v, out, lse, saved, ctx.ring, ctx.plan, ctx.scale)
+        dq, dk, dv = ctx.backward(dout, q, k, v, out, lse, saved, ctx.ring, ctx.plan, ctx.scale)
         return _rows_first(dq), dk.permute(2, 0, 1, 3), dv.permute(2, 0, 1, 3), None, None, None, None
 
 
 def context_sharded_block_attention(query, key, value, layout, group=None, softmax_scale=None,
-                                    transport="collective", plan=None, documents=None):
+                                    transport=transports.COLLECTIVE, plan=None, documents=None):
     """BDLM attention of this rank's rows; `[s, b, heads, d]` queries, `[s, b, kv_heads, d]` K/V -> `[s, b, heads·d]`.
 
     `group` is the block-parallel group (ranks in layout order), or a `BlockParallelGroups` when the
@@ -219,9 +219,9 @@ def context_sharded_block_attention(query, key, value, layout, group=None, softm
     block parallelism for a layout with `clean_shards == 1`. `plan`: `ring_plan(layout, query.device)`,
     built once by the caller (default: a small cache by layout and device). `documents`: the packed
     sample's `core.documents.Documents`, shared by the samples of the call (None: one document); a
-    `plan` given must have been built for them.
+    `plan` given must have been built for them. `transport`: a `transports.Transport` (or its name).
     """
-    rules.refuse(rules.choice_problem("--csbp-transport", transport, rules.TRANSPORTS))
+    transport = transports.transport(transport)
     if query.shape[0] != layout.num_rows or key.shape[0] != layout.num_rows or value.shape != key.shape:
         raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} must "
                          f"hold this rank's {layout.num_rows} rows ([s, b, heads, d]) of the layout")
@@ -239,4 +239,4 @@ def context_sharded_block_attention(query, key, value, layout, group=None, softm
                          f"plan=ring_plan(layout, device, documents=documents)")
     ring = ring_group_of(group, layout)
     scale = default_scale(query.shape[-1]) if softmax_scale is None else softmax_scale
-    return _ContextShardedBlockAttention.apply(query, key, value, ring, scale, transport, plan)
+    return _ContextShardedBlockAttention.apply(query, key, value, ring, scale, transport.functions(), plan)

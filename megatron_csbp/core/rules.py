@@ -14,7 +14,7 @@ Standard library only: the planner, the FLOP counter and config checks run witho
 
 import dataclasses
 
-from megatron_csbp.core import modes, objectives, transports
+from megatron_csbp.core import modes, objectives, schedule, transports
 
 
 class ConfigError(ValueError):
@@ -25,11 +25,12 @@ class ConfigError(ValueError):
 
 # --- choice lists ----------------------------------------------------------------------------------
 
-PARALLEL_MODES = tuple(modes.PARALLEL_MODES)  # "csbp", "cp", "bp": each a `modes.ParallelMode` stating its facts
-TRANSPORTS = tuple(transports.TRANSPORTS)  # "collective", "streaming": each a `transports.Transport`
-SCHEDULES = ("dual_end", "contiguous")  # how noisy blocks are dealt to ranks (contiguous: an ablation)
-CLEAN_LAYOUTS = ("zigzag", "contiguous")  # how a ring shards the clean sequence (contiguous: an ablation)
-OBJECTIVES = tuple(objectives.OBJECTIVES)  # "bd3lm", "fast-dllm-v2": each an `objectives.ObjectiveKind`
+# The variants' registries (`core.variants.Registry`: iterating one gives its names, a flag's choices).
+PARALLEL_MODES = modes.PARALLEL_MODES  # each a `modes.ParallelMode` stating its facts
+TRANSPORTS = transports.TRANSPORTS  # each a `transports.Transport`
+SCHEDULES = schedule.SCHEDULES  # how noisy blocks are dealt to ranks
+CLEAN_LAYOUTS = schedule.CLEAN_LAYOUTS  # how a ring shards the clean sequence
+OBJECTIVES = objectives.OBJECTIVES  # each an `objectives.ObjectiveKind`
 LOSS_WEIGHTINGS = objectives.LOSS_WEIGHTINGS
 NOISE_SAMPLINGS = ("antithetic", "iid")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
@@ -93,15 +94,15 @@ def at_least(flag: str, value, minimum=1) -> str | None:
 
 # --- how many clean shards, and the layout's geometry ----------------------------------------------
 
-def clean_shards(mode: str, parallel_size: int, given: int | None = None) -> int:
+def clean_shards(mode, parallel_size: int, given: int | None = None) -> int:
     """`C` of `mode`: 1 for pure BP, `P` for the CP baseline (one ring shards both copies), else `given` or `P`."""
     return modes.parallel_mode(mode).clean_shards(parallel_size, given)
 
 
-def clean_shards_problem(mode: str, parallel_size: int, given: int | None = None, flags: Flags = FLAGS) -> str | None:
+def clean_shards_problem(mode, parallel_size: int, given: int | None = None, flags: Flags = FLAGS) -> str | None:
     """`given` (the clean-shards flag, None when unset) must suit `mode`, and `C` must divide `P`."""
     P = parallel_size
-    problem = choice_problem(flags.mode, mode, PARALLEL_MODES)
+    problem = PARALLEL_MODES.problem(mode, flags.mode)
     if problem:
         return problem
     mode = modes.parallel_mode(mode)
@@ -125,8 +126,8 @@ def whole_blocks_problem(seq_length: int, block_size: int, flags: Flags = FLAGS)
             f"{max(L - L % B, B)} or a block size dividing {L}")
 
 
-def sequence_problem(mode: str, seq_length: int, block_size: int, parallel_size: int, clean_shards: int,
-                     clean_layout: str = "zigzag", flags: Flags = FLAGS) -> str | None:
+def sequence_problem(mode, seq_length: int, block_size: int, parallel_size: int, clean_shards: int,
+                     clean_layout=schedule.ZIGZAG, flags: Flags = FLAGS) -> str | None:
     """The layout geometry of `mode` over `P` ranks with `C` clean shards (docs/algorithm.md §4):
 
     whole blocks; a noisy block for every rank; then the mode's own cut (`ParallelMode.geometry_problem`):
@@ -136,20 +137,20 @@ def sequence_problem(mode: str, seq_length: int, block_size: int, parallel_size:
     """
     L, B, P, C = seq_length, block_size, parallel_size, clean_shards
     problem = (whole_blocks_problem(L, B, flags) or at_least(flags.parallel_size, P)
-               or at_least(flags.clean_shards, C) or choice_problem(flags.clean_layout, clean_layout, CLEAN_LAYOUTS))
+               or at_least(flags.clean_shards, C) or CLEAN_LAYOUTS.problem(clean_layout, flags.clean_layout))
     if problem:
         return problem
     if L // B < P:
         return (f"{flags.seq_length} {L} has {L // B} blocks of {B}, too few for {flags.parallel_size} {P} (every rank "
                 f"needs a block); use {flags.seq_length} >= {P * B} or a smaller block size")
-    return modes.parallel_mode(mode).geometry_problem(L, B, P, C, clean_layout, flags)
+    return modes.parallel_mode(mode).geometry_problem(L, B, P, C, CLEAN_LAYOUTS(clean_layout), flags)
 
 
-def layout_problem(mode: str, seq_length: int, block_size: int, parallel_size: int, given_clean_shards=None,
-                   schedule: str = "dual_end", clean_layout: str = "zigzag", flags: Flags = FLAGS) -> str | None:
-    """Everything a layout of `mode` needs: its clean shards, its schedule and its geometry."""
+def layout_problem(mode, seq_length: int, block_size: int, parallel_size: int, given_clean_shards=None,
+                   block_schedule=schedule.DUAL_END, clean_layout=schedule.ZIGZAG, flags: Flags = FLAGS) -> str | None:
+    """Everything a layout of `mode` needs: its clean shards, its block schedule and its geometry."""
     return (clean_shards_problem(mode, parallel_size, given_clean_shards, flags)
-            or choice_problem(flags.schedule, schedule, SCHEDULES)
+            or SCHEDULES.problem(block_schedule, flags.schedule)
             or sequence_problem(mode, seq_length, block_size, parallel_size,
                                 clean_shards(mode, parallel_size, given_clean_shards), clean_layout, flags))
 
@@ -336,13 +337,13 @@ def vocab_padding_problem(num_ids: int, divisible_by: int, tensor_parallel: int 
 
 # --- the objective ---------------------------------------------------------------------------------
 
-def default_loss_weighting(objective: str) -> str:
+def default_loss_weighting(objective) -> str:
     """The NELBO's `1/t` for BD3-LM; Fast-dLLM v2 trains with unit weights."""
     return objectives.objective_kind(objective).default_weighting
 
 
-def loss_weighting_problem(objective: str, loss_weighting: str | None) -> str | None:
-    problem = choice_problem("--bdlm-objective", objective, OBJECTIVES)
+def loss_weighting_problem(objective, loss_weighting: str | None) -> str | None:
+    problem = OBJECTIVES.problem(objective)
     if problem:
         return problem
     kind = objectives.objective_kind(objective)

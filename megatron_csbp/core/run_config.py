@@ -1,12 +1,17 @@
-"""The BDLM run as the plugin sees it: one frozen value, validated once, handed down.
+"""The BDLM run as the plugin sees it: one frozen value, read from the flags once, validated once, handed down.
 
-Like megatron-core's `TransformerConfig`, a `RunConfig` is built once (by the trainer from either loop's
-parsed arguments, `training.arguments.run_config`; by the planner for each candidate layout) and checked
-in `__post_init__` by the rules (`core.rules`), in one order, so a layout the planner proposes is one the
-trainer accepts and a refusal reads the same wherever it is met. What it leaves to defaults (the clean
-shards, the loss weighting, the head size, the K/V heads, the global batch) it resolves once; nothing
-downstream re-derives them. The variants it names are objects (`parallel_mode`, `objective_kind`,
-`transport_kind`) that state their own facts.
+Like megatron-core's `TransformerConfig`, a `RunConfig` is built once — by the trainer from either loop's
+parsed arguments (`RunConfig.from_args`, the one place the plugin reads its flags), by the planner for each
+candidate layout — and checked in `__post_init__` by the rules (`core.rules`), in one order, so a layout the
+planner proposes is one the trainer accepts and a refusal reads the same wherever it is met. It holds the
+variants themselves (the parallel mode, the objective, the transport, the block schedule, the clean layout,
+the clean-attention rule: objects stating their own facts, `core.variants`) and the model's shape
+(`core.model_shape.ModelShape`). What the flags leave to defaults (the clean shards `C`, the loss weighting,
+the sizes, the ETP, the global batch) it resolves once; nothing downstream re-derives them. The block-parallel
+size `P` and `C` live here; a rank's rows are `layout(rank)`.
+
+Megatron's own code (Megatron-LM's checkpoints and FLOPs count, our loop's configs) reads some resolved values
+off the parsed arguments: `write_back` writes those, and only those.
 
 Standard library only (the planner runs without torch); `layout()` builds a torch layout when called.
 """
@@ -14,36 +19,36 @@ Standard library only (the planner runs without torch); `layout()` builds a torc
 import dataclasses
 
 from megatron_csbp.core import modes, objectives, rules, transports
+from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS, CleanAttention
+from megatron_csbp.core.model_shape import ModelShape, MoEShape
+from megatron_csbp.core.schedule import CLEAN_LAYOUTS, DUAL_END, SCHEDULES, ZIGZAG, BlockSchedule, CleanLayout
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    """Model shape, sequence, objective and parallel layout of one BDLM run (trainer flags' meanings)."""
+    """Model shape, sequence, objective and parallel layout of one BDLM run (the trainer flags' meanings)."""
 
-    # the model
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
+    shape: ModelShape
     seq_length: int  # L, clean tokens per sample
     block_size: int  # B, the diffusion block
-    num_query_groups: int | None = None  # K/V heads (None: one per attention head)
-    kv_channels: int | None = None  # head size (None: hidden / heads)
     # the objective
-    objective: str = "bd3lm"
+    objective: objectives.ObjectiveKind = objectives.BD3LM
     loss_weighting: str | None = None  # None: the objective's default
     noise_range: tuple = (1e-3, 1.0)
+    antithetic_noise: bool = True  # noise times stratified over each global batch (else i.i.d.)
+    seed: int = 1234  # the noise is drawn from (seed, sample index)
+    clean_attention: CleanAttention = BLOCK_CAUSAL
     # the layout
-    mode: str = "csbp"
+    mode: modes.ParallelMode = modes.CSBP
     block_parallel_size: int = 1  # P, in Megatron's CP slot
     clean_shards: int | None = None  # C (None: the mode's default)
-    schedule: str = "dual_end"
-    clean_layout: str = "zigzag"
-    transport: str = "collective"
+    schedule: BlockSchedule = DUAL_END
+    clean_layout: CleanLayout = ZIGZAG
+    transport: transports.Transport = transports.COLLECTIVE
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     world_size: int | None = None  # None: one model replica (TP x PP x P)
-    # mixture of experts (None: a dense model); EP x ETP x expert-DP is carved from each stage's TP x P x DP ranks
-    num_experts: int | None = None
+    # mixture of experts (`shape.moe`): EP x ETP x expert-DP is carved from each stage's TP x P x DP ranks
     expert_parallel_size: int = 1
     expert_tensor_parallel_size: int | None = None  # None: TP
     # the batch
@@ -56,12 +61,18 @@ class RunConfig:
     flags: rules.Flags = dataclasses.field(default=rules.FLAGS, compare=False, repr=False)  # names in messages
 
     def __post_init__(self):
+        f = self.flags
+        variants = dict(objective=(objectives.OBJECTIVES, "--bdlm-objective"), mode=(modes.PARALLEL_MODES, f.mode),
+                        schedule=(SCHEDULES, f.schedule), clean_layout=(CLEAN_LAYOUTS, f.clean_layout),
+                        transport=(transports.TRANSPORTS, "--csbp-transport"),
+                        clean_attention=(CLEAN_ATTENTIONS, "--bdlm-clean-attention"))
+        for name, (registry, flag) in variants.items():  # a library caller may name a variant
+            rules.refuse(registry.problem(getattr(self, name), flag), rules.ConfigError)
+            object.__setattr__(self, name, registry(getattr(self, name)))
         rules.refuse(self.problem(), rules.ConfigError)
         resolved = dict(
-            num_query_groups=self.num_query_groups or self.num_attention_heads,
-            kv_channels=self.kv_channels or self.hidden_size // self.num_attention_heads,
-            loss_weighting=self.loss_weighting or self.objective_kind.default_weighting,
-            clean_shards=self.parallel_mode.clean_shards(self.block_parallel_size, self.clean_shards),
+            loss_weighting=self.loss_weighting or self.objective.default_weighting,
+            clean_shards=self.mode.clean_shards(self.block_parallel_size, self.clean_shards),
             world_size=self.world_size or self.model_parallel_size,
             expert_tensor_parallel_size=self.expert_tensor_parallel_size or self.tensor_parallel_size)
         resolved["global_batch_size"] = (self.global_batch_size
@@ -72,31 +83,75 @@ class RunConfig:
     def problem(self) -> str | None:
         """The first rule the settings break (one line: flag and fix), in the trainer's order, or None."""
         f, P, TP, PP = self.flags, self.block_parallel_size, self.tensor_parallel_size, self.pipeline_parallel_size
-        for flag, value in ((f.num_layers, self.num_layers), (f.hidden_size, self.hidden_size),
-                            (f.heads, self.num_attention_heads), (f.seq_length, self.seq_length)):
+        for flag, value in ((f.seq_length, self.seq_length), (f.micro_batch, self.micro_batch_size)):
             if value is None:
                 return f"{flag} is required"
-        heads, groups = self.num_attention_heads, self.num_query_groups or self.num_attention_heads
-        problem = (rules.query_groups_problem(heads, groups, f) or rules.tensor_parallel_problem(heads, groups, TP, f)
-                   or rules.pipeline_problem(self.num_layers, PP, f)
-                   or (None if self.kv_channels else rules.kv_channels_problem(self.hidden_size, heads, f))
+        shape, world = self.shape, self.world_size or TP * PP * P
+        problem = (rules.tensor_parallel_problem(shape.num_attention_heads, shape.num_query_groups, TP, f)
+                   or rules.pipeline_problem(shape.num_layers, PP, f)
                    or rules.at_least(f.block_size, self.block_size) or rules.at_least(f.parallel_size, P)
                    or rules.clean_shards_problem(self.mode, P, self.clean_shards, f)
-                   or rules.world_size_problem(TP, PP, P, self.world_size or TP * PP * P, f)
-                   or rules.expert_parallel_problem(self.num_experts, self.expert_parallel_size,
-                                                    self.expert_tensor_parallel_size, TP, PP,
-                                                    self.world_size or TP * PP * P, f)
+                   or rules.world_size_problem(TP, PP, P, world, f)
+                   or rules.expert_parallel_problem(shape.moe and shape.moe.num_experts, self.expert_parallel_size,
+                                                    self.expert_tensor_parallel_size, TP, PP, world, f)
                    or rules.sequence_problem(self.mode, self.seq_length, self.block_size, P,
-                                             rules.clean_shards(self.mode, P, self.clean_shards), self.clean_layout, f)
-                   or rules.choice_problem(f.schedule, self.schedule, rules.SCHEDULES)
-                   or rules.choice_problem("--csbp-transport", self.transport, rules.TRANSPORTS)
+                                             self.mode.clean_shards(P, self.clean_shards), self.clean_layout, f)
                    or rules.noise_range_problem(*self.noise_range)
                    or rules.packing_problem(self.reset_position_ids, self.reset_attention_mask, PP, flags=f)
                    or rules.loss_weighting_problem(self.objective, self.loss_weighting))
         if problem or self.global_batch_size is None:
             return problem
-        data_parallel = (self.world_size or TP * PP * P) // (TP * PP * P)
-        return rules.batch_problem(self.global_batch_size, self.micro_batch_size, data_parallel, f)
+        return rules.batch_problem(self.global_batch_size, self.micro_batch_size, world // (TP * PP * P), f)
+
+    @classmethod
+    def from_args(cls, args, world_size: int | None = None) -> "RunConfig":
+        """The run of either loop's parsed arguments (ours, or Megatron-LM's with the plugin's flags): the one
+        place the plugin reads its flags and the model's sizes. `world_size`: the launch's (default: the
+        arguments' `world_size`, else one model replica)."""
+        heads = args.num_attention_heads
+        groups = args.num_query_groups if args.group_query_attention else heads
+        experts = getattr(args, "num_experts", None) or None  # Megatron-LM reads 0 as none
+        moe = None if experts is None or args.num_layers is None else MoEShape(
+            experts, args.moe_router_topk, args.moe_ffn_hidden_size,
+            sum(rules.moe_layer_pattern(args.moe_layer_freq, args.num_layers)),
+            args.moe_shared_expert_intermediate_size or 0)
+        shape = ModelShape(
+            num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
+            num_query_groups=groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
+            swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
+            layernorm_bias=args.normalization == "LayerNorm", untied_output=args.untie_embeddings_and_output_weights,
+            moe=moe)
+        return cls(
+            shape=shape, seq_length=args.seq_length, block_size=args.bdlm_block_size,
+            objective=args.bdlm_objective, loss_weighting=args.bdlm_loss_weighting,
+            noise_range=tuple(args.bdlm_noise_range), antithetic_noise=args.bdlm_noise_sampling == "antithetic",
+            seed=args.seed, mode=args.bdlm_parallel_mode,
+            block_parallel_size=args.context_parallel_size,  # Megatron's CP slot (`--context-block-parallel` fills it)
+            clean_shards=args.context_block_parallel_clean_shards, schedule=args.csbp_block_schedule,
+            clean_layout=args.csbp_clean_layout, transport=args.csbp_transport,
+            tensor_parallel_size=args.tensor_model_parallel_size,
+            pipeline_parallel_size=args.pipeline_model_parallel_size,
+            world_size=world_size or getattr(args, "world_size", None), micro_batch_size=args.micro_batch_size,
+            global_batch_size=args.global_batch_size, reset_position_ids=bool(args.reset_position_ids),
+            reset_attention_mask=bool(args.reset_attention_mask), eod_mask_loss=bool(args.eod_mask_loss),
+            expert_parallel_size=args.expert_model_parallel_size,
+            expert_tensor_parallel_size=args.expert_tensor_parallel_size)
+
+    def write_back(self, args) -> None:
+        """Writes onto parsed `args` the resolved values Megatron's code reads there, as Megatron-LM's own
+        `validate_args` fills them: the sizes (`TransformerConfig` and the FLOPs count read them), the expert
+        sizes, the batch and the world (the schedule and the checkpoints' record). Megatron-LM's loop has filled
+        them already by the same rules; our loop's arguments get them here."""
+        shape = self.shape
+        values = dict(num_query_groups=shape.num_query_groups, kv_channels=shape.kv_channels,
+                      ffn_hidden_size=shape.ffn_hidden_size, num_experts=shape.moe and shape.moe.num_experts,
+                      expert_tensor_parallel_size=self.expert_tensor_parallel_size,
+                      global_batch_size=self.global_batch_size, world_size=self.world_size,
+                      data_parallel_size=self.data_parallel_size)
+        if shape.moe is not None:
+            values["moe_ffn_hidden_size"] = shape.moe.ffn_hidden_size
+        for name, value in values.items():
+            setattr(args, name, value)
 
     @property
     def model_parallel_size(self) -> int:
@@ -108,19 +163,14 @@ class RunConfig:
         return self.world_size // self.model_parallel_size
 
     @property
-    def parallel_mode(self) -> modes.ParallelMode:
-        return modes.parallel_mode(self.mode)
-
-    @property
-    def objective_kind(self) -> objectives.ObjectiveKind:
-        return objectives.objective_kind(self.objective)
-
-    @property
-    def transport_kind(self) -> transports.Transport:
-        return transports.transport(self.transport)
+    def packed(self) -> bool:
+        """Whether samples hold several documents (each row's RoPE position or keys depend on its document)."""
+        return self.reset_position_ids or self.reset_attention_mask
 
     def layout(self, rank: int):
         """The rows block-parallel rank `rank` holds."""
-        return self.parallel_mode.layout(self.seq_length, self.block_size, self.block_parallel_size,
-                                         self.clean_shards, rank, schedule=self.schedule,
-                                         clean_layout=self.clean_layout)
+        from megatron_csbp.core.layout import layout_for
+
+        return layout_for(self.mode, self.seq_length, self.block_size, self.block_parallel_size, self.clean_shards,
+                          rank, schedule=self.schedule, clean_layout=self.clean_layout,
+                          clean_attention=self.clean_attention)

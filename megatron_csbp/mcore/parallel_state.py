@@ -12,9 +12,18 @@ import datetime
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-from megatron_csbp.core import process_groups, rules
+from megatron_csbp.core import modes, process_groups, rules
 
 _groups = {}
+
+
+def initialize_run(settings, distributed_timeout_minutes=30, **megatron_kwargs):
+    """Megatron's parallel state and the CSBP sub-groups of the run `settings` (a `core.run_config.RunConfig`):
+    its TP, PP, P (in the CP slot), C, EP and ETP."""
+    initialize_model_parallel(settings.tensor_parallel_size, settings.pipeline_parallel_size,
+                              settings.block_parallel_size, settings.clean_shards, distributed_timeout_minutes,
+                              expert_model_parallel_size=settings.expert_parallel_size,
+                              expert_tensor_parallel_size=settings.expert_tensor_parallel_size, **megatron_kwargs)
 
 
 def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
@@ -22,15 +31,16 @@ def initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_paral
                               **megatron_kwargs):
     """Megatron's `initialize_model_parallel` with CP size `P`, then the CSBP sub-groups.
 
-    `clean_shards` (`C`, default `P`) must divide `P`. Every world rank must call this. Every group, Megatron's
-    and ours, gets `distributed_timeout_minutes` (a float is fine; Megatron's own default is 30).
+    `clean_shards` (`C`, default `P`) must divide `P` (checked before any group is made). Every world rank must
+    call this. Every group, Megatron's and ours, gets `distributed_timeout_minutes` (a float is fine; Megatron's
+    own default is 30).
     """
     block_parallel_size = context_block_parallel_size
     clean_shards = block_parallel_size if clean_shards is None else clean_shards
     if "context_parallel_size" in megatron_kwargs:
         raise ValueError("pass context_block_parallel_size=P, not context_parallel_size: the "
                          "block-parallel dimension occupies Megatron's CP slot")
-    rules.refuse(rules.clean_shards_problem("csbp", block_parallel_size, clean_shards))
+    _check_clean_shards(block_parallel_size, clean_shards)
     mpu.initialize_model_parallel(tensor_model_parallel_size=tensor_model_parallel_size,
                                   pipeline_model_parallel_size=pipeline_model_parallel_size,
                                   context_parallel_size=block_parallel_size,
@@ -45,8 +55,7 @@ def initialize_block_parallel_groups(clean_shards, distributed_timeout_minutes=3
     `context_parallel_size=P`. Collective over the world: all ranks create the same groups in the
     same order.
     """
-    block_parallel_size = mpu.get_context_parallel_world_size()
-    rules.refuse(rules.clean_shards_problem("csbp", block_parallel_size, clean_shards))
+    _check_clean_shards(mpu.get_context_parallel_world_size(), clean_shards)
     every_rank_lists = [None] * dist.get_world_size()
     dist.all_gather_object(every_rank_lists, list(mpu.get_context_parallel_global_ranks()))
     block_parallel_ranks_lists = sorted({tuple(ranks) for ranks in every_rank_lists})
@@ -54,6 +63,11 @@ def initialize_block_parallel_groups(clean_shards, distributed_timeout_minutes=3
                                                       clean_shards, mpu.get_context_parallel_group(),
                                                       timeout=datetime.timedelta(minutes=distributed_timeout_minutes))
     _groups.update(groups=groups, clean_shards=clean_shards)
+
+
+def _check_clean_shards(block_parallel_size, clean_shards):
+    """C rings of P: the rule every layout obeys (`rules.clean_shards_problem`), for callers without a RunConfig."""
+    rules.refuse(rules.clean_shards_problem(modes.CSBP, block_parallel_size, clean_shards))
 
 
 def _get(name):

@@ -856,7 +856,8 @@ def _calibration_rank(rank, world_size, args, seq_length, repeats=4):
     def linear():
         sum(torch.nn.functional.linear(x, w).sum() for x, w in zip(inputs, weights)).backward()
 
-    linear_flops = rules.step_passes() * rows * flops.linear_flops_per_row(h, ffn, heads, groups, d, False)
+    shape = flops.ModelShape(1, h, heads, num_query_groups=groups, kv_channels=d, ffn_hidden_size=ffn)
+    linear_flops = rules.step_passes() * rows * flops.linear_flops_per_row(shape)
     linear_s = _timed(linear, repeats)
 
     layout = CSBPLayout(seq_length // 2, args.block_size, 1, 1)

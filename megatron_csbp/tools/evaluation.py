@@ -385,16 +385,13 @@ class Evaluator:
                                                                                                 prepared.seed, draw))
         args = prepared.args
         self.run_providers = providers.RunProviders(args, prepared.vocabulary)
-        parallel_state.initialize_model_parallel(
-            args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-            context_block_parallel_size=args.context_parallel_size,
-            clean_shards=self.run_providers.settings.clean_shards,
-            get_embedding_ranks=self.run_providers.get_embedding_ranks,
-            distributed_timeout_minutes=args.distributed_timeout_minutes)
+        parallel_state.initialize_run(self.run_providers.settings, args.distributed_timeout_minutes,
+                                      get_embedding_ranks=self.run_providers.get_embedding_ranks)
         torch.manual_seed(args.seed)
         model_parallel_cuda_manual_seed(args.seed)  # the tensor-parallel RNG streams the model is built with
         self.recorded = prepared.vocabulary.recorded(args)
-        self.progress = Progress(self.recorded, enabled=dist.get_rank() == dist.get_world_size() - 1)
+        self.progress = Progress(self.recorded, self.run_providers.settings,
+                                 enabled=dist.get_rank() == dist.get_world_size() - 1)
         run = self.run_providers.run
         self.run = run
         self.model = self.run_providers.model_provider(mpu.is_pipeline_first_stage(),
@@ -521,10 +518,11 @@ class Evaluator:
             "data_path": prepared.options.data_path, "split": prepared.options.split,
             "checkpoint_split": args.split if prepared.options.split != "all" else None,
             "sequences": result.sequences, "noise_samples": result.noise_samples, "seed": prepared.seed,
-            "seq_length": args.seq_length, "objective": settings.objective, "loss_weighting": settings.loss_weighting,
+            "seq_length": args.seq_length, "objective": settings.objective.name,
+            "loss_weighting": settings.loss_weighting,
             "noise_sampling": args.bdlm_noise_sampling,
             "nelbo": result.nelbo, "ppl": result.ppl,
-            "ppl_is_upper_bound": settings.objective_kind.loss_is_bound(settings.loss_weighting),
+            "ppl_is_upper_bound": self.progress.loss_is_bound,
             "stderr": result.stderr, "stderr_of": STDERR_OF,
             "noise_stderr": result.noise_stderr, "noise_stderr_of": NOISE_STDERR_OF,
             "nelbo_per_draw": list(result.per_draw),
@@ -534,7 +532,7 @@ class Evaluator:
                        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                        "context_block_parallel": args.context_parallel_size,
                        "context_block_parallel_clean_shards": settings.clean_shards,
-                       "bdlm_parallel_mode": args.bdlm_parallel_mode, "data_parallel_size": args.data_parallel_size},
+                       "bdlm_parallel_mode": settings.mode.name, "data_parallel_size": settings.data_parallel_size},
         }
 
     def report(self, record: dict | None) -> None:

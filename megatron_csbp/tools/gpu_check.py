@@ -521,7 +521,7 @@ def train(args, device, records):
 
     from megatron_csbp.bdlm.forward_step import BDLMForwardStep
     from megatron_csbp.bdlm.objective import BDLMObjective
-    from megatron_csbp.bdlm.flops import bdlm_step_flops
+    from megatron_csbp.bdlm.flops import ModelShape, bdlm_step_flops
     from megatron_csbp.core.layout import CSBPLayout
     from megatron_csbp.mcore.model import model_provider
 
@@ -572,9 +572,10 @@ def train(args, device, records):
 
     step_time = statistics.median(times[args.train_warmup:])
     step_flops = bdlm_step_flops(
-        num_layers=args.train_layers, hidden_size=args.train_hidden_size, num_attention_heads=args.train_heads,
-        padded_vocab_size=vocab, seq_length=L, block_size=block, batch_size=micro_batch,
-        ffn_hidden_size=args.train_ffn_hidden_size, num_query_groups=args.train_query_groups, swiglu=True)
+        ModelShape(num_layers=args.train_layers, hidden_size=args.train_hidden_size,
+                   num_attention_heads=args.train_heads, ffn_hidden_size=args.train_ffn_hidden_size,
+                   num_query_groups=args.train_query_groups, swiglu=True),
+        padded_vocab_size=vocab, seq_length=L, block_size=block, batch_size=micro_batch)
     record = dict(spec="transformer_engine" if use_te else "local", spec_note=spec_note, dtype=args.train_dtype,
                   parameters=parameters, layers=args.train_layers, hidden_size=args.train_hidden_size,
                   heads=args.train_heads, query_groups=args.train_query_groups,

@@ -64,7 +64,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from megatron_csbp.training.arguments import run_config
+from megatron_csbp.core import objectives
+from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.core.rules import ConfigError
 
 COMMAND = "python -m megatron_csbp.harness"  # as its refusals name it
@@ -198,7 +199,8 @@ class MegatronCSBPLM(LM):
         self.args, self.directory, self.tokenizer = args, directory, args.tokenizer
         self.seq_length, self.block_size = args.seq_length, args.bdlm_block_size
         self.mask_token_id, self.eod = args.mask_token_id, args.tokenizer.eod
-        self.run_config = run_config(args, world_size=self.tensor_parallel_size)  # the objective and weighting it trained
+        # the objective and weighting it trained
+        self.run_config = RunConfig.from_args(args, world_size=self.tensor_parallel_size)
         self.settings(temperature=self.sampling["temperature"])  # refuse bad decoding model_args before any work
 
         import torch.distributed as dist
@@ -223,13 +225,12 @@ class MegatronCSBPLM(LM):
         """The training forward's model (one-rank CSBP layout at the trained length) sharing the sampler's
         weights (the same parameter names: `sampling_model` is built to load our checkpoints)."""
         from megatron_csbp.core.device import default_device
-        from megatron_csbp.core.layout import layout_for
         from megatron_csbp.mcore import parallel_state
         from megatron_csbp.mcore.model import model_provider
         from megatron_csbp.training import providers
         from megatron_csbp.training.megatron_config import transformer_config_from_args
 
-        self.layout = layout_for("csbp", args.seq_length, args.bdlm_block_size, 1, 1, 0)
+        self.layout = self.run_config.layout(0)
         vocab_ids = getattr(args, "vocab_ids", None) or max(args.tokenizer.vocab_size, args.mask_token_id + 1)
         model = model_provider(config=providers.for_bdlm(transformer_config_from_args(args)),
                                vocab_size=args.padded_vocab_size, layout=self.layout,
@@ -298,8 +299,8 @@ class MegatronCSBPLM(LM):
                 for b in range(start // B, (end - 1) // B + 1)]
 
     def _check_objective(self) -> None:
-        _require(self.run_config.objective_kind.label_shift == 0,  # the rows below predict in place
-                 f"checkpoint {self.directory} was trained with --bdlm-objective {self.run_config.objective} "
+        _require(self.run_config.objective.label_shift == 0,  # the rows below predict in place
+                 f"checkpoint {self.directory} was trained with --bdlm-objective {self.run_config.objective.name} "
                  f"(shifted labels, unit weights): it has no BD3-LM bound to score; give model_args config=FILE.yaml "
                  f"with 'bdlm-objective: bd3lm' to score it as one, or run generate_until tasks only")
 
@@ -332,7 +333,7 @@ class MegatronCSBPLM(LM):
         estimator, samples = estimator or self.estimator, samples or self.mc_samples
         padding_id = self.mask_token_id if padding_id is None else padding_id
         layout = self.layout
-        unit = self.run_config.loss_weighting == "unit"
+        unit = self.run_config.loss_weighting == objectives.UNIT
         results = [None] * len(pairs)
         order = sorted(range(len(pairs)), key=lambda i: -sum(map(len, pairs[i])))
         progress = tqdm(total=len(pairs), disable=disable_tqdm or self._shard_rank != 0,
@@ -429,7 +430,7 @@ class MegatronCSBPLM(LM):
                 threshold=options["threshold"], temperature=temperature, top_p=options["top_p"],
                 top_k=options["top_k"], seed=self.seed, eos_token_id=self.eod if eos else None,
                 stop_sequences=stops, start_token_id=self.eod, context_window=context_window,
-                shifted_labels=bool(self.run_config.objective_kind.label_shift), vocab_size=self.tokenizer.vocab_size)
+                shifted_labels=bool(self.run_config.objective.label_shift), vocab_size=self.tokenizer.vocab_size)
         except ConfigError as error:  # the sampler names script flags: name the model_args
             named = re.sub(r"--([a-z][a-z-]*)", lambda flag: flag.group(1).replace("-", "_"), str(error))
             raise ConfigError(f"model_args: {named}") from None

@@ -52,6 +52,7 @@ import sys
 
 from megatron_csbp.bdlm import flops
 from megatron_csbp.core import modes, rules, transports
+from megatron_csbp.core.model_shape import ModelShape, MoEShape
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.training.flags import moe_layer_freq
 
@@ -177,29 +178,30 @@ class Model:
 
     def __post_init__(self):
         fill = lambda name, value: object.__setattr__(self, name, value)
-        if self.ffn_hidden_size is None:
-            fill("ffn_hidden_size", rules.default_ffn_hidden_size(self.hidden_size, self.swiglu))
-        if self.num_query_groups is None:
-            fill("num_query_groups", self.num_attention_heads)
+        if isinstance(self.moe_layer_freq, list):
+            fill("moe_layer_freq", tuple(self.moe_layer_freq))
         if self.num_experts is not None:
-            if self.moe_ffn_hidden_size is None:
-                fill("moe_ffn_hidden_size", self.ffn_hidden_size)
-            if isinstance(self.moe_layer_freq, list):
-                fill("moe_layer_freq", tuple(self.moe_layer_freq))
             rules.refuse(rules.moe_layer_freq_problem(
                 self.moe_layer_freq if isinstance(self.moe_layer_freq, int) else list(self.moe_layer_freq),
                 self.num_layers)
                 or rules.moe_problem(self.num_experts, self.moe_router_topk, "aux_loss", "alltoall", 1, 1, True, 1))
         problems = [rules.whole_blocks_problem(self.seq_length, self.block_size),
-                    rules.query_groups_problem(self.num_attention_heads, self.num_query_groups),
-                    rules.kv_channels_problem(self.hidden_size, self.num_attention_heads)
-                    if self.kv_channels is None else None,
                     rules.choice_problem("--recompute-granularity", self.recompute, rules.RECOMPUTE_GRANULARITIES)
                     if self.recompute is not None else None,
-                    rules.choice_problem("--csbp-transport", self.transport, rules.TRANSPORTS)]
+                    rules.TRANSPORTS.problem(self.transport)]
         rules.refuse(next(filter(None, problems), None))
-        if self.kv_channels is None:
-            fill("kv_channels", self.hidden_size // self.num_attention_heads)
+        shape = ModelShape(
+            num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+            num_query_groups=self.num_query_groups, kv_channels=self.kv_channels, ffn_hidden_size=self.ffn_hidden_size,
+            swiglu=self.swiglu, add_bias_linear=False, layernorm_bias=False, untied_output=self.untie_embeddings,
+            moe=None if self.num_experts is None else MoEShape(
+                self.num_experts, self.moe_router_topk, self.moe_ffn_hidden_size, sum(self.moe_layers()),
+                self.moe_shared_expert_intermediate_size or 0))
+        fill("shape", shape)  # the sizes the defaults leave, resolved there (RMSNorm, no linear biases)
+        for name in ("ffn_hidden_size", "num_query_groups", "kv_channels"):
+            fill(name, getattr(shape, name))
+        if shape.moe is not None:
+            fill("moe_ffn_hidden_size", shape.moe.ffn_hidden_size)
 
     @property
     def num_blocks(self) -> int:
@@ -215,12 +217,9 @@ class Model:
         return rules.padded_vocab_size(self.vocab_size + 2, rules.MAKE_VOCAB_SIZE_DIVISIBLE_BY, tp)
 
     @property
-    def moe(self) -> "flops.MoEShape | None":
+    def moe(self) -> "MoEShape | None":
         """The experts as the FLOPs count takes them (None for a dense model)."""
-        if self.num_experts is None:
-            return None
-        return flops.MoEShape(self.num_experts, self.moe_router_topk, self.moe_ffn_hidden_size,
-                              sum(self.moe_layers()), self.moe_shared_expert_intermediate_size or 0)
+        return self.shape.moe
 
     def moe_layers(self) -> list:
         """1 for each MoE layer, 0 for each dense one (all 0 for a dense model)."""
@@ -235,12 +234,8 @@ class Model:
         return {"fp32": 4, "fp64": 8}.get(self.moe_router_dtype, self.bytes_per_elem)
 
     def layer_params(self) -> int:
-        """One layer's parameters as the trainer counts them (`flops.layer_parameter_count`), for the planner's
-        models: RMSNorm, no linear biases."""
-        return flops.layer_parameter_count(
-            hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
-            ffn_hidden_size=self.ffn_hidden_size, num_query_groups=self.num_query_groups,
-            kv_channels=self.kv_channels, swiglu=self.swiglu, add_bias_linear=False, layernorm_bias=False)
+        """One dense layer's parameters as the trainer counts them (`flops.layer_parameter_count`)."""
+        return flops.layer_parameter_count(self.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -299,13 +294,10 @@ def topology_problem(model: Model, cluster: Cluster, topo: Topology):
 
 def run_config(model: Model, topo: Topology, cluster: Cluster) -> RunConfig:
     """The trainer's `RunConfig` of `model` in layout `topo` on `cluster` (`ConfigError` where it refuses)."""
-    return RunConfig(num_layers=model.num_layers, hidden_size=model.hidden_size,
-                     num_attention_heads=model.num_attention_heads, num_query_groups=model.num_query_groups,
-                     kv_channels=model.kv_channels, seq_length=model.seq_length, block_size=model.block_size,
-                     mode=topo.mode, block_parallel_size=topo.p, clean_shards=topo.c, transport=model.transport,
+    return RunConfig(model.shape, seq_length=model.seq_length, block_size=model.block_size, mode=topo.mode, block_parallel_size=topo.p, clean_shards=topo.c, transport=model.transport,
                      tensor_parallel_size=topo.tp, pipeline_parallel_size=topo.pp, world_size=cluster.gpus,
                      micro_batch_size=model.micro_batch_size, global_batch_size=model.global_batch_size,
-                     num_experts=model.num_experts, expert_parallel_size=topo.ep,
+                     expert_parallel_size=topo.ep,
                      expert_tensor_parallel_size=topo.etp)
 
 
@@ -453,11 +445,10 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     # The stage with the most MoE layers (its experts' state, FLOPs and all-to-all bound the step).
     pattern = model.moe_layers()
     moe_layers = max(sum(pattern[stage * layers:(stage + 1) * layers]) for stage in range(pp))
-    shape = (h, model.ffn_hidden_size, model.num_attention_heads, groups, model.kv_channels, model.swiglu)
-    dense_row_flops = flops.linear_flops_per_row(*shape)
+    dense_row_flops = flops.linear_flops_per_row(model.shape)
     # Under uniform routing each rank's experts get as many (row, expert) pairs as its rows send out, so a rank
     # computes its own rows' top-k experts' FLOPs (`flops.moe_layer_linear_flops_per_row`), / TP under SP.
-    moe_row_flops = flops.moe_layer_linear_flops_per_row(*shape, model.moe) if model.moe else dense_row_flops
+    moe_row_flops = flops.moe_layer_linear_flops_per_row(model.shape) if model.moe else dense_row_flops
     stage_linear = rows * ((layers - moe_layers) * dense_row_flops + moe_layers * moe_row_flops) / tp
     attention_forward = pairs * per_pair
     head_forward = noisy_rows * flops.lm_head_flops_per_row(h, vocab) / tp

@@ -85,11 +85,6 @@ def check_ranges(args: argparse.Namespace) -> None:
                  f"it a share (e.g. --split 98,2,0) or set --eval-iters 0")
 
 
-def query_groups(args: argparse.Namespace) -> int:
-    """The K/V heads: `--num-query-groups` with `--group-query-attention`, else one per attention head."""
-    return args.num_query_groups if args.group_query_attention else args.num_attention_heads
-
-
 def check_shared_values(args: argparse.Namespace) -> None:
     """The values both loops refuse, each with one line naming the flag, before any work: our loop's own checks,
     and under Megatron-LM's `pretrain()` the values its `validate_args` would stop on with a bare assert (or take
@@ -110,14 +105,6 @@ def check_shared_values(args: argparse.Namespace) -> None:
     if args.lr_warmup_fraction is not None:
         _require(0 <= args.lr_warmup_fraction < 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in "
                                                    f"[0, 1) (a share of --lr-decay-iters)")
-    heads, TP, PP = args.num_attention_heads, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if heads is None:
-        return
-    groups = query_groups(args)
-    _refuse(rules.query_groups_problem(heads, groups) or rules.tensor_parallel_problem(heads, groups, TP)
-            or (args.num_layers is not None and rules.pipeline_problem(args.num_layers, PP)) or None)
-    if args.kv_channels is None and args.hidden_size is not None:
-        _refuse(rules.kv_channels_problem(args.hidden_size, heads))
 
 
 def _existing_ancestor(path: str) -> str:
@@ -141,37 +128,32 @@ def _check_directory(flag: str, path: str, *, written: bool) -> None:
              f"file system); fix that or give another directory")
 
 
-def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
-    """(bytes, parameters, bytes per parameter) one checkpoint of validated `args` takes: the weights, the
-    optimizer's moments (Adam 2, SGD 1, fp32) and its fp32 master weights under --bf16/--fp16."""
-    from megatron_csbp.bdlm.flops import MoEShape, parameter_count
+def checkpoint_bytes(settings: RunConfig, args: argparse.Namespace) -> tuple[int, int, int]:
+    """(bytes, parameters, bytes per parameter) one checkpoint of the run takes: the weights, the optimizer's
+    moments (Adam 2, SGD 1, fp32) and its fp32 master weights under --bf16/--fp16."""
+    from megatron_csbp.bdlm.flops import parameter_count
 
     ids = (args.vocab_size or 256) + 1 + 1  # the tokenizer's ids, EOD, MASK (the data module has the exact count)
-    padded = rules.padded_vocab_size(ids, args.make_vocab_size_divisible_by, args.tensor_model_parallel_size)
-    parameters = parameter_count(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        padded_vocab_size=padded, ffn_hidden_size=args.ffn_hidden_size,
-        num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, swiglu=args.swiglu,
-        add_bias_linear=args.add_bias_linear, layernorm_bias=args.normalization == "LayerNorm",
-        untied_output=args.untie_embeddings_and_output_weights, moe=MoEShape.from_args(args))
+    padded = rules.padded_vocab_size(ids, args.make_vocab_size_divisible_by, settings.tensor_parallel_size)
+    parameters = parameter_count(settings.shape, padded)
     mixed = args.bf16 or args.fp16
     per_parameter = (2 if mixed else 4) + (8 if args.optimizer == "adam" else 4) + (4 if mixed else 0)
     return parameters * per_parameter, parameters, per_parameter
 
 
-def check_output_paths(args: argparse.Namespace, free_space: bool = True) -> None:
-    """--save, --load, --tensorboard-dir, --data-cache-path usable as directories, and (`free_space`, our loop's
-    validated arguments) room at --save for a checkpoint (refused when one does not fit, a warning when a
-    second would not), before any work."""
+def check_output_paths(args: argparse.Namespace, settings: RunConfig | None = None) -> None:
+    """--save, --load, --tensorboard-dir, --data-cache-path usable as directories, and (given the run's
+    `settings`) room at --save for a checkpoint (refused when one does not fit, a warning when a second would
+    not), before any work."""
     for flag, name, written in (("--save", "save", True), ("--load", "load", False),
                                 ("--tensorboard-dir", "tensorboard_dir", True),
                                 ("--data-cache-path", "data_cache_path", True)):
         path = getattr(args, name, None)
         if path:
             _check_directory(flag, path, written=written)
-    if not (args.save and free_space):
+    if not (args.save and settings):
         return
-    need, parameters, per_parameter = checkpoint_bytes(args)
+    need, parameters, per_parameter = checkpoint_bytes(settings, args)
     free = shutil.disk_usage(_existing_ancestor(args.save)).free
     sizes = (f"{free / 2**30:.2f} GiB free there; one checkpoint of this model takes about {need / 2**30:.2f} GiB "
              f"({parameters:,} parameters x {per_parameter} bytes: weights and optimizer state)")
@@ -180,36 +162,13 @@ def check_output_paths(args: argparse.Namespace, free_space: bool = True) -> Non
         print(f"WARNING: --save {args.save}: {sizes}: room for one checkpoint only", file=sys.stderr, flush=True)
 
 
-def run_config(args: argparse.Namespace, world_size: int | None = None) -> RunConfig:
-    """The run's `RunConfig` from either loop's parsed arguments (the plugin's rules checked as it is built)."""
-    heads = args.num_attention_heads
-    return RunConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
-        num_query_groups=query_groups(args) if heads is not None else None, kv_channels=args.kv_channels,
-        seq_length=args.seq_length, block_size=args.bdlm_block_size,
-        objective=args.bdlm_objective, loss_weighting=args.bdlm_loss_weighting,
-        noise_range=tuple(args.bdlm_noise_range), mode=args.bdlm_parallel_mode,
-        block_parallel_size=args.context_parallel_size,  # Megatron's CP slot (`--context-block-parallel` fills it)
-        clean_shards=args.context_block_parallel_clean_shards, schedule=args.csbp_block_schedule,
-        clean_layout=args.csbp_clean_layout, transport=args.csbp_transport,
-        tensor_parallel_size=args.tensor_model_parallel_size, pipeline_parallel_size=args.pipeline_model_parallel_size,
-        world_size=world_size or getattr(args, "world_size", None), micro_batch_size=args.micro_batch_size,
-        global_batch_size=args.global_batch_size, reset_position_ids=bool(getattr(args, "reset_position_ids", False)),
-        reset_attention_mask=bool(getattr(args, "reset_attention_mask", False)),
-        eod_mask_loss=bool(getattr(args, "eod_mask_loss", False)),
-        num_experts=getattr(args, "num_experts", None) or None,
-        expert_parallel_size=getattr(args, "expert_model_parallel_size", 1),
-        expert_tensor_parallel_size=getattr(args, "expert_tensor_parallel_size", None))
-
-
-def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """The plugin's rules, on our loop's arguments and on Megatron-LM's alike (one line: flag and fix).
-
-    Block-parallel vs CP sizes, the simulated link, the run's own settings (`RunConfig`: block size, layout
-    geometry, world size, noise range, loss weighting), the refused ring-CP features, RoPE and the
-    transformer implementation. The block-parallel size P lives in Megatron's CP slot alone
-    (`--context-block-parallel` fills it); the defaults the run leaves (C, the weighting) are the `RunConfig`'s,
-    resolved there. Writes nothing to `args`.
+def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig:
+    """The plugin's rules, on our loop's arguments and on Megatron-LM's alike (one line: flag and fix): the run
+    (`RunConfig.from_args`: the model's sizes, block size, layout geometry, world size, noise range, loss
+    weighting), which it returns, then the simulated link, the refused ring-CP features, the experts, RoPE and
+    the transformer implementation. The block-parallel size P lives in Megatron's CP slot alone
+    (`--context-block-parallel` fills it); the defaults the run leaves are the `RunConfig`'s, resolved there.
+    Writes nothing to `args`.
     """
     for flag in ("bdlm_block_size", "context_parallel_size", "max_consecutive_bad_steps"):
         _refuse(rules.at_least(f"--{flag.replace('_', '-')}", getattr(args, flag)))
@@ -221,12 +180,14 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
              f"--context-block-parallel {P} contradicts --context-parallel-size {args.context_parallel_size}: "
              f"the block-parallel dimension lives in Megatron's CP slot; give only --context-block-parallel")
     _require(args.seq_length is not None, "--seq-length is required")
-    run_config(args, world_size)
+    if getattr(args, "num_experts", None):
+        _refuse(rules.moe_layer_freq_problem(args.moe_layer_freq, args.num_layers))
+    settings = RunConfig.from_args(args, world_size)
+    # Megatron-LM's virtual pipeline (its flags; our loop has none): middle chunks never read the batch
     virtual_pipeline = getattr(args, "num_layers_per_virtual_pipeline_stage", None) or getattr(
         args, "virtual_pipeline_model_parallel_size", None)
-    _refuse(rules.packing_problem(getattr(args, "reset_position_ids", False),
-                                  getattr(args, "reset_attention_mask", False), args.pipeline_model_parallel_size,
-                                  bool(virtual_pipeline)))
+    _refuse(rules.packing_problem(settings.reset_position_ids, settings.reset_attention_mask,
+                                  settings.pipeline_parallel_size, bool(virtual_pipeline)))
 
     for message in refused_features(args):
         raise ConfigError(message)
@@ -237,8 +198,7 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
             args.sequence_parallel, args.pipeline_model_parallel_size,
             shared_expert=bool(args.moe_shared_expert_intermediate_size), bias=args.add_bias_linear,
             score_function=args.moe_router_score_function,
-            pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False)))
-                or rules.moe_layer_freq_problem(args.moe_layer_freq, args.num_layers))
+            pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False))))
         import importlib.util
         _require(not args.moe_grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,
                  "--moe-grouped-gemm needs Transformer Engine (its grouped GEMM); drop it to run the experts one "
@@ -251,49 +211,32 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
         _require(importlib.util.find_spec("transformer_engine") is not None,
                  "--transformer-impl transformer_engine needs Transformer Engine (pip install -e '.[gpu]' on a GPU "
                  "machine); use --transformer-impl local")
-    return args
+    return settings
 
 
-def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: bool | None = None,
-                  check_paths: bool = True) -> argparse.Namespace:
-    """Our loop's validation: Megatron-LM's checks for the flags we support, then the plugin's rules.
+def validate(args: argparse.Namespace, world_size: int, *, on_accelerator: bool | None = None,
+             check_paths: bool = True) -> RunConfig:
+    """Our loop's validation: Megatron-LM's checks for the flags we support, then the plugin's rules; the run.
 
-    Fills, as Megatron-LM's does: `data_parallel_size`, `global_batch_size`, `ffn_hidden_size`, `kv_channels`,
-    `num_query_groups`, `max_position_embeddings`, `lr_decay_iters`,
-    `split`, `data_prefixes`, `data_weights`, `world_size`; and what `validate_plugin_args` fills.
+    Fills on `args`, as Megatron-LM's `validate_args` does: the run's resolved sizes, batch and world
+    (`RunConfig.write_back`), `max_position_embeddings`, `lr_decay_iters`, `split`, `data_prefixes`,
+    `data_weights`.
     """
     on_accelerator = _on_accelerator() if on_accelerator is None else on_accelerator
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
                  "train_iters", "lr"):
         _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     check_shared_values(args)
-    validate_plugin_args(args, world_size)
-    TP, PP, P = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.context_parallel_size
-    args.world_size, args.data_parallel_size = world_size, world_size // (TP * PP * P)
+    settings = validate_plugin_args(args, world_size)
+    settings.write_back(args)
 
     L = args.seq_length
     _require(args.max_position_embeddings is None or args.max_position_embeddings >= L,
              f"--max-position-embeddings {args.max_position_embeddings} is below --seq-length {L}; "
              f"raise it or drop it (default: --seq-length)")
     args.max_position_embeddings = args.max_position_embeddings or L
-
-    args.num_query_groups = query_groups(args)
-    if args.kv_channels is None:
-        args.kv_channels = args.hidden_size // args.num_attention_heads
-    if args.ffn_hidden_size is None:
-        args.ffn_hidden_size = rules.default_ffn_hidden_size(args.hidden_size, args.swiglu)
-    if args.num_experts == 0:  # Megatron-LM's reading: no experts
-        args.num_experts = None
-    if args.num_experts is not None and args.moe_ffn_hidden_size is None:
-        args.moe_ffn_hidden_size = args.ffn_hidden_size
-    if args.expert_tensor_parallel_size is None:
-        args.expert_tensor_parallel_size = TP
-    if TP == 1:
+    if settings.tensor_parallel_size == 1:
         args.sequence_parallel = False
-
-    micro, dp = args.micro_batch_size, args.data_parallel_size
-    args.global_batch_size = args.global_batch_size or micro * dp
-    _refuse(rules.batch_problem(args.global_batch_size, micro, dp))
 
     _require(not (args.bf16 and args.fp16), "--bf16 and --fp16 are exclusive; choose one")
     for flag, on in (("--bf16", args.bf16), ("--fp16", args.fp16),
@@ -320,7 +263,13 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
         check_data_prefixes(args.data_prefixes)
         if args.tokenizer_model is not None:
             tokenizer_file(args.tokenizer_model)
-        check_output_paths(args)
+        check_output_paths(args, settings)
+    return settings
+
+
+def validate_args(args: argparse.Namespace, world_size: int, **options) -> argparse.Namespace:
+    """`validate`, for callers that need only the filled-in arguments."""
+    validate(args, world_size, **options)
     return args
 
 

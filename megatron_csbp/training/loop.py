@@ -115,9 +115,7 @@ class Trainer:
         run = run_providers.run  # built here, once
         # What checkpoints record and the FLOPs count read: the arguments with the run's vocabulary.
         self.args = args = run.vocabulary.recorded(run_providers.args)
-        settings = run_providers.settings
-        self.progress = Progress(args, enabled=dist.get_rank() == dist.get_world_size() - 1,
-                                 loss_is_bound=settings.objective_kind.loss_is_bound(settings.loss_weighting))
+        self.progress = Progress(args, run_providers.settings, enabled=dist.get_rank() == dist.get_world_size() - 1)
         _set_seed(args.seed)
         self.config = run.config
         self.model = run_providers.model_provider(mpu.is_pipeline_first_stage(),
@@ -353,29 +351,25 @@ class Trainer:
             self.progress.close()
 
 
-def train(args) -> LoopState:
+def train(args, settings=None) -> LoopState:
     """Trains with validated `args` on the initialised default process group; returns the final loop state."""
     from megatron_csbp.training import save_lock
 
     lock = save_lock.take_for_run(args.save)
     try:
-        return _train(args)
+        return _train(args, settings)
     finally:
         if lock is not None:
             save_lock.release(lock)
 
 
-def _train(args) -> LoopState:
+def _train(args, settings) -> LoopState:
     from megatron_csbp.mcore import parallel_state
 
-    run_providers = providers.RunProviders(args)
+    run_providers = providers.RunProviders(args, settings=settings)
     timeout = supervision.distributed_timeout_seconds(args)
-    parallel_state.initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        context_block_parallel_size=args.context_parallel_size, clean_shards=run_providers.settings.clean_shards,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        expert_tensor_parallel_size=run_providers.settings.expert_tensor_parallel_size,
-        get_embedding_ranks=run_providers.get_embedding_ranks, distributed_timeout_minutes=timeout / 60)
+    parallel_state.initialize_run(run_providers.settings, timeout / 60,
+                                  get_embedding_ranks=run_providers.get_embedding_ranks)
     signals = _StopSignals(args.exit_signal_handler)  # from the start: a signal while loading is not lost
     supervision.start_watchdog(timeout, dist.get_rank(), dist.get_world_size())
     try:

@@ -54,10 +54,11 @@ def init_distributed(timeout_minutes: float) -> tuple[int, int]:
 
 
 def _megatron_core_loop(argv: list[str], world_size: int) -> Callable[[], None]:
-    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.arguments import validate
     from megatron_csbp.training.config import parse_args
 
-    args = validate_args(parse_args(argv), world_size)
+    args = parse_args(argv)
+    settings = validate(args, world_size)
 
     def run():
         from megatron_csbp.mcore import cpu_backend
@@ -65,7 +66,7 @@ def _megatron_core_loop(argv: list[str], world_size: int) -> Callable[[], None]:
 
         init_distributed(args.distributed_timeout_minutes)
         with cpu_backend.active():
-            training.train(args)
+            training.train(args, settings)
     return run
 
 

@@ -26,7 +26,6 @@ import importlib.util
 import os
 import sys
 
-from megatron_csbp.core import rules
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training import flag_table
 from megatron_csbp.training.arguments import check_output_paths, check_shared_values, validate_plugin_args
@@ -74,14 +73,10 @@ def parse_args(argv: list[str], world_size: int) -> tuple[list[str], argparse.Na
     args = parser.parse_args(expanded)
     flag_table.check_parsed(parser, args)
     check_shared_values(args)
-    args = validate_plugin_args(args, world_size)
-    if args.micro_batch_size is not None and args.global_batch_size is not None:
-        data_parallel = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-                                       * args.context_parallel_size)
-        rules.refuse(rules.batch_problem(args.global_batch_size, args.micro_batch_size, data_parallel), ConfigError)
+    validate_plugin_args(args, world_size)
     if args.data_path:
         check_data_prefixes(parse_data_path(args.data_path)[0])
-    check_output_paths(args, free_space=False)  # the size estimate needs our loop's filled-in arguments
+    check_output_paths(args)  # not the size estimate: the vocabulary is worked out under pretrain()
     return expanded, args
 
 

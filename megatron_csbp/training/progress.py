@@ -13,21 +13,10 @@ import time
 
 import torch
 
-from megatron_csbp.core import objectives
 from megatron_csbp.core.device import default_device
-from megatron_csbp.bdlm.flops import MoEShape, bdlm_step_flops
+from megatron_csbp.bdlm.flops import run_step_flops
 
 _MB = 1024 * 1024
-
-
-def step_flops(args) -> int:
-    """FLOPs of one training step of the global batch."""
-    return bdlm_step_flops(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                           num_attention_heads=args.num_attention_heads, padded_vocab_size=args.padded_vocab_size,
-                           seq_length=args.seq_length, block_size=args.bdlm_block_size,
-                           batch_size=args.global_batch_size * objectives.objective_kind(args.bdlm_objective).views_per_sample,
-                           ffn_hidden_size=args.ffn_hidden_size, num_query_groups=args.num_query_groups,
-                           kv_channels=args.kv_channels, swiglu=args.swiglu, moe=MoEShape.from_args(args))
 
 
 def memory_stats() -> dict:
@@ -50,12 +39,14 @@ def _stamp() -> str:
 class Progress:
     """Formats and emits the run's lines (only where `enabled`) and TensorBoard scalars (`--tensorboard-dir`)."""
 
-    def __init__(self, args, enabled: bool, stream=None, *, loss_is_bound: bool = False):
+    def __init__(self, args, settings, enabled: bool, stream=None):
+        """`args`: the run's arguments with its vocabulary (what its lines name); `settings`: its `RunConfig`."""
         self.args = args
-        self.loss_is_bound = loss_is_bound  # the validation loss is the NELBO (its exp bounds perplexity)
+        # the validation loss is the NELBO (its exp bounds perplexity)
+        self.loss_is_bound = settings.objective.loss_is_bound(settings.loss_weighting)
         self.enabled = enabled
         self.stream = stream or sys.stdout
-        self.flops_per_step = step_flops(args)
+        self.flops_per_step = run_step_flops(settings, args.padded_vocab_size)
         self.writer = None
         if enabled and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter

@@ -26,7 +26,6 @@ import torch
 
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.run_config import RunConfig
-from megatron_csbp.training.arguments import run_config
 from megatron_csbp.bdlm.forward_step import BDLMForwardStep, Packing
 from megatron_csbp.bdlm.objective import BDLMObjective
 from megatron_csbp.training.tokenizers import Vocabulary
@@ -42,13 +41,12 @@ def _megatron_lm_args() -> argparse.Namespace:
     return get_args()
 
 
-def objective_for(settings: RunConfig, args: argparse.Namespace, mask_token_id: int) -> BDLMObjective:
+def objective_for(settings: RunConfig, mask_token_id: int) -> BDLMObjective:
     """The BDLM objective of the run; noise times are stratified over each global batch (`antithetic_group`)."""
     return BDLMObjective(
         block_size=settings.block_size, mask_token_id=mask_token_id, objective=settings.objective,
         loss_weighting=settings.loss_weighting, noise_range=settings.noise_range,
-        antithetic=args.bdlm_noise_sampling == "antithetic", antithetic_group=settings.global_batch_size,
-        seed=args.seed)
+        antithetic=settings.antithetic_noise, antithetic_group=settings.global_batch_size, seed=settings.seed)
 
 
 def for_bdlm(config):
@@ -68,7 +66,7 @@ def for_bdlm(config):
 def layer_spec_from_args(args: argparse.Namespace):
     """The layer spec to build from: `--spec MODULE NAME` where given, else Megatron's local or Transformer
     Engine spec (`--transformer-impl`); the CSBP core attention is swapped in by the model provider."""
-    if getattr(args, "spec", None):
+    if args.spec:
         from megatron.core.transformer.spec_utils import import_module
         try:
             return import_module(tuple(args.spec))
@@ -82,8 +80,8 @@ def gpt_model_kwargs(args: argparse.Namespace) -> dict:
     """The `GPTModel` keywords the flags decide (embeddings, RoPE): training's model and the sampler's alike."""
     return dict(share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                 max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
-                rotary_percent=args.rotary_percent, rope_scaling=getattr(args, "use_rope_scaling", False),
-                rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0))
+                rotary_percent=args.rotary_percent, rope_scaling=args.use_rope_scaling,
+                rope_scaling_factor=args.rope_scaling_factor)
 
 
 def embedding_ranks(pp_ranks: list[int], tied: bool) -> list[int]:
@@ -137,17 +135,16 @@ class BDLMRun:
         return self.forward_step.objective
 
 
-def build_run(settings: RunConfig, args: argparse.Namespace, vocabulary: Vocabulary,
-              config: "TransformerConfig") -> BDLMRun:
+def build_run(settings: RunConfig, vocabulary: Vocabulary, config: "TransformerConfig", *,
+              check_results: bool = False, check_spiky_loss: bool = False) -> BDLMRun:
     """This rank's run, once Megatron's parallel state (with the CSBP sub-groups) exists: `settings` says what
-    the run is; `args` what it checks (NaN and spiky losses) and its noise seed."""
+    the run is; `check_results` and `check_spiky_loss` (Megatron-LM's flags) what its forward step checks."""
     from megatron_csbp.mcore import parallel_state
     from megatron_csbp.mcore.spec import AttentionContext
 
     layout = settings.layout(parallel_state.get_block_parallel_rank())
-    step = BDLMForwardStep(objective_for(settings, args, vocabulary.mask_token_id), layout,
-                           check_results=getattr(args, "check_for_nan_in_loss_and_grad", False),
-                           check_spiky_loss=getattr(args, "check_for_spiky_loss", False),
+    step = BDLMForwardStep(objective_for(settings, vocabulary.mask_token_id), layout,
+                           check_results=check_results, check_spiky_loss=check_spiky_loss,
                            packing=Packing(vocabulary.tokenizer.eod, settings.reset_position_ids,
                                            settings.reset_attention_mask, settings.eod_mask_loss))
     attention = AttentionContext(layout=layout, group=parallel_state.get_block_parallel_groups(),
@@ -160,14 +157,16 @@ class RunProviders:
     `train_valid_test_datasets_provider`, `get_embedding_ranks`).
 
     `args`: our loop's validated arguments; None under Megatron-LM's `pretrain()`, whose global `args` and
-    tokenizer are read once it has parsed them. `vocabulary`: a vocabulary already fixed (a checkpoint's, on
+    tokenizer are read once it has parsed them. `settings`: the run's `RunConfig` where validation built it
+    already (else built from the arguments, once). `vocabulary`: a vocabulary already fixed (a checkpoint's, on
     another TP size), else worked out from the tokenizer, once. The run (`run`) is built on first use.
     """
 
-    def __init__(self, args: argparse.Namespace | None = None, vocabulary: Vocabulary | None = None):
+    def __init__(self, args: argparse.Namespace | None = None, vocabulary: Vocabulary | None = None,
+                 settings: RunConfig | None = None):
         self._args = args
         self._vocabulary = vocabulary
-        self._settings = None
+        self._settings = settings
         self._run = None
 
     @property
@@ -200,7 +199,7 @@ class RunProviders:
     def settings(self) -> RunConfig:
         """The run's `RunConfig`, built once from the (validated) arguments; needs no parallel state."""
         if self._settings is None:
-            self._settings = run_config(self.args)
+            self._settings = RunConfig.from_args(self.args)
         return self._settings
 
     @property
@@ -222,7 +221,10 @@ class RunProviders:
             from megatron.training.arguments import core_transformer_config_from_args as config_from_args
         else:
             from megatron_csbp.training.megatron_config import transformer_config_from_args as config_from_args
-        return build_run(self.settings, args, self.vocabulary, config_from_args(args))
+        # Megatron-LM's result checks (its flags; our loop checks every step's loss and grad norm itself)
+        checks = dict(check_results=args.check_for_nan_in_loss_and_grad,
+                      check_spiky_loss=args.check_for_spiky_loss) if self.megatron_lm else {}
+        return build_run(self.settings, self.vocabulary, config_from_args(args), **checks)
 
     def model_provider(self, pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
                        **unused):
@@ -236,7 +238,7 @@ class RunProviders:
             mask_token_id=run.vocabulary.mask_token_id, vocab_ids=run.vocabulary.num_ids, vp_stage=vp_stage,
             use_transformer_engine=args.transformer_impl == "transformer_engine",
             base_spec=layer_spec_from_args(args), pg_collection=pg_collection,
-            per_sample_positions=self.settings.reset_position_ids or self.settings.reset_attention_mask,
+            per_sample_positions=self.settings.packed,
             **gpt_model_kwargs(args))
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):

@@ -6,14 +6,16 @@ and the planner need to know of it (its backward's bytes relative to its forward
 layer's pass sends, which attention work hides the link) is stated here, so no caller tests its name
 (docs/algorithm.md §7).
 
-This module is standard library only (the planner runs without torch); `functions()` imports the
-transport's file when the op first runs it.
+This module is standard library only (the planner runs without torch): each transport's `functions()`
+imports its file (torch) when the op first binds it.
 """
 
 import dataclasses
-import importlib
+
+from megatron_csbp.core.variants import Registry, named
 
 
+@named
 @dataclasses.dataclass(frozen=True)
 class Transport:
     """A way to move the transported K/V around a ring of `C` ranks (base: one collective per pass)."""
@@ -34,8 +36,8 @@ class Transport:
 
     def functions(self):
         """`(forward, backward)` of this transport (see `collective.py` for their signatures)."""
-        module = importlib.import_module(f"{__name__}.{self.name}")
-        return module.forward, module.backward
+        from megatron_csbp.core.transports import collective
+        return collective.forward, collective.backward
 
 
 class _Ring(Transport):
@@ -47,16 +49,14 @@ class _Ring(Transport):
     def backward_messages(self, clean_shards):
         return 2 * (clean_shards - 1)
 
+    def functions(self):
+        from megatron_csbp.core.transports import streaming
+        return streaming.forward, streaming.backward
+
 
 COLLECTIVE = Transport("collective", "all-gather the transported K/V, reduce-scatter their gradients")
 STREAMING = _Ring("streaming", "pass shards around the ring, folding each into a running output (bounded memory)",
                   backward_bytes_per_forward=2, hides_behind_all_pairs=True, call_per_member=True)
 
-TRANSPORTS = {transport.name: transport for transport in (COLLECTIVE, STREAMING)}  # the flag's choices, in order
-
-
-def transport(name: str) -> Transport:
-    """The transport called `name` (a `--csbp-transport` value); `ValueError` naming the choices otherwise."""
-    if name not in TRANSPORTS:
-        raise ValueError(f"--csbp-transport {name!r}: choose one of {', '.join(TRANSPORTS)}")
-    return TRANSPORTS[name]
+TRANSPORTS = Registry("--csbp-transport", COLLECTIVE, STREAMING)  # the flag's choices, in order
+transport = TRANSPORTS  # transport(name or transport) -> the transport; ValueError naming the choices

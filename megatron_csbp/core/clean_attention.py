@@ -1,0 +1,52 @@
+"""Which clean keys a row of `[x_t ; x_0]` sees: the clean-attention rule, as an object (docs/algorithm.md §3).
+
+Every visible set of clean keys is a prefix of the clean sequence: a row sees the clean keys at positions
+below its limit. A noisy row of block `qb` sees the clean blocks before its own (limit `qb·B`) under every
+rule; what a clean row sees is the rule's: BD3-LM's block-causal clean stream sees its own block whole
+(limit `(qb+1)·B`). The noisy keys a noisy row sees (its own block) do not depend on the rule.
+
+Each place that needs the mask asks the rule — the op's plans (`core.ops`), the packed documents' ranges and
+pair counts (`core.documents`), the masked kernels (`core.kernels.mask`), the modes' analytic kernel calls
+(`core.modes`) and the FLOP count (`bdlm.flops`) — so a new rule is one object here. A layout carries its
+rule (`layout.clean_attention`), with the block size it goes with.
+
+Standard library only; `row_limits` works on ints and on torch tensors alike.
+"""
+
+import dataclasses
+
+from megatron_csbp.core.variants import Registry, named
+
+
+@named
+@dataclasses.dataclass(frozen=True)
+class CleanAttention:
+    """BD3-LM's rule (the base): a clean row sees the clean keys up to the end of its own block."""
+
+    name: str
+    summary: str
+
+    def clean_row_limit(self, positions, block_size):
+        """Exclusive limit of the clean keys a clean row at `positions` sees."""
+        return (positions // block_size + 1) * block_size
+
+    def row_limits(self, positions, clean, block_size):
+        """Exclusive limit of the clean keys each row sees (`clean`: whether the row is of the clean copy)."""
+        noisy = positions // block_size * block_size
+        return noisy + clean * (self.clean_row_limit(positions, block_size) - noisy)
+
+    def limit_runs(self, spans, clean: bool, block_size: int):
+        """`(limit, rows)` for each run of the rows at position `spans` (`[(start, stop)]`) sharing a limit."""
+        B = block_size
+        for start, stop in spans:
+            for block in range(start // B, (stop - 1) // B + 1 if stop > start else start // B):
+                yield (block + int(clean)) * B, min(stop, (block + 1) * B) - max(start, block * B)
+
+    def clean_pairs(self, seq_length: int, block_size: int) -> int:
+        """Clean-to-clean pairs per head and layer: clean block `b` sees clean blocks `<= b`."""
+        num_blocks = seq_length // block_size
+        return block_size * block_size * num_blocks * (num_blocks + 1) // 2
+
+
+BLOCK_CAUSAL = CleanAttention("block-causal", "BD3-LM: a clean row sees the clean copy up to the end of its block")
+CLEAN_ATTENTIONS = Registry("--bdlm-clean-attention", BLOCK_CAUSAL)
