@@ -51,7 +51,7 @@ def test_the_table_classifies_every_flag_of_megatron_lms_parser(megatron):
     parser = megatron.build_parser()
     assert flag_table.mismatches(parser) == ([], [])
     assert len(flag_table.parser_flags(parser)) == len(flag_table.TABLE)
-    done = subprocess.run([sys.executable, "-m", "megatron_csbp.training.flag_table", "--check"], cwd=REPO,
+    done = subprocess.run([sys.executable, "-m", "megatron_csbp.training.megatron_lm", "--check-flags"], cwd=REPO,
                           env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0 and done.stdout.strip() == flag_table.summary(), done.stdout + done.stderr[-2000:]

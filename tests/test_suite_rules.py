@@ -225,3 +225,121 @@ def test_tests_import_the_package_not_scripts_by_path_and_scripts_are_thin_entri
     assert _scripts_loaded_by_path("spec = importlib.util.spec_from_file_location('x', 'scripts/x.py')") == \
         ["spec_from_file_location"]
     assert _scripts_loaded_by_path("import runpy\nrunpy.run_path('scripts/x.py')") == ["run_path", "import runpy"]
+
+
+def _module_of(path: str) -> str:
+    """`megatron_csbp/core/ops.py` -> `megatron_csbp.core.ops` (a package's `__init__.py`: the package)."""
+    name = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+    return name[:-len(".__init__")] if name.endswith(".__init__") else name
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Each package module -> the package modules it imports anywhere (function-level imports too); `from
+    package import name` counts as importing `package.name` where that is a module, else `package`."""
+    sources = {_module_of(os.path.join(folder, name)): os.path.join(folder, name)
+               for folder, _, files in os.walk(PACKAGE) for name in files if name.endswith(".py")}
+    graph = {}
+    for module, path in sources.items():
+        with open(path, encoding="utf-8") as handle:
+            tree = ast.parse(handle.read())
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: from the package up `level - 1` levels
+                    base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                targets.update(f"{base}.{alias.name}" if f"{base}.{alias.name}" in sources else base
+                               for alias in node.names)
+        graph[module] = {target for target in targets if target in sources and target != module}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(node):
+        index[node] = low[node] = counter[0]
+        counter[0] += 1
+        stack.append(node)
+        on_stack.add(node)
+        for target in graph[node]:
+            if target not in index:
+                visit(target)
+                low[node] = min(low[node], low[target])
+            elif target in on_stack:
+                low[node] = min(low[node], index[target])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_imports_itself_through_others():
+    """No import cycle anywhere in the package, within a layer too (function-level imports count: a lazy import
+    hides a cycle from Python, not from a reader)."""
+    assert _cycles(_import_graph()) == []
+    # Negative control: a loop of three is found, a chain is not.
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def _variant_registries() -> list[tuple[str, object]]:
+    """(module path, names) of every registry of variants: a kind of thing the run or a tool can be, chosen by
+    name at an edge (a flag, a checkpoint's record) and held as an object everywhere else."""
+    from megatron_csbp.core import clean_attention, kernel_work, modes, objectives, schedule, transports
+    from megatron_csbp.tools import harness, sampling
+    from megatron_csbp.training import hf, hf_formats
+
+    return [("core/modes.py", modes.PARALLEL_MODES), ("core/objectives.py", objectives.OBJECTIVES),
+            ("core/objectives.py", objectives.LOSS_WEIGHTINGS), ("core/transports/__init__.py", transports.TRANSPORTS),
+            ("core/schedule.py", schedule.SCHEDULES), ("core/schedule.py", schedule.CLEAN_LAYOUTS),
+            ("core/clean_attention.py", clean_attention.CLEAN_ATTENTIONS), ("core/kernel_work.py", kernel_work.KINDS),
+            ("training/hf.py", hf.FAMILIES), ("training/hf_formats.py", hf_formats.FORMATS),
+            ("tools/sampling.py", sampling.STRATEGY), ("tools/harness.py", harness.ESTIMATORS)]
+
+
+def _variant_literals(source: str, names: dict) -> list[tuple[int, str]]:
+    """(line, name) of each string constant of `source` that is a variant's name (docstrings aside)."""
+    tree = ast.parse(source)
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    return [(node.lineno, node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in names
+            and id(node) not in docstrings]
+
+
+def test_no_variant_is_named_outside_its_own_module():
+    """A variant's name is written once, where its object is made: code elsewhere holds the object or asks it,
+    and names are looked up only through the registry (`core.variants`). So no string literal equal to a
+    registry's name appears in the package or the scripts outside the module that defines that registry."""
+    homes = {}
+    for home, registry in _variant_registries():
+        for name in registry:
+            homes.setdefault(name, set()).add(os.path.join(PACKAGE, home))
+    offenders = []
+    sources = [os.path.join(folder, name) for root in (PACKAGE, os.path.join(REPO, "scripts"))
+               for folder, _, files in os.walk(root) for name in files if name.endswith(".py")]
+    for path in sources:
+        with open(path, encoding="utf-8") as handle:
+            for line, name in _variant_literals(handle.read(), homes):
+                if path not in homes[name]:
+                    offenders.append(f"{os.path.relpath(path, REPO)}:{line}: {name!r}")
+    assert offenders == []
+    # Negative control: a name tested as a string is seen, in a docstring it is not.
+    assert _variant_literals('"""csbp is fine here."""\nif mode == "csbp":\n    pass\n', homes) == [(2, "csbp")]

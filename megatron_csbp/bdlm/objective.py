@@ -174,7 +174,7 @@ class BDLMObjective:
                 starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
                 supervised = supervised & ~starts
         noise = self.noise(sample_index, seq_length)
-        weight = torch.ones_like(noise.t) if self.loss_weighting == "unit" else 1.0 / noise.t
+        weight = torch.ones_like(noise.t) if self.loss_weighting == objectives.UNIT else 1.0 / noise.t
         weight = weight.repeat_interleave(self.block_size, dim=1)
         masked, clean, labels, countable, scored, weight = self.objective.views(noise.masked, tokens, supervised, weight)
         noisy_tokens = torch.where(masked, self.mask_token_id, clean)

@@ -31,7 +31,7 @@ import torch
 
 from megatron_csbp.core import transports
 from megatron_csbp.core.documents import NoisyDocuments, clean_key_ranges, noisy_document_ids
-from megatron_csbp.core.kernel_work import MASKED, PREFIX
+from megatron_csbp.core.kernel_work import DENSE, MASKED, PREFIX
 from megatron_csbp.core.kernels import default_kernels, default_scale
 from megatron_csbp.core.process_groups import ring_group_of
 
@@ -79,7 +79,7 @@ class RingPlan:
             block = self.layout.block_size
             computed = self.layout.num_noisy_rows * block
             real = computed if self.noisy_documents is None else self.noisy_documents.visible_pairs(block)
-            calls.append(KernelCall("dense", real, computed))
+            calls.append(KernelCall(DENSE, real, computed))
         plans = self.members if per_member else (self.gathered,)
         return tuple(calls + [KernelCall(self.kind, *plan.work()) for plan in plans])
 

@@ -28,6 +28,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from megatron_csbp.core import transports
 from megatron_csbp.mcore import spec as csbp_spec
 from megatron_csbp.core.rules import ConfigError, refused_features
 
@@ -175,7 +176,7 @@ class BDLMGPTModel(GPTModel):
 
 
 def model_provider(pre_process=True, post_process=True, *, config, vocab_size, layout=None, mask_token_id=None,
-                   vocab_ids=None, group=None, transport="collective", context=None, use_transformer_engine=False,
+                   vocab_ids=None, group=None, transport=transports.COLLECTIVE, context=None, use_transformer_engine=False,
                    vp_stage=None, base_spec=None, per_sample_positions=False, **gpt_kwargs) -> BDLMGPTModel:
     """Builds this rank's `BDLMGPTModel` (the `model_provider` Megatron's `get_model` expects, once
     `config`, `layout` and the rest are bound with `functools.partial`).

@@ -26,6 +26,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
+from megatron_csbp.core import transports
 from megatron_csbp.core.device import default_device
 from megatron_csbp.core.documents import Documents, balanced_layout
 from megatron_csbp.core.ops import context_sharded_block_attention, ring_plan
@@ -60,7 +61,7 @@ class AttentionContext:
 
     layout: Any
     group: Any = None
-    transport: str = "collective"
+    transport: transports.Transport = transports.COLLECTIVE
 
     @functools.cached_property
     def plan(self):

@@ -42,6 +42,7 @@ import shutil
 import sys
 
 
+from megatron_csbp.core import modes, objectives
 from megatron_csbp.core.rules import ConfigError
 
 NEW_MASK_TOKEN = "<|mask|>"
@@ -89,7 +90,7 @@ def _single_rank(args):
     args.context_parallel_size = args.context_block_parallel = args.context_block_parallel_clean_shards = 1
     args.sequence_parallel, args.world_size, args.data_parallel_size = False, 1, 1
     args.expert_model_parallel_size = args.expert_tensor_parallel_size = 1  # every expert (torch_dist reshards EP)
-    args.bdlm_parallel_mode = "csbp"
+    args.bdlm_parallel_mode = modes.CSBP.name
     args.use_cpu_initialization = True  # conversion happens in host memory, also on a GPU machine
     return args
 
@@ -324,7 +325,7 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
     for stale in ("rope_scaling", "rope_theta", "bd_size"):  # bd_size: only a shifted-label model may claim it
         config.pop(stale, None)
     config["rope_parameters"] = {**config.get("rope_parameters", {}), **rope}
-    objective = getattr(args, "bdlm_objective", "bd3lm")
+    objective = getattr(args, "bdlm_objective", objectives.BD3LM.name)
     config.update(hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
                   num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
                   num_key_value_heads=args.num_query_groups, head_dim=args.kv_channels,

@@ -49,7 +49,7 @@ def _strategies_help() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_csbp.tools.sampling import STRATEGIES
+    from megatron_csbp.tools.sampling import DEFAULT_STRATEGY, STRATEGIES
 
     parser = _Parser(description="Block-diffusion sampling from a megatron_csbp checkpoint.", allow_abbrev=False,
                      epilog=_strategies_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--steps-per-block", type=int, default=None,
                         help="Denoising steps (model calls) per block at most. Default: the block size.")
-    parser.add_argument("--strategy", choices=STRATEGIES, default="confidence",
+    parser.add_argument("--strategy", choices=STRATEGIES, default=DEFAULT_STRATEGY,
                         help="Which masked positions to unmask at each step (below).")
     parser.add_argument("--threshold", type=float, default=0.9,
                         help="Confidence threshold (--strategy confidence, fast-dllm-v2).")

@@ -65,6 +65,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.core.variants import Registry
 from megatron_csbp.core.kernels import default_kernels
 
 def _require(condition: bool, message: str) -> None:
@@ -124,6 +125,7 @@ class Strategy:
     needs_shifted_labels = False
     first_token_by_argmax = False  # Fast-dLLM v2: the previous clean block's last row commits position 0
     one_token_per_step = False  # needs steps >= block size
+    default_sub_block_size = None  # decodes a block in sub-blocks of this size (where it divides the block)
     stops_at_chat_end = False  # Fast-dLLM v2 stops at the chat end token (<|im_end|>)
     differs: str  # where ours departs from the authors' code (--help and the README say it)
 
@@ -149,6 +151,7 @@ class Confidence(Strategy):
 class FastDLLMv2(Strategy):
     name, follows = "fast-dllm-v2", "Fast-dLLM v2 batch_sample"
     needs_shifted_labels = first_token_by_argmax = stops_at_chat_end = True
+    default_sub_block_size = 8  # its small_block_size (of its 32-token blocks)
     differs = ("Fast-dLLM v2 has no step budget (one token at least per step); a --steps-per-block below the "
                "block size is shared among the sub-blocks, each committing at least ceil(masked / its steps left). "
                "Needs a --bdlm-objective fast-dllm-v2 checkpoint.")
@@ -201,10 +204,9 @@ class FirstHitting(Strategy):
         return _most(draws, step.masked, step.masked.any(1).long())
 
 
-STRATEGY = {strategy.name: strategy for strategy in (Confidence(), FastDLLMv2(), LowConfidence(), Posterior(),
-                                                     FirstHitting())}
-STRATEGIES = tuple(STRATEGY)
-FAST_DLLM_SUB_BLOCK = 8  # Fast-dLLM v2's small_block_size (of its 32-token blocks)
+STRATEGY = Registry("--strategy", Confidence(), FastDLLMv2(), LowConfidence(), Posterior(), FirstHitting())
+STRATEGIES = STRATEGY.names
+DEFAULT_STRATEGY = STRATEGIES[0]
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ class SamplingSettings:
     block_size: int
     mask_token_id: int
     steps_per_block: int
-    strategy: str = "confidence"
+    strategy: str = DEFAULT_STRATEGY  # a --strategy name
     threshold: float = 0.9
     temperature: float = 0.0
     top_p: float = 1.0
@@ -224,7 +226,7 @@ class SamplingSettings:
     stop_sequences: tuple = ()  # token id tuples that end a sample (cut before them)
     suppressed_token_ids: tuple = ()  # never produced (e.g. EOS, to fill max_new_tokens)
     start_token_id: int | None = None  # what an empty prompt starts from (not part of the sample)
-    sub_block_size: int | None = None  # fast-dllm-v2 (default: FAST_DLLM_SUB_BLOCK when it divides the block)
+    sub_block_size: int | None = None  # default: the strategy's `default_sub_block_size` where it divides the block
     context_window: int | None = None  # positions the model sees at most (a multiple of the block size)
     shifted_labels: bool = False  # trained with --bdlm-objective fast-dllm-v2: row p predicts token p+1
     vocab_size: int | None = None  # ids >= vocab_size (vocabulary padding) are never produced
@@ -233,7 +235,7 @@ class SamplingSettings:
     def __post_init__(self):
         _require(self.block_size >= 1, f"block size {self.block_size} must be >= 1")
         _require(self.steps_per_block >= 1, f"--steps-per-block {self.steps_per_block} must be >= 1")
-        _require(self.strategy in STRATEGY, f"--strategy {self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        _require(self.strategy in STRATEGY, STRATEGY.problem(self.strategy))
         method = self.method
         _require(not method.one_token_per_step or self.steps_per_block >= self.block_size,
                  f"--strategy {self.strategy} unmasks one token per step: --steps-per-block {self.steps_per_block} "
@@ -242,7 +244,8 @@ class SamplingSettings:
                  f"--strategy {self.strategy} decodes shifted-label models (row p predicts token p+1): this "
                  f"checkpoint was trained with --bdlm-objective bd3lm; choose another --strategy")
         if self.sub_block_size is not None:
-            _require(self.strategy == "fast-dllm-v2", "--sub-block-size applies to --strategy fast-dllm-v2 only")
+            split = " / ".join(strategy.name for strategy in STRATEGY.values() if strategy.default_sub_block_size)
+            _require(method.default_sub_block_size is not None, f"--sub-block-size applies to --strategy {split} only")
             _require(self.sub_block_size >= 1 and self.block_size % self.sub_block_size == 0,
                      f"--sub-block-size {self.sub_block_size} must divide the block size {self.block_size}")
         parts = len(self.sub_blocks)
@@ -268,8 +271,9 @@ class SamplingSettings:
     def sub_block_size_used(self) -> int:
         if self.sub_block_size is not None:
             return self.sub_block_size
-        if self.strategy == "fast-dllm-v2" and self.block_size % FAST_DLLM_SUB_BLOCK == 0:
-            return FAST_DLLM_SUB_BLOCK
+        default = self.method.default_sub_block_size
+        if default is not None and self.block_size % default == 0:
+            return default
         return self.block_size
 
     @property

@@ -15,7 +15,6 @@ import argparse
 import os
 import sysconfig
 
-FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|unused_0|>"]  # EOD, and an unused special token (for --mask-token)
 
 
@@ -56,21 +55,19 @@ def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows
     """Writes a tiny random `family` model with a `tokenizer_ids`-id tokenizer and `model_rows` (default:
     as many) embedding rows to `output`; returns `output`. The expert settings apply to a Qwen3-MoE only."""
     import torch
-    from transformers import (AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-                              Qwen3MoeConfig)
+    import transformers
 
-    configs = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "qwen3_moe": Qwen3MoeConfig}
     from megatron_csbp.training.hf import FAMILIES
 
-    extra = {"sliding_window": None} if FAMILIES[family].windowed_by_default else {}
+    family = FAMILIES(family)
+    extra = {"sliding_window": None} if family.windowed_by_default else {}
     if rope_parameters:
         extra["rope_parameters"] = rope_parameters
-    if FAMILIES[family].experts:
+    if family.experts:
         extra.update(num_experts=num_experts, num_experts_per_tok=experts_per_token,
                      moe_intermediate_size=moe_intermediate_size, mlp_only_layers=list(mlp_only_layers),
                      norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.01)
-    config = configs[family](
+    config = getattr(transformers, family.config_class)(
         vocab_size=model_rows or tokenizer_ids, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=head_dim, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=tied,
@@ -91,7 +88,9 @@ def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", choices=FAMILIES, default="llama")
+    from megatron_csbp.training.hf import FAMILIES, LLAMA
+
+    parser.add_argument("--family", choices=FAMILIES, default=LLAMA.name)
     parser.add_argument("--output", required=True)
     parser.add_argument("--tokenizer-ids", type=int, default=383, help="Tokenizer size (>= 258: byte-level BPE).")
     parser.add_argument("--model-rows", type=int, default=None, help="Embedding rows (default: the tokenizer's ids).")

@@ -23,7 +23,9 @@ from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training.flags import build_parser, moe_layer_freq
 
 LAYER_PATTERN_TYPES = ("moe_layer_freq", "moe_freq_type")  # ours and Megatron-LM's --moe-layer-freq types
-SECTION_PREFIXES = {"csbp": ("csbp-", "context-block-parallel-"), "bdlm": ("bdlm-",)}
+# A section holds the plugin's flags of the prefixes it lists and is named by the first, less its dash: `csbp:`
+# holds --csbp-* and --context-block-parallel-*, `bdlm:` holds --bdlm-*.
+SECTION_PREFIXES = {prefixes[0][:-1]: prefixes for prefixes in (("csbp-", "context-block-parallel-"), ("bdlm-",))}
 
 
 def _flag_actions(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:

@@ -17,7 +17,7 @@ ignored, giving the user another model or other data than asked for. So each fla
   Megatron-LM's flags, so there naming a refused flag at all is refused, even at Megatron-LM's default.)
 
 A flag of the parser missing from the table is refused as not yet classified, and
-`python -m megatron_csbp.training.flag_table --check` lists it (a new Megatron-LM version shows its new
+`python -m megatron_csbp.training.megatron_lm --check-flags` lists it (a new Megatron-LM version shows its new
 flags there), with the counts per kind. Standard library only: our loop refuses Megatron-LM's flags without
 Megatron-LM installed.
 """
@@ -466,26 +466,3 @@ def mismatches(parser: argparse.ArgumentParser) -> tuple[list[str], list[str]]:
     """(flags of `parser` missing from the table, flags of the table `parser` lacks)."""
     flags = parser_flags(parser)
     return [flag for flag in flags if flag not in TABLE], [flag for flag in TABLE if flag not in set(flags)]
-
-
-def main(argv=None) -> int:
-    cli = argparse.ArgumentParser(description="Checks the flag table against Megatron-LM's parser "
-                                              "(MEGATRON_LM_PATH) and prints the counts per class.")
-    cli.add_argument("--check", action="store_true", help="exit 1 when a flag is missing on either side")
-    options = cli.parse_args(argv)
-    from megatron_csbp.training import flag_table, megatron_lm  # the package's table (this file may be __main__)
-
-    if megatron_lm.import_pretrain() is None:
-        print("Megatron-LM is absent: set MEGATRON_LM_PATH to a checkout of tag core_v0.16.1", file=sys.stderr)
-        return 2
-    missing, stale = flag_table.mismatches(megatron_lm.build_parser())
-    for flag in missing:
-        print(f"missing from the table: {flag}")
-    for flag in stale:
-        print(f"in the table, not in Megatron-LM's parser: {flag}")
-    print(flag_table.summary())
-    return 1 if options.check and (missing or stale) else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -9,7 +9,7 @@ sequence dimension pipeline stages exchange, where Megatron would use `seq_lengt
 
 import argparse
 
-from megatron_csbp.core import rules
+from megatron_csbp.core import modes, objectives, rules, schedule, transports
 from megatron_csbp.core.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS
 from megatron_csbp.training.datasets import MEGATRON_SPLIT_DEFAULT
 
@@ -38,7 +38,7 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--context-block-parallel-clean-shards", type=int, default=None, metavar="C",
                        help="Ranks the clean sequence is sharded over (a ring); divides P. Default: P.")
     group.add_argument("--bdlm-block-size", type=int, default=16, metavar="B", help="Diffusion block size B.")
-    group.add_argument("--bdlm-objective", choices=rules.OBJECTIVES, default="bd3lm",
+    group.add_argument("--bdlm-objective", choices=rules.OBJECTIVES, default=objectives.BD3LM.name,
                        help="BD3-LM NELBO, or Fast-dLLM v2 (complementary masks, shifted labels, unit weights).")
     group.add_argument("--bdlm-loss-weighting", choices=rules.LOSS_WEIGHTINGS, default=None,
                        help="Per-block loss weight 1/t (the NELBO) or 1. Default: inverse-t for bd3lm, unit for "
@@ -47,19 +47,19 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Noise times are drawn in [T_MIN, T_MAX], inside (0, 1].")
     group.add_argument("--bdlm-noise-sampling", choices=rules.NOISE_SAMPLINGS, default="antithetic",
                        help="Stratified noise times over the (sample, block) pairs of a batch, or i.i.d. uniform.")
-    group.add_argument("--bdlm-parallel-mode", choices=PARALLEL_MODES, default="csbp",
+    group.add_argument("--bdlm-parallel-mode", choices=PARALLEL_MODES, default=modes.CSBP.name,
                        help="csbp: context-sharded block parallelism; cp: conventional context parallelism over "
                             "[x_t ; x_0] as the field runs it, one masked attention call per rank (baseline); "
                             "cp-traffic: cp's rows and traffic computed with CSBP's kernels (an ablation of the "
                             "bytes); bp: pure block parallelism (C = 1, clean prefix replicated).")
-    group.add_argument("--csbp-transport", choices=rules.TRANSPORTS, default="collective",
+    group.add_argument("--csbp-transport", choices=rules.TRANSPORTS, default=transports.COLLECTIVE.name,
                        help="All-gather the clean K/V (collective) or pass shards around the ring (bounded memory).")
     group.add_argument("--link-gbps", type=float, default=None, metavar="GBPS",
                        help="Simulate a link this slow for the attention collectives (comm.simulated_link).")
     group.add_argument("--link-latency-us", type=float, default=10.0, help="Latency of each simulated transfer.")
-    group.add_argument("--csbp-block-schedule", choices=rules.SCHEDULES, default="dual_end",
+    group.add_argument("--csbp-block-schedule", choices=rules.SCHEDULES, default=schedule.DUAL_END.name,
                        help="How noisy blocks are dealt to ranks (contiguous is an ablation).")
-    group.add_argument("--csbp-clean-layout", choices=rules.CLEAN_LAYOUTS, default="zigzag",
+    group.add_argument("--csbp-clean-layout", choices=rules.CLEAN_LAYOUTS, default=schedule.ZIGZAG.name,
                        help="How the clean sequence is sharded over a ring (contiguous is an ablation).")
     group.add_argument("--bdlm-mask-token-id", type=int, default=None, metavar="ID",
                        help="The MASK id: a new id right after the tokenizer's (the default), or an existing id "

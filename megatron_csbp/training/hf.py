@@ -38,6 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_csbp.core.variants import Registry
+
 from megatron_csbp.core import objectives
 from megatron_csbp.core.rules import ConfigError
 
@@ -135,6 +137,7 @@ class Family:
     name: str  # our name for it (`model_type`)
     display: str  # as messages name it
     architecture: str  # its transformers class (`config.json`'s `architectures[0]`)
+    config_class: str  # its transformers config class
     qkv_bias: bool = False  # biases on Q, K and V only (megatron's --add-qkv-bias)
     qk_norm: bool = False  # RMSNorm of each query and key head (megatron's --qk-layernorm)
     exported: bool = True  # export writes this family (Mistral's dense weights are exported as Llama's)
@@ -142,13 +145,14 @@ class Family:
     experts: QwenExperts | None = None  # its sparse (mixture-of-experts) MLP layers; None: a dense model
 
 
-LLAMA = Family("llama", "Llama", "LlamaForCausalLM")
-MISTRAL = Family("mistral", "Mistral", "MistralForCausalLM", exported=False, windowed_by_default=True)
-QWEN2 = Family("qwen2", "Qwen2 / Qwen2.5 (QKV bias)", "Qwen2ForCausalLM", qkv_bias=True)
-QWEN3 = Family("qwen3", "Qwen3 (QK-norm)", "Qwen3ForCausalLM", qk_norm=True)
-QWEN3_MOE = Family("qwen3_moe", "Qwen3-MoE (QK-norm, experts)", "Qwen3MoeForCausalLM", qk_norm=True,
-                   experts=QwenExperts())
-FAMILIES = {family.name: family for family in (LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)}
+LLAMA = Family("llama", "Llama", "LlamaForCausalLM", "LlamaConfig")
+MISTRAL = Family("mistral", "Mistral", "MistralForCausalLM", "MistralConfig", exported=False,
+                 windowed_by_default=True)
+QWEN2 = Family("qwen2", "Qwen2 / Qwen2.5 (QKV bias)", "Qwen2ForCausalLM", "Qwen2Config", qkv_bias=True)
+QWEN3 = Family("qwen3", "Qwen3 (QK-norm)", "Qwen3ForCausalLM", "Qwen3Config", qk_norm=True)
+QWEN3_MOE = Family("qwen3_moe", "Qwen3-MoE (QK-norm, experts)", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
+                   qk_norm=True, experts=QwenExperts())
+FAMILIES = Registry("model_type", LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)
 ARCHITECTURES = {family.architecture: family.name for family in FAMILIES.values()}
 # Mixture-of-experts architectures the mapping knows and refuses, and why (one line each).
 REFUSED_EXPERTS = {

@@ -27,7 +27,7 @@ from typing import Callable
 
 from megatron_csbp.core import objectives
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training.hf import FAMILIES
+from megatron_csbp.training.hf import FAMILIES, QWEN2, QWEN3
 
 # Our own config class for model_type "sdar": transformers has none, so SGLang's get_config (AutoConfig, with
 # --trust-remote-code) needs one named by auto_map. It is Qwen3's config under SDAR's name (SDAR is Qwen3).
@@ -83,10 +83,10 @@ class ExportFormat:
 
     name: str
     engines: str = ""
-    families: tuple[str, ...] | None = None
+    families: tuple | None = None  # hf.Family objects
     architecture: str | None = None
     model_type: str | None = None
-    objective: str | None = None
+    objective: objectives.ObjectiveKind | None = None
     mask_token_id: int | None = None
     mask_source: str = ""
     block_size: int | None = None
@@ -96,22 +96,21 @@ class ExportFormat:
     needs: str = ""
 
     def problem(self, family: str, objective: str, mask_token_id: int) -> str | None:
-        """One line naming `--format` and the fix, or None: what this format cannot honour for a checkpoint."""
+        """One line naming `--format` and the fix, or None: what this format cannot honour for a checkpoint
+        (`family`, `objective`: the names it records)."""
         flag = f"--format {self.name}"
-        if self.families is not None and family not in self.families:
-            wanted = " or ".join(FAMILIES[name].display for name in self.families)
+        if self.families is not None and FAMILIES.get(family) not in self.families:
+            wanted = " or ".join(accepted.display for accepted in self.families)
             return (f"{flag}: {self.architecture} ({self.engines}) is a {wanted} model and this checkpoint is a "
-                    f"{FAMILIES[family].display if family in FAMILIES else family} model; export it with --format hf, or fine-tune an import "
-                    f"of a {wanted} model")
-        if self.objective is not None and objective != self.objective:
-            def shift(name):
-                return objectives.objective_kind(name).target
-
-            other = [fmt.name for fmt in FORMATS.values() if fmt.objective == objective]
+                    f"{FAMILIES[family].display if family in FAMILIES else family} model; export it with --format "
+                    f"hf, or fine-tune an import of a {wanted} model")
+        objective = objectives.objective_kind(objective)
+        if self.objective is not None and objective is not self.objective:
+            other = [fmt.name for fmt in FORMATS.values() if fmt.objective is objective]
             return (f"{flag}: the decoding of {self.engines} is --bdlm-objective {self.objective}'s "
-                    f"({shift(self.objective)}) but this checkpoint records --bdlm-objective {objective} ({shift(objective)}; an import "
-                    f"not yet fine-tuned records bd3lm); fine-tune it with --bdlm-objective {self.objective}, or "
-                    f"export it with --format {' / '.join(other + ['hf'])}")
+                    f"({self.objective.target}) but this checkpoint records --bdlm-objective {objective} "
+                    f"({objective.target}; an import not yet fine-tuned records {objectives.BD3LM}); fine-tune it "
+                    f"with --bdlm-objective {self.objective}, or export it with --format {' / '.join(other + [HF.name])}")
         if self.mask_token_id is not None and mask_token_id != self.mask_token_id:
             return (f"{flag}: this checkpoint's MASK id is {mask_token_id} but the MASK id of {self.engines} is "
                     f"hard-coded to {self.mask_token_id} ({self.mask_source}); "
@@ -145,8 +144,8 @@ class ExportFormat:
 
 HF = ExportFormat("hf")
 SDAR = ExportFormat(
-    "sdar", engines="SGLang and lmdeploy", families=("qwen3",), architecture="SDARForCausalLM", model_type="sdar",
-    objective="bd3lm", mask_token_id=151669,
+    "sdar", engines="SGLang and lmdeploy", families=(QWEN3,), architecture="SDARForCausalLM", model_type="sdar",
+    objective=objectives.BD3LM, mask_token_id=151669,
     mask_source="SGLang's DLLM_PARAMS in python/sglang/srt/dllm/config.py, lmdeploy's "
                 "lmdeploy/pytorch/configurations/sdar.py",
     block_size=4,
@@ -154,8 +153,8 @@ SDAR = ExportFormat(
                     "--dllm-block-length {block_size}",
     keys=_sdar_keys, files={"configuration_sdar.py": SDAR_CONFIGURATION})
 FAST_DLLM_V2 = ExportFormat(
-    "fast-dllm-v2", engines="Fast-dLLM v2's model code", families=("qwen2",),
-    architecture="Fast_dLLM_QwenForCausalLM", model_type="Fast_dLLM_Qwen", objective="fast-dllm-v2",
+    "fast-dllm-v2", engines="Fast-dLLM v2's model code", families=(QWEN2,),
+    architecture="Fast_dLLM_QwenForCausalLM", model_type="Fast_dLLM_Qwen", objective=objectives.FAST_DLLM_V2,
     mask_token_id=151665,
     mask_source="the mask_id=151665 default of Fast_dLLM_QwenForCausalLM.forward and .generate in its modeling.py",
     block_size=32,

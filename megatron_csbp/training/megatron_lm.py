@@ -210,3 +210,26 @@ def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
                           ModelType.encoder_or_decoder, run_providers.forward_step,
                           extra_args_provider=add_csbp_args, args_defaults={"max_position_embeddings": args.seq_length},
                           get_embedding_ranks=run_providers.get_embedding_ranks)
+
+
+def main(argv=None) -> int:
+    """`--check-flags`: the flag table (`flag_table`) against this Megatron-LM's parser, and its counts."""
+    cli = argparse.ArgumentParser(description="Checks the flag table against Megatron-LM's parser "
+                                              "(MEGATRON_LM_PATH) and prints the counts per class.")
+    cli.add_argument("--check-flags", action="store_true", required=True,
+                     help="exit 1 when a flag is missing on either side")
+    cli.parse_args(argv)
+    if import_pretrain() is None:
+        print("Megatron-LM is absent: set MEGATRON_LM_PATH to a checkout of tag core_v0.16.1", file=sys.stderr)
+        return 2
+    missing, stale = flag_table.mismatches(build_parser())
+    for flag in missing:
+        print(f"missing from the table: {flag}")
+    for flag in stale:
+        print(f"in the table, not in Megatron-LM's parser: {flag}")
+    print(flag_table.summary())
+    return 1 if missing or stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
