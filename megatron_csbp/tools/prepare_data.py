@@ -12,7 +12,11 @@ conversation under `--chat-key`), read by one reader (`jsonl_values`); any other
 must be UTF-8: where a bad line is fatal, every input is checked before any work. A bad line (not UTF-8, not
 JSON, without the key, or a value the command cannot use) is reported as `file:line: why` and skipped (counted)
 or fatal (one line with the fix, exit 2), per `--on-bad-line`. The dataset is read back and checked before it
-replaces anything (see `megatron_csbp.training.datasets.write_indexed_dataset`).
+replaces anything (see `megatron_csbp.training.datasets.write_indexed_dataset`); with `--chat`, the tokens and
+their loss mask are published as one pair (`write_sft_dataset`). A prefix holding the other kind of dataset (plain
+data for `--chat`, chat data for a plain build) is refused unless `--force`, which rebuilds it whole. An output
+that will not fit on its disk is refused before anything is written. Refusals are one line, exit 2; a disk that
+fills up all the same is one line naming the file, exit 1, with nothing published.
 
 `main(argv)` is the command of `scripts/prepare_data.py`.
 """
@@ -36,6 +40,7 @@ SEQUENCES = {
     "colours": "red orange yellow green blue indigo violet",
 }
 CORPUS_PREFIXES = {"stdlib": DEFAULT_PREFIX, "sequences": os.path.join("data", "sequences_bytes_text_document")}
+MAX_PAD_WITHOUT_SEQ_LENGTH = 4096  # --pad-to-multiple without --seq-length: far above any diffusion block size
 
 
 class BadInput(ValueError):
@@ -45,9 +50,10 @@ class BadInput(ValueError):
 class BadLine(BadInput):
     """One unusable input line (or text file): why, how to fix it, and where (`file:line`; the reader fills it in)."""
 
-    def __init__(self, why: str, fix: str = "fix or remove the line", where: str | None = None):
+    def __init__(self, why: str, fix: str = "fix or remove the line", where: str | None = None, fatal: bool = False):
         super().__init__(why)
         self.why, self.fix, self.where = why, fix, where
+        self.fatal = fatal  # not the line's fault (the chat template's): never skipped
 
 
 def stdlib_sources(max_bytes: int | None = DEFAULT_MAX_BYTES) -> list[str]:
@@ -93,6 +99,8 @@ def _decoded(data: bytes, path: str, line: int | None, offset: int) -> str:
 
 def _bad_line(error: BadLine, on_bad_line: str, report) -> None:
     """The bad-line policy (`--on-bad-line`): fatal, one line with the fix (exit 2), or reported and skipped."""
+    if error.fatal:
+        raise BadInput(f"{error.where}: {error.why}; {error.fix}")
     if on_bad_line == "error":
         raise BadInput(f"{error.where}: {error.why}; {error.fix}, or skip such lines with --on-bad-line skip")
     report(f"skipped {error.where}: {error.why}")
@@ -118,6 +126,30 @@ def check_inputs(paths: list[str], on_bad_line: str) -> None:
 
 
 _BLANK = object()
+NOT_TEXT = "holds an unpaired surrogate escape (\\ud800-\\udfff), not text"
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _unencodable(value, name: str) -> str | None:
+    """Where in `value`, a JSON value called `name`, a string cannot be encoded (an unpaired surrogate escape, which
+    JSON allows and no tokenizer takes), as `name[1].content`; None where nowhere."""
+    if isinstance(value, str):
+        return None if _encodes(value) else name
+    children = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, child in children:
+        if isinstance(key, str) and not _encodes(key):
+            return f"a key of {name}"
+        found = _unencodable(child, f"{name}.{key}" if isinstance(key, str) else f"{name}[{key}]")
+        if found:
+            return found
+    return None
 
 
 def _jsonl_value(raw: bytes, path: str, number: int, offset: int, key: str, key_flag: str, parse):
@@ -129,6 +161,8 @@ def _jsonl_value(raw: bytes, path: str, number: int, offset: int, key: str, key_
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise BadLine(f"not valid JSON ({error.msg} at column {error.colno})") from None
+    except RecursionError:
+        raise BadLine("JSON nested too deeply to read") from None
     if not isinstance(record, dict) or key not in record:
         raise BadLine(f"no '{key}' key", f"set {key_flag} to the key that holds it")
     return parse(record[key])
@@ -161,10 +195,8 @@ def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
     def text(value):
         if not isinstance(value, str):
             raise BadLine(f"'{json_key}' is a {type(value).__name__}, not a string")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise BadLine(f"'{json_key}' holds an unpaired surrogate escape (\\ud800-\\udfff), not text") from None
+        if not _encodes(value):
+            raise BadLine(f"'{json_key}' {NOT_TEXT}")
         return value
 
     for path in paths:
@@ -183,7 +215,9 @@ def read_documents(paths: list[str], json_key: str, on_bad_line: str, report):
 
 def chat_template(tokenizer_model: str):
     """`render(messages, generation_prompt) -> text` from the chat template of a local Hugging Face tokenizer
-    directory (its tokenizer_config.json), rendered by transformers' sandboxed Jinja: nothing of the file runs."""
+    directory (its chat_template.jinja or tokenizer_config.json), rendered by transformers' sandboxed Jinja: nothing
+    of the file runs as Python. A template that does not parse is fatal; one that fails on a conversation (raises,
+    trips the sandbox, errs) makes that conversation a bad line; both name the template's file."""
     directory = tokenizer_model if os.path.isdir(tokenizer_model) else os.path.dirname(os.path.abspath(tokenizer_model))
     config = os.path.join(directory, "tokenizer_config.json")
     if not os.path.isfile(config):
@@ -195,8 +229,25 @@ def chat_template(tokenizer_model: str):
     if not hf.chat_template:
         raise BadInput(f"--tokenizer-model {tokenizer_model}: {config} has no chat_template; use a chat model's "
                        f"tokenizer (or add its template there)")
-    return lambda messages, generation_prompt: hf.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt)
+    import jinja2
+
+    template = os.path.join(directory, "chat_template.jinja")
+    template = template if os.path.isfile(template) else config
+
+    def render(messages, generation_prompt):
+        try:
+            text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except jinja2.TemplateSyntaxError as error:
+            raise BadLine(f"the chat template in {template} does not parse (its line {error.lineno}: "
+                          f"{' '.join(str(error.message).split())})", "fix the template", fatal=True) from None
+        except Exception as error:  # the template's own code, sandboxed: whatever it raises is its failure here
+            raise BadLine(f"the chat template in {template} fails on this conversation ({type(error).__name__}: "
+                          f"{' '.join(str(error).split())})", "fix the conversation or the template") from None
+        if not _encodes(text):
+            raise BadLine(f"the chat template in {template} renders text that {NOT_TEXT}", "fix the template",
+                          fatal=True)
+        return text
+    return render
 
 
 def chat_document(messages, render, tokenizer) -> tuple[list[int], list[int]]:
@@ -227,18 +278,20 @@ def chat_document(messages, render, tokenizer) -> tuple[list[int], list[int]]:
     return ids, mask
 
 
-def chat_documents(paths, key, render, tokenizer, pad_to: int, on_bad_line: str, report, max_length=None):
-    """`(ids, mask)` per conversation of the JSONL `paths`, each ending with EOD and padded with EODs (mask 0) to a
-    multiple of `pad_to` tokens, so packed documents start on block boundaries. A conversation longer than
-    `max_length` (the training `--seq-length`) would be cut across samples: a bad line."""
+def chat_documents(paths, key, render, tokenizer, on_bad_line: str, report, max_length=None):
+    """`(ids, mask)` per conversation of the JSONL `paths`, each ending with EOD (mask 0). A conversation longer
+    than `max_length` (the training `--seq-length`) would be cut across samples: a bad line; so is one holding
+    text that cannot be encoded (named by its field)."""
 
     def conversation(messages):
+        unencodable = _unencodable(messages, key)
+        if unencodable:
+            raise BadLine(f"{unencodable} {NOT_TEXT}", "replace or remove it")
         ids, mask = chat_document(messages, render, tokenizer)
         if max_length is not None and len(ids) + 1 > max_length:
             raise BadLine(f"the conversation is {len(ids) + 1} tokens with its EOD, longer than --seq-length "
                           f"{max_length}, so training would cut it across samples", "raise --seq-length")
-        padding = (-(len(ids) + 1)) % pad_to
-        return ids + [tokenizer.eod] * (1 + padding), mask + [0] * (1 + padding)
+        return ids + [tokenizer.eod], mask + [0]
 
     yield from jsonl_values(paths, key, "--chat-key", on_bad_line, report, conversation)
 
@@ -265,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=None, help="Tokenizer ids before EOD (as in training).")
     parser.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES,
                         help="Only for the default corpus: standard-library bytes to take.")
-    parser.add_argument("--force", action="store_true", help="Rebuild even if a verified dataset is already there.")
+    parser.add_argument("--force", action="store_true",
+                        help="Rebuild even if a verified dataset is already there, and over one of the other kind "
+                             "(chat data for a plain build, whose loss mask goes, or plain data for --chat).")
     parser.add_argument("--chat", action="store_true",
                         help="Inputs are chat JSONL (a list of {role, content} per line under --chat-key): rendered "
                              "with --tokenizer-model's chat template, with PREFIX_loss_mask.bin/.idx marking the "
@@ -276,15 +331,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "be cut across samples).")
     parser.add_argument("--pad-to-multiple", type=int, default=1, metavar="B",
                         help="With --chat: pad each conversation with EOD to a multiple of B tokens (the diffusion "
-                             "block size), so packed conversations start on block boundaries and train as if alone.")
+                             "block size), so packed conversations start on block boundaries and train as if alone. "
+                             f"At most {MAX_PAD_WITHOUT_SEQ_LENGTH} without --seq-length; else a divisor of it.")
     return parser
 
 
-def _write_chat(args, prefix, tokenizer, report, skipped) -> int:
-    """`--chat`: the conversations' tokens at PREFIX, their assistant-token masks at PREFIX_loss_mask (the mask
-    first: a dataset is never published beside a mask of other documents, which training refuses)."""
+def _check_chat_flags(args) -> None:
+    """`--chat`'s flags, before any work: an input, a Hugging Face tokenizer, and a padding that fits the sequence
+    (or, without --seq-length, is a block size: a huge one would pad every conversation to it)."""
     from megatron_csbp.core.rules import ConfigError
-    from megatron_csbp.training.datasets import LOSS_MASK_SUFFIX, write_indexed_dataset
 
     if not args.input:
         raise BadInput("--chat needs --input FILE.jsonl (conversations under --chat-key)")
@@ -293,20 +348,89 @@ def _write_chat(args, prefix, tokenizer, report, skipped) -> int:
                           "with a chat template in DIR/tokenizer_config.json)")
     if args.pad_to_multiple < 1:
         raise ConfigError(f"--pad-to-multiple {args.pad_to_multiple} must be >= 1 (the diffusion block size)")
-    render = chat_template(args.tokenizer_model)
+    if args.seq_length is None and args.pad_to_multiple > MAX_PAD_WITHOUT_SEQ_LENGTH:
+        raise ConfigError(f"--pad-to-multiple {args.pad_to_multiple} is more than {MAX_PAD_WITHOUT_SEQ_LENGTH} tokens "
+                          f"without --seq-length: give the diffusion block size, or the training --seq-length L to "
+                          f"pad to a divisor of it")
     if args.seq_length is not None and (args.seq_length < 1 or args.seq_length % args.pad_to_multiple):
         raise ConfigError(f"--seq-length {args.seq_length} must be a positive multiple of --pad-to-multiple "
                           f"{args.pad_to_multiple}, as training's is of its block size")
+
+
+def _already_built(prefix: str, args, tokenizer) -> str | None:
+    """The line saying `prefix` already holds what this command builds (then nothing is done), or None: build it.
+
+    Without --force, a prefix holding the other kind of dataset (plain data for --chat, chat data for a plain
+    build) is refused, as is chat data whose mask is not the one written with its tokens: --force rebuilds either
+    whole (a plain build removes the mask)."""
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.training.datasets import LOSS_MASK_SUFFIX, check_loss_mask, dataset_stats, has_loss_mask
+
+    if args.force:
+        return None
+    mask = prefix + LOSS_MASK_SUFFIX
+    if args.chat and os.path.exists(prefix + ".idx") and not has_loss_mask(prefix):
+        raise ConfigError(f"--output-prefix {prefix} holds a plain dataset ({prefix}.bin/.idx without a loss mask "
+                          f"{mask}.bin/.idx), not chat data; give another --output-prefix, or --force to rebuild it "
+                          f"as chat data")
+    if not args.chat and has_loss_mask(prefix):
+        raise ConfigError(f"--output-prefix {prefix} holds chat data (its loss mask {mask}.bin/.idx is beside it); "
+                          f"give another --output-prefix, or --force to rebuild it as plain data (the mask is removed)")
+    if not os.path.exists(prefix + ".idx"):
+        return None
+    if args.chat:
+        check_loss_mask(prefix, "--output-prefix")
+    stats = dataset_stats(prefix)
+    if stats.max_token_id >= tokenizer.vocab_size:
+        return None
+    return f"{prefix}: already built ({stats.num_documents} documents, {stats.num_tokens} tokens); --force rebuilds it"
+
+
+def _jsonl_lines(path: str) -> int:
+    with open(path, "rb") as handle:
+        return sum(chunk.count(b"\n") for chunk in iter(lambda: handle.read(1 << 24), b"")) + 1
+
+
+def _plain_bytes(inputs: list[str], generated: list[str] | None, vocab_size: int) -> int:
+    """The space a plain build takes, estimated from its input before tokenizing: a token per input byte (a UTF-8
+    byte is at most one token, byte-level or byte-pair) and two per document (EOD, a special token the tokenizer
+    may add), a document per JSONL line or other file. JSON's own syntax makes it an overestimate."""
+    from megatron_csbp.training.datasets import indexed_dataset_bytes
+
+    if generated is not None:
+        size, documents = sum(len(text.encode("utf-8")) for text in generated), len(generated)
+    else:
+        size = sum(os.path.getsize(path) for path in inputs)
+        documents = sum(_jsonl_lines(path) if path.endswith((".jsonl", ".json")) else 1 for path in inputs)
+    return indexed_dataset_bytes(documents, size + 2 * documents, vocab_size)
+
+
+def _write_chat(args, prefix, tokenizer, report, skipped) -> int:
+    """`--chat`: the conversations' tokens at PREFIX and their assistant-token masks at PREFIX_loss_mask, published
+    as one pair (`datasets.write_sft_dataset`); each conversation padded with EOD (mask 0) to a multiple of
+    --pad-to-multiple tokens as it is written, so packed conversations start on block boundaries."""
+    from megatron_csbp.training.datasets import LOSS_MASK_SUFFIX, indexed_dataset_bytes, write_sft_dataset
+    from megatron_csbp.training.publish import require_free_space
+
+    render = chat_template(args.tokenizer_model)
     check_inputs(args.input, args.on_bad_line)
-    documents = list(chat_documents(args.input, args.chat_key, render, tokenizer, args.pad_to_multiple,
-                                    args.on_bad_line, report, args.seq_length))
+    documents = list(chat_documents(args.input, args.chat_key, render, tokenizer, args.on_bad_line, report,
+                                    args.seq_length))
     if not documents:
-        raise BadInput(f"{', '.join(args.input)}: no conversations to write")
-    write_indexed_dataset((mask for _, mask in documents), prefix + LOSS_MASK_SUFFIX, 2)
-    stats = write_indexed_dataset((ids for ids, _ in documents), prefix, tokenizer.vocab_size)
+        why = f"all {len(skipped)} non-empty line(s) were skipped" if skipped else "the input is empty"
+        raise BadInput(f"{', '.join(args.input)}: no conversations to write ({why}); give input with conversations "
+                       f"in it")
+    block = args.pad_to_multiple
+    lengths = [-(-len(ids) // block) * block for ids, _ in documents]
+    require_free_space(prefix, indexed_dataset_bytes(len(documents), sum(lengths), tokenizer.vocab_size)
+                       + indexed_dataset_bytes(len(documents), sum(lengths), 2), "--output-prefix")
+    padded = lambda values, fill, length: values + [fill] * (length - len(values))
+    stats = write_sft_dataset((padded(ids, tokenizer.eod, n) for (ids, _), n in zip(documents, lengths)),
+                              (padded(mask, 0, n) for (_, mask), n in zip(documents, lengths)), prefix,
+                              tokenizer.vocab_size)
     supervised = sum(sum(mask) for _, mask in documents)
     print(f"wrote {prefix}.bin/.idx: {stats.num_documents} conversations, {stats.num_tokens} tokens, {supervised} "
-          f"of them assistant tokens (loss mask: {prefix}{LOSS_MASK_SUFFIX}.bin/.idx, verified)"
+          f"of them assistant tokens (loss mask: {prefix}{LOSS_MASK_SUFFIX}.bin/.idx, verified, published with them)"
           + (f", skipped {len(skipped)} bad line(s)" if skipped else ""))
     return 0
 
@@ -316,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet.quiet_start_up()  # before megatron is imported
     from megatron_csbp.core.rules import ConfigError
-    from megatron_csbp.training.datasets import check_output_prefix, dataset_stats, write_indexed_dataset
+    from megatron_csbp.training.datasets import check_output_prefix, write_indexed_dataset
+    from megatron_csbp.training.publish import require_free_space
     from megatron_csbp.training.tokenizers import build_tokenizer
 
     args = build_parser().parse_args(argv)
@@ -326,13 +451,13 @@ def main(argv: list[str] | None = None) -> int:
     inputs = args.input or ([] if generated else stdlib_sources(args.max_bytes))
     try:
         check_output_prefix(prefix)
+        if args.chat:
+            _check_chat_flags(args)
         tokenizer = build_tokenizer(args)
-        if not args.force and os.path.exists(prefix + ".idx"):
-            stats = dataset_stats(prefix)
-            if stats.max_token_id < tokenizer.vocab_size:
-                print(f"{prefix}: already built ({stats.num_documents} documents, {stats.num_tokens} tokens); "
-                      f"--force rebuilds it")
-                return 0
+        built = _already_built(prefix, args, tokenizer)
+        if built:
+            print(built)
+            return 0
         eod = [tokenizer.eod] if args.append_eod else []
         skipped = []
 
@@ -342,6 +467,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.chat:
             return _write_chat(args, prefix, tokenizer, report, skipped)
         check_inputs(inputs, args.on_bad_line)
+        require_free_space(prefix, _plain_bytes(inputs, generated, tokenizer.vocab_size), "--output-prefix")
         texts = generated or read_documents(inputs, args.json_key, args.on_bad_line, report)
         documents = (ids for ids in (tokenizer.tokenize(text) + eod for text in texts if text) if ids)
         first = next(documents, None)
@@ -353,7 +479,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, BadInput) as error:  # refused input: one line, exit 2 (as every entry of ours)
         print(f"prepare_data: {error}", file=sys.stderr)
         return 2
-    except OSError as error:
+    except OSError as error:  # a full disk mid-write among them (`datasets.DatasetNotWritten`): nothing published
         print(f"prepare_data: {error}", file=sys.stderr)
         return 1
     print(f"wrote {prefix}.bin/.idx: {stats.num_documents} documents, {stats.num_tokens} tokens (verified)"

@@ -7,6 +7,7 @@ BDLM trains on the clean sequence `x0` of `L` tokens: GPTDataset is built with
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -17,6 +18,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training.publish import fsync_dir, out_of_space, private_directory
 from megatron_csbp.training.tokenizers import Vocabulary
 
 MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
@@ -85,35 +87,31 @@ def _files_identity(prefix: str) -> list:
     return [[os.stat(prefix + suffix).st_size, os.stat(prefix + suffix).st_mtime_ns] for suffix in (".bin", ".idx")]
 
 
-def _read_record(prefix: str) -> DatasetStats | None:
-    """The stats `write_indexed_dataset` recorded, if the files are still exactly the ones it wrote."""
+def _record(prefix: str) -> dict | None:
+    """The record (`PREFIX.stats.json`) the writer left beside `prefix`, if the files are still exactly the ones it
+    describes (same sizes and modification times, which a rename keeps), else None."""
     try:
         with open(prefix + ".stats.json", encoding="utf-8") as handle:
             record = json.load(handle)
-        if record.pop("files") == _files_identity(prefix):
-            return DatasetStats(**record)
-    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        if isinstance(record, dict) and record.get("files") == _files_identity(prefix):
+            return record
+    except (OSError, ValueError):
         pass
     return None
-
-
-def _write_record(prefix: str, stats: DatasetStats) -> None:
-    temporary = f"{prefix}.stats.json.tmp{os.getpid()}"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump({**asdict(stats), "files": _files_identity(prefix)}, handle)
-    os.replace(temporary, prefix + ".stats.json")
 
 
 def dataset_stats(prefix: str, chunk_tokens: int = 1 << 24) -> DatasetStats:
     """Documents, tokens and the largest token id of `prefix`.bin/.idx.
 
-    Taken from the `.stats.json` record `write_indexed_dataset` leaves when the files are unchanged since
-    (same sizes and modification times), else read from the files (the whole .bin, in chunks).
+    Taken from the record the writer leaves when the files are unchanged since (see `_record`), else read from
+    the files (the whole .bin, in chunks).
     """
     check_data_prefixes([prefix])
-    recorded = _read_record(prefix)
-    if recorded is not None:
-        return recorded
+    record = _record(prefix)
+    try:
+        return DatasetStats(**{name: record[name] for name in DatasetStats.__dataclass_fields__})
+    except (TypeError, KeyError):
+        pass
     dataset = _open_indexed(prefix)
     num_tokens = int(dataset.sequence_lengths.sum(dtype=np.int64))
     expected_bytes = num_tokens * np.dtype(dataset.index.dtype).itemsize
@@ -128,6 +126,26 @@ def dataset_stats(prefix: str, chunk_tokens: int = 1 << 24) -> DatasetStats:
             max_id = max(max_id, int(tokens[start:start + chunk_tokens].max()))
         del tokens
     return DatasetStats(len(dataset.document_indices) - 1, num_tokens, max_id)
+
+
+def _file_digest(prefix: str) -> str:
+    digest = hashlib.sha256()
+    for suffix in (".idx", ".bin"):
+        with open(prefix + suffix, "rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
+    return digest.hexdigest()
+
+
+def dataset_digest(prefix: str) -> str:
+    """The sha256 of `prefix`.idx and .bin: equal digests mean the same documents (the .idx: their lengths and the
+    ids' type) of the same token ids (the .bin), which is what a loss mask built for one dataset must find in
+    another to be valid for it. Taken from the record while the files are unchanged since it was written (as the
+    stats are: training start-up reads no .bin), else computed from the files (one full read)."""
+    check_data_prefixes([prefix])
+    record = _record(prefix)
+    if record is not None and isinstance(record.get("sha256"), str):
+        return record["sha256"]
+    return _file_digest(prefix)
 
 
 def check_vocabulary(prefixes: list[str], mask_token_id: int, padded_vocab_size: int,
@@ -170,40 +188,155 @@ def check_output_prefix(prefix: str) -> None:
                           f"a prefix under a directory")
 
 
-def write_indexed_dataset(documents: Iterable[list[int]], output_prefix: str, vocab_size: int) -> DatasetStats:
-    """Write `documents` (token id lists) as `output_prefix`.bin/.idx, verified, then renamed into place.
+LOSS_MASK_SUFFIX = "_loss_mask"  # PREFIX_loss_mask.bin/.idx: 1 where token j of PREFIX is supervised (SFT data)
+_BLOCK = 4096  # what a file's size is rounded up to on disk, as most filesystems allocate
 
-    Written under a temporary name and read back (documents, tokens, ids < `vocab_size`) before the rename, so
-    a crash never leaves a half dataset under the real name. The old .idx goes first: an interruption between
-    the two renames leaves a .bin without .idx, which `check_data_prefixes` reports. A `.stats.json` record
-    beside it spares training start-up a full read of the .bin (see `dataset_stats`).
-    """
+
+class DatasetNotWritten(OSError):
+    """A dataset that could not be written for want of space, said in one line naming the file; nothing of it was
+    published."""
+
+
+def indexed_dataset_bytes(num_documents: int, num_tokens: int, vocab_size: int) -> int:
+    """The disk space a dataset of so many documents and tokens takes as the writer writes it: the ids in the .bin,
+    the .idx (a header, each document's length, offset and index), its record, each file in whole blocks."""
+    from megatron.core.datasets.indexed_dataset import DType
+
+    whole = lambda size: -(-size // _BLOCK) * _BLOCK
+    index = 34 + 20 * num_documents + 8
+    return whole(num_tokens * DType.size(DType.optimal_dtype(vocab_size))) + whole(index) + _BLOCK
+
+
+@contextlib.contextmanager
+def _writing(path: str, output_prefix: str):
+    """A full disk while the block writes (for) `path` becomes one line naming it (the error alone names no file)."""
+    try:
+        yield
+    except OSError as error:
+        if not out_of_space(error):
+            raise
+        raise DatasetNotWritten(f"--output-prefix {output_prefix}: no space left on device writing {path}; nothing "
+                                f"was published and the temporaries are removed: free space there or give another "
+                                f"--output-prefix") from None
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _build(documents: Iterable[list[int]], private: str, vocab_size: int, target: str, output_prefix: str):
+    """Writes `documents` (token id lists; empty ones are dropped) as `private`.bin/.idx, reads them back and checks
+    them (documents, tokens, ids < `vocab_size`), and records their stats and digest beside them; returns the stats.
+    `target` is the prefix they are for, named in errors."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
-    check_output_prefix(output_prefix)
-    os.makedirs(os.path.dirname(os.path.abspath(output_prefix)), exist_ok=True)
-    temporary = f"{output_prefix}.tmp{os.getpid()}"
     num_documents = num_tokens = 0
-    try:
-        builder = IndexedDatasetBuilder(temporary + ".bin", dtype=DType.optimal_dtype(vocab_size))
+    with _writing(target + ".bin", output_prefix):
+        builder = IndexedDatasetBuilder(private + ".bin", dtype=DType.optimal_dtype(vocab_size))
         for ids in documents:
             if len(ids) == 0:
                 continue
             builder.add_document(np.asarray(ids, dtype=np.int64), [len(ids)])
             num_documents += 1
             num_tokens += len(ids)
-        builder.finalize(temporary + ".idx")
-        stats = dataset_stats(temporary)
-        if (stats.num_documents, stats.num_tokens) != (num_documents, num_tokens) or stats.max_token_id >= vocab_size:
-            raise RuntimeError(f"{output_prefix}: read back {stats}, wrote {num_documents} documents and {num_tokens} "
-                               f"tokens with ids < {vocab_size}; nothing was replaced")
-        _remove(output_prefix + ".idx", output_prefix + ".stats.json")
-        os.replace(temporary + ".bin", output_prefix + ".bin")
-        os.replace(temporary + ".idx", output_prefix + ".idx")
-        _write_record(output_prefix, stats)
-        return stats
-    finally:
-        _remove(temporary + ".bin", temporary + ".idx")
+        builder.data_file.close()  # its buffered ids reach the disk here, so a full disk is the .bin's
+    with _writing(target + ".idx", output_prefix):
+        builder.finalize(private + ".idx")
+    stats = dataset_stats(private)
+    if (stats.num_documents, stats.num_tokens) != (num_documents, num_tokens) or stats.max_token_id >= vocab_size:
+        raise RuntimeError(f"{target}: read back {stats}, wrote {num_documents} documents and {num_tokens} "
+                           f"tokens with ids < {vocab_size}; nothing was replaced")
+    return stats
+
+
+def _seal(private: str, stats: DatasetStats, target: str, output_prefix: str, **pairing) -> str:
+    """Makes `private`.bin/.idx durable and writes their record (stats, digest, `pairing`, the files' identity)
+    beside them, to be published with them; returns their digest."""
+    digest = _file_digest(private)
+    with _writing(target + ".stats.json", output_prefix):
+        for suffix in (".bin", ".idx"):
+            _fsync(private + suffix)
+        with open(private + ".stats.json", "w", encoding="utf-8") as handle:
+            json.dump({**asdict(stats), "sha256": digest, **pairing, "files": _files_identity(private)}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+    return digest
+
+
+def _install(private: str, prefix: str, record: bool = True) -> None:
+    """Renames `private`.bin/.idx (and, with `record`, their record) onto `prefix`'s. The old .idx and record go
+    first, so a stop in between leaves a .bin without its .idx (refused, `check_data_prefixes`), never new ids
+    under an old index."""
+    _remove(prefix + ".idx", prefix + ".stats.json")
+    os.replace(private + ".bin", prefix + ".bin")
+    os.replace(private + ".idx", prefix + ".idx")
+    if record:
+        os.replace(private + ".stats.json", prefix + ".stats.json")
+
+
+def write_indexed_dataset(documents: Iterable[list[int]], output_prefix: str, vocab_size: int) -> DatasetStats:
+    """Write `documents` (token id lists) as a plain dataset, `output_prefix`.bin/.idx, verified, then renamed into
+    place.
+
+    Built in a private directory beside the prefix (`publish.private_directory`: removed on failure, and after a
+    kill by the next write there) and read back (documents, tokens, ids < `vocab_size`) before the renames, so a
+    crash never leaves a half dataset under the real name. A `.stats.json` record beside it spares training
+    start-up a full read of the .bin (see `dataset_stats`, `dataset_digest`). A loss mask beside the prefix (of an
+    earlier chat build) is withdrawn, its record first, so no reader ever pairs it with the new tokens.
+    """
+    check_output_prefix(output_prefix)
+    mask = output_prefix + LOSS_MASK_SUFFIX
+    with private_directory(output_prefix, "--output-prefix") as directory:
+        private = os.path.join(directory, "tokens")
+        stats = _build(documents, private, vocab_size, output_prefix, output_prefix)
+        _seal(private, stats, output_prefix, output_prefix)
+        _remove(mask + ".stats.json")
+        _install(private, output_prefix)
+        _remove(mask + ".idx", mask + ".bin")
+        fsync_dir(os.path.dirname(directory))
+    return stats
+
+
+def _same_documents(prefix: str, other: str) -> bool:
+    first, second = _open_indexed(prefix), _open_indexed(other)  # held: the lengths are views of their mmaps
+    return bool(np.array_equal(first.sequence_lengths, second.sequence_lengths))
+
+
+def write_sft_dataset(tokens: Iterable[list[int]], masks: Iterable[list[int]], output_prefix: str,
+                      vocab_size: int) -> DatasetStats:
+    """Write SFT data as one pair: `tokens` at `output_prefix`.bin/.idx and their loss masks (1: supervised, 0: not;
+    the same documents, token by token) at `output_prefix`_loss_mask.bin/.idx; returns the tokens' stats.
+
+    Both are built in one private directory and checked (each read back; the masks have the tokens' documents,
+    token for token), and the mask's record names the tokens' digest (`dataset_digest`), which training checks
+    (`check_loss_mask`). They are published in an order no reader can take for a whole pair before it is one: the
+    old mask's record goes first, then the new mask's files, the tokens, and the mask's record last. Until that
+    last rename a reader finds a mask without its record, which training refuses; so a stop at any point leaves
+    the old pair whole or a refused one, never a mask over other tokens taken for whole, and the new tokens never
+    stand alone, where they would read as plain data with every token supervised.
+    """
+    check_output_prefix(output_prefix)
+    mask = output_prefix + LOSS_MASK_SUFFIX
+    with private_directory(output_prefix, "--output-prefix") as directory:
+        private_tokens, private_mask = os.path.join(directory, "tokens"), os.path.join(directory, "mask")
+        stats = _build(tokens, private_tokens, vocab_size, output_prefix, output_prefix)
+        mask_stats = _build(masks, private_mask, 2, mask, output_prefix)
+        if ((mask_stats.num_documents, mask_stats.num_tokens) != (stats.num_documents, stats.num_tokens)
+                or not _same_documents(private_tokens, private_mask)):
+            raise RuntimeError(f"{output_prefix}: the loss masks ({mask_stats}) do not cover the tokens ({stats}) "
+                               f"document by document; nothing was replaced")
+        digest = _seal(private_tokens, stats, output_prefix, output_prefix)
+        _seal(private_mask, mask_stats, mask, output_prefix, tokens_sha256=digest)
+        _remove(mask + ".stats.json")
+        _install(private_mask, mask, record=False)
+        _install(private_tokens, output_prefix)
+        os.replace(private_mask + ".stats.json", mask + ".stats.json")
+        fsync_dir(os.path.dirname(directory))
+    return stats
 
 
 def _data_fingerprint(prefixes: list[str]) -> str:
@@ -304,26 +437,45 @@ def _build_gpt_datasets(args, vocabulary, prefixes, weights, split, sizes, is_bu
     return tuple(builder.build())
 
 
-LOSS_MASK_SUFFIX = "_loss_mask"  # PREFIX_loss_mask.bin/.idx: 1 where token j of PREFIX is supervised (SFT data)
+def has_loss_mask(prefix: str) -> bool:
+    """Whether anything of a loss mask stands beside `prefix` (its .bin, .idx or record): a whole mask or what an
+    interrupted write left of one, either of which makes `prefix` SFT data, never plain data."""
+    return any(os.path.exists(prefix + LOSS_MASK_SUFFIX + suffix) for suffix in (".bin", ".idx", ".stats.json"))
+
+
+def check_loss_mask(prefix: str, flag: str = "--data-path") -> str:
+    """`prefix`'s loss mask, `prefix`_loss_mask, checked to be the one written with `prefix`'s tokens: its files
+    whole, its record unchanged since `write_sft_dataset` wrote it, and the tokens' digest the one it names. Else
+    one line naming the files and the fix."""
+    mask = prefix + LOSS_MASK_SUFFIX
+    fix = f"rebuild both with scripts/prepare_data.py --chat --force --output-prefix {prefix}"
+    for path in (mask + ".bin", mask + ".idx"):
+        if not os.path.isfile(path):
+            raise ConfigError(f"{flag} {prefix}: {path} is missing from its loss mask (an interrupted build?); {fix}")
+    record = _record(mask)
+    if record is None or not isinstance(record.get("tokens_sha256"), str):
+        raise ConfigError(f"{flag} {prefix}: {mask}.bin/.idx have no record of the tokens they were built for "
+                          f"({mask}.stats.json is missing, from an older version, or older than them: an interrupted "
+                          f"build?); {fix}")
+    if record["tokens_sha256"] != dataset_digest(prefix):
+        raise ConfigError(f"{flag} {prefix}: {mask}.bin/.idx were built for other tokens than {prefix}.bin/.idx "
+                          f"(the digest its record names is not theirs: rebuilt or copied apart?); {fix}")
+    if not _same_documents(prefix, mask):
+        raise ConfigError(f"{flag} {prefix}: {mask} holds other documents than it (rebuilt apart?); {fix}")
+    return mask
 
 
 def loss_mask_prefixes(prefixes: list[str]) -> list[str] | None:
     """The loss-mask datasets beside `prefixes` (`tools.prepare_data --chat` writes them), or None where there are
-    none; refuses a blend where only some have one, or a mask whose documents differ from its dataset's."""
-    masks = [prefix + LOSS_MASK_SUFFIX for prefix in prefixes]
-    present = [os.path.exists(mask + ".idx") for mask in masks]
+    none; refuses a blend where only some have one, or a mask not written with its dataset (`check_loss_mask`)."""
+    present = [has_loss_mask(prefix) for prefix in prefixes]
     if not any(present):
         return None
     if not all(present):
         lacking = prefixes[present.index(False)]
         raise ConfigError(f"--data-path {lacking} has no {lacking}{LOSS_MASK_SUFFIX}.bin/.idx while other datasets of "
                           f"the blend do: blend only SFT datasets (prepare_data --chat) or only plain ones")
-    for prefix, mask in zip(prefixes, masks):
-        documents, mask_documents = _open_indexed(prefix), _open_indexed(mask)  # held: the lengths are their mmaps
-        if not np.array_equal(documents.sequence_lengths, mask_documents.sequence_lengths):
-            raise ConfigError(f"--data-path {prefix}: {mask} holds other documents than it (rebuilt apart?); "
-                              f"rebuild both with scripts/prepare_data.py --chat")
-    return masks
+    return [check_loss_mask(prefix) for prefix in prefixes]
 
 
 def build_loss_mask_datasets(args: argparse.Namespace, vocabulary: Vocabulary | None = None,
