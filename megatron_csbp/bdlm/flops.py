@@ -30,8 +30,8 @@ def bdlm_attention_pair_parts(seq_length: int, block_size: int, clean_attention=
     With `NB = L / B` blocks of `B` tokens:
     * noisy → noisy: each noisy block sees itself: `NB · B² = L · B`;
     * noisy → clean: noisy block `b` sees clean blocks `< b`: `Σ_b b · B² = B² · NB(NB-1)/2`;
-    * clean → clean: the clean-attention rule's (`clean_attention.clean_pairs`); BD3-LM's clean block `b` sees
-      clean blocks `<= b`: `Σ_b (b+1) · B² = B² · NB(NB+1)/2`, and with the noisy → clean pairs `B² · NB² = L²`.
+    * clean → clean: the clean-attention rule's (`clean_attention.clean_pairs`); BD3-LM's clean block `b`
+      sees clean blocks `<= b`: `Σ_b (b+1) · B² = B² · NB(NB+1)/2`, with the noisy → clean pairs `L²`.
     Clean queries never see noisy keys.
     """
     num_blocks = _check_blocks(seq_length, block_size)

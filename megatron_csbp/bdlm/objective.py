@@ -176,7 +176,8 @@ class BDLMObjective:
         noise = self.noise(sample_index, seq_length)
         weight = torch.ones_like(noise.t) if self.loss_weighting == objectives.UNIT else 1.0 / noise.t
         weight = weight.repeat_interleave(self.block_size, dim=1)
-        masked, clean, labels, countable, scored, weight = self.objective.views(noise.masked, tokens, supervised, weight)
+        masked, clean, labels, countable, scored, weight = self.objective.views(noise.masked, tokens, supervised,
+                                                                                 weight)
         noisy_tokens = torch.where(masked, self.mask_token_id, clean)
         device = default_device()
         views = clean.shape[0] // tokens.shape[0]

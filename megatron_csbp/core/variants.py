@@ -5,8 +5,8 @@ is a small frozen object stating its own facts, made once in its own module, whe
 Code holds and passes the object. A name is read only at an edge — a flag's value, a checkpoint's record, a
 tool's option — through the kind's `Registry`, which refuses an unknown name in one line naming the flag and
 the choices. So `registry(name_or_object)` is the only lookup, and a new variant is one object in one module
-plus one entry in its registry (tests/test_rules.py holds the code to that: no registry's name is written as
-a string literal outside the module that defines it).
+plus one entry in its registry (tests/test_suite_rules.py holds the code to that: no registry's name is
+written as a string literal outside the module that defines it).
 
 Standard library only (the planner runs without torch).
 """

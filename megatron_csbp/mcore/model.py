@@ -176,8 +176,9 @@ class BDLMGPTModel(GPTModel):
 
 
 def model_provider(pre_process=True, post_process=True, *, config, vocab_size, layout=None, mask_token_id=None,
-                   vocab_ids=None, group=None, transport=transports.COLLECTIVE, context=None, use_transformer_engine=False,
-                   vp_stage=None, base_spec=None, per_sample_positions=False, **gpt_kwargs) -> BDLMGPTModel:
+                   vocab_ids=None, group=None, transport=transports.COLLECTIVE, context=None,
+                   use_transformer_engine=False, vp_stage=None, base_spec=None, per_sample_positions=False,
+                   **gpt_kwargs) -> BDLMGPTModel:
     """Builds this rank's `BDLMGPTModel` (the `model_provider` Megatron's `get_model` expects, once
     `config`, `layout` and the rest are bound with `functools.partial`).
 

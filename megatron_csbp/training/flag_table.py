@@ -4,8 +4,8 @@ Under `--training-loop megatron-lm` Megatron-LM parses several hundred flags, an
 spec, datasets, forward step) implement a subset; a flag that reaches none of them would be silently
 ignored, giving the user another model or other data than asked for. So each flag has one of these kinds:
 
-* `Honoured` by the plugin: our model, spec, data or forward step implements it, and `test` names the
-  test that shows it. Both loops take it (our loop's parser has it).
+* `Honoured` by the plugin: our model, spec, data or forward step implements it (the suite names the test
+  that shows each). Both loops take it (our loop's parser has it).
 * `Honoured` by Megatron-LM's training loop (`by=MEGATRON_LM_LOOP`): Megatron-LM's own optimizer,
   schedule, gradient reduction or checkpoint code acts on it; our providers never read it. Our loop does not
   implement it, so there it is refused, saying to use `--training-loop megatron-lm`.
@@ -35,7 +35,6 @@ MEGATRON_LM_LOOP = "Megatron-LM's training loop"
 
 @dataclasses.dataclass(frozen=True)
 class Honoured:
-    test: str | None  # "tests/FILE.py::test_name" for the plugin's flags
     by: str = PLUGIN
     only: tuple | None = None  # the values it is honoured with (others are refused), None: all
 
@@ -96,63 +95,43 @@ def _classify(entry, flags: str) -> None:
         TABLE[flag] = entry
 
 
-ARCHITECTURE = "tests/test_flag_table_megatron_lm.py::test_architecture_flags_build_megatron_lms_state_dict"
-BOTH_LOOPS = "tests/test_megatron_lm.py::test_both_loops_print_the_same_losses_and_grad_norms"
-RESUME = "tests/test_megatron_lm.py::test_a_checkpoint_of_either_loop_resumes_in_the_other"
-HF_TOKENIZER = "tests/test_megatron_lm.py::test_a_hugging_face_tokenizer_gives_the_same_numbers_in_both_loops"
-PLUGIN_REFUSALS = "tests/test_megatron_lm.py::test_the_plugins_refusals_fire_under_megatron_lm"
-COMPOSITION = "tests/test_megatron_composition.py::test_world_4_compositions"
-RECOMPUTE = "tests/test_recompute.py::test_recompute_equals_no_recompute_and_sends_the_forward_twice"
-SPEC = "tests/test_spec_model.py::test_a_given_layer_spec_is_honoured_with_csbp_core_attention"
-DATA = "tests/test_data.py::test_gpt_dataset_samples_are_clean_sequences_of_length_L"
-CHECKPOINTS = "tests/test_checkpointing.py::test_damaged_or_mismatched_checkpoints_and_exit_conditions"
-STOP_SIGNAL = "tests/test_reliability.py::test_a_stop_signal_saves_at_the_next_iteration_and_the_requeued_run_matches"
-LOGGING = "tests/test_training.py::test_log_lines_memory_and_tensorboard"
-PLUGIN_FLAGS = "tests/test_arguments.py::test_plugin_flags_land_with_their_types"
-LAYOUTS = "tests/test_training.py::test_every_layout_logs_the_same_losses"
-PACKING = "tests/test_megatron_lm.py::test_both_loops_print_the_same_losses_and_grad_norms"
-PRECISION = "tests/test_arguments.py::test_bf16_and_fp16_are_exclusive_even_on_a_gpu"
-MOE = "tests/test_moe.py::test_world_2_moe_compositions_and_negative_control"
-MOE_GROUPED_GEMM = "tests/test_arguments.py::test_moe_flags_map_to_megatron_core_and_refusals"
-HF_MOE = "tests/test_hf_moe.py::test_logits_equal_huggingface"
-
-# The model: checked name by name and shape by shape against Megatron-LM's own GPT model (ARCHITECTURE).
-_classify(Honoured("tests/test_data.py::test_byte_tokenizer_and_padded_vocabulary"), "--make-vocab-size-divisible-by")
-_classify(Honoured(ARCHITECTURE), """
+# The model: checked name by name and shape by shape against Megatron-LM's own GPT model.
+_classify(Honoured(), "--make-vocab-size-divisible-by")
+_classify(Honoured(), """
     --num-layers --hidden-size --num-attention-heads --ffn-hidden-size --kv-channels --group-query-attention
     --num-query-groups --normalization --norm-epsilon --swiglu --disable-bias-linear --add-qkv-bias --qk-layernorm
     --untie-embeddings-and-output-weights --max-position-embeddings
     --rotary-base --rotary-percent --use-rope-scaling --rope-scaling-factor --init-method-std --hidden-dropout""")
-_classify(Honoured(ARCHITECTURE, only=("local", "transformer_engine")), "--transformer-impl")
-_classify(Honoured(PLUGIN_REFUSALS), "--position-embedding-type --attention-dropout")  # rope and 0 only
-_classify(Honoured(SPEC), "--spec")
-_classify(Honoured(BOTH_LOOPS), """
+_classify(Honoured(only=("local", "transformer_engine")), "--transformer-impl")
+_classify(Honoured(), "--position-embedding-type --attention-dropout")  # rope and 0 only
+_classify(Honoured(), "--spec")
+_classify(Honoured(), """
     --seq-length --micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-decay-style --lr-decay-iters
     --lr-warmup-iters --lr-warmup-fraction --lr-wsd-decay-style --lr-wsd-decay-iters --weight-decay --clip-grad
     --adam-beta1 --adam-beta2 --adam-eps --seed --eval-iters --eval-interval --split --data-path --num-workers
     --tensor-model-parallel-size --pipeline-model-parallel-size --context-parallel-size --sequence-parallel
     --calculate-per-token-loss --distributed-timeout-minutes --log-interval""")
-_classify(Honoured(BOTH_LOOPS, only=("adam", "sgd")), "--optimizer")
-_classify(Honoured(LAYOUTS), "--use-cpu-initialization")
-_classify(Honoured(PRECISION), "--bf16 --fp16 --use-distributed-optimizer")
-_classify(Honoured(RECOMPUTE), "--recompute-granularity --recompute-method --recompute-num-layers")
-_classify(Honoured(HF_TOKENIZER, only=(rules.BYTE_TOKENIZER, "NullTokenizer", "HuggingFaceTokenizer")),
+_classify(Honoured(only=("adam", "sgd")), "--optimizer")
+_classify(Honoured(), "--use-cpu-initialization")
+_classify(Honoured(), "--bf16 --fp16 --use-distributed-optimizer")
+_classify(Honoured(), "--recompute-granularity --recompute-method --recompute-num-layers")
+_classify(Honoured(only=(rules.BYTE_TOKENIZER, "NullTokenizer", "HuggingFaceTokenizer")),
           "--tokenizer-type")
-_classify(Honoured(HF_TOKENIZER), "--tokenizer-model --vocab-size")
-_classify(Honoured(DATA), "--data-cache-path")
-_classify(Honoured(RESUME), "--save --load --save-interval --finetune --no-load-optim --no-load-rng")
-_classify(Honoured(RESUME, only=("torch_dist",)), "--ckpt-format")
-_classify(Honoured(CHECKPOINTS), "--exit-on-missing-checkpoint --exit-interval --exit-duration-in-mins")
-_classify(Honoured(STOP_SIGNAL), "--exit-signal-handler")
-_classify(Honoured(LOGGING), "--tensorboard-dir")
-_classify(Honoured(PLUGIN_FLAGS), """
+_classify(Honoured(), "--tokenizer-model --vocab-size")
+_classify(Honoured(), "--data-cache-path")
+_classify(Honoured(), "--save --load --save-interval --finetune --no-load-optim --no-load-rng")
+_classify(Honoured(only=("torch_dist",)), "--ckpt-format")
+_classify(Honoured(), "--exit-on-missing-checkpoint --exit-interval --exit-duration-in-mins")
+_classify(Honoured(), "--exit-signal-handler")
+_classify(Honoured(), "--tensorboard-dir")
+_classify(Honoured(), """
     --context-block-parallel --context-block-parallel-clean-shards --bdlm-block-size --bdlm-objective
     --bdlm-loss-weighting --bdlm-noise-range --bdlm-noise-sampling --bdlm-parallel-mode --csbp-transport --link-gbps
     --link-latency-us --csbp-block-schedule --csbp-clean-layout --bdlm-mask-token-id --max-consecutive-bad-steps
     --config --training-loop""")
 
 # Megatron-LM's optimizer, schedule, gradient reduction and checkpoint machinery: its code, not our providers.
-_classify(Honoured(None, by=MEGATRON_LM_LOOP), """
+_classify(Honoured(by=MEGATRON_LM_LOOP), """
     --sgd-momentum --muon-momentum --muon-no-split-qkv --muon-use-nesterov --muon-scale-mode --muon-fp32-matmul-prec
     --muon-num-ns-steps --muon-tp-mode --muon-extra-scale-factor --apply-wd-to-qk-layernorm --no-weight-decay-cond-type
     --lr-decay-samples --lr-wsd-decay-samples --lr-warmup-samples --lr-warmup-init --override-opt_param-scheduler
@@ -216,12 +195,12 @@ _classify(Neutral("in-process restart settings: used only with --inprocess-resta
     --inprocess-last-call-wait --inprocess-termination-grace-time --inprocess-granularity --inprocess-active-world-size
     --inprocess-empty-cuda-cache""")
 
-_classify(Honoured(MOE), """
+_classify(Honoured(), """
     --num-experts --moe-layer-freq --moe-ffn-hidden-size --moe-shared-expert-intermediate-size --moe-router-topk
     --moe-router-score-function --moe-router-dtype --moe-router-load-balancing-type --moe-aux-loss-coeff
     --moe-token-dispatcher-type --expert-model-parallel-size --expert-tensor-parallel-size""")
-_classify(Honoured(MOE_GROUPED_GEMM), "--moe-grouped-gemm")
-_classify(Honoured(HF_MOE), "--moe-router-pre-softmax")  # Qwen-MoE's norm_topk_prob false, against transformers
+_classify(Honoured(), "--moe-grouped-gemm")
+_classify(Honoured(), "--moe-router-pre-softmax")  # Qwen-MoE's norm_topk_prob false, against transformers
 _MOE_SUPPORTED = ("drop it (supported MoE options: --num-experts, --moe-layer-freq, --moe-ffn-hidden-size, "
                   "--moe-shared-expert-intermediate-size, --moe-router-topk, --moe-router-score-function, "
                   "--moe-router-pre-softmax, "
@@ -241,7 +220,7 @@ _classify(Refused("is a mixture-of-experts option not supported with the BDLM mo
     --moe-layer-recompute --moe-permute-fusion --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size
     --moe-deepep-num-sms --moe-hybridep-num-sms --ep-overlap-early-attn-memory-release
     --overlap-moe-expert-parallel-comm""")
-_classify(Honoured(PACKING), "--reset-position-ids --reset-attention-mask --eod-mask-loss")
+_classify(Honoured(), "--reset-position-ids --reset-attention-mask --eod-mask-loss")
 _classify(Refused("selects data the plugin's datasets provider does not build",
                   "give --data-path PREFIX (or a weighted blend) and --split"), """
     --train-data-path --valid-data-path --test-data-path --data-args-path --per-split-data-args-path
