@@ -73,7 +73,7 @@ def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows
         head_dim=head_dim, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=tied,
         initializer_range=0.1, eos_token_id=0, bos_token_id=0, pad_token_id=None, **extra)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
