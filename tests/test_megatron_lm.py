@@ -15,6 +15,7 @@ import pytest
 
 from conftest import megatron_lm_path
 from pretrain_runs import ITERATION, REPO, SCRIPT, TORCHRUN, Run, environment, lines_until_iteration
+from spawn import kill_tree, start
 
 pytest_plugins = ["pretrain_runs"]
 MEGATRON_LM = megatron_lm_path()
@@ -347,14 +348,14 @@ def test_sigterm_to_the_launcher_saves_exits_0_without_a_traceback_and_resumes(c
     overrides = _overrides(corpus, context_block_parallel=2, train_iters=12, eval_interval=100, save=save,
                            load=save, exit_signal_handler=True)
     command = [*LAUNCHER, SCRIPT, "--config", CONFIG, "--training-loop", "megatron-lm", *overrides]
-    launched = subprocess.Popen(command, cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launched = start(command, cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}),
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = lines_until_iteration(launched)
         launched.send_signal(signal.SIGTERM)
         lines.append(launched.communicate(timeout=300)[0])
     finally:
-        launched.kill()
+        kill_tree(launched)
     output = "".join(lines)
     assert launched.returncode == 0, output[-5000:]
     assert "Traceback" not in output and "SignalException" not in output, output[-5000:]

@@ -44,9 +44,16 @@ _armed = False
 
 
 def die_with_launcher() -> bool:
-    """Makes this process (and every process it forks) receive SIGKILL when its parent dies; True when armed."""
+    """Under a launcher, makes this process (and every process it forks) receive SIGKILL when its parent dies;
+    True when armed."""
+    return launched_by_launcher() and die_with_parent()
+
+
+def die_with_parent() -> bool:
+    """Makes this process (and every process it forks) receive SIGKILL when its parent dies; True when armed
+    (Linux only). For a process whose parent is its launcher (a rank), never for a command a user starts."""
     global _armed
-    if not sys.platform.startswith("linux") or not launched_by_launcher():
+    if not sys.platform.startswith("linux"):
         return False
     if not _armed:
         _armed = _arm()
