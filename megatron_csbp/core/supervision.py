@@ -11,6 +11,7 @@ unsupervised, beside a requeued job. On Linux each rank asks the kernel for SIGK
 `python scripts/pretrain_bdlm.py` under `nohup` is not tied to its shell. A rank's own helpers die with
 it too: forked ones re-arm the request after `fork` (the kernel clears it), and spawned ones (megatron-core's
 checkpoint-writer queue manager) arm it when they import the entry script, which calls this at import.
+`die_with_parent` asks the same unconditionally, for a rank whose parent is its launcher (`launch.run_ranks`).
 """
 
 import contextlib
