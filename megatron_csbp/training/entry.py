@@ -37,8 +37,9 @@ def accepted(name: str, prepare, rank: int, on_refusal=None):
 
 
 def leave_together(world: int, status: int = 2, timeout_seconds: float = 30.0) -> None:
-    """Under torchrun, makes the ranks that refused (every rank refuses the same input) exit at one instant,
-    with `status`; returns only where there is nothing to wait for (one rank, or no torchrun store: srun).
+    """Under torchrun, makes the ranks that refused (every rank refuses the same input) or that a guard stopped
+    (at the same iteration) exit at one instant, with `status`; returns only where there is nothing to wait for
+    (one rank, or no torchrun store: srun).
 
     The launcher checks its ranks every 0.1 s and stops those still running once one has failed: a rank that
     refused a moment later than the first would be reported as killed (and the launch as a failure, exit 1)
