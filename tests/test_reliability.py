@@ -261,6 +261,33 @@ def test_killing_torchrun_takes_its_ranks_with_it(corpus, tmp_path):
     assert alive == [], f"left running after torchrun was killed: pids {[p.pid for p in alive]}"
 
 
+def test_a_run_killed_outright_leaves_no_helper_behind(corpus, tmp_path):
+    """`kill -9` of a one-process run (no launcher) once it saved: megatron-core's checkpoint-writer manager, and
+    the resource tracker it holds open, die with it (they stayed, orphaned, for good)."""
+    settings = base(corpus, save=tmp_path / "save", save_interval=1, train_iters=400, eval_iters=0)
+    launched = start(command(1, settings), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, text=True)
+    helpers, commands = [], []
+    try:
+        for line in launched.stdout:
+            if re.search(r"saved checkpoint at iteration\s+1 ", line):
+                break
+        helpers = psutil.Process(launched.pid).children(recursive=True)
+        commands = [" ".join(helper.cmdline()) for helper in helpers]
+        launched.kill()
+        launched.wait()
+        _, alive = psutil.wait_procs(helpers, timeout=20)
+    finally:
+        kill_tree(launched)
+        for helper in helpers:
+            try:
+                helper.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert any("spawn_main" in line for line in commands), commands  # the writer's manager was there to die
+    assert alive == [], f"left running after the run was killed: {[helper.pid for helper in alive]}"
+
+
 def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(corpus):
     """SIGSTOP on one rank: it never fails, so only the watchdog can end the job; the other rank names it."""
     timeout = 15
