@@ -13,7 +13,8 @@ the same providers; `auto` (the default) takes Megatron-LM's where `megatron.tra
 GPUs and, with gloo, on CPUs.
 
 Exit status: 0 done (or saved and stopped on a signal / exit condition), 2 refused input (one line, before
-any work), 1 a failure (`megatron_csbp.training.pretrain`, which holds the command).
+any work), 17 stopped by a guard (one line), 1 a failure (`megatron_csbp.training.pretrain`, which holds the
+command).
 """
 
 import os

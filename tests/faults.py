@@ -4,7 +4,7 @@
 
 Each rank wraps the package's own functions, from these environment variables, then runs the command's
 `main()` (`megatron_csbp.training.pretrain`); with none set it is the script itself:
-* `MEGATRON_CSBP_TEST_NAN_ITERATIONS=3,7`: the loss of those iterations is NaN;
+* `MEGATRON_CSBP_TEST_NAN_ITERATIONS=3,7`: the loss of those iterations is NaN (in either loop);
 * `MEGATRON_CSBP_TEST_INF_GRAD_ITERATIONS=4`: a gradient of those iterations is infinite (the loss finite);
 * `MEGATRON_CSBP_TEST_FAIL=RANK:ITERATION[:kill]`: that rank raises (or SIGKILLs itself) in that iteration's
   forward step;
@@ -74,6 +74,36 @@ def _inject_step_faults() -> None:
     Trainer._forward_step, Trainer._guarded_step = faulty_forward_step_of, faulty_guarded_step
 
 
+def _inject_nan_losses_under_megatron_lm() -> None:
+    """NaN losses in the iterations named, under Megatron-LM's loop (whose iteration is its `args.curr_iteration`,
+    the iterations done): the BDLM loss function the forward step calls is wrapped."""
+    from megatron_csbp.bdlm import forward_step
+
+    nan_iterations, loss_func = _iterations(NAN_ITERATIONS), forward_step.loss_func
+
+    def poisoned_loss_func(*args, **kwargs):
+        loss, num_tokens, report = loss_func(*args, **kwargs)
+        from megatron.training import get_args
+
+        if getattr(get_args(), "curr_iteration", -1) + 1 in nan_iterations:
+            return loss * float("nan"), num_tokens, {"lm loss": report["lm loss"] * float("nan")}
+        return loss, num_tokens, report
+
+    forward_step.loss_func = poisoned_loss_func
+
+
+def _takes_megatron_lms_loop(argv: list[str]) -> bool:
+    """Whether the command will run Megatron-LM's loop (as it decides: `loops.uses_megatron_lm`)."""
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.training import loops
+    from megatron_csbp.training.config import training_loop
+
+    try:
+        return loops.uses_megatron_lm(training_loop(argv))
+    except ConfigError:  # the command refuses it, in its own words
+        return False
+
+
 def _inject_crash_before_publish(iteration: int) -> None:
     """Checkpointing publishes a written checkpoint with `publish.publish_directory`: fail just before."""
     from megatron_csbp.training import checkpointing, publish
@@ -99,6 +129,8 @@ def main() -> int:
     quiet.quiet_start_up()  # before the wrapped modules import megatron, as the command does
     if any(os.environ.get(name) for name in (NAN_ITERATIONS, INF_GRAD_ITERATIONS, FAIL)):
         _inject_step_faults()
+    if os.environ.get(NAN_ITERATIONS) and _takes_megatron_lms_loop(sys.argv[1:]):
+        _inject_nan_losses_under_megatron_lm()
     if os.environ.get(CRASH_BEFORE_PUBLISH):
         _inject_crash_before_publish(int(os.environ[CRASH_BEFORE_PUBLISH]))
     if os.environ.get(TIMEOUT_SECONDS):

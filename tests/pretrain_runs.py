@@ -15,10 +15,13 @@ from dataclasses import dataclass
 
 import pytest
 
+from spawn import run_command
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "scripts", "pretrain_bdlm.py")
 FAULTS = os.path.join(REPO, "tests", "faults.py")  # the script's command with the faults its environment names
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+OUR_TORCHRUN = (sys.executable, "-m", "megatron_csbp.torchrun")
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+)\s*\|.*?lm loss:\s*([-+0-9.eE]+|[-+]?(?:nan|NAN|inf|INF))")
 VALIDATION = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([-+0-9.eE]+)")
 
@@ -71,8 +74,10 @@ class Run:
         return {int(m.group(1)): float(m.group(2)) for m in VALIDATION.finditer(self.output)}
 
 
-def command(nproc: int, settings: dict, *extra: str, entry: str = SCRIPT) -> list[str]:
-    launcher = [sys.executable] if nproc == 1 else [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
+def command(nproc: int, settings: dict, *extra: str, entry: str = SCRIPT,
+            torchrun: tuple[str, ...] = (TORCHRUN,)) -> list[str]:
+    """The command line of a run: python for one rank, else `torchrun` (plain torchrun, or e.g. `OUR_TORCHRUN`)."""
+    launcher = [sys.executable] if nproc == 1 else [*torchrun, "--standalone", "--nproc-per-node", str(nproc)]
     return [*launcher, entry, *flags({**TINY, **settings}), *extra]
 
 
@@ -84,13 +89,13 @@ def environment(extra: dict | None = None) -> dict:
 
 
 def run(nproc: int, settings: dict, *extra: str, env: dict | None = None, faults: dict | None = None,
-        timeout: float = 300, expect: int | None = 0) -> Run:
+        timeout: float = 300, expect: int | None = 0, torchrun: tuple[str, ...] = (TORCHRUN,)) -> Run:
     """Runs the script to completion; `expect` is the exit status required (None: any). `faults`: the
     tests/faults.py variables to inject (the run then takes that entry)."""
     started = time.time()
-    done = subprocess.run(command(nproc, settings, *extra, entry=FAULTS if faults else SCRIPT), cwd=REPO,
-                          env=environment({**(env or {}), **(faults or {})}), timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    done = run_command(command(nproc, settings, *extra, entry=FAULTS if faults else SCRIPT, torchrun=torchrun),
+                       cwd=REPO, env=environment({**(env or {}), **(faults or {})}), timeout=timeout,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     result = Run(done.returncode, done.stdout, time.time() - started)
     if expect is not None:
         assert done.returncode == expect, f"exit status {done.returncode}, expected {expect}:\n{done.stdout[-6000:]}"

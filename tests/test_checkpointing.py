@@ -141,7 +141,8 @@ def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corp
         f"same --hidden-size, or another --load")
     for name, stop, why in (("exit_interval", 2, "--exit-interval 2"), ("exit_duration", 1, "--exit-duration-in-mins 0")):
         status, output = results[name]  # Megatron-LM's exit conditions: save, then leave (exit status 0)
-        assert status == "ok" and f"exiting at iteration {stop} on {why}" in output, output
+        assert status == "ok" and f"exiting at iteration {stop} on {why}; last good checkpoint: iteration {stop} in " \
+                                  f"{exits[name]}" in output, output
         assert (exits[name] / "latest_checkpointed_iteration.txt").read_text() == str(stop)
     status, message = results["missing"]  # Megatron-LM's --exit-on-missing-checkpoint: no silent fresh start
     assert status == "error" and message == (

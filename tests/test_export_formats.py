@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from megatron_csbp.tools import convert_hf, tiny_hf_model
-from spawn import run_ranks
+from spawn import run_command, run_ranks
 from test_hf import _safetensors
 
 pytest.importorskip("transformers")
@@ -73,16 +73,16 @@ def _conversions(rank, world, jobs):
 
 
 def _pretrain(config, *overrides):
-    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), "--config", config,
-                           *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    done = run_command([sys.executable, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), "--config", config,
+                        *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout[-6000:]
 
 
 def _convert(*argv):
-    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), *argv], cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_command([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), *argv], cwd=REPO,
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     return done.returncode, done.stdout, done.stderr
 
 

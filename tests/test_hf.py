@@ -32,7 +32,7 @@ import torch
 from attention_reference import bdlm_mask
 from pretrain_runs import TORCHRUN
 from megatron_csbp.tools import convert_hf, tiny_hf_model
-from spawn import on_cpu_backend, run_ranks
+from spawn import kill_tree, on_cpu_backend, run_command, run_ranks, start
 
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -235,9 +235,9 @@ def _expected_export(family, original):
 
 
 def _convert(*argv):
-    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), *argv], cwd=REPO,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = run_command([sys.executable, os.path.join(REPO, "scripts", "convert_hf.py"), *argv], cwd=REPO,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
     return done.returncode, done.stdout
 
 
@@ -293,9 +293,9 @@ def finetune_config(converted, name, tmp_path):
 
 def _pretrain(nproc, config, *overrides):
     launcher = [sys.executable] if nproc == 1 else [TORCHRUN, "--standalone", "--nproc-per-node", str(nproc)]
-    done = subprocess.run([*launcher, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), "--config", config,
-                           *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
+    done = run_command([*launcher, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), "--config", config,
+                        *overrides], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     assert done.returncode == 0, done.stdout[-6000:]
     return done.stdout
 
@@ -515,21 +515,22 @@ def _stopped_run(tmp_path, stage, *argv):
     """Starts convert_hf.py stopping at `stage`; returns the process once it stands there."""
     script = tmp_path / "stopping_run.py"
     script.write_text(_STOPPING_RUN)
-    process = subprocess.Popen([sys.executable, str(script), stage, *argv], cwd=REPO, stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
+    process = start([sys.executable, str(script), stage, *argv], cwd=REPO, stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO})
     lines = []
     for line in process.stdout:
         lines.append(line)
         if line.startswith(f"STOPPED AT {stage}"):
             return process
-    process.wait()
+    kill_tree(process)
     raise AssertionError(f"the run never reached {stage!r} (exit {process.returncode}):\n{''.join(lines)[-3000:]}")
 
 
 def _kill(process):
-    process.kill()
-    process.wait(timeout=60)
+    """SIGKILL, as a user's `kill -9` or the OOM killer, to the run and the helpers it started (megatron-core's
+    checkpoint-writer queue manager and its resource tracker, which a kill of the run alone leaves orphaned)."""
+    kill_tree(process)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import sys
 import pytest
 
 from conftest import megatron_lm_path
-from pretrain_runs import ITERATION, REPO, SCRIPT, TORCHRUN, Run, environment, lines_until_iteration
+from pretrain_runs import FAULTS, ITERATION, REPO, SCRIPT, TORCHRUN, Run, environment, lines_until_iteration
+from spawn import kill_tree, run_command, start
 
 pytest_plugins = ["pretrain_runs"]
 MEGATRON_LM = megatron_lm_path()
@@ -347,14 +348,14 @@ def test_sigterm_to_the_launcher_saves_exits_0_without_a_traceback_and_resumes(c
     overrides = _overrides(corpus, context_block_parallel=2, train_iters=12, eval_interval=100, save=save,
                            load=save, exit_signal_handler=True)
     command = [*LAUNCHER, SCRIPT, "--config", CONFIG, "--training-loop", "megatron-lm", *overrides]
-    launched = subprocess.Popen(command, cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launched = start(command, cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}),
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = lines_until_iteration(launched)
         launched.send_signal(signal.SIGTERM)
         lines.append(launched.communicate(timeout=300)[0])
     finally:
-        launched.kill()
+        kill_tree(launched)
     output = "".join(lines)
     assert launched.returncode == 0, output[-5000:]
     assert "Traceback" not in output and "SignalException" not in output, output[-5000:]
@@ -367,3 +368,24 @@ def test_sigterm_to_the_launcher_saves_exits_0_without_a_traceback_and_resumes(c
                      resumed.output), resumed.output[-3000:]
     steps, _ = _logged(resumed)
     assert min(steps) == saved + 1 and max(steps) == 12
+
+
+def test_a_nan_loss_under_megatron_lm_is_its_own_exit_without_a_traceback(corpus, tmp_path):
+    """A NaN loss under Megatron-LM's loop: its rerun state machine re-runs the step, saves and exits 16 ("resume
+    to check the result"), and that is the command's status, with Megatron-LM's own lines and no traceback (the
+    command used to print one and `rank 0 failed: SystemExit: 16`, exit 1). Our loop's answer: test_reliability's
+    test_nan_steps_are_skipped_counted_and_a_run_of_them_stops_training."""
+    save = tmp_path / "checkpoints"
+    overrides = _overrides(corpus, context_block_parallel=2, train_iters=6, eval_interval=100, save=save,
+                           save_interval=2)
+    done = run_command([*LAUNCHER, FAULTS, "--config", CONFIG, "--training-loop", "megatron-lm", *overrides],
+                       cwd=REPO, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM,
+                                                  "MEGATRON_CSBP_TEST_NAN_ITERATIONS": "3"}),
+                       timeout=600, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    output = done.stdout
+    assert done.returncode == 16, output[-5000:]
+    assert "Traceback" not in output and not re.search(r"rank \d+ (failed|stopping)", output), output[-5000:]
+    assert re.search(r"torchrun: rank \d \(local rank \d, pid \d+\) ended with exit status 16", output), output[-5000:]
+    assert "Unexpected result nan" in output and "Saving a checkpoint and exiting now" in output, output[-5000:]
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
+    assert not (save / "csbp_writer.lock").exists()

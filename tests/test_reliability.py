@@ -12,8 +12,9 @@ import time
 import psutil
 import pytest
 
-from pretrain_runs import (FAULTS, K, REPO, SCRIPT, TINY, Run, base, command, environment, flags,
+from pretrain_runs import (FAULTS, K, OUR_TORCHRUN, REPO, SCRIPT, TINY, Run, base, command, environment, flags,
                            lines_until_iteration, run)
+from spawn import kill_tree, run_command, start
 
 pytest_plugins = ["pretrain_runs"]
 
@@ -36,19 +37,21 @@ def test_a_stop_signal_saves_at_the_next_iteration_and_the_requeued_run_matches(
     uninterrupted run's losses."""
     checkpoints = tmp_path / "checkpoints"
     settings = base(corpus, context_block_parallel=2, save=checkpoints, load=checkpoints, exit_signal_handler=True)
-    launched = subprocess.Popen(command(2, settings), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+    launched = start(command(2, settings), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, text=True)
     try:
         lines = lines_until_iteration(launched)
         _worker(launched.pid, 1).send_signal(stop_signal)
         lines.append(launched.communicate(timeout=180)[0])
     finally:
-        launched.kill()
+        kill_tree(launched)
     first = Run(launched.returncode, "".join(lines), 0.0)
     assert first.returncode == 0, first.output[-4000:]
     assert f"no checkpoint in {checkpoints} yet" in first.output
     saved = int(re.search(r"saved checkpoint at iteration\s+(\d+)", first.output).group(1))
-    assert 2 <= saved < 2 * K and f"exiting at iteration {saved} on a stop signal" in first.output
+    assert 2 <= saved < 2 * K and "Traceback" not in first.output
+    assert f"exiting at iteration {saved} on a stop signal (SIGUSR1/SIGTERM); last good checkpoint: iteration " \
+           f"{saved} in {checkpoints}" in first.output
     assert max(first.losses) == saved
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text() == str(saved)
 
@@ -61,11 +64,18 @@ def test_a_stop_signal_saves_at_the_next_iteration_and_the_requeued_run_matches(
 
 
 def test_nan_steps_are_skipped_counted_and_a_run_of_them_stops_training(corpus, tmp_path):
+    """A run of non-finite steps is a guard's stop, not a crash: one line naming the last good checkpoint, exit 17
+    (through our torchrun), no traceback, no rank reported failed."""
     save = tmp_path / "checkpoints"
     settings = dict(base(corpus, context_block_parallel=2, save=save, save_interval=4, eval_iters=0),
                     max_consecutive_bad_steps=3)
-    result = run(2, settings, faults={"MEGATRON_CSBP_TEST_NAN_ITERATIONS": "3,9,10,11"}, expect=1)
+    result = run(2, settings, faults={"MEGATRON_CSBP_TEST_NAN_ITERATIONS": "3,9,10,11"}, expect=17,
+                 torchrun=OUR_TORCHRUN)
     output = result.output
+    assert "Traceback" not in output and not re.search(r"rank \d+ (failed|stopping)|torchrun:", output), output[-4000:]
+    stops = [line for line in output.splitlines() if line.startswith("pretrain_bdlm.py: ")]
+    assert stops == [f"pretrain_bdlm.py: stopping at iteration 11: 3 consecutive steps with a non-finite loss or grad "
+                     f"norm (--max-consecutive-bad-steps 3); last good checkpoint: iteration 8 in {save}"], stops
     assert "iteration 3: non-finite loss" in output and "step skipped (1 in a row, limit 3)" in output
     counts = {int(m.group(1)): (int(m.group(2)), int(m.group(3))) for m in re.finditer(
         r"iteration\s+(\d+)/.*number of skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+)", output)}
@@ -73,8 +83,7 @@ def test_nan_steps_are_skipped_counted_and_a_run_of_them_stops_training(corpus, 
     losses = result.losses
     assert math.isnan(losses[3]), losses  # the poisoned step is logged as what it was
     assert all(math.isfinite(losses[i]) for i in (4, 5, 6, 7, 8)), losses  # and left no NaN behind
-    assert "stopping at iteration 11: 3 consecutive steps with a non-finite loss or grad norm" in output
-    assert f"last good checkpoint: iteration 8 in {save}" in output
+    assert not (save / "csbp_writer.lock").exists()  # released on the way out
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "8"
     assert sorted(os.listdir(save)) == ["iter_0000004", "iter_0000008", "latest_checkpointed_iteration.txt"]
     from megatron_csbp.training.checkpointing import check_complete
@@ -88,10 +97,9 @@ def _srun_like(settings: dict, faults: dict, world: int = 2):
 
     port = free_port()
     args = [sys.executable, FAULTS, *flags({**TINY, **settings})]
-    return [subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env=environment({**faults, "RANK": str(rank), "WORLD_SIZE": str(world),
-                                              "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-                                              "MASTER_PORT": str(port)}))
+    return [start(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                  env=environment({**faults, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}))
             for rank in range(world)]
 
 
@@ -99,9 +107,14 @@ def test_a_rank_that_raises_stops_every_rank_naming_it(corpus):
     """No launcher to tear the job down: the surviving rank must leave by itself, and say who failed."""
     ranks = _srun_like(base(corpus, context_block_parallel=2, eval_iters=0),
                        {"MEGATRON_CSBP_TEST_FAIL": "1:3"})
-    outputs = [rank.communicate(timeout=150)[0] for rank in ranks]  # a hang fails here, naming the test
+    try:
+        outputs = [rank.communicate(timeout=150)[0] for rank in ranks]  # a hang fails here, naming the test
+    finally:
+        for rank in ranks:
+            kill_tree(rank)
     assert [rank.returncode for rank in ranks] == [1, 1], outputs
     assert "rank 1 failed: RuntimeError: injected failure at iteration 3" in outputs[1]
+    assert "Traceback" in outputs[1]  # a real failure keeps its traceback
     assert "rank 0 stopping: rank 1 failed: RuntimeError: injected failure at iteration 3" in outputs[0], outputs[0]
 
 
@@ -127,27 +140,13 @@ def test_a_non_finite_grad_norm_skips_the_step_with_a_finite_loss(corpus):
     assert counts[3] == (0, 0) and counts[4] == (1, 1) and counts[6] == (1, 1)
 
 
-def _kill_tree(launched: subprocess.Popen) -> None:
-    """Kills a launched run and every process under it (their helpers hold its output pipe open)."""
-    try:
-        processes = [psutil.Process(launched.pid), *psutil.Process(launched.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        processes = []
-    for process in processes:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            pass
-    launched.communicate()
-
-
 def test_a_second_run_on_the_same_save_is_refused_naming_the_first(corpus, tmp_path):
     """Two runs writing one --save would mix their files into checkpoints that pass every check."""
     import json
 
     save = tmp_path / "shared"
-    first = subprocess.Popen(command(1, base(corpus, save=save, save_interval=4, train_iters=400, eval_iters=0)),
-                             cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = start(command(1, base(corpus, save=save, save_interval=4, train_iters=400, eval_iters=0)),
+                  cwd=REPO, env=environment(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         for line in first.stdout:
             if re.search(r"iteration\s+1/", line):
@@ -156,7 +155,7 @@ def test_a_second_run_on_the_same_save_is_refused_naming_the_first(corpus, tmp_p
         assert holder["pid"] == first.pid
         second = run(1, base(corpus, save=save, eval_iters=0), expect=2, timeout=120)
     finally:
-        _kill_tree(first)
+        kill_tree(first)
     assert "Traceback" not in second.output and "iteration" not in second.output
     assert second.output.strip().splitlines()[-1] == (
         f"pretrain_bdlm.py: error: --save {save} is in use by another run (host {holder['host']}, pid {first.pid}, "
@@ -262,13 +261,39 @@ def test_killing_torchrun_takes_its_ranks_with_it(corpus, tmp_path):
     assert alive == [], f"left running after torchrun was killed: pids {[p.pid for p in alive]}"
 
 
+def test_a_run_killed_outright_leaves_no_helper_behind(corpus, tmp_path):
+    """`kill -9` of a one-process run (no launcher) once it saved: megatron-core's checkpoint-writer manager, and
+    the resource tracker it holds open, die with it (they stayed, orphaned, for good)."""
+    settings = base(corpus, save=tmp_path / "save", save_interval=1, train_iters=400, eval_iters=0)
+    launched = start(command(1, settings), cwd=REPO, env=environment(), stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, text=True)
+    helpers, commands = [], []
+    try:
+        for line in launched.stdout:
+            if re.search(r"saved checkpoint at iteration\s+1 ", line):
+                break
+        helpers = psutil.Process(launched.pid).children(recursive=True)
+        commands = [" ".join(helper.cmdline()) for helper in helpers]
+        launched.kill()
+        launched.wait()
+        _, alive = psutil.wait_procs(helpers, timeout=20)
+    finally:
+        kill_tree(launched)
+        for helper in helpers:
+            try:
+                helper.kill()
+            except psutil.NoSuchProcess:
+                pass
+    assert any("spawn_main" in line for line in commands), commands  # the writer's manager was there to die
+    assert alive == [], f"left running after the run was killed: {[helper.pid for helper in alive]}"
+
+
 def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(corpus):
     """SIGSTOP on one rank: it never fails, so only the watchdog can end the job; the other rank names it."""
     timeout = 15
-    launched = subprocess.Popen(command(2, base(corpus, context_block_parallel=2, train_iters=400, eval_iters=0),
-                                        entry=FAULTS),
-                                cwd=REPO, env=environment({"MEGATRON_CSBP_TEST_TIMEOUT_SECONDS": str(timeout)}),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launched = start(command(2, base(corpus, context_block_parallel=2, train_iters=400, eval_iters=0), entry=FAULTS),
+                     cwd=REPO, env=environment({"MEGATRON_CSBP_TEST_TIMEOUT_SECONDS": str(timeout)}),
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = lines_until_iteration(launched)
         stopped = _worker(launched.pid, 1)
@@ -277,7 +302,7 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_naming_it(corpus):
         lines.append(launched.communicate(timeout=timeout + 90)[0])
         elapsed = time.time() - started
     finally:
-        _kill_tree(launched)
+        kill_tree(launched)
     output = "".join(lines)
     assert launched.returncode != 0
     match = re.search(r"rank 0 watchdog: (.*) has not completed in (\d+) s \(distributed timeout 15 s, "
@@ -325,14 +350,14 @@ def test_under_ci_a_skip_the_suite_could_run_is_a_failure(tmp_path):
 def _stopped_through_the_launcher(launcher: list[str], settings: dict) -> tuple[int, str]:
     """Starts 2 ranks under `launcher`, sends SIGTERM to the launcher itself (as Slurm does to a job step) once
     iteration 2 is logged; returns (exit status, output)."""
-    launched = subprocess.Popen([*launcher, SCRIPT, *flags({**TINY, **settings})], cwd=REPO, env=environment(),
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launched = start([*launcher, SCRIPT, *flags({**TINY, **settings})], cwd=REPO, env=environment(),
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         lines = lines_until_iteration(launched)
         launched.send_signal(signal.SIGTERM)
         lines.append(launched.communicate(timeout=180)[0])
     finally:
-        _kill_tree(launched)
+        kill_tree(launched)
     return launched.returncode, "".join(lines)
 
 
@@ -355,3 +380,100 @@ def test_sigterm_to_our_launcher_is_a_requested_stop_exit_0_without_a_traceback(
     assert (tmp_path / "ours" / "latest_checkpointed_iteration.txt").read_text() == str(saved)
     status, output = outcomes["torchrun"]
     assert status == 1 and "SignalException" in output, output[-4000:]
+
+
+_LEAKS = '''
+import os, subprocess, sys
+
+SLEEPER = [sys.executable, "-c", "import time; time.sleep(600)"]
+
+
+def test_leaves_a_child():
+    child = subprocess.Popen(SLEEPER)
+    open("child.pid", "w").write(str(child.pid))
+
+
+def test_leaves_an_orphan():  # its parent exits at once: it is re-parented out of the run's process tree
+    subprocess.run(["sh", "-c", '"$@" >/dev/null 2>&1 & echo $! > orphan.pid', "sh", *SLEEPER], check=True)
+
+
+def test_ends_what_it_starts():
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+'''
+
+
+def test_a_process_that_outlives_the_test_run_fails_it_naming_the_test(tmp_path):
+    """The suite's conftest fails a run that leaves a process behind, a child or an orphan, names the test after
+    which each was first seen, and kills it; a run that ends what it starts passes (the negative control)."""
+    import shutil
+
+    shutil.copy(os.path.join(REPO, "tests", "conftest.py"), tmp_path / "conftest.py")
+    (tmp_path / "test_leaks.py").write_text(_LEAKS)
+    outcomes = {}
+    for name, selection in (("leaks", []), ("clean", ["-k", "ends_what_it_starts"])):
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *selection,
+                               "test_leaks.py"], cwd=tmp_path, env=environment(), capture_output=True, text=True,
+                              timeout=120)
+        outcomes[name] = done
+    leaked, clean = outcomes["leaks"], outcomes["clean"]
+    assert clean.returncode == 0 and "left behind" not in clean.stdout, clean.stdout[-3000:]
+    assert leaked.returncode == 1, leaked.stdout[-3000:]
+    assert "3 passed" in leaked.stdout and "processes the test run left behind (killed now)" in leaked.stdout
+    named = [line for line in leaked.stdout.splitlines() if line.startswith("pid ")]
+    assert len(named) == 2, leaked.stdout[-3000:]
+    for test, pid_file in (("test_leaves_a_child", "child.pid"), ("test_leaves_an_orphan", "orphan.pid")):
+        pid = int((tmp_path / pid_file).read_text())
+        [line] = [line for line in named if line.startswith(f"pid {pid} ")]
+        assert line.endswith(f"first seen after test_leaks.py::{test}") and "time.sleep(600)" in line, line
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, line
+    assert "test_ends_what_it_starts" not in "\n".join(named)
+
+
+_ENDING = '''
+import subprocess, sys
+from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training import entry
+
+
+def work():
+    helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    open(sys.argv[1], "w").write(str(helper.pid))
+    exec(sys.argv[2])
+
+
+sys.exit(entry.run("command.py", 0, 1, work))
+'''
+ENDINGS = {  # what the work does: (exit status, the last line on stderr, a traceback printed)
+    "pass": (0, None, False),
+    "raise ConfigError('--x 3 is refused; give 2')": (2, "command.py: error: --x 3 is refused; give 2", False),
+    "raise entry.GuardStop('stopping at iteration 4: it diverged; last good checkpoint: iteration 2 in s')":
+        (17, "command.py: stopping at iteration 4: it diverged; last good checkpoint: iteration 2 in s", False),
+    "sys.exit(16)": (16, None, False),  # Megatron-LM's rerun state machine: "resume to disambiguate"
+    "sys.exit(0)": (0, None, False),
+    "raise KeyboardInterrupt": (130, "command.py: interrupted (rank 0)", False),
+    "raise RuntimeError('boom')": (1, "rank 0 failed: RuntimeError: boom", True),
+}
+
+
+def test_each_way_a_command_ends_has_its_status_and_line_and_ends_its_helpers(tmp_path):
+    """`entry.run`: a refusal, a guard's stop, a deliberate exit and Ctrl-C are their one line (or none) and their
+    status, without a traceback; only a real failure prints one. However it ends, its helpers end with it."""
+    script = tmp_path / "command.py"
+    script.write_text(_ENDING)
+    for work, (status, last_line, traceback) in ENDINGS.items():
+        pid_file = tmp_path / "helper.pid"
+        done = run_command([sys.executable, str(script), str(pid_file), work], cwd=REPO, env=environment(),
+                           capture_output=True, text=True, timeout=120)
+        errors = done.stderr.strip().splitlines()
+        assert done.returncode == status, (work, done.stderr[-3000:])
+        assert (errors[-1] if errors else None) == last_line and ("Traceback" in done.stderr) == traceback, \
+            (work, done.stderr[-3000:])
+        try:
+            helper = psutil.Process(int(pid_file.read_text()))
+        except psutil.NoSuchProcess:
+            continue
+        if status == 0:  # a normal exit leaves the work's own processes to it: end this one here
+            helper.kill()
+        _, alive = psutil.wait_procs([helper], timeout=10)  # a SIGKILL takes a moment on a busy machine
+        assert all(process.status() == psutil.STATUS_ZOMBIE for process in alive), (work, "its helper outlived it")

@@ -11,6 +11,8 @@ unsupervised, beside a requeued job. On Linux each rank asks the kernel for SIGK
 `python scripts/pretrain_bdlm.py` under `nohup` is not tied to its shell. A rank's own helpers die with
 it too: forked ones re-arm the request after `fork` (the kernel clears it), and spawned ones (megatron-core's
 checkpoint-writer queue manager) arm it when they import the entry script, which calls this at import.
+`die_with_parent` asks the same unconditionally, for a rank whose parent is its launcher (`launch.run_ranks`),
+and for a helper of any of our commands, launched or not.
 """
 
 import contextlib
@@ -44,9 +46,17 @@ _armed = False
 
 
 def die_with_launcher() -> bool:
-    """Makes this process (and every process it forks) receive SIGKILL when its parent dies; True when armed."""
+    """Under a launcher, makes this process (and every process it forks) receive SIGKILL when its parent dies;
+    True when armed."""
+    return launched_by_launcher() and die_with_parent()
+
+
+def die_with_parent() -> bool:
+    """Makes this process (and every process it forks) receive SIGKILL when its parent dies; True when armed
+    (Linux only). For a process whose parent is its launcher (a rank) or its owner (a helper, e.g. the checkpoint
+    writer's manager: `checkpointing.writer_helpers_die_with_us`), never for a command a user starts."""
     global _armed
-    if not sys.platform.startswith("linux") or not launched_by_launcher():
+    if not sys.platform.startswith("linux"):
         return False
     if not _armed:
         _armed = _arm()

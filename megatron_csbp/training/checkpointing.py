@@ -336,6 +336,22 @@ class CheckpointSaveError(RuntimeError):
     """A save that could not be written (e.g. a full disk); the previous checkpoint is untouched."""
 
 
+def writer_helpers_die_with_us() -> None:
+    """megatron-core's checkpoint writer keeps a `multiprocessing` manager for the life of the process that saves:
+    a spawned server process, which holds that process's resource tracker open too. Started by megatron-core, both
+    outlive a saving process killed outright (`kill -9`, the OOM killer) for good, orphaned; started here before
+    the first save (the same manager and queue), the server asks to die with its parent. Call it before a save."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("spawn"))
+        manager.start(supervision.die_with_parent)
+        filesystem_async._results_queue = manager.Queue()  # its proxy keeps the manager
+
+
 def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, args, log=print) -> str:
     """Writes `<root>/iter_XXXXXXX/` (collective: every rank calls it); returns its path.
 
@@ -357,6 +373,7 @@ def save_checkpoint(root: str, state: LoopState, model, optimizer, scheduler, ar
         sharded.update(args=_saved_arguments(args, state), checkpoint_version=3.0, iteration=state.iteration,
                        opt_param_scheduler=None if scheduler is None else scheduler.state_dict(),
                        num_floating_point_operations_so_far=0, loop=asdict(state), parallel_sizes=_parallel_sizes())
+        writer_helpers_die_with_us()
         dist_checkpointing.save(sharded, temporary)
         supervision.progress()  # each phase of a long save gets the whole timeout (as torch's barriers do)
         dist.barrier()

@@ -1,8 +1,10 @@
 """How every command of ours starts and ends: its input checked before any work, a refusal as one line with
 exit status 2, Ctrl-C as one line with exit status 130, and, once the input is accepted, the start-up note
-(`quiet.start_up_note`) on rank 0; then the work on every rank (`run`), where a failure is one named rank
-and exit status 1. Pretraining, generation and evaluation start through `accepted` and run through `run`,
-so the rules are written once; under torchrun, ranks that refuse leave together (`leave_together`)."""
+(`quiet.start_up_note`) on rank 0; then the work on every rank (`run`), where a guard that stopped the run
+(`GuardStop`) is one line with exit status 17 and a failure is one named rank and exit status 1. Pretraining,
+generation and evaluation start through `accepted` and run through `run`, so the rules are written once; under
+torchrun, ranks that refuse or stop leave together (`leave_together`). A command never leaves its own helper
+processes behind (`supervision.end_helper_processes` before every `os._exit`)."""
 
 import datetime
 import os
@@ -35,8 +37,9 @@ def accepted(name: str, prepare, rank: int, on_refusal=None):
 
 
 def leave_together(world: int, status: int = 2, timeout_seconds: float = 30.0) -> None:
-    """Under torchrun, makes the ranks that refused (every rank refuses the same input) exit at one instant,
-    with `status`; returns only where there is nothing to wait for (one rank, or no torchrun store: srun).
+    """Under torchrun, makes the ranks that refused (every rank refuses the same input) or that a guard stopped
+    (at the same iteration) exit at one instant, with `status`; returns only where there is nothing to wait for
+    (one rank, or no torchrun store: srun).
 
     The launcher checks its ranks every 0.1 s and stops those still running once one has failed: a rank that
     refused a moment later than the first would be reported as killed (and the launch as a failure, exit 1)
@@ -56,14 +59,34 @@ def leave_together(world: int, status: int = 2, timeout_seconds: float = 30.0) -
         time.sleep(max(0.0, float(store.get(key + "/at")) - time.time()))
     except Exception:  # noqa: BLE001 - a rank that never comes (or no store): leave now
         pass
+    leave(status)
+
+
+def leave(status: int) -> None:
+    """Ends this process now with `status` (no interpreter teardown, which could wait on a dead peer), its output
+    flushed and its helper processes ended first: `os._exit` would orphan them."""
+    from megatron_csbp.core import supervision
+
     sys.stdout.flush()
     sys.stderr.flush()
+    supervision.end_helper_processes()
     os._exit(status)
 
 
 class RankRefusal(ConfigError):
     """A refusal one rank alone meets (e.g. publishing the output file the last rank writes): that rank says it,
     and leaves without waiting for the others, which have finished."""
+
+
+GUARD_STOP = 17  # Megatron-LM's status for a run stopped on a rejected result (EXIT_CODE_FAILED_ON_RESULT_VALIDATION)
+
+
+class GuardStop(Exception):
+    """A guard stopped the run (e.g. `--max-consecutive-bad-steps` non-finite steps in a row): the program did
+    what it promises, so this is no crash; its message says why and names the last good checkpoint. Every rank
+    raises it at the same iteration (the ranks decide together), says nothing more than rank 0's one line, and
+    leaves with `GUARD_STOP`: not 2, which says the input was refused before any work, and not 1, a failure
+    (a scheduler may requeue a failure; a stop like this one repeats until someone changes the run)."""
 
 
 _FAILED_RANK_KEY = "megatron_csbp/failed_rank"
@@ -89,14 +112,14 @@ def _announce_failure(rank: int, error: BaseException) -> str:
 def run(name: str, rank: int, world: int, work) -> int:
     """Runs `work()` on this rank once its input was accepted; the command's exit status.
 
-    0 done. 2 a refusal found only now (`ConfigError`: a checkpoint or data every rank reads alike, so rank 0
-    says it and the ranks leave together; a `RankRefusal` is said by its rank). 130 Ctrl-C. 1 any other
-    failure: the traceback, then `rank R failed: ...` (or, on a rank caught waiting for it, `rank R stopping:`
-    naming the first rank that failed, announced through the rendezvous store), the helper processes ended,
-    and an immediate exit, so the launcher (torchrun, `srun --kill-on-bad-exit`) stops the others and no rank
-    is left hanging in a collective."""
-    from megatron_csbp.core import supervision
-
+    0 done (a stop the user asked for, e.g. `--exit-interval`, is done: the loop saved and returned). 2 a refusal
+    found only now (`ConfigError`: a checkpoint or data every rank reads alike, so rank 0 says it and the ranks
+    leave together; a `RankRefusal` is said by its rank). 17 a guard stopped the run (`GuardStop`: rank 0 says
+    it, the ranks leave together). A `SystemExit` (Megatron-LM's own exits, e.g. its rerun state machine's 16 and
+    17) keeps its status, without a traceback. 130 Ctrl-C. 1 any other failure: the traceback, then
+    `rank R failed: ...` (or, on a rank caught waiting for it, `rank R stopping:` naming the first rank that
+    failed, announced through the rendezvous store), the helper processes ended, and an immediate exit, so the
+    launcher (torchrun, `srun --kill-on-bad-exit`) stops the others and no rank is left hanging in a collective."""
     try:
         work()
     except ConfigError as error:
@@ -104,18 +127,23 @@ def run(name: str, rank: int, world: int, work) -> int:
             print(f"{name}: error: {error}", file=sys.stderr, flush=True)
         if not isinstance(error, RankRefusal):
             leave_together(world)
-        sys.stderr.flush()
-        os._exit(2)
+        leave(2)
+    except GuardStop as stop:
+        if rank == 0:
+            print(f"{name}: {stop}", file=sys.stderr, flush=True)
+        leave_together(world, GUARD_STOP)
+        leave(GUARD_STOP)
     except KeyboardInterrupt:
         print(f"{name}: interrupted (rank {rank})", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(130)
-    except BaseException as error:  # noqa: BLE001 - a failed rank must never leave the others hanging
-        if isinstance(error, SystemExit) and error.code in (0, None):
+        leave(130)
+    except SystemExit as stop:
+        if stop.code in (0, None):
             raise
+        if not isinstance(stop.code, int):  # sys.exit("why"): Python would print it
+            print(stop.code, file=sys.stderr, flush=True)
+        leave(stop.code if isinstance(stop.code, int) else 1)
+    except BaseException as error:  # noqa: BLE001 - a failed rank must never leave the others hanging
         traceback.print_exc()
         print(_announce_failure(rank, error), file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        supervision.end_helper_processes()
-        os._exit(1)
+        leave(1)
     return 0

@@ -2,14 +2,17 @@
 
 Used by the benchmark and the tests: one rank per process, gloo on the CPU (NCCL with one device per
 rank on GPUs), one thread per rank. Spawning (and importing megatron) is expensive, so callers group
-their work per topology. The first failing rank's traceback is re-raised in the caller; no rank
-outlives the deadline.
+their work per topology. The first failing rank's traceback is re-raised in the caller. No rank outlives
+the call, however it ends (a result, a failed rank, the deadline, Ctrl-C): the ranks still running are
+killed with every process under them (their own helpers, e.g. dist_checkpointing's writer queue manager,
+which a rank's death alone would orphan), and a rank dies with its caller (`supervision.die_with_parent`).
 """
 
 import io
 import os
 import queue
 import socket
+import time
 import traceback
 
 import torch
@@ -25,6 +28,9 @@ def free_port() -> int:
 
 
 def _rank_main(rank, world_size, port, fn, args, results):
+    from megatron_csbp.core import supervision
+
+    supervision.die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
@@ -67,11 +73,34 @@ def run_ranks(fn, world_size, *args, timeout=300):
         missing = sorted(set(range(world_size)) - set(collected))
         raise TimeoutError(f"ranks {missing} produced no result within {timeout}s") from exc
     finally:
-        for proc in procs:
-            proc.join(timeout=0 if errors else 5)
-            if proc.is_alive():
-                proc.kill()
+        _end(procs, grace=5.0 if len(collected) == world_size else 0.0)
     if errors:
         rank = min(errors)
         raise AssertionError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
     return [collected[r] for r in range(world_size)]
+
+
+def _end(procs, grace: float) -> None:
+    """Lets the ranks exit by themselves for `grace` seconds (those that returned a result tear down), then kills
+    the rest together with every process under them, collected before the kill, which would orphan them."""
+    import psutil
+
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    helpers = []
+    for proc in procs:
+        if proc.is_alive():
+            try:
+                helpers += psutil.Process(proc.pid).children(recursive=True)
+            except psutil.NoSuchProcess:
+                pass
+            proc.kill()
+    for helper in helpers:
+        try:
+            helper.kill()
+        except psutil.NoSuchProcess:
+            pass
+    for proc in procs:
+        proc.join()
+    psutil.wait_procs(helpers, timeout=30)

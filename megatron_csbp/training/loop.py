@@ -11,10 +11,11 @@ What it adds to a plain loop, and why:
   which a resume in mid-interval would change).
 * Preemption: with `--exit-signal-handler`, SIGUSR1 or SIGTERM asks for a save at the next iteration
   boundary and a clean exit (0); `--exit-duration-in-mins` and `--exit-interval` do the same. Ranks
-  agree through one all-reduce of their stop flags per iteration, so all stop at the same iteration.
+  agree through one all-reduce of their stop flags per iteration, so all stop at the same iteration, and
+  say it in one line naming the checkpoint to resume from.
 * Numerical faults: a step whose loss or grad norm is not finite is skipped (the optimizer's step is
-  split so it never applies it) and counted; `--max-consecutive-bad-steps` in a row stop the run with
-  `TrainingError`, the last good checkpoint untouched.
+  split so it never applies it) and counted; `--max-consecutive-bad-steps` in a row stop the run on every
+  rank at once (`entry.GuardStop`: one line naming the last good checkpoint, left untouched; exit 17).
 * One writer per `--save` (`save_lock`, taken before anything else) and a watchdog per rank
   (`supervision`): an iteration phase, a save or a CSBP collective that does not complete within
   `--distributed-timeout-minutes` ends the run, naming this rank, the operation and the silent ranks.
@@ -35,11 +36,8 @@ from megatron_csbp.training import checkpointing, providers
 from megatron_csbp.core import supervision
 from megatron_csbp.training.checkpointing import LoopState
 from megatron_csbp.core.device import default_device
+from megatron_csbp.training.entry import GuardStop
 from megatron_csbp.training.progress import Progress
-
-
-class TrainingError(RuntimeError):
-    """The run cannot continue (e.g. too many non-finite steps in a row)."""
 
 
 class _StopSignals:
@@ -145,7 +143,8 @@ class Trainer:
         self.dp_rank = mpu.get_data_parallel_rank()
         self.last_stage = mpu.is_pipeline_last_stage()
         self.state = LoopState()
-        self.last_saved = None
+        self.last_saved = None  # the iteration of the newest checkpoint in --save (this run's, or the one resumed)
+        self.loaded = None  # (iteration, --load) of the checkpoint this run started from
 
     # ----------------------------------------------------------------------------------------- checkpoints
     def load(self) -> None:
@@ -180,7 +179,16 @@ class Trainer:
             self.state = state
             if os.path.realpath(args.load) == os.path.realpath(args.save or ""):
                 self.last_saved = state.iteration
+        self.loaded = (iteration, args.load)
         self.progress.print(f" loaded checkpoint from {args.load} at iteration {iteration}")
+
+    def last_good_checkpoint(self) -> str:
+        """Where this run can be resumed from: the newest checkpoint in --save, else the one it loaded."""
+        if self.last_saved is not None:
+            return f"iteration {self.last_saved} in {self.args.save}"
+        if self.loaded is not None:
+            return f"iteration {self.loaded[0]} in {self.loaded[1]}"
+        return "none (no --save)" if not self.args.save else f"none in {self.args.save} yet"
 
     def save(self) -> None:
         if not self.args.save or self.last_saved == self.state.iteration:
@@ -317,11 +325,11 @@ class Trainer:
                     self.progress.print(f" iteration {iteration}: non-finite {'loss' if bad_loss else 'grad norm'} "
                                         f"(loss {loss}, grad norm {grad_norm}); step skipped "
                                         f"({consecutive_bad} in a row, limit {args.max_consecutive_bad_steps})")
-                    if consecutive_bad >= args.max_consecutive_bad_steps:
-                        last = f"iteration {self.last_saved} in {args.save}" if self.last_saved else "none saved"
-                        raise TrainingError(f"stopping at iteration {iteration}: {consecutive_bad} consecutive steps "
-                                            f"with a non-finite loss or grad norm (--max-consecutive-bad-steps "
-                                            f"{args.max_consecutive_bad_steps}); last good checkpoint: {last}")
+                    if consecutive_bad >= args.max_consecutive_bad_steps:  # every rank: loss and norm are reduced
+                        raise GuardStop(f"stopping at iteration {iteration}: {consecutive_bad} consecutive steps with "
+                                        f"a non-finite loss or grad norm (--max-consecutive-bad-steps "
+                                        f"{args.max_consecutive_bad_steps}); last good checkpoint: "
+                                        f"{self.last_good_checkpoint()}")
                 interval_iterations += 1
                 if iteration % args.log_interval == 0 and loss is not None:
                     now = time.time()
@@ -343,7 +351,8 @@ class Trainer:
                 if stop_reason or exit_interval:
                     self.save()
                     self.progress.print(f" exiting at iteration {iteration} on "
-                                        f"{stop_reason or f'--exit-interval {args.exit_interval}'}")
+                                        f"{stop_reason or f'--exit-interval {args.exit_interval}'}; last good "
+                                        f"checkpoint: {self.last_good_checkpoint()}")
                     return state
             self.save()
             return state

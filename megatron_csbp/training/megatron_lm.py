@@ -162,6 +162,7 @@ def _checkpoints_under_our_rules(args: argparse.Namespace):
             return original_load(load_dir, run_args, *rest, **options)
 
     def save_checkpoint(iteration, *rest, **options):
+        checkpointing.writer_helpers_die_with_us()
         result = original_save(iteration, *rest, **options)
         saved = get_args()
         directory = checkpointing.checkpoint_dir(saved.save, iteration) if saved.save else None

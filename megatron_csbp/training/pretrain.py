@@ -4,7 +4,8 @@
 
 `main(argv)` prepares the run with `loops.prepare` (the loop, the validated arguments) and runs it through
 `entry.run`. Exit status: 0 done (or saved and stopped on a signal / exit condition), 2 refused input (one
-line, before any work), 130 Ctrl-C, 1 a failure: that rank prints `rank R failed: ...` and leaves at once, so
+line, before any work), 17 stopped by a guard (`--max-consecutive-bad-steps`: one line naming the last good
+checkpoint), 130 Ctrl-C, 1 a failure: that rank prints `rank R failed: ...` and leaves at once, so
 the launcher (torchrun, `srun --kill-on-bad-exit`) stops the others, and any rank caught in a collective with
 it gives up within `--distributed-timeout-minutes`, naming the failed rank when it could announce itself.
 

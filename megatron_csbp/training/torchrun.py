@@ -6,8 +6,10 @@ Takes torchrun's own options (it is `torch.distributed.run`'s elastic agent unde
 torchrun a refused argument comes out as every rank's refusal, then exit status 1 and torchrun's 30-line
 `ChildFailedError` traceback. Here the training arguments are validated once, with the world size the
 launch will have, before any rank starts (a refusal: one line, exit 2); a refusal a rank finds later
-(a checkpoint, the data) still exits 2, and a failed rank is summed up in one line per rank (exit 1)
-after its own `rank R failed: ...` line, without the agent's traceback.
+(a checkpoint, the data) still exits 2, a run a guard stopped (`entry.GuardStop`, e.g.
+`--max-consecutive-bad-steps`) exits 17 after its one line, a status every rank chose alike (Megatron-LM's
+16) is kept, and a failed rank is summed up in one line per rank (exit 1) after its own `rank R failed: ...`
+line, without the agent's traceback.
 """
 
 import logging
@@ -44,16 +46,23 @@ def _refusal(args) -> str | None:
 
 
 def _summary(failure_error) -> int:
-    """One line per failed rank; exit 2 when every failure was a refusal (already printed by the rank)."""
+    """The launch's exit status, and one line per rank that ended badly, except where the ranks said it already.
+
+    Every rank that ended did so with one status: a refusal (2) or a guard's stop (17), whose line the ranks
+    printed, is that status alone; another one (e.g. Megatron-LM's 16, resume to check a result) is that status,
+    after the lines. Otherwise (a failure, a signal, mixed statuses) the lines, and 1."""
+    from megatron_csbp.training.entry import GUARD_STOP
+
     failures = failure_error.failures
-    if all(failure.exitcode == 2 for failure in failures.values()):
-        return 2
+    statuses = {failure.exitcode for failure in failures.values()}
+    if len(statuses) == 1 and statuses <= {2, GUARD_STOP}:
+        return statuses.pop()
     for rank, failure in sorted(failures.items()):
         how = (f"signal {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0 else
                f"exit status {failure.exitcode}")
         print(f"torchrun: rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) ended with {how}",
               file=sys.stderr, flush=True)
-    return 1
+    return statuses.pop() if len(statuses) == 1 and min(statuses) > 1 else 1
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what Slurm and schedulers send to ask a job to stop
