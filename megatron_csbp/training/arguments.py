@@ -5,6 +5,7 @@ megatron-core's configs in `megatron_config`.
 """
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -31,8 +32,12 @@ def _on_accelerator() -> bool:
     return default_device().type != "cpu"
 
 
+# A year: torch.distributed's stores break on far longer timeouts (at 10**10 minutes every wait fails at once).
+MAX_TIMEOUT_MINUTES = 366 * 24 * 60
+
 # Numeric flags and the values they accept: (flag, accepts, what the message says it must be).
 _RANGES = (
+    ("num_layers", lambda v: v <= rules.MAX_LAYERS, f"<= {rules.MAX_LAYERS}"),
     ("kv_channels", lambda v: v >= 1, ">= 1"), ("ffn_hidden_size", lambda v: v >= 1, ">= 1"),
     ("num_query_groups", lambda v: v >= 1, ">= 1"), ("vocab_size", lambda v: v >= 1, ">= 1"),
     ("make_vocab_size_divisible_by", lambda v: v >= 1, ">= 1"),
@@ -51,6 +56,18 @@ _RANGES = (
     ("save_interval", lambda v: v >= 1, ">= 1"), ("exit_interval", lambda v: v >= 1, ">= 1"),
     ("exit_duration_in_mins", lambda v: v >= 0, ">= 0"), ("num_workers", lambda v: v >= 0, ">= 0"),
     ("recompute_num_layers", lambda v: v >= 1, ">= 1"),
+    ("rope_scaling_factor", lambda v: v > 0, "> 0"),
+    ("num_experts", lambda v: v >= 0, ">= 0 (0: no experts)"),
+    ("moe_ffn_hidden_size", lambda v: v >= 1, ">= 1"),
+    ("moe_shared_expert_intermediate_size", lambda v: v >= 1, ">= 1 (leave it unset for no shared expert)"),
+    ("moe_router_topk", lambda v: v >= 1, ">= 1"), ("moe_aux_loss_coeff", lambda v: v >= 0, ">= 0"),
+    ("expert_model_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("expert_tensor_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("context_block_parallel", lambda v: v >= 1, ">= 1"),
+    ("context_block_parallel_clean_shards", lambda v: v >= 1, ">= 1"),
+    ("bdlm_mask_token_id", lambda v: v >= 0, ">= 0"),
+    ("link_gbps", lambda v: v > 0, "> 0"), ("link_latency_us", lambda v: v >= 0, ">= 0"),
+    ("distributed_timeout_minutes", lambda v: 1 <= v <= MAX_TIMEOUT_MINUTES, f"in [1, {MAX_TIMEOUT_MINUTES}]"),
 )
 
 
@@ -58,12 +75,18 @@ def check_ranges(args: argparse.Namespace) -> None:
     """Every numeric flag's range, and the pairs that must agree, refused with the flag named (one line).
 
     Flags this parser lacks (e.g. under Megatron-LM's own) or left unset (None) are skipped; NaN is
-    refused everywhere (it fails every comparison).
+    refused everywhere (it fails every comparison), and so is an infinite float; a flag that takes several
+    values has each checked.
     """
     for name, accepts, what in _RANGES:
         value = getattr(args, name, None)
-        if value is not None and not isinstance(value, bool) and not accepts(value):
-            raise ConfigError(f"--{name.replace('_', '-')} must be {what}; got {value}")
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if item is None or isinstance(item, bool):
+                continue
+            if not accepts(item):
+                raise ConfigError(f"--{name.replace('_', '-')} must be {what}; got {item}")
+            if not math.isfinite(item):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {what}; got {item}")
     lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
     _require(lr is None or min_lr is None or lr >= min_lr,
              f"--lr {lr} is below --min-lr {min_lr}: the schedule decays from --lr down to --min-lr; raise --lr or "
@@ -97,8 +120,7 @@ def check_shared_values(args: argparse.Namespace) -> None:
     """
     check_ranges(args)
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "distributed_timeout_minutes",
-                 "log_interval", "eval_interval"):
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "log_interval", "eval_interval"):
         value = getattr(args, flag, None)
         if value is not None:
             _refuse(rules.at_least(f"--{flag.replace('_', '-')}", value))
@@ -159,6 +181,29 @@ def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
     return parameters * per_parameter, parameters, per_parameter
 
 
+def check_host_memory(args: argparse.Namespace) -> None:
+    """A CPU run of validated `args` fits this machine: refused (one line) when even a bound below what a rank
+    holds exceeds the machine's memory and swap. The bound is the fp32 weights split over every parallel
+    dimension (TP x PP x EP x ETP) plus one layer's input for a micro-batch (at least 2L/P rows per rank, split
+    over TP); gradients, optimizer state and the other activations come on top, so it never refuses a run
+    that fits."""
+    import psutil
+
+    _, parameters, _ = checkpoint_bytes(args)
+    split = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.expert_model_parallel_size
+             * args.expert_tensor_parallel_size)
+    rows = 2 * args.seq_length // args.context_parallel_size
+    layer_input = args.micro_batch_size * rows * args.hidden_size // args.tensor_model_parallel_size
+    need = 4 * (parameters // split + layer_input)
+    memory = psutil.virtual_memory().total + psutil.swap_memory().total
+    _require(need <= memory,
+             f"this model and micro-batch need over {need / 2**30:,.1f} GiB per rank ({parameters:,} fp32 parameters "
+             f"over {split} model-parallel ranks, and a layer's input: --micro-batch-size {args.micro_batch_size} x "
+             f"{rows} rows x --hidden-size {args.hidden_size}), more than this machine's {memory / 2**30:,.1f} GiB of "
+             f"memory and swap; shrink the model (--num-layers, --hidden-size, --ffn-hidden-size, --num-experts, the "
+             f"vocabulary) or --micro-batch-size, or split it over more ranks")
+
+
 def check_output_paths(args: argparse.Namespace, free_space: bool = True) -> None:
     """--save, --load, --tensorboard-dir, --data-cache-path usable as directories, and (`free_space`, our loop's
     validated arguments) room at --save for a checkpoint (refused when one does not fit, a warning when a
@@ -205,7 +250,7 @@ def run_config(args: argparse.Namespace, world_size: int | None = None) -> RunCo
 def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """The plugin's rules, on our loop's arguments and on Megatron-LM's alike (one line: flag and fix).
 
-    Block-parallel vs CP sizes, the simulated link, the run's own settings (`RunConfig`: block size, layout
+    Block-parallel vs CP sizes, the run's own settings (`RunConfig`: block size, layout
     geometry, world size, noise range, loss weighting), the refused ring-CP features, RoPE and the
     transformer implementation. The block-parallel size P lives in Megatron's CP slot alone
     (`--context-block-parallel` fills it); the defaults the run leaves (C, the weighting) are the `RunConfig`'s,
@@ -213,9 +258,6 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> argparse.
     """
     for flag in ("bdlm_block_size", "context_parallel_size", "max_consecutive_bad_steps"):
         _refuse(rules.at_least(f"--{flag.replace('_', '-')}", getattr(args, flag)))
-    _require(args.link_gbps is None or (args.link_gbps > 0 and args.link_latency_us >= 0),
-             f"--link-gbps {args.link_gbps} / --link-latency-us {args.link_latency_us}: a simulated link needs "
-             f"a speed > 0 and a latency >= 0 (or drop --link-gbps)")
     P = args.context_block_parallel
     _require(P is None or P == args.context_parallel_size,
              f"--context-block-parallel {P} contradicts --context-parallel-size {args.context_parallel_size}: "
@@ -261,6 +303,7 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
     Fills, as Megatron-LM's does: `data_parallel_size`, `global_batch_size`, `ffn_hidden_size`, `kv_channels`,
     `num_query_groups`, `max_position_embeddings`, `lr_decay_iters`,
     `split`, `data_prefixes`, `data_weights`, `world_size`; and what `validate_plugin_args` fills.
+    `check_paths`: this machine's paths, free space and (a CPU run) memory; False where the run is elsewhere.
     """
     on_accelerator = _on_accelerator() if on_accelerator is None else on_accelerator
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -320,6 +363,8 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
         check_data_prefixes(args.data_prefixes)
         if args.tokenizer_model is not None:
             tokenizer_file(args.tokenizer_model)
+        if not on_accelerator:
+            check_host_memory(args)
         check_output_paths(args)
     return args
 
