@@ -169,6 +169,8 @@ def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_
     (["--distributed-timeout-minutes", "10000000000"],
      "--distributed-timeout-minutes must be in [1, 527040]; got 10000000000"),
     (["--lr", "inf"], "--lr must be a finite number >= 0; got inf"),
+    (["--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be below --lr-decay-iters 4 (default: --train-iters)"),
+    (["--train-iters", "0"], "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule"),
 ])
 def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatron, extra, message):
     from megatron_csbp.core.rules import ConfigError
@@ -176,6 +178,34 @@ def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatr
     with pytest.raises(ConfigError) as refused:
         megatron.parse_args(BASE + extra, 1)
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value), refused.value
+
+
+def test_a_cpu_run_bigger_than_the_machine_is_refused_by_megatron_lm_too(megatron, monkeypatch):
+    """Under Megatron-LM's parse (its sizes not yet filled in) the memory bound of our loop, with the same line."""
+    from collections import namedtuple
+
+    import psutil
+
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.training import arguments
+    from megatron_csbp.training.flags import build_parser
+
+    memory = namedtuple("memory", "total")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(8 << 30))
+    monkeypatch.setattr(psutil, "swap_memory", lambda: memory(2 << 30))
+    monkeypatch.setattr(arguments, "_on_accelerator", lambda: False)
+    for extra in (["--hidden-size", "4000000000"], ["--micro-batch-size", "100000000"],
+                  ["--num-experts", "100000000", "--moe-token-dispatcher-type", "alltoall"]):
+        with pytest.raises(ConfigError) as refused:
+            megatron.parse_args(BASE + extra, 1)
+        ours = arguments.validate_args(build_parser().parse_args(BASE + extra + ["--data-path", "unused/prefix"]), 1,
+                                       on_accelerator=False, check_paths=False)
+        with pytest.raises(ConfigError) as refused_by_ours:
+            arguments.check_host_memory(ours, on_accelerator=False)
+        assert str(refused.value) == str(refused_by_ours.value), extra
+        assert str(refused.value).startswith("this model and micro-batch need over ") and "more than this machine's " \
+            "10.0 GiB of memory and swap" in str(refused.value), str(refused.value)
+    megatron.parse_args(BASE, 1)  # the control: the tiny model fits
 
 
 @pytest.mark.parametrize("extra, line", [
@@ -196,6 +226,8 @@ def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatr
      "--moe-layer-freq '[1]*10**12': it builds the number 1000000000000, more than 10000; give an int N or a list of "
      "one 0 or 1 per layer, e.g. [0,1,1,1] or ([0]+[1]*3)*2"),
     (["--num-experts", "4", "--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be >= 1; got 0"),
+    (["--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be below --lr-decay-iters 4 (default: --train-iters); "
+                                 "shorten the warmup or give it as --lr-warmup-fraction"),
 ])
 def test_refused_in_one_line_exit_2_under_both_loops(extra, line):
     for loop, value in (("megatron-lm", " 0.001"), ("megatron-core", "")):

@@ -132,6 +132,12 @@ def check_shared_values(args: argparse.Namespace) -> None:
     if args.lr_warmup_fraction is not None:
         _require(0 <= args.lr_warmup_fraction < 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in "
                                                    f"[0, 1) (a share of --lr-decay-iters)")
+    if args.train_iters is not None:  # a schedule in iterations (Megatron-LM's in samples is its own)
+        decay = args.lr_decay_iters or args.train_iters
+        _require(decay >= 1, "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule")
+        _require(args.lr_warmup_iters < decay, f"--lr-warmup-iters {args.lr_warmup_iters} must be below "
+                                               f"--lr-decay-iters {decay} (default: --train-iters); shorten the "
+                                               f"warmup or give it as --lr-warmup-fraction")
     heads, TP, PP = args.num_attention_heads, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if heads is None:
         return
@@ -181,14 +187,29 @@ def checkpoint_bytes(args: argparse.Namespace) -> tuple[int, int, int]:
     return parameters * per_parameter, parameters, per_parameter
 
 
-def check_host_memory(args: argparse.Namespace) -> None:
-    """A CPU run of validated `args` fits this machine: refused (one line) when even a bound below what a rank
+def _sized(args: argparse.Namespace) -> argparse.Namespace:
+    """A copy of `args` with the sizes left unset filled as Megatron-LM (and `validate_args`) fill them."""
+    hidden, TP = args.hidden_size, args.tensor_model_parallel_size
+    return argparse.Namespace(**{
+        **vars(args), "num_query_groups": query_groups(args),
+        "kv_channels": args.kv_channels or hidden // args.num_attention_heads,
+        "ffn_hidden_size": args.ffn_hidden_size or rules.default_ffn_hidden_size(hidden, args.swiglu),
+        "expert_tensor_parallel_size": args.expert_tensor_parallel_size or TP, "num_experts": args.num_experts or None,
+        "micro_batch_size": args.micro_batch_size or 1})
+
+
+def check_host_memory(args: argparse.Namespace, on_accelerator: bool | None = None) -> None:
+    """A CPU run of `args` (either loop's) fits this machine: refused (one line) when even a bound below what a rank
     holds exceeds the machine's memory and swap. The bound is the fp32 weights split over every parallel
     dimension (TP x PP x EP x ETP) plus one layer's input for a micro-batch (at least 2L/P rows per rank, split
     over TP); gradients, optimizer state and the other activations come on top, so it never refuses a run
-    that fits."""
+    that fits. An accelerator run's weights and activations are in device memory, not bounded here."""
     import psutil
 
+    if (_on_accelerator() if on_accelerator is None else on_accelerator) or None in (
+            args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length):
+        return
+    args = _sized(args)
     _, parameters, _ = checkpoint_bytes(args)
     split = (args.tensor_model_parallel_size * args.pipeline_model_parallel_size * args.expert_model_parallel_size
              * args.expert_tensor_parallel_size)
@@ -363,16 +384,12 @@ def validate_args(args: argparse.Namespace, world_size: int, *, on_accelerator: 
         check_data_prefixes(args.data_prefixes)
         if args.tokenizer_model is not None:
             tokenizer_file(args.tokenizer_model)
-        if not on_accelerator:
-            check_host_memory(args)
+        check_host_memory(args, on_accelerator)
         check_output_paths(args)
     return args
 
 
 def _validate_lr_schedule(args: argparse.Namespace) -> None:
-    """Megatron-LM's warmup length: iterations, or a fraction of the decay length (`--lr-warmup-fraction`)."""
+    """Megatron-LM's decay length when not given: `--train-iters` (its warmup is checked in `check_shared_values`:
+    iterations, or a fraction of the decay length, `--lr-warmup-fraction`)."""
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
-    _require(args.lr_decay_iters >= 1, "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule")
-    _require(args.lr_warmup_iters < args.lr_decay_iters,
-             f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
-             f"(default: --train-iters); shorten the warmup or give it as --lr-warmup-fraction")

@@ -15,6 +15,8 @@ from megatron_csbp.training import layer_pattern
 from megatron_csbp.training.datasets import MEGATRON_SPLIT_DEFAULT
 
 TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
+# --eval-interval when not given, in both loops (Megatron-LM's own None fails counting its validation samples).
+EVAL_INTERVAL = 1000
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
@@ -288,7 +290,7 @@ def _add_data_and_io_args(parser):
     group.add_argument("--load-fallback-to-previous", action="store_true",
                        help="If the latest checkpoint under --load is incomplete or corrupt, load the newest complete older one.")
     group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
-    group.add_argument("--eval-interval", type=int, default=1000)
+    group.add_argument("--eval-interval", type=int, default=EVAL_INTERVAL)
     group.add_argument("--eval-iters", type=int, default=100)
     group.add_argument("--log-interval", type=int, default=100)
     group.add_argument("--tensorboard-dir", type=str, default=None)

@@ -29,10 +29,11 @@ import sys
 from megatron_csbp.core import rules
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training import flag_table
-from megatron_csbp.training.arguments import check_output_paths, check_shared_values, validate_plugin_args
+from megatron_csbp.training.arguments import (check_host_memory, check_output_paths, check_shared_values,
+                                               validate_plugin_args)
 from megatron_csbp.training.config import expand_argv
 from megatron_csbp.training.datasets import check_data_prefixes, parse_data_path
-from megatron_csbp.training.flags import add_csbp_args, byte_tokenizer_as_null
+from megatron_csbp.training.flags import EVAL_INTERVAL, add_csbp_args, byte_tokenizer_as_null
 
 
 def import_pretrain():
@@ -81,6 +82,7 @@ def parse_args(argv: list[str], world_size: int) -> tuple[list[str], argparse.Na
         rules.refuse(rules.batch_problem(args.global_batch_size, args.micro_batch_size, data_parallel), ConfigError)
     if args.data_path:
         check_data_prefixes(parse_data_path(args.data_path)[0])
+    check_host_memory(args)
     check_output_paths(args, free_space=False)  # the size estimate needs our loop's filled-in arguments
     return expanded, args
 
@@ -213,5 +215,6 @@ def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
     with cpu_backend.active(), _built_dataset_helpers_kept(), _checkpoints_under_our_rules(args):
         megatron_pretrain(run_providers.train_valid_test_datasets_provider, run_providers.model_provider,
                           ModelType.encoder_or_decoder, run_providers.forward_step,
-                          extra_args_provider=add_csbp_args, args_defaults={"max_position_embeddings": args.seq_length},
+                          extra_args_provider=add_csbp_args,
+                          args_defaults={"max_position_embeddings": args.seq_length, "eval_interval": EVAL_INTERVAL},
                           get_embedding_ranks=run_providers.get_embedding_ranks)
