@@ -211,10 +211,12 @@ def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
     if "--distributed-backend" not in expanded:  # Megatron-LM's default is nccl, which needs a GPU
         expanded = [*expanded, "--distributed-backend", default_backend()]
     sys.argv = [sys.argv[0], *expanded]
+    defaults = {"max_position_embeddings": args.seq_length}
+    if args.eval_interval is None:  # Megatron-LM's None fails counting its validation samples: our loop's default
+        defaults["eval_interval"] = EVAL_INTERVAL
     run_providers = providers.RunProviders()  # Megatron-LM's args: parsed by pretrain(), read on first call
     with cpu_backend.active(), _built_dataset_helpers_kept(), _checkpoints_under_our_rules(args):
         megatron_pretrain(run_providers.train_valid_test_datasets_provider, run_providers.model_provider,
                           ModelType.encoder_or_decoder, run_providers.forward_step,
-                          extra_args_provider=add_csbp_args,
-                          args_defaults={"max_position_embeddings": args.seq_length, "eval_interval": EVAL_INTERVAL},
+                          extra_args_provider=add_csbp_args, args_defaults=defaults,
                           get_embedding_ranks=run_providers.get_embedding_ranks)
