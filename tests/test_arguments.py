@@ -5,7 +5,7 @@ import dataclasses
 
 import pytest
 
-from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.core.rules import MAX_LAYERS, ConfigError
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.training.arguments import validate_args
 from megatron_csbp.training.datasets import parse_data_path
@@ -263,11 +263,67 @@ def test_moe_flags_map_to_megatron_core_and_refusals():
             parse(*MOE, flag, "1.0")
 
 
-def test_moe_layer_freq_is_read_without_running_it():
+# Texts Megatron-LM's `moe_freq_type` would evaluate, each with the value Python gives it.
+LAYER_PATTERNS = ["2", " 3 ", "[1,0,1]", "([1]*3+[0]*1)*3", "[1]*2**3", "2*[0]+[1]", "[]", "[1,]", "[ 1 , 0 ]",
+                  "[(1)]", "[1*1,0+0]", "[1]*(2+2)*2", "[0]*0+[1]", "(([1]))", "[1]*2**2**2", "[0]+[1]*23",
+                  f"[1]*{MAX_LAYERS}", f"{MAX_LAYERS}*[0]", "[0]*50+[1]*50"]
+# (text, why it is refused): malformed, not a 0/1 pattern, or bigger than any model (checked before it is built).
+BAD_LAYER_PATTERNS = [
+    ("[1,0", "the '[' at character 1 is not closed: the end where ']' should be"),
+    ("[1]*10**12", "it builds the number 1000000000000, more than 10000"),
+    ("[1]*1000000000000", "the number 1000000000000 exceeds 10000"),
+    ("[1]*" + "9" * 5000, "the number 99999999999999999999... exceeds 10000"),
+    ("[1]*9999*9999", "it builds a list of 99980001 layers, more than 10000"),
+    ("[0,1]*5001", "it builds a list of 10002 layers, more than 10000"),
+    ("[1]*2**100000", "the number 100000 exceeds 10000"),
+    ("[1]*9**9**9", "it builds the number 387420489, more than 10000"),
+    ("[1]*2**20", "2**20 exceeds 10000"),
+    ("(" * 1000 + "[1]" + ")" * 1000, "brackets or powers are nested more than 32 deep"),
+    ("[" * 1000 + "1" + "]" * 1000, "brackets or powers are nested more than 32 deep"),
+    ("[1]*2" + "**2" * 1000, "brackets or powers are nested more than 32 deep"),
+    ("abc", "not an integer, and no list"),
+    ("1.5", "not an integer, and no list"),
+    ("", "not an integer, and no list"),
+    ("__import__('os').system('true')", "not an integer, and no list"),
+    ("[__import__('os')]", "'_' at character 2 is not part of a pattern (digits , [ ] ( ) + *)"),
+    ("[1]*1e3", "'e' at character 6 is not part of a pattern (digits , [ ] ( ) + *)"),
+    ("[2,0]", "layer 0 is 2; each layer is 0 (dense) or 1 (MoE)"),
+    ("[1,0,5]", "layer 2 is 5; each layer is 0 (dense) or 1 (MoE)"),
+    ("(1,0)", "not an integer, and no list"),
+    ("[(1,0)]", "the '(' at character 2 is not closed: ',' at character 4 where ')' should be"),
+    ("[[1]]", "the list at character 1 holds a list; it holds one 0 or 1 per layer"),
+    ("[1]+2", "'+' joins two lists or adds two numbers, not a list and a number"),
+    ("[1]*[1]", "'*' repeats a list a number of times; two lists cannot be multiplied"),
+    ("[1]**2", "'**' raises a number to a power, not a list"),
+    ("[01]", "the number 01 has a leading zero (Python refuses it)"),
+    ("[1]]", "']' at character 4 follows a whole expression"),
+    ("[1][0]", "'[' at character 4 follows a whole expression"),
+    ("[,]", "expected a number, '[' or '(', found ',' at character 2"),
+    ("[", "expected a number, '[' or '(', found the end"),
+    ("[1]*(2", "the '(' at character 5 is not closed: the end where ')' should be"),
+]
+
+
+def test_moe_layer_freq_is_parsed_as_python_reads_it_without_running_it():
+    """The grammar gives every pattern Megatron-LM's type evaluates the value Python gives it (the texts are
+    this test's own), and refuses the rest in one line naming the flag: at once, however large the pattern."""
+    import time
+
+    from megatron_csbp.training import layer_pattern
     from megatron_csbp.training.flags import moe_layer_freq
 
-    assert moe_layer_freq("2") == 2 and moe_layer_freq(3) == 3
-    assert moe_layer_freq("([1]*3+[0]*1)*2") == [1, 1, 1, 0, 1, 1, 1, 0]
-    for bad in ("__import__('os').system('true')", "[2, 1]", "[1]*'a'"):
-        with pytest.raises((ValueError, TypeError)):
-            moe_layer_freq(bad)
+    for text in LAYER_PATTERNS:
+        value = layer_pattern.parse(text)
+        assert value == eval(text) and moe_layer_freq(text) == value, text  # noqa: S307 - the test's own literals
+        assert layer_pattern.parse(layer_pattern.canonical(value)) == value and " " not in layer_pattern.canonical(
+            value), text
+    assert layer_pattern.parse(3) == 3 and layer_pattern.canonical([0, 1]) == "[0,1]"
+    for text, why in BAD_LAYER_PATTERNS:
+        started = time.monotonic()
+        with pytest.raises(ConfigError) as refused:
+            layer_pattern.parse(text, "--moe-layer-freq")
+        shown = text if len(text) <= 60 else text[:57] + "..."
+        assert str(refused.value) == f"--moe-layer-freq {shown!r}: {why}; {layer_pattern.HINT}", shown
+        assert time.monotonic() - started < 0.5, shown
+        with pytest.raises(argparse.ArgumentTypeError, match="^--moe-layer-freq "):  # argparse shows it as it is
+            moe_layer_freq(text)

@@ -127,6 +127,66 @@ def test_expand_argv_with_a_megatron_lm_style_parser(tmp_path):
         expand_argv(["--config", write(tmp_path, "num-layers: 2\n", "other.yaml")], parser)
 
 
+@pytest.mark.parametrize("text, value", [
+    ("moe-layer-freq: 2\n", 2),
+    ("moe-layer-freq: '2'\n", 2),
+    ("moe-layer-freq: [1, 0, 1, 1]\n", [1, 0, 1, 1]),
+    ("moe-layer-freq: '[1,0,1,1]'\n", [1, 0, 1, 1]),
+    ("moe-layer-freq: ([0]+[1]*3)*2\n", [0, 1, 1, 1, 0, 1, 1, 1]),
+    ("moe_layer_freq: '[0]*2 + [1]*2'\n", [0, 0, 1, 1]),
+])
+def test_moe_layer_freq_in_a_yaml_as_a_list_a_string_or_an_int(tmp_path, value, text):
+    path = write(tmp_path, text)
+    assert parse_args(["--config", path]).moe_layer_freq == value
+    assert parse_args([f"moe-layer-freq={text.split(': ', 1)[1].strip()}"]).moe_layer_freq == value  # as an override
+
+
+@pytest.mark.parametrize("text, why", [
+    ("moe-layer-freq: '[1,0'\n", "the '[' at character 1 is not closed: the end where ']' should be"),
+    ("moe-layer-freq: '[1]*10**12'\n", "it builds the number 1000000000000, more than 10000"),
+    ("moe-layer-freq: [1, 2]\n", "layer 1 is 2; each layer is 0 (dense) or 1 (MoE)"),
+    ("moe-layer-freq: [[1], [0]]\n", "the list at character 1 holds a list; it holds one 0 or 1 per layer"),
+    ("moe-layer-freq: [1, 0.5]\n", "'.' at character 6 is not part of a pattern (digits , [ ] ( ) + *)"),
+    ("moe-layer-freq: true\n", "not an integer, and no list"),
+    ("moe-layer-freq: {a: 1}\n", "not an integer, and no list"),
+    ("moe-layer-freq: 1.5\n", "not an integer, and no list"),
+])
+def test_a_bad_moe_layer_freq_in_a_yaml_is_one_line_naming_the_file(tmp_path, text, why):
+    from megatron_csbp.training.layer_pattern import HINT
+
+    path = write(tmp_path, text)
+    for argv in (["--config", path], ["--config", path, "--num-layers", "2"]):
+        with pytest.raises(ConfigError) as caught:
+            parse_args(argv)
+        assert re.fullmatch(rf"{re.escape(path)}: 'moe-layer-freq' .*: {re.escape(why)}; {re.escape(HINT)}",
+                            str(caught.value)), str(caught.value)
+
+
+def test_a_pattern_flag_is_read_before_a_megatron_lm_style_type_sees_it(tmp_path):
+    """Megatron-LM's `moe_freq_type` evaluates its text: `expand_argv` reads the value first (from the command line,
+    either spelling, a YAML or an override) and hands the parser only the plain list, or refuses in one line."""
+    seen = []
+
+    def moe_freq_type(text):  # Megatron-LM's type's name, recording what it is given
+        seen.append(text)
+        return text
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--moe-layer-freq", type=moe_freq_type, default=1)
+    parser.add_argument("--num-layers", type=int)
+    add_csbp_args(parser)
+    for argv in (["--moe-layer-freq", "([1]*1+[0])*2"], ["--moe-layer-freq=[1, 0]*2", "--num-layers", "4"],
+                 ["--config", write(tmp_path, "moe-layer-freq: ([1]+[0])*2\n")], ["moe-layer-freq=[1,0]+[1,0]"]):
+        assert parser.parse_args(expand_argv(argv, parser)).moe_layer_freq == "[1,0,1,0]", argv
+    assert set(seen) == {"[1,0,1,0]"}  # only ever the plain list (a YAML value is also type-checked on loading)
+    seen.clear()
+    for argv in (["--moe-layer-freq", "[1]*10**12"], ["--moe-layer-freq=[1,0"], ["moe-layer-freq=[1]*10**12"]):
+        with pytest.raises(ConfigError, match="moe-layer-freq"):
+            expand_argv(argv, parser)
+    assert seen == []  # the type never saw the refused texts
+    assert expand_argv(["--moe-layer-freq"], parser) == ["--moe-layer-freq"]  # a missing value: argparse says so
+
+
 @pytest.mark.parametrize("name, world, gpu", [("tiny_cpu", 2, False), ("demo_sequences", 2, False),
                                               ("nemotron_diffusion_3b_64k", 8, True),
                                               ("nemotron_diffusion_8b_256k", 16, True),

@@ -141,6 +141,36 @@ def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_
     (["--num-experts", "4", "--expert-model-parallel-size", "3"], "--expert-model-parallel-size 3 does not divide"),
     (["--sft"], "--sft: selects data the plugin's datasets provider does not build"),
     (["--load-fallback-to-previous"], "--load-fallback-to-previous is our loop's own"),
+    # values Megatron-LM's own types run as Python (a SyntaxError, or all the memory there is), read first
+    (["--num-experts", "4", "--moe-layer-freq", "[1,0"], "--moe-layer-freq '[1,0': the '[' at character 1 is not "
+                                                         "closed"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1]*10**12"], "--moe-layer-freq '[1]*10**12': it builds the number "
+                                                               "1000000000000, more than 10000"),
+    (["--num-experts", "4", "--moe-layer-freq=[1]*9999*9999"], "--moe-layer-freq '[1]*9999*9999': it builds a list "
+                                                               "of 99980001 layers"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"], "--moe-layer-freq [1, 0, 1] names 3 layers, but "
+                                                            "--num-layers is 2"),
+    (["--no-rope-freq", "[1]*10**12"], "--no-rope-freq '[1]*10**12': it builds the number 1000000000000"),
+    (["--window-attn-skip-freq", "(((1"], "--window-attn-skip-freq '(((1': not an integer, and no list"),
+    (["--linear-attention-freq", "[1]+"], "--linear-attention-freq '[1]+': expected a number, '[' or '(', found the "
+                                          "end"),
+    (["--no-rope-freq", "[1,0]"], "--no-rope-freq 1 0: is an architecture option"),  # well formed: the table's
+    # sizes and the other numbers Megatron-LM takes and fails on later
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be >= 1; got 0"),
+    (["--num-experts", "4", "--moe-shared-expert-intermediate-size", "0"],
+     "--moe-shared-expert-intermediate-size must be >= 1 (leave it unset for no shared expert); got 0"),
+    (["--num-experts", "-1"], "--num-experts must be >= 0 (0: no experts); got -1"),
+    (["--num-experts", "4", "--moe-router-topk", "0"], "--moe-router-topk must be >= 1; got 0"),
+    (["--num-experts", "4", "--moe-aux-loss-coeff", "nan"], "--moe-aux-loss-coeff must be >= 0; got nan"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size must be >= 1; got 0"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be >= 1; got 0"),
+    (["--rope-scaling-factor", "-8"], "--rope-scaling-factor must be > 0; got -8.0"),
+    (["--num-layers", "100000"], "--num-layers must be <= 10000; got 100000"),
+    (["--distributed-timeout-minutes", "10000000000"],
+     "--distributed-timeout-minutes must be in [1, 527040]; got 10000000000"),
+    (["--lr", "inf"], "--lr must be a finite number >= 0; got inf"),
+    (["--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be below --lr-decay-iters 4 (default: --train-iters)"),
+    (["--train-iters", "0"], "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule"),
 ])
 def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatron, extra, message):
     from megatron_csbp.core.rules import ConfigError
@@ -148,6 +178,34 @@ def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatr
     with pytest.raises(ConfigError) as refused:
         megatron.parse_args(BASE + extra, 1)
     assert str(refused.value).startswith(message) and "\n" not in str(refused.value), refused.value
+
+
+def test_a_cpu_run_bigger_than_the_machine_is_refused_by_megatron_lm_too(megatron, monkeypatch):
+    """Under Megatron-LM's parse (its sizes not yet filled in) the memory bound of our loop, with the same line."""
+    from collections import namedtuple
+
+    import psutil
+
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.training import arguments
+    from megatron_csbp.training.flags import build_parser
+
+    memory = namedtuple("memory", "total")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(8 << 30))
+    monkeypatch.setattr(psutil, "swap_memory", lambda: memory(2 << 30))
+    monkeypatch.setattr(arguments, "_on_accelerator", lambda: False)
+    for extra in (["--hidden-size", "4000000000"], ["--micro-batch-size", "100000000"],
+                  ["--num-experts", "100000000", "--moe-token-dispatcher-type", "alltoall"]):
+        with pytest.raises(ConfigError) as refused:
+            megatron.parse_args(BASE + extra, 1)
+        ours = build_parser().parse_args(BASE + extra + ["--data-path", "unused/prefix"])
+        settings = arguments.validate(ours, 1, on_accelerator=False, check_paths=False)
+        with pytest.raises(ConfigError) as refused_by_ours:
+            arguments.check_host_memory(settings, ours, on_accelerator=False)
+        assert str(refused.value) == str(refused_by_ours.value), extra
+        assert str(refused.value).startswith("this model and micro-batch need over ") and "more than this machine's " \
+            "10.0 GiB of memory and swap" in str(refused.value), str(refused.value)
+    megatron.parse_args(BASE, 1)  # the control: the tiny model fits
 
 
 @pytest.mark.parametrize("extra, line", [
@@ -161,6 +219,15 @@ def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatr
     (["--sft"], "--sft: selects data the plugin's datasets provider does not build; give --data-path PREFIX (or a "
                 "weighted blend) and --split"),
     (["--micro-batch-size", "0"], "--micro-batch-size must be >= 1; got 0"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1,0"],
+     "--moe-layer-freq '[1,0': the '[' at character 1 is not closed: the end where ']' should be; give an int N or a "
+     "list of one 0 or 1 per layer, e.g. [0,1,1,1] or ([0]+[1]*3)*2"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1]*10**12"],
+     "--moe-layer-freq '[1]*10**12': it builds the number 1000000000000, more than 10000; give an int N or a list of "
+     "one 0 or 1 per layer, e.g. [0,1,1,1] or ([0]+[1]*3)*2"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be >= 1; got 0"),
+    (["--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be below --lr-decay-iters 4 (default: --train-iters); "
+                                 "shorten the warmup or give it as --lr-warmup-fraction"),
 ])
 def test_refused_in_one_line_exit_2_under_both_loops(extra, line):
     for loop, value in (("megatron-lm", " 0.001"), ("megatron-core", "")):
@@ -171,6 +238,40 @@ def test_refused_in_one_line_exit_2_under_both_loops(extra, line):
         assert done.returncode == 2 and errors == [f"pretrain_bdlm.py: error: {line.format(value)}"], (
             loop, done.returncode, done.stderr[-3000:])
         assert "initializ" not in done.stdout, loop  # refused before any work
+
+
+def test_a_moe_layer_freq_in_a_yaml_is_refused_alike_under_both_loops(tmp_path):
+    """A malformed or enormous pattern in a `--config` YAML: one line naming the file, exit 2, in both loops."""
+    from megatron_csbp.training.layer_pattern import HINT
+
+    for text, why in (("'[1]*10**12'", "it builds the number 1000000000000, more than 10000"),
+                      ("'[1,0'", "the '[' at character 1 is not closed: the end where ']' should be")):
+        config = tmp_path / "run.yaml"
+        config.write_text(f"num-experts: 4\nmoe-layer-freq: {text}\n")
+        for loop in ("megatron-lm", "megatron-core"):
+            done = subprocess.run([sys.executable, SCRIPT, *BASE, "--data-path", "unused/prefix", "--training-loop",
+                                   loop, "--config", str(config)], cwd=REPO, timeout=300, capture_output=True,
+                                  text=True, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}))
+            errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+            line = f"pretrain_bdlm.py: error: {config}: 'moe-layer-freq' {text}: {why}; {HINT}"
+            assert done.returncode == 2 and errors == [line], (loop, done.stderr[-3000:])
+
+
+def test_megatron_lms_type_reads_our_patterns_alike_and_gets_only_plain_lists(megatron):
+    """Every pattern of the grammar's test has the value Megatron-LM's own `moe_freq_type` gives it, and what
+    `pretrain()` re-parses is the plain list (or int) we read, never the user's expression."""
+    from megatron.training.arguments import moe_freq_type
+
+    from megatron_csbp.training import layer_pattern
+    from test_arguments import LAYER_PATTERNS
+
+    for text in LAYER_PATTERNS:
+        assert layer_pattern.parse(text) == moe_freq_type(text.replace(" ", "")), text
+    expanded, args = megatron.parse_args(BASE + ["--num-layers", "8", "--num-experts", "4",
+                                                 "--moe-token-dispatcher-type", "alltoall", "--moe-layer-freq",
+                                                 "([0]+[1]*3)*2"], 1)
+    assert expanded[expanded.index("--moe-layer-freq") + 1] == "[0,1,1,1,0,1,1,1]"
+    assert args.moe_layer_freq == [0, 1, 1, 1, 0, 1, 1, 1]
 
 
 # (flags, what they change) checked against Megatron-LM's GPT model built from the same arguments.

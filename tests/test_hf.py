@@ -587,6 +587,37 @@ def test_export_refuses_a_non_empty_hf_dir_without_overwrite(converted, sharded_
     assert _digests(out) == earlier
 
 
+def test_export_reads_the_imported_config_under_the_import_s_field_check(converted, tmp_path, capsys):
+    """The checkpoint's hf/config.json (the imported model's, which the export updates) goes through the same field
+    check: a wrongly typed field is one line naming --load, the file and the field, exit 2, nothing written; a null
+    rope_parameters (transformers' default) is replaced by the checkpoint's RoPE."""
+    import argparse
+
+    from megatron.core import dist_checkpointing
+
+    from megatron_csbp.training import checkpointing
+
+    load = os.path.join(converted, "llama", "ckpt")
+    side = os.path.join(load, "hf", "config.json")
+    original = open(side).read()
+    out = str(tmp_path / "export")
+    try:
+        with open(side, "w") as handle:
+            json.dump({**json.loads(original), "mlp_only_layers": 1}, handle)
+        code = convert_hf.main(["export", "--load", load, "--hf-dir", out])
+    finally:
+        with open(side, "w") as handle:
+            handle.write(original)
+    error = capsys.readouterr().err.strip()
+    assert code == 2 and error == (f"convert_hf.py: error: --load {load}: {side}: mlp_only_layers is 1, expected a "
+                                   f"list of layer numbers; restore the model's config.json"), error
+    assert not os.path.exists(out) and not _leftovers(out)
+    args = argparse.Namespace(**checkpointing.saved_args(dist_checkpointing.load_common_state_dict(
+        os.path.join(load, "iter_0000000"))))
+    config = convert_hf.export_config(args, {**json.loads(original), "rope_parameters": None}, 384, torch.float32)
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+
+
 def test_a_killed_import_leaves_nothing_and_the_next_one_completes(converted, tmp_path):
     """Killed after writing the tokenizer and model.yaml, half-way through the checkpoint (iter_0000000.tmp
     written) and just before publishing: `--save` holds no hf/, model.yaml or iter_* (at most the stale writer

@@ -191,6 +191,18 @@ def test_a_refusal_under_megatron_lm_is_one_line_and_exit_2_before_any_work(corp
     assert "initializ" not in done.stdout  # Megatron-LM never started
 
 
+def test_a_command_without_eval_interval_runs_under_both_loops(corpus):
+    """Megatron-LM's --eval-interval defaults to None, which its count of validation samples divides by (a TypeError
+    once the process group is up); the plugin gives Megatron-LM our loop's default, so the command runs in both."""
+    from pretrain_runs import run
+
+    for loop in ("megatron-lm", "megatron-core"):
+        done = run(1, {"data_path": corpus, "train_iters": 3, "eval_iters": 0}, "--training-loop", loop,
+                   env={"MEGATRON_LM_PATH": MEGATRON_LM}, expect=None)
+        assert done.returncode == 0 and "Traceback" not in done.output, (loop, done.output[-3000:])
+        assert set(_logged(done)[0]) == {1, 2, 3}, loop
+
+
 def _resume_from(root, iteration, target):
     """A --load directory holding `root`'s checkpoint of `iteration` only, as if it were the latest."""
     from pretrain_runs import copy_checkpoint

@@ -10,6 +10,7 @@ import pytest
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training.arguments import checkpoint_bytes, validate, validate_args
 from megatron_csbp.training.flags import build_parser
+from megatron_csbp.training.layer_pattern import HINT as PATTERN_HINT
 from spawn import on_cpu_backend
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,6 +71,49 @@ REFUSALS = [
      "--data-cache-path {file} is a file, not a directory; give a directory (it is created when missing)"),
     (["--save", "{file}/checkpoints"],
      "--save {file}/checkpoints: {file} is a file, so {file}/checkpoints cannot be created; give another directory"),
+    # sizes, counts and the other numbers the model, the experts and the run read
+    (["--num-layers", "1000000"], "--num-layers must be <= 10000; got 1000000"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be >= 1; got 0"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "-64"], "--moe-ffn-hidden-size must be >= 1; got -64"),
+    (["--num-experts", "4", "--moe-shared-expert-intermediate-size", "0"],
+     "--moe-shared-expert-intermediate-size must be >= 1 (leave it unset for no shared expert); got 0"),
+    (["--num-experts", "-1"], "--num-experts must be >= 0 (0: no experts); got -1"),
+    (["--num-experts", "4", "--moe-router-topk", "0"], "--moe-router-topk must be >= 1; got 0"),
+    (["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "-1"], "--moe-aux-loss-coeff must be >= 0; got -1.0"),
+    (["--num-experts", "4", "--moe-aux-loss-coeff", "nan"], "--moe-aux-loss-coeff must be >= 0; got nan"),
+    (["--num-experts", "4", "--moe-aux-loss-coeff", "inf"],
+     "--moe-aux-loss-coeff must be a finite number >= 0; got inf"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "0"], "--expert-model-parallel-size must be >= 1; got 0"),
+    (["--num-experts", "4", "--expert-tensor-parallel-size", "0"], "--expert-tensor-parallel-size must be >= 1; got 0"),
+    (["--rope-scaling-factor", "0"], "--rope-scaling-factor must be > 0; got 0.0"),
+    (["--rope-scaling-factor", "nan"], "--rope-scaling-factor must be > 0; got nan"),
+    (["--context-block-parallel", "0"], "--context-block-parallel must be >= 1; got 0"),
+    (["--context-block-parallel-clean-shards", "-2"], "--context-block-parallel-clean-shards must be >= 1; got -2"),
+    (["--bdlm-mask-token-id", "-1"], "--bdlm-mask-token-id must be >= 0; got -1"),
+    (["--link-gbps", "-1"], "--link-gbps must be > 0; got -1.0"),
+    (["--link-gbps", "1", "--link-latency-us", "inf"], "--link-latency-us must be a finite number >= 0; got inf"),
+    (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes must be in [1, 527040]; got 0"),
+    (["--distributed-timeout-minutes", str(10 ** 10)],
+     f"--distributed-timeout-minutes must be in [1, 527040]; got {10 ** 10}"),
+    (["--lr", "inf"], "--lr must be a finite number >= 0; got inf"),
+    (["--norm-epsilon", "inf"], "--norm-epsilon must be a finite number > 0; got inf"),
+    (["--init-method-std", "inf"], "--init-method-std must be a finite number >= 0; got inf"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0; got inf"),
+    (["--adam-eps", "inf"], "--adam-eps must be a finite number > 0; got inf"),
+    (["--clip-grad", "inf"], "--clip-grad must be a finite number >= 0 (0: no clipping); got inf"),
+    # --moe-layer-freq: read, never run, before any parser's type sees it
+    (["--num-experts", "4", "--moe-layer-freq", "[1,0"],
+     f"--moe-layer-freq '[1,0': the '[' at character 1 is not closed: the end where ']' should be; {PATTERN_HINT}"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1]*10**12"],
+     f"--moe-layer-freq '[1]*10**12': it builds the number 1000000000000, more than 10000; {PATTERN_HINT}"),
+    (["--num-experts", "4", "--moe-layer-freq=[1]*9999*9999"],
+     f"--moe-layer-freq '[1]*9999*9999': it builds a list of 99980001 layers, more than 10000; {PATTERN_HINT}"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1,2]"],
+     f"--moe-layer-freq '[1,2]': layer 1 is 2; each layer is 0 (dense) or 1 (MoE); {PATTERN_HINT}"),
+    (["--num-experts", "4", "--moe-layer-freq", "[1,0,1]"],
+     "--moe-layer-freq [1, 0, 1] names 3 layers, but --num-layers is 2: give one 0 (dense) or 1 (MoE) per layer, or "
+     "an int N (every N-th layer MoE)"),
+    (["--num-experts", "4", "--moe-layer-freq", "0"], "--moe-layer-freq must be >= 1; got 0"),
 ]
 
 
@@ -134,6 +178,136 @@ def test_save_needs_room_for_a_checkpoint(places, monkeypatch, capsys):
         validate_args(parsed, 1, on_accelerator=False)
         err = capsys.readouterr().err
         assert (f"WARNING: --save {save}: {sizes}: room for one checkpoint only" in err) == warned, err
+
+
+def test_a_cpu_run_bigger_than_the_machine_is_refused_before_any_work(places, monkeypatch, capsys):
+    """Model sizes and micro-batches no CPU rank can hold (which used to die allocating, after the process group
+    and the data were set up, or be killed by the kernel): one line naming the sizes and the machine's memory."""
+    from collections import namedtuple
+
+    import psutil
+
+    from megatron_csbp.training import pretrain
+
+    memory = namedtuple("memory", "total")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(8 << 30))
+    monkeypatch.setattr(psutil, "swap_memory", lambda: memory(2 << 30))
+    argv = BASE + ["--training-loop", "megatron-core", "--data-path", places["prefix"]]
+    fix = ("more than this machine's 10.0 GiB of memory and swap; shrink the model (--num-layers, --hidden-size, "
+           "--ffn-hidden-size, --num-experts, the vocabulary) or --micro-batch-size, or split it over more ranks")
+    for extra, need in (
+            (["--hidden-size", "4000000000"], "over 1,430,511,482,656.0 GiB per rank (384,000,001,648,000,000,000 "
+                                              "fp32 parameters over 1 model-parallel ranks, and a layer's input: "
+                                              "--micro-batch-size 1 x 128 rows x --hidden-size 4000000000)"),
+            (["--num-experts", "100000000", "--moe-ffn-hidden-size", "64"],
+             "over 6,247.3 GiB per rank (1,677,000,058,496 fp32 parameters over 1 model-parallel ranks, and a "
+             "layer's input: --micro-batch-size 1 x 128 rows x --hidden-size 64)"),
+            (["--make-vocab-size-divisible-by", "1000000000"],
+             "over 238.4 GiB per rank (64,000,100,096 fp32 parameters over 1 model-parallel ranks, and a layer's "
+             "input: --micro-batch-size 1 x 128 rows x --hidden-size 64)"),
+            (["--micro-batch-size", "1000000000"],
+             "over 30,517.6 GiB per rank (124,672 fp32 parameters over 1 model-parallel ranks, and a layer's input: "
+             "--micro-batch-size 1000000000 x 128 rows x --hidden-size 64)"),
+            (["--seq-length", "6400000000", "--max-position-embeddings", "6400000000"],
+             "over 3,051.8 GiB per rank (124,672 fp32 parameters over 1 model-parallel ranks, and a layer's input: "
+             "--micro-batch-size 1 x 12800000000 rows x --hidden-size 64)")):
+        assert pretrain.main(argv + extra) == 2, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"pretrain_bdlm.py: error: this model and micro-batch need {need}, {fix}"], err
+    # Negative controls: the same base fits; a GPU run's memory is its devices', not counted here.
+    validate_args(build_parser().parse_args(argv), 1, on_accelerator=False)
+    validate_args(build_parser().parse_args(argv + ["--hidden-size", "4000000000"]), 1, on_accelerator=True)
+
+
+# Wrongly typed config.json fields: (family, change, the field's refusal). Each family's tiny config is written
+# without weights: a config the schema passes is refused next for having no *.safetensors (the control).
+HF_CONFIG_FIELDS = [
+    ("qwen3_moe", {"mlp_only_layers": 1}, 'mlp_only_layers is 1, expected a list of layer numbers'),
+    ("qwen3_moe", {"mlp_only_layers": ["1"]}, 'mlp_only_layers is ["1"], expected a list of layer numbers'),
+    ("llama", {"rms_norm_eps": "tiny"}, 'rms_norm_eps is "tiny", expected a number > 0'),
+    ("qwen3", {"rms_norm_eps": 0}, "rms_norm_eps is 0, expected a number > 0"),
+    ("qwen3_moe", {"router_aux_loss_coef": "abc"}, 'router_aux_loss_coef is "abc", expected a number >= 0'),
+    ("llama", {"num_hidden_layers": "2"}, 'num_hidden_layers is "2", expected an integer in [1, 10000]'),
+    ("llama", {"num_hidden_layers": True}, "num_hidden_layers is true, expected an integer in [1, 10000]"),
+    ("llama", {"num_hidden_layers": 10 ** 9}, "num_hidden_layers is 1000000000, expected an integer in [1, 10000]"),
+    ("llama", {"num_hidden_layers": None}, "num_hidden_layers is null, expected an integer in [1, 10000]"),
+    ("qwen2", {"hidden_size": 1.5}, "hidden_size is 1.5, expected a positive integer"),
+    ("mistral", {"num_attention_heads": [4]}, "num_attention_heads is [4], expected a positive integer"),
+    ("qwen3", {"intermediate_size": 0}, "intermediate_size is 0, expected a positive integer"),
+    ("llama", {"rope_theta": None}, "rope_theta is null, expected a number > 0"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": None}},
+     "rope_parameters.rope_theta is null, expected a number > 0"),
+    ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": float("inf")}},
+     "rope_parameters.rope_theta is Infinity, expected a number > 0"),
+    ("llama", {"rope_parameters": "default"}, 'rope_parameters is "default", expected an object (the RoPE settings)'),
+    ("llama", {"rope_scaling": {"rope_type": "llama3", "factor": "8"}}, 'rope_scaling.factor is "8", expected a '
+                                                                         'number > 0'),
+    ("llama", {"rope_parameters": {"rope_type": 3}}, "rope_parameters.rope_type is 3, expected a string"),
+    ("llama", {"tie_word_embeddings": "false"}, 'tie_word_embeddings is "false", expected true or false'),
+    ("llama", {"architectures": "LlamaForCausalLM"}, 'architectures is "LlamaForCausalLM", expected a list of class '
+                                                     'names'),
+    ("llama", {"architectures": [5]}, "architectures is [5], expected a list of class names"),
+    ("llama", {"layer_types": 3}, "layer_types is 3, expected a list of strings"),
+    ("llama", {"num_key_value_heads": 0}, "num_key_value_heads is 0, expected a positive integer"),
+    ("qwen3", {"head_dim": "16"}, 'head_dim is "16", expected a positive integer'),
+    ("llama", {"max_position_embeddings": -1}, "max_position_embeddings is -1, expected a positive integer"),
+    ("llama", {"partial_rotary_factor": "1"}, 'partial_rotary_factor is "1", expected a number in (0, 1]'),
+    ("llama", {"hidden_act": 1}, "hidden_act is 1, expected a string"),
+    ("llama", {"mlp_bias": "no"}, 'mlp_bias is "no", expected true or false'),
+    ("qwen2", {"sliding_window": "4096"}, 'sliding_window is "4096", expected a non-negative integer'),
+    ("qwen3_moe", {"num_experts": "4"}, 'num_experts is "4", expected a non-negative integer'),
+    ("qwen3_moe", {"num_experts_per_tok": 2.0}, "num_experts_per_tok is 2.0, expected a positive integer"),
+    ("qwen3_moe", {"moe_intermediate_size": [32]}, "moe_intermediate_size is [32], expected a positive integer"),
+    ("qwen3_moe", {"decoder_sparse_step": None}, "decoder_sparse_step is null, expected a positive integer"),
+    ("qwen3_moe", {"norm_topk_prob": 1}, "norm_topk_prob is 1, expected true or false"),
+    ("qwen3_moe", {"router_aux_loss_coef": -0.5}, "router_aux_loss_coef is -0.5, expected a number >= 0"),
+]
+
+
+def _config_only(directory, family, change):
+    """A directory holding only the tiny `family` model's config.json, with `change` applied."""
+    import json
+
+    from megatron_csbp.tools import tiny_hf_model
+
+    config = tiny_hf_model.make_config(family, mlp_only_layers=(1,) if family == "qwen3_moe" else ()).to_dict()
+    config.update(change)
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+@pytest.mark.parametrize("family, change, message", HF_CONFIG_FIELDS)
+def test_a_wrongly_typed_hf_config_field_is_one_line_before_any_weights(tmp_path, capsys, family, change, message):
+    pytest.importorskip("transformers")
+    from megatron_csbp.tools import convert_hf
+
+    hf_dir = _config_only(tmp_path / "model", family, change)
+    code = convert_hf.main(["import", "--hf-dir", hf_dir, "--save", str(tmp_path / "ckpt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"convert_hf.py: error: --hf-dir {hf_dir}: {hf_dir}/config.json: {message}; restore "
+                                 f"the model's config.json"], err
+    assert sorted(os.listdir(tmp_path)) == ["model"] and os.listdir(hf_dir) == ["config.json"]
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3_moe"])
+def test_every_familys_config_passes_the_schema(tmp_path, capsys, family):
+    """The control: each family's config as transformers writes it is read past the schema, to the weights."""
+    pytest.importorskip("transformers")
+    from megatron_csbp.tools import convert_hf
+    from megatron_csbp.training import hf
+
+    assert family in hf.FAMILIES
+    hf_dir = _config_only(tmp_path / "model", family, {})
+    assert convert_hf.main(["import", "--hf-dir", hf_dir, "--save", str(tmp_path / "ckpt")]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"convert_hf.py: error: --hf-dir {hf_dir}: no *.safetensors files (convert .bin weights to safetensors "
+        f"first; pickled weights are not read)"]
+    missing = _config_only(tmp_path / "lacking", family, {})
+    config = hf.read_config(missing)
+    del config["hidden_size"]
+    with pytest.raises(ConfigError, match=r"config.json lacks hidden_size \(a positive integer\); restore"):
+        hf.model_flags(config, missing)
 
 
 def test_checkpoint_size_estimate_matches_a_real_checkpoint(tmp_path):

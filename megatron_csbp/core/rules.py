@@ -42,6 +42,9 @@ MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default
 MOE_LOAD_BALANCING = ("aux_loss", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_DISPATCHERS = ("alltoall", "allgather")
+# The most transformer layers a model may have (the deepest trained are about a thousand): it bounds
+# `--num-layers` and a `--moe-layer-freq` pattern, which is read before the model it describes exists.
+MAX_LAYERS = 10_000
 
 
 @dataclasses.dataclass(frozen=True)

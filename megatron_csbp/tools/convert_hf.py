@@ -324,7 +324,7 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
         rope.update(rope_type="llama3", factor=float(args.rope_scaling_factor), **hf.LLAMA3_ROPE_FIXED)
     for stale in ("rope_scaling", "rope_theta", "bd_size"):  # bd_size: only a shifted-label model may claim it
         config.pop(stale, None)
-    config["rope_parameters"] = {**config.get("rope_parameters", {}), **rope}
+    config["rope_parameters"] = {**(config.get("rope_parameters") or {}), **rope}
     objective = getattr(args, "bdlm_objective", objectives.BD3LM.name)
     config.update(hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
                   num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
@@ -404,7 +404,7 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
                               f"{os.path.join(load, HF_SIDE)})")
         _check_export_target(out, overwrite, [load, hf_side])
     base_path = os.path.join(hf_side, "config.json") if hf_side else None
-    base = hf.read_config(hf_side) if base_path and os.path.isfile(base_path) else None
+    base = hf.read_config(hf_side, f"--load {load}") if base_path and os.path.isfile(base_path) else None
     vocabulary = Vocabulary(build_tokenizer(args), args.mask_token_id, args.padded_vocab_size)  # the checkpoint's
     rows = _vocabulary_rows(vocabulary)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32

@@ -46,15 +46,12 @@ def make_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
 
 
-def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows: int | None = None,
-               hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-               head_dim: int = 16, intermediate_size: int = 96, tied: bool = False, rope_parameters: dict | None = None,
-               num_experts: int = 4, experts_per_token: int = 2, moe_intermediate_size: int = 32,
-               mlp_only_layers: tuple = (), norm_topk_prob: bool = True, fused_experts: bool = False,
-               seed: int = 0) -> str:
-    """Writes a tiny random `family` model with a `tokenizer_ids`-id tokenizer and `model_rows` (default:
-    as many) embedding rows to `output`; returns `output`. The expert settings apply to a Qwen3-MoE only."""
-    import torch
+def make_config(family: str, *, tokenizer_ids: int = 383, model_rows: int | None = None, hidden_size: int = 64,
+                num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                intermediate_size: int = 96, tied: bool = False, rope_parameters: dict | None = None,
+                num_experts: int = 4, experts_per_token: int = 2, moe_intermediate_size: int = 32,
+                mlp_only_layers: tuple = (), norm_topk_prob: bool = True):
+    """The transformers config of `make_model`'s tiny `family` model (the expert settings: a Qwen3-MoE's only)."""
     import transformers
 
     from megatron_csbp.training.hf import FAMILIES
@@ -67,13 +64,24 @@ def make_model(family: str, output: str, *, tokenizer_ids: int = 383, model_rows
         extra.update(num_experts=num_experts, num_experts_per_tok=experts_per_token,
                      moe_intermediate_size=moe_intermediate_size, mlp_only_layers=list(mlp_only_layers),
                      norm_topk_prob=norm_topk_prob, router_aux_loss_coef=0.01)
-    config = getattr(transformers, family.config_class)(
+    return getattr(transformers, family.config_class)(
         vocab_size=model_rows or tokenizer_ids, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         head_dim=head_dim, max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=tied,
-        initializer_range=0.1, eos_token_id=0, bos_token_id=0, pad_token_id=None, **extra)
+        initializer_range=0.1, eos_token_id=0, bos_token_id=0, pad_token_id=None,
+        architectures=[family.architecture], **extra)
+
+
+def make_model(family: str, output: str, *, tokenizer_ids: int = 383, fused_experts: bool = False, seed: int = 0,
+               **settings) -> str:
+    """Writes a tiny random `family` model (`make_config`'s, with `settings`) with a `tokenizer_ids`-id tokenizer
+    to `output`; returns `output`."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = make_config(family, tokenizer_ids=tokenizer_ids, **settings)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):

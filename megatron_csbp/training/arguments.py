@@ -5,6 +5,7 @@ megatron-core's configs in `megatron_config`.
 """
 
 import argparse
+import math
 import os
 import re
 import shutil
@@ -31,8 +32,12 @@ def _on_accelerator() -> bool:
     return default_device().type != "cpu"
 
 
+# A year: torch.distributed's stores break on far longer timeouts (at 10**10 minutes every wait fails at once).
+MAX_TIMEOUT_MINUTES = 366 * 24 * 60
+
 # Numeric flags and the values they accept: (flag, accepts, what the message says it must be).
 _RANGES = (
+    ("num_layers", lambda v: v <= rules.MAX_LAYERS, f"<= {rules.MAX_LAYERS}"),
     ("kv_channels", lambda v: v >= 1, ">= 1"), ("ffn_hidden_size", lambda v: v >= 1, ">= 1"),
     ("num_query_groups", lambda v: v >= 1, ">= 1"), ("vocab_size", lambda v: v >= 1, ">= 1"),
     ("make_vocab_size_divisible_by", lambda v: v >= 1, ">= 1"),
@@ -51,6 +56,18 @@ _RANGES = (
     ("save_interval", lambda v: v >= 1, ">= 1"), ("exit_interval", lambda v: v >= 1, ">= 1"),
     ("exit_duration_in_mins", lambda v: v >= 0, ">= 0"), ("num_workers", lambda v: v >= 0, ">= 0"),
     ("recompute_num_layers", lambda v: v >= 1, ">= 1"),
+    ("rope_scaling_factor", lambda v: v > 0, "> 0"),
+    ("num_experts", lambda v: v >= 0, ">= 0 (0: no experts)"),
+    ("moe_ffn_hidden_size", lambda v: v >= 1, ">= 1"),
+    ("moe_shared_expert_intermediate_size", lambda v: v >= 1, ">= 1 (leave it unset for no shared expert)"),
+    ("moe_router_topk", lambda v: v >= 1, ">= 1"), ("moe_aux_loss_coeff", lambda v: v >= 0, ">= 0"),
+    ("expert_model_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("expert_tensor_parallel_size", lambda v: v >= 1, ">= 1"),
+    ("context_block_parallel", lambda v: v >= 1, ">= 1"),
+    ("context_block_parallel_clean_shards", lambda v: v >= 1, ">= 1"),
+    ("bdlm_mask_token_id", lambda v: v >= 0, ">= 0"),
+    ("link_gbps", lambda v: v > 0, "> 0"), ("link_latency_us", lambda v: v >= 0, ">= 0"),
+    ("distributed_timeout_minutes", lambda v: 1 <= v <= MAX_TIMEOUT_MINUTES, f"in [1, {MAX_TIMEOUT_MINUTES}]"),
 )
 
 
@@ -58,12 +75,18 @@ def check_ranges(args: argparse.Namespace) -> None:
     """Every numeric flag's range, and the pairs that must agree, refused with the flag named (one line).
 
     Flags this parser lacks (e.g. under Megatron-LM's own) or left unset (None) are skipped; NaN is
-    refused everywhere (it fails every comparison).
+    refused everywhere (it fails every comparison), and so is an infinite float; a flag that takes several
+    values has each checked.
     """
     for name, accepts, what in _RANGES:
         value = getattr(args, name, None)
-        if value is not None and not isinstance(value, bool) and not accepts(value):
-            raise ConfigError(f"--{name.replace('_', '-')} must be {what}; got {value}")
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if item is None or isinstance(item, bool):
+                continue
+            if not accepts(item):
+                raise ConfigError(f"--{name.replace('_', '-')} must be {what}; got {item}")
+            if not math.isfinite(item):
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number {what}; got {item}")
     lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", None)
     _require(lr is None or min_lr is None or lr >= min_lr,
              f"--lr {lr} is below --min-lr {min_lr}: the schedule decays from --lr down to --min-lr; raise --lr or "
@@ -92,8 +115,7 @@ def check_shared_values(args: argparse.Namespace) -> None:
     """
     check_ranges(args)
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "distributed_timeout_minutes",
-                 "log_interval", "eval_interval"):
+                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "log_interval", "eval_interval"):
         value = getattr(args, flag, None)
         if value is not None:
             _refuse(rules.at_least(f"--{flag.replace('_', '-')}", value))
@@ -105,6 +127,12 @@ def check_shared_values(args: argparse.Namespace) -> None:
     if args.lr_warmup_fraction is not None:
         _require(0 <= args.lr_warmup_fraction < 1, f"--lr-warmup-fraction {args.lr_warmup_fraction} must be in "
                                                    f"[0, 1) (a share of --lr-decay-iters)")
+    if args.train_iters is not None:  # a schedule in iterations (Megatron-LM's in samples is its own)
+        decay = args.lr_decay_iters or args.train_iters
+        _require(decay >= 1, "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule")
+        _require(args.lr_warmup_iters < decay, f"--lr-warmup-iters {args.lr_warmup_iters} must be below "
+                                               f"--lr-decay-iters {decay} (default: --train-iters); shorten the "
+                                               f"warmup or give it as --lr-warmup-fraction")
 
 
 def _existing_ancestor(path: str) -> str:
@@ -141,6 +169,31 @@ def checkpoint_bytes(settings: RunConfig, args: argparse.Namespace) -> tuple[int
     return parameters * per_parameter, parameters, per_parameter
 
 
+def check_host_memory(settings: RunConfig, args: argparse.Namespace, on_accelerator: bool | None = None) -> None:
+    """A CPU run fits this machine: refused (one line) when even a bound below what a rank holds exceeds the
+    machine's memory and swap. The bound is the fp32 weights split over every parallel dimension
+    (TP x PP x EP x ETP) plus one layer's input for a micro-batch (at least 2L/P rows per rank, split over TP);
+    gradients, optimizer state and the other activations come on top, so it never refuses a run that fits. An
+    accelerator run's weights and activations are in device memory, not bounded here."""
+    import psutil
+
+    if _on_accelerator() if on_accelerator is None else on_accelerator:
+        return
+    _, parameters, _ = checkpoint_bytes(settings, args)
+    TP = settings.tensor_parallel_size
+    split = TP * settings.pipeline_parallel_size * settings.expert_parallel_size * settings.expert_tensor_parallel_size
+    rows = 2 * settings.seq_length // settings.block_parallel_size
+    layer_input = settings.micro_batch_size * rows * settings.shape.hidden_size // TP
+    need = 4 * (parameters // split + layer_input)
+    memory = psutil.virtual_memory().total + psutil.swap_memory().total
+    _require(need <= memory,
+             f"this model and micro-batch need over {need / 2**30:,.1f} GiB per rank ({parameters:,} fp32 parameters "
+             f"over {split} model-parallel ranks, and a layer's input: --micro-batch-size {settings.micro_batch_size} "
+             f"x {rows} rows x --hidden-size {settings.shape.hidden_size}), more than this machine's "
+             f"{memory / 2**30:,.1f} GiB of memory and swap; shrink the model (--num-layers, --hidden-size, "
+             f"--ffn-hidden-size, --num-experts, the vocabulary) or --micro-batch-size, or split it over more ranks")
+
+
 def check_output_paths(args: argparse.Namespace, settings: RunConfig | None = None) -> None:
     """--save, --load, --tensorboard-dir, --data-cache-path usable as directories, and (given the run's
     `settings`) room at --save for a checkpoint (refused when one does not fit, a warning when a second would
@@ -172,9 +225,6 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig
     """
     for flag in ("bdlm_block_size", "context_parallel_size", "max_consecutive_bad_steps"):
         _refuse(rules.at_least(f"--{flag.replace('_', '-')}", getattr(args, flag)))
-    _require(args.link_gbps is None or (args.link_gbps > 0 and args.link_latency_us >= 0),
-             f"--link-gbps {args.link_gbps} / --link-latency-us {args.link_latency_us}: a simulated link needs "
-             f"a speed > 0 and a latency >= 0 (or drop --link-gbps)")
     P = args.context_block_parallel
     _require(P is None or P == args.context_parallel_size,
              f"--context-block-parallel {P} contradicts --context-parallel-size {args.context_parallel_size}: "
@@ -220,7 +270,8 @@ def validate(args: argparse.Namespace, world_size: int, *, on_accelerator: bool 
 
     Fills on `args`, as Megatron-LM's `validate_args` does: the run's resolved sizes, batch and world
     (`RunConfig.write_back`), `max_position_embeddings`, `lr_decay_iters`, `split`, `data_prefixes`,
-    `data_weights`.
+    `data_weights`. `check_paths`: this machine's paths, free space and (a CPU run) memory; False where the run
+    is elsewhere.
     """
     on_accelerator = _on_accelerator() if on_accelerator is None else on_accelerator
     for flag in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -263,6 +314,7 @@ def validate(args: argparse.Namespace, world_size: int, *, on_accelerator: bool 
         check_data_prefixes(args.data_prefixes)
         if args.tokenizer_model is not None:
             tokenizer_file(args.tokenizer_model)
+        check_host_memory(settings, args, on_accelerator)
         check_output_paths(args, settings)
     return settings
 
@@ -274,9 +326,6 @@ def validate_args(args: argparse.Namespace, world_size: int, **options) -> argpa
 
 
 def _validate_lr_schedule(args: argparse.Namespace) -> None:
-    """Megatron-LM's warmup length: iterations, or a fraction of the decay length (`--lr-warmup-fraction`)."""
+    """Megatron-LM's decay length when not given: `--train-iters` (its warmup is checked in `check_shared_values`:
+    iterations, or a fraction of the decay length, `--lr-warmup-fraction`)."""
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
-    _require(args.lr_decay_iters >= 1, "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule")
-    _require(args.lr_warmup_iters < args.lr_decay_iters,
-             f"--lr-warmup-iters {args.lr_warmup_iters} must be below --lr-decay-iters {args.lr_decay_iters} "
-             f"(default: --train-iters); shorten the warmup or give it as --lr-warmup-fraction")

@@ -20,9 +20,12 @@ import os
 import yaml
 
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training.flags import build_parser, moe_layer_freq
+from megatron_csbp.training import layer_pattern
+from megatron_csbp.training.flags import build_parser
 
-LAYER_PATTERN_TYPES = ("moe_layer_freq", "moe_freq_type")  # ours and Megatron-LM's --moe-layer-freq types
+# The types of the per-layer pattern flags, ours and Megatron-LM's (which run the text as Python): their values
+# are read here first, by `layer_pattern`, and handed on as a plain list or int.
+LAYER_PATTERN_TYPES = ("moe_layer_freq", "moe_freq_type", "no_rope_freq_type", "la_freq_type")
 # A section holds the plugin's flags of the prefixes it lists and is named by the first, less its dash: `csbp:`
 # holds --csbp-* and --context-block-parallel-*, `bdlm:` holds --bdlm-*.
 SECTION_PREFIXES = {prefixes[0][:-1]: prefixes for prefixes in (("csbp-", "context-block-parallel-"), ("bdlm-",))}
@@ -78,14 +81,12 @@ def _type_name(action: argparse.Action) -> str:
 def _convert(name: str, value, action: argparse.Action, where: str) -> str:
     """One scalar as argparse would receive it, refused here (with the file) if its type or choice is wrong."""
     wanted = _type_name(action)
-    if _type_name(action) in LAYER_PATTERN_TYPES:
-        # moe-layer-freq: an int or a 0/1 list (YAML's or a text), read here without running it
-        # (`flags.moe_layer_freq`) and handed on as a plain list without spaces (Megatron-LM's type takes no spaces)
+    if wanted in LAYER_PATTERN_TYPES:  # an int or a 0/1 list (YAML's, or a text)
         try:
-            value = str(moe_layer_freq(str(value))).replace(" ", "")
-        except (TypeError, ValueError, SyntaxError):
-            raise ConfigError(f"{where}: '{name}' expects an int or a list of 0/1 per layer (e.g. [0, 1] or "
-                              f"([0]+[1]*3)*2), got {value!r}") from None
+            value = layer_pattern.canonical(layer_pattern.parse(value if isinstance(value, int) else str(value),
+                                                                f"'{name}'"))
+        except ConfigError as error:
+            raise ConfigError(f"{where}: {error}") from None
     if isinstance(value, (list, dict)) or (isinstance(value, bool) and action.type in (int, float)):
         raise ConfigError(f"{where}: '{name}' expects {'a number' if action.type in (int, float) else 'a value'} "
                           f"({wanted}), got {type(value).__name__} {value!r}")
@@ -191,8 +192,25 @@ def _override(token: str, actions: dict) -> tuple[str, object] | None:
         return name, text
 
 
+def _layer_patterns_read(tokens: list[str], actions: dict) -> list[str]:
+    """Command-line tokens with each per-layer pattern flag's value (`LAYER_PATTERN_TYPES`) read by
+    `layer_pattern` (one line naming the flag if it is not one) and replaced by its plain form, before any
+    parser's type sees it."""
+    tokens = list(tokens)
+    for index, token in enumerate(tokens):
+        name, joined, text = token[2:].partition("=") if token.startswith("--") else ("", "", "")
+        if name not in actions or _type_name(actions[name]) not in LAYER_PATTERN_TYPES:
+            continue
+        if joined:
+            tokens[index] = f"--{name}={layer_pattern.canonical(layer_pattern.parse(text, '--' + name))}"
+        elif index + 1 < len(tokens) and not tokens[index + 1].startswith("--"):
+            tokens[index + 1] = layer_pattern.canonical(layer_pattern.parse(tokens[index + 1], token))
+    return tokens
+
+
 def expand_argv(argv: list[str], parser: argparse.ArgumentParser | None = None) -> list[str]:
-    """argv with `--config FILE` and `key=value` overrides expanded into ordinary flags (see module doc).
+    """argv with `--config FILE` and `key=value` overrides expanded into ordinary flags (see module doc), and
+    the per-layer pattern flags' values read (`_layer_patterns_read`).
 
     The result starts with `--config FILE` (so `args.config` records it) when a config was given.
     Works with any parser that has the flags, e.g. Megatron-LM's with `add_csbp_args`.
@@ -210,7 +228,7 @@ def expand_argv(argv: list[str], parser: argparse.ArgumentParser | None = None) 
     expanded = ["--config", path] if path else []
     for name, value in mapping.items():
         expanded += _to_argv(name, value, actions[name], path or "command line")
-    return expanded + cli
+    return expanded + _layer_patterns_read(cli, actions)
 
 
 def parse_args(argv: list[str] | None = None, parser: argparse.ArgumentParser | None = None) -> argparse.Namespace:

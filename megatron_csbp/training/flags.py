@@ -10,10 +10,13 @@ sequence dimension pipeline stages exchange, where Megatron would use `seq_lengt
 import argparse
 
 from megatron_csbp.core import modes, objectives, rules, schedule, transports
-from megatron_csbp.core.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS
+from megatron_csbp.core.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS, ConfigError
+from megatron_csbp.training import layer_pattern
 from megatron_csbp.training.datasets import MEGATRON_SPLIT_DEFAULT
 
 TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
+# --eval-interval when not given, in both loops (Megatron-LM's own None fails counting its validation samples).
+EVAL_INTERVAL = 1000
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
@@ -166,33 +169,12 @@ def _add_model_args(parser):
 
 
 def moe_layer_freq(text):
-    """`--moe-layer-freq`, read as Megatron-LM reads it, without running the text: an int N (one MoE layer every N
-    layers, the first one MoE) or a list pattern of 0 (dense) and 1 (MoE) per layer, built of list literals, `+`
-    and `*` (e.g. `([0]+[1]*3)*2`)."""
-    import ast
-
-    if isinstance(text, int):
-        return text
-    text = str(text).strip()
-    if "[" not in text:
-        return int(text)
-
-    def value(node):
-        if isinstance(node, ast.Expression):
-            return value(node.body)
-        if isinstance(node, ast.List):
-            return [value(item) for item in node.elts]
-        if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
-            left, right = value(node.left), value(node.right)
-            return left + right if isinstance(node.op, ast.Add) else left * right
-        raise ValueError(f"--moe-layer-freq {text!r}: use an int or a pattern of [0/1 ...] lists, + and *")
-
-    pattern = value(ast.parse(text, mode="eval"))
-    if not (isinstance(pattern, list) and all(item in (0, 1) for item in pattern)):
-        raise ValueError(f"--moe-layer-freq {text!r}: the pattern must be a list of 0 (dense) and 1 (MoE) per layer")
-    return pattern
+    """`--moe-layer-freq`'s argparse type: an int N (one MoE layer every N layers, the first one MoE) or a list
+    pattern of 0 (dense) and 1 (MoE) per layer, read without running it (`layer_pattern`)."""
+    try:
+        return layer_pattern.parse(text)
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def add_moe_args(parser):
@@ -308,7 +290,7 @@ def _add_data_and_io_args(parser):
     group.add_argument("--load-fallback-to-previous", action="store_true",
                        help="If the latest checkpoint under --load is incomplete or corrupt, load the newest complete older one.")
     group.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
-    group.add_argument("--eval-interval", type=int, default=1000)
+    group.add_argument("--eval-interval", type=int, default=EVAL_INTERVAL)
     group.add_argument("--eval-iters", type=int, default=100)
     group.add_argument("--log-interval", type=int, default=100)
     group.add_argument("--tensorboard-dir", type=str, default=None)

@@ -33,15 +33,17 @@ rows `[0, Vocabulary.rows)` back.
 """
 
 import json
+import math
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from megatron_csbp.core import objectives, rules
+from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
 
-from megatron_csbp.core import objectives
-from megatron_csbp.core.rules import ConfigError
 
 class UnsupportedModel(ConfigError):
     """An HF model (or one of our checkpoints) that the mapping cannot express, with what to do."""
@@ -176,31 +178,122 @@ def exported_family(qkv_bias: bool, qk_norm: bool, experts: bool = False) -> Fam
 
 def moe_layer_pattern(args) -> list[int]:
     """A checkpoint's MoE (1) and dense (0) layers (`--moe-layer-freq`); all 0 for a dense model."""
-    from megatron_csbp.core import rules
-
     if not getattr(args, "num_experts", None):
         return [0] * args.num_layers
     return rules.moe_layer_pattern(args.moe_layer_freq, args.num_layers)
 
 
-def read_config(hf_dir: str) -> dict:
-    """The raw `config.json` of a local HF directory (read as JSON: both the transformers 4 and 5 spellings)."""
+def read_config(hf_dir: str, where: str | None = None) -> dict:
+    """The raw `config.json` of a local HF directory (read as JSON: both the transformers 4 and 5 spellings), its
+    fields checked (`check_config`); refusals start with `where` (default: `--hf-dir HF_DIR`)."""
     path = os.path.join(hf_dir, "config.json")
+    where = where or f"--hf-dir {hf_dir}"
     if not os.path.isfile(path):
-        raise ConfigError(f"--hf-dir {hf_dir}: no config.json (a local Hugging Face model directory is needed; "
+        raise ConfigError(f"{where}: no config.json (a local Hugging Face model directory is needed; "
                           f"nothing is downloaded)")
     try:
         with open(path, encoding="utf-8") as handle:
             config = json.load(handle)
     except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"--hf-dir {hf_dir}: {path} cannot be read ({error})") from None
+        raise ConfigError(f"{where}: {path} cannot be read ({error})") from None
     except json.JSONDecodeError as error:
-        raise ConfigError(f"--hf-dir {hf_dir}: {path} is not valid JSON (line {error.lineno}, column "
+        raise ConfigError(f"{where}: {path} is not valid JSON (line {error.lineno}, column "
                           f"{error.colno}: {error.msg}); restore the model's config.json") from None
     if not isinstance(config, dict):
-        raise ConfigError(f"--hf-dir {hf_dir}: {path} holds a JSON {type(config).__name__}, not the object of a "
+        raise ConfigError(f"{where}: {path} holds a JSON {type(config).__name__}, not the object of a "
                           f"Hugging Face model config; restore the model's config.json")
+    check_config(config, hf_dir, where=where)
     return config
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """A `config.json` field the conversion reads: what it must hold (`accepts`, said as `expected`), whether
+    JSON null stands for transformers' default (`nullable`) and whether an import needs it (`required`)."""
+
+    expected: str
+    accepts: Callable[[object], bool]
+    nullable: bool = False
+    required: bool = False
+
+
+def _integer(minimum: int = 0, maximum: float = math.inf) -> Callable[[object], bool]:
+    return lambda value: type(value) is int and minimum <= value <= maximum
+
+
+def _number(accepts: Callable[[float], bool]) -> Callable[[object], bool]:
+    return lambda value: type(value) in (int, float) and math.isfinite(value) and accepts(value)
+
+
+def _list_of(accepts: Callable[[object], bool]) -> Callable[[object], bool]:
+    return lambda value: type(value) is list and all(accepts(item) for item in value)
+
+
+def _of_type(kind: type) -> Callable[[object], bool]:
+    return lambda value: type(value) is kind
+
+
+_POSITIVE = ConfigField("a positive integer", _integer(1), nullable=True)
+_BOOLEAN = ConfigField("true or false", _of_type(bool))
+_ROPE = ConfigField("an object (the RoPE settings)", _of_type(dict), nullable=True)
+# Every field of config.json the import (and the export, of the imported model's config) reads, and its type.
+CONFIG_FIELDS = {
+    "architectures": ConfigField("a list of class names", _list_of(_of_type(str)), nullable=True),
+    "model_type": ConfigField("a string", _of_type(str), nullable=True),
+    "num_hidden_layers": ConfigField(f"an integer in [1, {rules.MAX_LAYERS}]", _integer(1, rules.MAX_LAYERS),
+                                     required=True),
+    "hidden_size": ConfigField("a positive integer", _integer(1), required=True),
+    "intermediate_size": ConfigField("a positive integer", _integer(1), required=True),
+    "num_attention_heads": ConfigField("a positive integer", _integer(1), required=True),
+    "num_key_value_heads": _POSITIVE, "head_dim": _POSITIVE, "max_position_embeddings": _POSITIVE,
+    "rms_norm_eps": ConfigField("a number > 0", _number(lambda value: value > 0)),
+    "rope_theta": ConfigField("a number > 0", _number(lambda value: value > 0)),
+    "rope_parameters": _ROPE, "rope_scaling": _ROPE,
+    "partial_rotary_factor": ConfigField("a number in (0, 1]", _number(lambda value: 0 < value <= 1)),
+    "hidden_act": ConfigField("a string", _of_type(str)),
+    "mlp_bias": _BOOLEAN, "attention_bias": _BOOLEAN, "tie_word_embeddings": _BOOLEAN,
+    "use_sliding_window": _BOOLEAN,
+    "sliding_window": ConfigField("a non-negative integer", _integer(0), nullable=True),
+    "layer_types": ConfigField("a list of strings", _list_of(_of_type(str)), nullable=True),
+    # mixture of experts (a dense model may say 0 or null)
+    "num_experts": ConfigField("a non-negative integer", _integer(0), nullable=True),
+    "num_local_experts": ConfigField("a non-negative integer", _integer(0), nullable=True),
+    "n_routed_experts": ConfigField("a non-negative integer", _integer(0), nullable=True),
+    "num_experts_per_tok": _POSITIVE, "moe_intermediate_size": _POSITIVE,
+    "decoder_sparse_step": ConfigField("a positive integer", _integer(1)),
+    "mlp_only_layers": ConfigField("a list of layer numbers", _list_of(_integer(0)), nullable=True),
+    "norm_topk_prob": _BOOLEAN,
+    "router_aux_loss_coef": ConfigField("a number >= 0", _number(lambda value: value >= 0)),
+}
+# The fields of `rope_parameters` (transformers 5) or `rope_scaling` (transformers 4) it reads.
+ROPE_FIELDS = {
+    "rope_type": ConfigField("a string", _of_type(str)), "type": ConfigField("a string", _of_type(str)),
+    "rope_theta": CONFIG_FIELDS["rope_theta"],
+    "factor": ConfigField("a number > 0", _number(lambda value: value > 0)),
+    "low_freq_factor": ConfigField("a number", _number(lambda value: True)),
+    "high_freq_factor": ConfigField("a number", _number(lambda value: True)),
+    "original_max_position_embeddings": ConfigField("a positive integer", _integer(1)),
+}
+
+
+def check_config(config: dict, hf_dir: str, required: bool = False, where: str | None = None) -> None:
+    """Refuses (one line naming the file and the field) a `config.json` field of the wrong type or range
+    (`CONFIG_FIELDS`), and, when `required`, one an import needs that is missing, before anything else reads it."""
+    path, where = os.path.join(hf_dir, "config.json"), where or f"--hf-dir {hf_dir}"
+    fields = [(name, field, config, name) for name, field in CONFIG_FIELDS.items()]
+    for table in ("rope_parameters", "rope_scaling"):
+        if isinstance(config.get(table), dict):
+            fields += [(f"{table}.{key}", field, config[table], key) for key, field in ROPE_FIELDS.items()]
+    for name, field, holder, key in fields:
+        if key not in holder or (holder[key] is None and field.nullable):
+            if required and field.required:
+                raise ConfigError(f"{where}: {path} lacks {name} ({field.expected}); restore the model's config.json")
+            continue
+        if not field.accepts(holder[key]):
+            shown = json.dumps(holder[key])
+            shown = shown if len(shown) <= 40 else shown[:37] + "..."
+            raise ConfigError(f"{where}: {path}: {name} is {shown}, expected {field.expected}; restore the model's "
+                              f"config.json")
 
 
 # Llama 3.x RoPE scaling as megatron-core implements it (`--use-rope-scaling`): only its factor is free.
@@ -254,15 +347,9 @@ def model_family(config: dict) -> str:
     return family
 
 
-REQUIRED_CONFIG_KEYS = ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads")
-
-
 def model_flags(config: dict, hf_dir: str = ".") -> dict:
     """Our model flags (YAML keys) for the HF config of `hf_dir`."""
-    missing = [key for key in REQUIRED_CONFIG_KEYS if not isinstance(config.get(key), int) or config[key] < 1]
-    if missing:
-        raise ConfigError(f"--hf-dir {hf_dir}: {os.path.join(hf_dir, 'config.json')} lacks {', '.join(missing)} (or "
-                          f"holds no positive integer there); restore the model's config.json")
+    check_config(config, hf_dir, required=True)
     family = FAMILIES[model_family(config)]
     heads = config["num_attention_heads"]
     groups = config.get("num_key_value_heads") or heads
@@ -324,8 +411,6 @@ class Shape:
     @classmethod
     def from_flags(cls, flags: dict) -> "Shape":
         """The shape of the model flags `model_flags` gives."""
-        from megatron_csbp.core import rules
-
         experts = flags.get("num-experts") or 0
         pattern = rules.moe_layer_pattern(flags["moe-layer-freq"], flags["num-layers"]) if experts else []
         return cls(flags["num-layers"], flags["num-attention-heads"], flags["num-query-groups"], flags["kv-channels"],

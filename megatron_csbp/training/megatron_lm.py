@@ -28,10 +28,11 @@ import sys
 
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training import flag_table
-from megatron_csbp.training.arguments import check_output_paths, check_shared_values, validate_plugin_args
+from megatron_csbp.training.arguments import (check_host_memory, check_output_paths, check_shared_values,
+                                               validate_plugin_args)
 from megatron_csbp.training.config import expand_argv
 from megatron_csbp.training.datasets import check_data_prefixes, parse_data_path
-from megatron_csbp.training.flags import add_csbp_args, byte_tokenizer_as_null
+from megatron_csbp.training.flags import EVAL_INTERVAL, add_csbp_args, byte_tokenizer_as_null
 
 
 def import_pretrain():
@@ -73,9 +74,10 @@ def parse_args(argv: list[str], world_size: int) -> tuple[list[str], argparse.Na
     args = parser.parse_args(expanded)
     flag_table.check_parsed(parser, args)
     check_shared_values(args)
-    validate_plugin_args(args, world_size)
+    settings = validate_plugin_args(args, world_size)
     if args.data_path:
         check_data_prefixes(parse_data_path(args.data_path)[0])
+    check_host_memory(settings, args)
     check_output_paths(args)  # not the size estimate: the vocabulary is worked out under pretrain()
     return expanded, args
 
@@ -205,11 +207,14 @@ def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
     if "--distributed-backend" not in expanded:  # Megatron-LM's default is nccl, which needs a GPU
         expanded = [*expanded, "--distributed-backend", default_backend()]
     sys.argv = [sys.argv[0], *expanded]
+    defaults = {"max_position_embeddings": args.seq_length}
+    if args.eval_interval is None:  # Megatron-LM's None fails counting its validation samples: our loop's default
+        defaults["eval_interval"] = EVAL_INTERVAL
     run_providers = providers.RunProviders()  # Megatron-LM's args: parsed by pretrain(), read on first call
     with cpu_backend.active(), _built_dataset_helpers_kept(), _checkpoints_under_our_rules(args):
         megatron_pretrain(run_providers.train_valid_test_datasets_provider, run_providers.model_provider,
                           ModelType.encoder_or_decoder, run_providers.forward_step,
-                          extra_args_provider=add_csbp_args, args_defaults={"max_position_embeddings": args.seq_length},
+                          extra_args_provider=add_csbp_args, args_defaults=defaults,
                           get_embedding_ranks=run_providers.get_embedding_ranks)
 
 
