@@ -133,7 +133,7 @@ class _Broken:
     def block_diagonal_forward(self, *args):
         raise RuntimeError("kernel exploded")
 
-    masked_forward = block_diagonal_forward
+    prefix_forward = prefix_backward = masked_forward = masked_backward = block_diagonal_forward
 
 
 def test_correctness_section_fails_on_a_wrong_kernel_and_keeps_going(monkeypatch):
