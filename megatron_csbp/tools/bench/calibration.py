@@ -8,6 +8,7 @@ import time
 import torch
 
 from megatron_csbp.core import rules
+from megatron_csbp.tools.bench.cli import calibration_run
 from megatron_csbp.tools.bench.records import RankCalibration
 
 
@@ -30,7 +31,6 @@ def calibrate(world_size, args, seq_length, repeats=4) -> RankCalibration:
     from megatron_csbp.bdlm import flops
     from megatron_csbp.core import comm
     from megatron_csbp.core.ops import context_sharded_block_attention
-    from megatron_csbp.tools.bench.cli import calibration_run
 
     run = calibration_run(args, seq_length)
     h, heads, groups = args.hidden_size, args.num_attention_heads, args.num_query_groups

@@ -39,10 +39,10 @@ import json
 from megatron_csbp.core import modes, rules, transports
 from megatron_csbp.core.model_shape import ModelShape, MoEShape
 from megatron_csbp.core.run_config import RunConfig
-from megatron_csbp.tools.bench import kernel_check
 from megatron_csbp.tools.bench.records import Calibration
 
 MODES = modes.PARALLEL_MODES
+RING_MODES = tuple(mode for mode in MODES.values() if mode.transported_copies)  # CSBP and the CPs: --kernel-check's
 # The trainer's rules (megatron_csbp.core.rules, through each run's RunConfig), told the bench's flag names.
 FLAGS = rules.FLAGS.renamed(seq_length="--seq-lengths", block_size="--block-size", parallel_size="--nproc",
                             clean_shards="clean shards", mode="--modes", clean_layout="clean layout", kv_channels=None)
@@ -135,7 +135,7 @@ def calibration_run(args, seq_length) -> RunConfig:
 
 def kernel_check_runs(args) -> list[RunConfig]:
     """The runs `--kernel-check` times the kernels of: each mode with a ring at the longest length."""
-    return [run_config(args, mode, max(args.seq_lengths)) for mode in kernel_check.MODES]
+    return [run_config(args, mode, max(args.seq_lengths)) for mode in RING_MODES]
 
 
 def runs(args):

@@ -17,7 +17,7 @@ def write_json(path, records):
         json.dump([record.record() for record in records], handle, indent=2)
 
 
-def measure(args, seq_length, mode=None) -> list:
+def measured_runs(args, seq_length, mode=None) -> list:
     """The `RunRecord`s of `mode` at `seq_length` (one per condition), or of every mode interleaved (`mode` None)."""
     if mode is None:
         per_rank = spawn_interleaved(args, seq_length)
@@ -39,7 +39,7 @@ def main(argv=None):
     for seq_length, mode in runs:
         what = f"{mode or ','.join(args.modes)} L={seq_length}"
         load_before = os.getloadavg()[0]
-        run = measure(args, seq_length, mode)
+        run = measured_runs(args, seq_length, mode)
         load = max(load_before, os.getloadavg()[0])  # the 1-minute average, before and at the end of the run
         records += [dataclasses.replace(r, load_average=load) for r in run]
         warning = report.load_warning(load)
@@ -85,12 +85,14 @@ def main(argv=None):
 def predicted(args, records) -> list:
     """`records`, each overlapped one with the calibrated planner's step beside it (`--predict`: its own run's
     calibration; `--calibrate-from`: the one recorded in an earlier run), both tables printed."""
-    measured = [r for r in records if r.condition.overlap]  # the planner models the overlapped ops
     held_out = args.held_out_calibration
     if held_out:
         print(f"held-out prediction: every step predicted from the calibration of {held_out.origin}")
-    predictions = [calibration.predict_record(args, r, held_out or r.calibration) for r in measured]
-    steps = {id(r): PlannerStep(q.step_time_s, q.exposed_attention_s) for r, q in zip(measured, predictions)}
+    # the planner models the overlapped ops
+    predictions = [calibration.predict_record(args, r, held_out or r.calibration) if r.condition.overlap else None
+                   for r in records]
     calibration.print_calibrations(records)
-    calibration.print_predictions(measured, predictions)
-    return [dataclasses.replace(r, predicted=steps[id(r)]) if id(r) in steps else r for r in records]
+    measured = [(r, q) for r, q in zip(records, predictions) if q]
+    calibration.print_predictions([r for r, _ in measured], [q for _, q in measured])
+    return [dataclasses.replace(r, predicted=PlannerStep(q.step_time_s, q.exposed_attention_s)) if q else r
+            for r, q in zip(records, predictions)]

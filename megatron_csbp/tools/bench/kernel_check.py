@@ -14,8 +14,6 @@ from megatron_csbp.core import modes, rules
 from megatron_csbp.tools.bench.mode_run import rank_attention_pairs
 from megatron_csbp.tools.bench.records import record_of
 
-MODES = tuple(mode for mode in modes.PARALLEL_MODES.values() if mode.transported_copies)  # CSBP and the CPs
-
 
 @dataclasses.dataclass(frozen=True)
 class KernelEfficiency:
@@ -118,7 +116,7 @@ def print_efficiency(e: KernelEfficiency, out=None):
 
 
 def kernel_plans_check(runs, heads=4, groups=2, head_dim=32, repeats=3) -> list[KernelPlanTiming]:
-    """The attention kernels of every rank of every run (`RunConfig`s of `MODES`, `cli.kernel_check_runs`) on that
+    """The attention kernels of every rank of every run (`RunConfig`s, `cli.kernel_check_runs`) on that
     rank's own rows and plan, timed in ONE process, modes alternating in each repeat (paired, best of
     `repeats`), so a load burst cannot favour one mode.
 

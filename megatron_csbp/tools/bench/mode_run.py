@@ -8,6 +8,7 @@ import time
 import torch
 
 from megatron_csbp.tools.bench import calibration, memory
+from megatron_csbp.tools.bench.cli import run_config
 from megatron_csbp.tools.bench.experts import MoERouting, moe_config, optimizer_state
 from megatron_csbp.tools.bench.records import Condition, RankRecord
 
@@ -53,7 +54,6 @@ class ModeRun:
         from megatron_csbp.core.device import default_device
         from megatron_csbp.mcore import parallel_state
         from megatron_csbp.mcore.model import model_provider
-        from megatron_csbp.tools.bench.cli import run_config
 
         run = run_config(args, mode, seq_length)
         self.mode, self.seq_length, self.rank, self.args = mode, seq_length, rank, args
