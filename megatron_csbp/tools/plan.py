@@ -206,10 +206,6 @@ class Model:
             fill("moe_ffn_hidden_size", shape.moe.ffn_hidden_size)
 
     @property
-    def num_blocks(self) -> int:
-        return self.seq_length // self.block_size
-
-    @property
     def full_recompute(self) -> bool:
         return self.recompute == "full"
 

@@ -114,8 +114,6 @@ class Calibration:
 
 
 PEAK_PARTS = ("step", "attention_forward", "attention")  # a training step, the attention op forward, and +backward
-TRANSPORT_MEMORY_KEYS = tuple(f"{transport}_{part}_peak_bytes" for transport in transports.TRANSPORTS
-                              for part in PEAK_PARTS)
 
 
 @dataclasses.dataclass(frozen=True)
