@@ -332,8 +332,9 @@ def correctness_case(args, device, label, kernels, backward, dtype_name, seq_len
                 fp32_precision=fp32_precision, seconds=elapsed, passed=passed)
 
 
-def correctness(args, device, records):
-    for label, kernels, backward in kernel_variants(device):
+def correctness(args, device, records, variants=None):
+    """Every case of every kernel family in `variants` (default: `kernel_variants(device)`), failures kept."""
+    for label, kernels, backward in variants or kernel_variants(device):
         for mode, dtype_name, seq_length in itertools.product(CHECKED_MODES, args.check_dtypes,
                                                               args.check_seq_lengths):
             case = dict(kernels=label, mode=mode.name, dtype=dtype_name, seq_length=seq_length)
