@@ -7,13 +7,15 @@ import statistics
 import pytest
 import torch
 
-from megatron_csbp.tools import bench
+from megatron_csbp.core import modes
 from megatron_csbp.core.layout import CSBPLayout
+from megatron_csbp.tools.bench import cli, command, experts, kernel_check, mode_run, report
+from megatron_csbp.tools.bench.records import Calibration, RankCalibration
 
 
 def test_rank_attention_pairs_sum_to_the_bdlm_mask():
     L, B, P = 256, 16, 4
-    per_rank = [bench.rank_attention_pairs(CSBPLayout(L, B, P, P, r)) for r in range(P)]
+    per_rank = [mode_run.rank_attention_pairs(CSBPLayout(L, B, P, P, r)) for r in range(P)]
     assert sum(per_rank) == L * L + L * B
     assert len(set(per_rank)) == 1  # dual-end blocks + zigzag clean shards: equal work per rank
 
@@ -25,49 +27,51 @@ def test_kernel_plans_check_times_each_mode_on_its_own_rows():
     visible rows' limits end in key tile 0 (960 rows: 2 groups), 2 (64 rows) and 3 (960 rows: 2 groups).
     cp-traffic rank 0 holds noisy 0-1023 and clean 1024-2047: limits ending in tiles 0-3, 512, 448, 448, 512
     rows; cp's 2048 rows are 16 query tiles of 128."""
-    results = bench.kernel_plans_check(2048, 64, 2, repeats=1)
-    by_case = {(r["mode"], r["rank"]): r for r in results}
-    assert sorted(by_case) == [(mode, rank) for mode in ("cp", "cp-traffic", "csbp") for rank in range(2)]
+    args = cli.parse_args(["--seq-lengths", "2048", "--block-size", "64", "--nproc", "2", "--kernel-check"])
+    results = kernel_check.kernel_plans_check(cli.kernel_check_runs(args), repeats=1)
+    by_case = {(r.mode, r.rank): r for r in results}
+    assert list(by_case) == [(mode, rank) for mode in (modes.CSBP, modes.CP, modes.CP_TRAFFIC) for rank in range(2)]
     for rank in range(2):
-        csbp, traffic, cp = by_case["csbp", rank], by_case["cp-traffic", rank], by_case["cp", rank]
-        assert csbp["real_pairs"] == traffic["real_pairs"] == cp["real_pairs"] == (2048 * 2048 + 2048 * 64) // 2
-        assert csbp["padded_pairs"] == traffic["padded_pairs"] >= csbp["real_pairs"]
-        assert cp["padded_pairs"] > cp["real_pairs"]
-        assert csbp["forward_s"] > 0 and traffic["backward_s"] > 0 and cp["backward_s"] > 0
-    assert by_case["csbp", 0]["row_groups"] == 5 and by_case["cp-traffic", 0]["row_groups"] == 4
-    assert by_case["cp", 0]["row_groups"] == 16
+        csbp, traffic, cp = by_case[modes.CSBP, rank], by_case[modes.CP_TRAFFIC, rank], by_case[modes.CP, rank]
+        assert csbp.real_pairs == traffic.real_pairs == cp.real_pairs == (2048 * 2048 + 2048 * 64) // 2
+        assert csbp.padded_pairs == traffic.padded_pairs >= csbp.real_pairs
+        assert cp.padded_pairs > cp.real_pairs
+        assert csbp.forward_s > 0 and traffic.backward_s > 0 and cp.backward_s > 0
+    assert by_case[modes.CSBP, 0].row_groups == 5 and by_case[modes.CP_TRAFFIC, 0].row_groups == 4
+    assert by_case[modes.CP, 0].row_groups == 16
+    assert [r.record()["mode"] for r in results[::2]] == ["kernel-csbp", "kernel-cp", "kernel-cp-traffic"]
 
 
 def test_bad_flags_are_refused(capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(["--modes", "csbp,ring"])
+        cli.parse_args(["--modes", "csbp,ring"])
     assert "--modes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.parse_args(["--seq-lengths", "100", "--block-size", "16"])
+        cli.parse_args(["--seq-lengths", "100", "--block-size", "16"])
     assert "--seq-lengths 100 is not a multiple of --block-size 16; use --seq-lengths 96" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # CP's 2 x nproc chunks of [x_t ; x_0] hold whole blocks: the trainer's rule
-        bench.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "cp"])
+        cli.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "cp"])
     assert "--seq-lengths 80 must be a multiple of 32 (--nproc x --block-size)" in capsys.readouterr().err
-    args = bench.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "csbp,bp"])  # 5 blocks: fine
+    args = cli.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "csbp,bp"])  # 5 blocks: fine
     assert args.seq_lengths == [80] and args.ffn_hidden_size == 4 * args.hidden_size
     # ... but not for what --predict (one rank's L/2 = 40 rows) and --kernel-check (CP's layout too) build
     with pytest.raises(SystemExit):
-        bench.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "csbp,bp", "--predict"])
-    assert "--predict's calibration: half of --seq-lengths, 40 is not a multiple of --block-size 16" in capsys.readouterr().err
+        cli.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "csbp,bp", "--predict"])
+    assert ("--predict's calibration: half of --seq-lengths, 40 is not a multiple of --block-size 16"
+            in capsys.readouterr().err)
     with pytest.raises(SystemExit):
-        bench.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "csbp,bp", "--kernel-check"])
+        cli.parse_args(["--seq-lengths", "80", "--block-size", "16", "--modes", "csbp,bp", "--kernel-check"])
     assert "--seq-lengths 80 must be a multiple of 32 (--nproc x --block-size)" in capsys.readouterr().err
 
 
 def test_all_modes_side_by_side(tmp_path, capsys):
     """Every mode's step, bytes and kernel work; the kernel figures the bench counted off the kernels' plans
     equal each mode's analytic `kernel_calls` (the CPU kernels' tiles: 512 for the prefix, flex's 128 masked)."""
-    from megatron_csbp.core import modes
     from megatron_csbp.core.kernels import DEFAULT_TILE, MASKED_TILE
 
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
-    bench.main(["--seq-lengths", "512", "--block-size", "16", "--num-layers", "1", "--hidden-size", "64",
-                "--steps", "1", "--warmup", "0", "--json", str(out_json), "--plot", str(out_png)])
+    command.main(["--seq-lengths", "512", "--block-size", "16", "--num-layers", "1", "--hidden-size", "64",
+                  "--steps", "1", "--warmup", "0", "--json", str(out_json), "--plot", str(out_png)])
     records = {r["mode"]: r for r in json.loads(out_json.read_text())}
     assert set(records) == {"csbp", "cp", "cp-traffic", "bp"}
     for name, record in records.items():
@@ -104,8 +108,8 @@ def test_interleaved_modes_measure_what_their_own_runs_do(tmp_path, capsys):
     table says how peak memory was taken. Flags that need runs of their own are refused in one line."""
     common = ["--seq-lengths", "512", "--block-size", "16", "--num-layers", "1", "--hidden-size", "64",
               "--steps", "2", "--warmup", "0"]
-    apart = {r["mode"]: r for r in bench.main(common)}
-    paired = {r["mode"]: r for r in bench.main(common + ["--interleave", "--json", str(tmp_path / "il.json")])}
+    apart = {r["mode"]: r for r in command.main(common)}
+    paired = {r["mode"]: r for r in command.main(common + ["--interleave", "--json", str(tmp_path / "il.json")])}
     assert list(paired) == ["csbp", "cp", "cp-traffic", "bp"]
     exact = ("bytes_sent_per_rank", "saved_activation_bytes", "rows_per_rank", "attention_pairs_per_rank",
              "kernel_work_by_rank", "kernel_calls", "kernel_computed_pairs")
@@ -121,7 +125,7 @@ def test_interleaved_modes_measure_what_their_own_runs_do(tmp_path, capsys):
         paired["cp"]["cpu_vs_cp"] == 1
     assert "peak mem: exact tensor bytes of one step" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        bench.parse_args(common + ["--interleave", "--predict", "--link-gbps", "1"])
+        cli.parse_args(common + ["--interleave", "--predict", "--link-gbps", "1"])
     assert "--interleave measures the backend's own link only; run --link-gbps, --predict without it" in \
         capsys.readouterr().err
 
@@ -130,9 +134,9 @@ def test_exposed_communication_link_sweep_overlap_check_and_planner(tmp_path, ca
     """Every condition of one run reports exposed communication with its share; a simulated link changes the
     time, never the bytes; the serialised run and the calibrated planner appear beside the measurements."""
     out_json, link_png = tmp_path / "bench.json", tmp_path / "link.png"
-    bench.main(["--modes", "csbp,cp", "--seq-lengths", "128", "--block-size", "16", "--num-layers", "1",
-                "--hidden-size", "64", "--steps", "1", "--warmup", "0", "--link-gbps", "10,0.5",
-                "--overlap-check", "--predict", "--json", str(out_json), "--link-plot", str(link_png)])
+    command.main(["--modes", "csbp,cp", "--seq-lengths", "128", "--block-size", "16", "--num-layers", "1",
+                  "--hidden-size", "64", "--steps", "1", "--warmup", "0", "--link-gbps", "10,0.5",
+                  "--overlap-check", "--predict", "--json", str(out_json), "--link-plot", str(link_png)])
     text = capsys.readouterr().out
     records = json.loads(out_json.read_text())
     measured = [r for r in records if r["mode"] in ("csbp", "cp")]
@@ -159,9 +163,9 @@ def test_exposed_communication_link_sweep_overlap_check_and_planner(tmp_path, ca
 
 def test_recompute_in_the_bench_sends_the_forward_twice(tmp_path):
     out_json = tmp_path / "bench.json"
-    bench.main(["--modes", "csbp", "--seq-lengths", "128", "--block-size", "16", "--num-layers", "2",
-                "--hidden-size", "64", "--steps", "1", "--warmup", "0", "--recompute-granularity", "full",
-                "--json", str(out_json)])
+    command.main(["--modes", "csbp", "--seq-lengths", "128", "--block-size", "16", "--num-layers", "2",
+                  "--hidden-size", "64", "--steps", "1", "--warmup", "0", "--recompute-granularity", "full",
+                  "--json", str(out_json)])
     record, = json.loads(out_json.read_text())
     beta = 2 * 2 * (64 // 4) * 4
     assert record["recompute"] == "full"
@@ -170,53 +174,65 @@ def test_recompute_in_the_bench_sends_the_forward_twice(tmp_path):
 
 def test_link_flags_are_checked(capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(["--link-gbps", "10,fast"])
+        cli.parse_args(["--link-gbps", "10,fast"])
     assert "--link-gbps" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.parse_args(["--link-gbps", "0"])
+        cli.parse_args(["--link-gbps", "0"])
     assert "--link-gbps" in capsys.readouterr().err
 
 
 def test_transport_memory_reports_both_transports(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
-    bench.main(["--modes", "csbp,bp", "--seq-lengths", "128", "--block-size", "16", "--num-layers", "1",
-                "--hidden-size", "64", "--steps", "1", "--warmup", "0", "--transport-memory", "--json", str(out_json)])
+    command.main(["--modes", "csbp,bp", "--seq-lengths", "128", "--block-size", "16", "--num-layers", "1",
+                  "--hidden-size", "64", "--steps", "1", "--warmup", "0", "--transport-memory",
+                  "--json", str(out_json)])
     records = {r["mode"]: r for r in json.loads(out_json.read_text())}
-    assert all(records["csbp"][key] > 0 for key in bench.TRANSPORT_MEMORY_KEYS)
-    assert not set(bench.TRANSPORT_MEMORY_KEYS) & set(records["bp"])  # no ring, nothing to compare
+    keys = {f"{transport}_{part}_peak_bytes" for transport in ("collective", "streaming")
+            for part in ("step", "attention_forward", "attention")}  # the keys the JSON holds
+    assert all(records["csbp"][key] > 0 for key in keys)
+    assert not keys & set(records["bp"])  # no ring, nothing to compare
     table = capsys.readouterr().out.split("transport memory")[1]
     assert "collective" in table and "streaming" in table
 
 
 def test_the_planner_gets_the_least_disturbed_of_two_calibrations():
-    before = dict(linear_gflops=80.0, attention_gflops=30.0, gather_bytes=4096, gather_s=0.02, latency_s=2e-4)
-    after = dict(linear_gflops=40.0, attention_gflops=60.0, gather_bytes=4096, gather_s=0.01, latency_s=3e-4)
-    assert bench._least_disturbed(before, after) == dict(linear_gflops=80.0, attention_gflops=60.0, gather_bytes=4096,
-                                                         gather_s=0.01, latency_s=2e-4)
+    before = RankCalibration(linear_gflops=80.0, attention_gflops=30.0, gather_bytes=4096, gather_s=0.02,
+                             latency_s=2e-4)
+    after = RankCalibration(linear_gflops=40.0, attention_gflops=60.0, gather_bytes=4096, gather_s=0.01,
+                            latency_s=3e-4)
+    assert before.least_disturbed(after) == RankCalibration(linear_gflops=80.0, attention_gflops=60.0,
+                                                            gather_bytes=4096, gather_s=0.01, latency_s=2e-4)
 
 
 def test_kernel_efficiency_on_one_thread_and_its_prefix_part():
     threads = torch.get_num_threads()
-    e = bench.kernel_efficiency(512, 64, heads=4, head_dim=16, repeats=1)
-    assert torch.get_num_threads() == threads and e["threads"] == 1
-    for key in ("forward_fraction", "train_fraction", "prefix_forward_fraction"):
-        assert 0 < e[key] < 10, e
-    assert e["load_average"] >= 0
+    e = kernel_check.kernel_efficiency(512, 64, heads=4, head_dim=16, repeats=1)
+    assert torch.get_num_threads() == threads and e.threads == 1
+    for fraction in (e.forward_fraction, e.train_fraction, e.prefix_forward_fraction):
+        assert 0 < fraction < 10, e
+    assert e.load_average >= 0 and e.record()["mode"] == "kernel"
 
 
 def test_load_warning_and_held_out_calibration_file(tmp_path, capsys):
-    assert bench.load_warning(1.9, cores=2) is None
-    assert "load average 2.5 above the 2 cores" in bench.load_warning(2.5, cores=2)
+    assert report.load_warning(1.9, cores=2) is None
+    assert "load average 2.5 above the 2 cores" in report.load_warning(2.5, cores=2)
     empty = tmp_path / "none.json"
     empty.write_text(json.dumps([{"mode": "csbp", "seq_length": 256, "link_gbps": None}]))
     with pytest.raises(SystemExit):
-        bench.parse_args(["--seq-lengths", "256", "--calibrate-from", str(empty)])
+        cli.parse_args(["--seq-lengths", "256", "--calibrate-from", str(empty)])
     assert f"--calibrate-from {empty}: no calibration in it" in capsys.readouterr().err
+    partial = tmp_path / "partial.json"
+    partial.write_text(json.dumps([{"mode": "cp", "seq_length": 512, "link_gbps": None,
+                                    "calibration": {"linear_gflops": 1.0}}]))
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--seq-lengths", "256", "--calibrate-from", str(partial)])
+    assert f"--calibrate-from {partial}: its calibration is not a bench's" in capsys.readouterr().err
+    calibration = dict(linear_gflops=1.0, attention_gflops=0.5, gather_s=0.01, latency_s=1e-4, backend_gb_s=2.0)
     recorded = tmp_path / "calibrated.json"
-    recorded.write_text(json.dumps([{"mode": "cp", "seq_length": 512, "link_gbps": None,
-                                     "calibration": {"linear_gflops": 1.0}}]))
-    args = bench.parse_args(["--seq-lengths", "256", "--calibrate-from", str(recorded)])
-    assert args.held_out_calibration == {"linear_gflops": 1.0, "origin": f"cp L=512 of {recorded}"}
+    recorded.write_text(json.dumps([{"mode": "cp", "seq_length": 512, "link_gbps": None, "calibration": calibration}]))
+    args = cli.parse_args(["--seq-lengths", "256", "--calibrate-from", str(recorded)])
+    assert args.held_out_calibration == Calibration(**calibration, origin=f"cp L=512 of {recorded}")
+    assert args.held_out_calibration.record() == calibration  # where it came from is not a measurement
 
 
 MOE_BENCH = ["--modes", "csbp", "--seq-lengths", "64", "--block-size", "16", "--nproc", "2", "--num-layers", "2",
@@ -227,7 +243,7 @@ MOE_BENCH = ["--modes", "csbp", "--seq-lengths", "64", "--block-size", "16", "--
 
 def _moe_bench(tmp_path, *extra):
     out_json = tmp_path / "moe.json"
-    bench.main(MOE_BENCH + ["--json", str(out_json), *extra])
+    command.main(MOE_BENCH + ["--json", str(out_json), *extra])
     record, = json.loads(out_json.read_text())
     return record
 
@@ -257,8 +273,9 @@ def test_moe_all_to_all_bytes_and_expert_memory_measured_against_hand_counts(tmp
     * Parameters per rank, counted off the model, equal the planner's: dense 2 layers x (QKV 32 x 64 + projection
       32 x 32 + 2 norms x 32 + router 4 x 32 + shared expert 2 x 32 x 8 = 3776) + embedding and output layer
       2 x 256 x 32 + final norm 32 = 23968; expert 2 layers x 2 experts x (2 x 32 x 16) = 4096. Adam's state
-      (fp32 moments, 8 bytes a parameter) after a step of megatron-core's distributed optimizer: the experts' whole on each rank (expert-DP 1: 4096 x 8), the dense
-      parameters' sharded over the 2 CP ranks (the two shards add up to 23968 x 8)."""
+      (fp32 moments, 8 bytes a parameter) after a step of megatron-core's distributed optimizer: the experts'
+      whole on each rank (expert-DP 1: 4096 x 8), the dense parameters' sharded over the 2 CP ranks (the two
+      shards add up to 23968 x 8)."""
     uniform = _moe_bench(tmp_path, "--expert-model-parallel-size", "2", "--moe-round-robin-routing")
     table = capsys.readouterr().out
     assert uniform["ep_group_by_rank"] == [[0, 1], [0, 1]] and uniform["ep_rank_by_rank"] == [0, 1]
@@ -268,7 +285,8 @@ def test_moe_all_to_all_bytes_and_expert_memory_measured_against_hand_counts(tmp
         assert uniform["all_to_all_bytes_by_rank"][rank] == by_routing == 66560
         assert uniform["all_to_all_calls_by_rank"][rank] == 2 * 6  # per layer: rows, probabilities, combine; x 2
         assert uniform["routed_rows_by_rank"][rank] == [64, 64]
-    planned = bench.planned_experts(bench.parse_args(MOE_BENCH + ["--expert-model-parallel-size", "2"]), uniform)
+    planned = experts.planned_experts(cli.parse_args(MOE_BENCH + ["--expert-model-parallel-size", "2"]), modes.CSBP,
+                                      uniform["seq_length"])
     assert planned.all_to_all_bytes == 66560
     assert uniform["dense_parameters_by_rank"] == [23968, 23968] == [planned.dense_params_per_rank] * 2
     assert uniform["expert_parameters_by_rank"] == [4096, 4096] == [planned.expert_params_per_rank] * 2
@@ -295,11 +313,11 @@ def test_moe_all_to_all_bytes_and_expert_memory_measured_against_hand_counts(tmp
 
 def test_moe_bench_flags_are_the_trainers_rules(capsys):
     with pytest.raises(SystemExit):
-        bench.parse_args(MOE_BENCH + ["--expert-model-parallel-size", "3"])
+        cli.parse_args(MOE_BENCH + ["--expert-model-parallel-size", "3"])
     assert "--expert-model-parallel-size 3 does not divide --num-experts 4" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.parse_args(MOE_BENCH + ["--moe-router-topk", "5"])
+        cli.parse_args(MOE_BENCH + ["--moe-router-topk", "5"])
     assert "--moe-router-topk 5 must be in [1, --num-experts 4]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        bench.parse_args(["--expert-model-parallel-size", "2"])
+        cli.parse_args(["--expert-model-parallel-size", "2"])
     assert "--expert-model-parallel-size 2 needs experts" in capsys.readouterr().err

@@ -133,15 +133,15 @@ class _Broken:
     def block_diagonal_forward(self, *args):
         raise RuntimeError("kernel exploded")
 
-    masked_forward = block_diagonal_forward
+    prefix_forward = prefix_backward = masked_forward = masked_backward = block_diagonal_forward
 
 
-def test_correctness_section_fails_on_a_wrong_kernel_and_keeps_going(monkeypatch):
+def test_correctness_section_fails_on_a_wrong_kernel_and_keeps_going():
     args = gpu_check.parse_args(["--allow-cpu", "--check-dtypes", "fp32"] + TINY_CHECK)
-    monkeypatch.setattr(gpu_check, "kernel_variants", lambda device: [
-        ("right", None, True), ("wrong", _WrongScale(), True), ("nan", _NaNs(), True), ("broken", _Broken(), False)])
+    variants = [("right", None, True), ("wrong", _WrongScale(), True), ("nan", _NaNs(), True),
+                ("broken", _Broken(), False)]
     records = []
-    gpu_check.correctness(args, CPU, records)
+    gpu_check.correctness(args, CPU, records, variants)
     assert [r["mode"] for r in records] == ["csbp", "cp"] * 4  # each variant: CSBP's kernels, cp's masked call
     for mode in ("csbp", "cp"):
         right, wrong, nan, broken = (r for r in records if r["mode"] == mode)

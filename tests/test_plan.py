@@ -89,7 +89,7 @@ def test_invalid_topologies_excluded():
     assert "--bdlm-parallel-mode cp shards both copies" in problem("cp", 1, 1, 4, 2, 2)
     valid = plan.valid_topologies(model, cluster)
     assert valid and all(plan.topology_problem(model, cluster, t) is None for t in valid)
-    assert not any(t.tp == 8 or t.p > model.num_blocks for t in valid)
+    assert not any(t.tp == 8 or t.p > model.seq_length // model.block_size for t in valid)
     assert {t.mode for t in valid} == set(plan.MODES)
     with pytest.raises(ValueError, match=too_few):
         plan.predict(model, cluster, plan.Topology("csbp", 1, 1, 8, 8, 1))

@@ -32,7 +32,7 @@ class _KeepingPartials:
 def _peaks(rank, world_size):
     import torch.distributed as dist
 
-    from megatron_csbp.tools.bench import peak_tensor_memory
+    from megatron_csbp.tools.bench.memory import peak_tensor_memory
     from megatron_csbp.core.kernels import CPUKernels
     from megatron_csbp.core.layout import CSBPLayout
     from megatron_csbp.core.ops import context_sharded_block_attention, ring_plan

@@ -37,33 +37,39 @@ import statistics
 import sys
 import time
 import traceback
-from unittest import mock
 
 import torch
 
-
-from megatron_csbp.core import rules
+from megatron_csbp.core import modes, rules
 from megatron_csbp.core.device import default_device
+from megatron_csbp.core.model_shape import ModelShape
+from megatron_csbp.core.run_config import RunConfig
 
 SECTIONS = ("correctness", "throughput", "kernels", "train")
-CHECKED_MODES = ("csbp", "cp")  # CSBP's two kernels and the field's CP's one masked call, on one rank
-KERNEL_MODES = ("csbp", "cp", "cp-traffic")
+CHECKED_MODES = (modes.CSBP, modes.CP)  # CSBP's two kernels and the field's CP's one masked call, on one rank
+KERNEL_MODES = (modes.CSBP, modes.CP, modes.CP_TRAFFIC)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SPECS = ("auto", "te", "local")
 NEGATIVE_CONTROL_FACTOR = 10  # the causal-mask control must be at least this many tolerances away
 
-# The trainer's rules (megatron_csbp.core.rules) on one rank's layout (P = C = 1), told this script's flag names.
-_ONE_RANK = dict(parallel_size="ranks", clean_shards="clean shards", clean_layout="clean layout", kv_channels=None)
+# The trainer's rules (megatron_csbp.core.rules, through each run's `RunConfig`), told this script's flag names.
+_TOOL = dict(mode="mode", clean_shards="clean shards", clean_layout="clean layout", kv_channels=None)
+_ONE_RANK = dict(_TOOL, parallel_size="ranks")  # P = C = 1
+_ATTENTION = dict(num_layers="one layer")  # one attention op: heads x head size, no other layer
 CHECK_FLAGS = rules.FLAGS.renamed(seq_length="--check-seq-lengths", block_size="--check-block-size",
-                                  heads="--check-heads", query_groups="--check-kv-heads", **_ONE_RANK)
+                                  heads="--check-heads", query_groups="--check-kv-heads",
+                                  hidden_size="--check-heads x --check-head-dim", micro_batch="--check-batch",
+                                  **_ATTENTION, **_ONE_RANK)
 BENCH_FLAGS = rules.FLAGS.renamed(seq_length="--bench-seq-length", block_size="--bench-block-size",
-                                  heads="--bench-heads", query_groups="--bench-kv-heads", **_ONE_RANK)
-KERNEL_FLAGS = rules.FLAGS.renamed(seq_length="--kernel-seq-lengths", block_size="--kernel-block-size",
-                                   parallel_size="--kernel-ranks", mode="mode", clean_shards="clean shards",
-                                   clean_layout="clean layout")
+                                  heads="--bench-heads", query_groups="--bench-kv-heads",
+                                  hidden_size="--bench-heads x --bench-head-dim", micro_batch="--bench-batch",
+                                  **_ATTENTION, **_ONE_RANK)
+KERNEL_FLAGS = BENCH_FLAGS.renamed(seq_length="--kernel-seq-lengths", block_size="--kernel-block-size",
+                                   parallel_size="--kernel-ranks")
 TRAIN_FLAGS = rules.FLAGS.renamed(seq_length="--train-seq-length", block_size="--train-block-size",
                                   heads="--train-heads", query_groups="--train-query-groups",
-                                  hidden_size="--train-hidden-size", **_ONE_RANK)
+                                  hidden_size="--train-hidden-size", num_layers="--train-layers",
+                                  micro_batch="--train-micro-batch", **_ONE_RANK)
 
 
 def _ints(text):
@@ -125,23 +131,64 @@ def parse_args(argv=None):
         parser.error(f"--sections={','.join(args.sections)}: choose from {','.join(SECTIONS)}")
     if not args.check_dtypes or set(args.check_dtypes) - set(DTYPES):
         parser.error(f"--check-dtypes={','.join(args.check_dtypes)}: choose from {','.join(DTYPES)}")
-    problem = next(filter(None, [
-        *(rules.sequence_problem("csbp", n, args.check_block_size, 1, 1, flags=CHECK_FLAGS)
-          for n in args.check_seq_lengths),
-        rules.sequence_problem("csbp", args.bench_seq_length, args.bench_block_size, 1, 1, flags=BENCH_FLAGS),
-        rules.sequence_problem("csbp", args.train_seq_length, args.train_block_size, 1, 1, flags=TRAIN_FLAGS),
-        *(rules.sequence_problem(mode, n, args.kernel_block_size, args.kernel_ranks,
-                                 rules.clean_shards(mode, args.kernel_ranks), flags=KERNEL_FLAGS)
-          for n in args.kernel_seq_lengths for mode in KERNEL_MODES),
-        rules.query_groups_problem(args.check_heads, args.check_kv_heads, CHECK_FLAGS),
-        rules.query_groups_problem(args.bench_heads, args.bench_kv_heads, BENCH_FLAGS),
-        rules.query_groups_problem(args.train_heads, args.train_query_groups, TRAIN_FLAGS),
-        rules.kv_channels_problem(args.train_hidden_size, args.train_heads, TRAIN_FLAGS)]), None)
-    if problem:
-        parser.error(problem)
+    try:
+        list(runs(args))  # every run's RunConfig: the trainer's refusal, in its order
+    except rules.ConfigError as error:
+        parser.error(str(error))
     if args.train_vocab_size < 2:
         parser.error("--train-vocab-size must leave room for data ids and the MASK id (at least 2)")
     return args
+
+
+def _attention_shape(heads, kv_heads, head_dim, flags) -> ModelShape:
+    """One attention layer of `heads` query heads sharing `kv_heads` K/V heads of `head_dim`."""
+    return ModelShape(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                      num_query_groups=kv_heads, kv_channels=head_dim, flags=flags)
+
+
+def correctness_run(args, mode, seq_length) -> RunConfig:
+    """One rank's run of `mode` at `seq_length` (P = C = 1) in the correctness section."""
+    shape = _attention_shape(args.check_heads, args.check_kv_heads, args.check_head_dim, CHECK_FLAGS)
+    return RunConfig(shape, seq_length, args.check_block_size, mode=mode, micro_batch_size=args.check_batch,
+                     flags=CHECK_FLAGS)
+
+
+def _bench_shape(args, flags=BENCH_FLAGS) -> ModelShape:
+    return _attention_shape(args.bench_heads, args.bench_kv_heads, args.bench_head_dim, flags)
+
+
+def throughput_run(args) -> RunConfig:
+    """The one-rank CSBP run the throughput section times."""
+    return RunConfig(_bench_shape(args), args.bench_seq_length, args.bench_block_size,
+                     micro_batch_size=args.bench_batch, flags=BENCH_FLAGS)
+
+
+def kernel_run(args, mode, seq_length) -> RunConfig:
+    """`mode` at `seq_length` on `--kernel-ranks` ranks, whose rank 0 the kernels section times."""
+    return RunConfig(_bench_shape(args, KERNEL_FLAGS), seq_length, args.kernel_block_size, mode=mode,
+                     block_parallel_size=args.kernel_ranks, micro_batch_size=args.bench_batch, flags=KERNEL_FLAGS)
+
+
+def train_run(args) -> RunConfig:
+    """The one-rank CSBP training run of the train section (SwiGLU, RMSNorm, no linear biases)."""
+    shape = ModelShape(num_layers=args.train_layers, hidden_size=args.train_hidden_size,
+                       num_attention_heads=args.train_heads, num_query_groups=args.train_query_groups,
+                       ffn_hidden_size=args.train_ffn_hidden_size, swiglu=True, add_bias_linear=False,
+                       layernorm_bias=False, flags=TRAIN_FLAGS)
+    return RunConfig(shape, args.train_seq_length, args.train_block_size, micro_batch_size=args.train_micro_batch,
+                     flags=TRAIN_FLAGS)
+
+
+def runs(args):
+    """Every run the sections make, section by section (`ConfigError` at the first the trainer would refuse)."""
+    for seq_length in args.check_seq_lengths:
+        for mode in CHECKED_MODES:
+            yield correctness_run(args, mode, seq_length)
+    yield throughput_run(args)
+    for seq_length in args.kernel_seq_lengths:
+        for mode in KERNEL_MODES:
+            yield kernel_run(args, mode, seq_length)
+    yield train_run(args)
 
 
 def _sync(device):
@@ -237,13 +284,14 @@ def kernel_variants(device):
                   ("FlexKernels (dense stand-in for flex_attention)", stand_in, True)]
 
 
-def correctness_case(args, device, label, kernels, backward, dtype_name, seq_length, mode="csbp"):
-    """One (kernels, mode, dtype, L) case: the op's errors against the fp64 reference, and the negative control."""
-    from megatron_csbp.core import modes, ops
+def correctness_case(args, device, label, kernels, backward, dtype_name, seq_length, mode):
+    """One (kernels, mode, dtype, L) case: the op's errors against the fp64 reference, and the negative control.
+    `kernels`: the kernel family the op's plan is made for (None: the device's own)."""
+    from megatron_csbp.core import ops
 
     dtype, block = DTYPES[dtype_name], args.check_block_size
     tolerance = args.fp32_tolerance if dtype is torch.float32 else args.bf16_tolerance
-    layout = modes.parallel_mode(mode).layout(seq_length, block, 1, 1)
+    layout = correctness_run(args, mode, seq_length).layout(0)
     rows = torch.cat([layout.noisy_positions, seq_length + layout.clean_positions]).to(device)
     generator = torch.Generator().manual_seed(seq_length)
     batch, heads, kv_heads, head_dim = args.check_batch, args.check_heads, args.check_kv_heads, args.check_head_dim
@@ -253,12 +301,12 @@ def correctness_case(args, device, label, kernels, backward, dtype_name, seq_len
     scale = head_dim ** -0.5
 
     inputs = [x[rows].detach().requires_grad_(backward) for x in (q, k, v)]
-    use = mock.patch.object(ops, "default_kernels", lambda _: kernels) if kernels else contextlib.nullcontext()
     precision = ieee_fp32() if dtype is torch.float32 and device.type != "cpu" else contextlib.nullcontext()
     start = time.perf_counter()
-    with use, precision:
+    with precision:
         fp32_precision = torch.backends.cuda.matmul.fp32_precision  # "ieee": no TF32
-        out = ops.context_sharded_block_attention(*inputs, layout, softmax_scale=scale)
+        plan = ops.ring_plan(layout, device, kernels)
+        out = ops.context_sharded_block_attention(*inputs, layout, softmax_scale=scale, plan=plan)
         if backward:
             out.backward(grad[rows])
     _sync(device)
@@ -277,18 +325,19 @@ def correctness_case(args, device, label, kernels, backward, dtype_name, seq_len
     dtype_ok = out.dtype == dtype
     passed = (dtype_ok and all(error <= tolerance for error in errors.values())  # False for NaN
               and negative >= NEGATIVE_CONTROL_FACTOR * tolerance)
-    return dict(kernels=label, mode=mode, dtype=dtype_name, seq_length=seq_length, block_size=block, batch=batch,
+    return dict(kernels=label, mode=mode.name, dtype=dtype_name, seq_length=seq_length, block_size=block, batch=batch,
                 heads=heads, kv_heads=kv_heads, head_dim=head_dim, backward=backward, errors=errors,
                 tolerance=tolerance,
                 negative_control_error=negative, output_dtype=str(out.dtype).replace("torch.", ""),
                 fp32_precision=fp32_precision, seconds=elapsed, passed=passed)
 
 
-def correctness(args, device, records):
-    for label, kernels, backward in kernel_variants(device):
+def correctness(args, device, records, variants=None):
+    """Every case of every kernel family in `variants` (default: `kernel_variants(device)`), failures kept."""
+    for label, kernels, backward in variants or kernel_variants(device):
         for mode, dtype_name, seq_length in itertools.product(CHECKED_MODES, args.check_dtypes,
                                                               args.check_seq_lengths):
-            case = dict(kernels=label, mode=mode, dtype=dtype_name, seq_length=seq_length)
+            case = dict(kernels=label, mode=mode.name, dtype=dtype_name, seq_length=seq_length)
             try:
                 case = correctness_case(args, device, label, kernels, backward, dtype_name, seq_length, mode)
             except Exception:
@@ -300,7 +349,7 @@ def correctness(args, device, records):
 
 def _correctness_line(r):
     if "error" in r:
-        return (f"{r['kernels']} {r.get('mode', 'csbp')} {r['dtype']} L={r['seq_length']}: ERROR "
+        return (f"{r['kernels']} {r['mode']} {r['dtype']} L={r['seq_length']}: ERROR "
                 f"{r['error'].strip().splitlines()[-1]}")
     errors = " ".join(f"{name} {value:.1e}" for name, value in r["errors"].items())
     expected_dtype = str(DTYPES[r["dtype"]]).replace("torch.", "")
@@ -346,13 +395,12 @@ def _time_forward_backward(run, inputs, grad, iters, device):
 
 def throughput(args, device, records):
     from megatron_csbp.bdlm.flops import bdlm_attention_pairs
-    from megatron_csbp.core.layout import CSBPLayout
     from megatron_csbp.core.ops import context_sharded_block_attention
 
     L, block, batch = args.bench_seq_length, args.bench_block_size, args.bench_batch
     heads, kv_heads, head_dim = args.bench_heads, args.bench_kv_heads, args.bench_head_dim
     dtype = DTYPES[args.bench_dtype]
-    layout = CSBPLayout(L, block, 1, 1)
+    layout = throughput_run(args).layout(0)
     q = torch.randn(2 * L, batch, heads, head_dim, device=device, dtype=dtype, requires_grad=True)
     k, v = (torch.randn(2 * L, batch, kv_heads, head_dim, device=device, dtype=dtype, requires_grad=True)
             for _ in range(2))
@@ -397,7 +445,7 @@ def kernels(args, device, records):
     """Rank 0's attention kernels of each mode at `--kernel-ranks` P, on this one device: every kernel call of one
     layer, forward then backward, timed apart (the medians of `--bench-iters` after a first, compiling call)."""
     from megatron_csbp.bdlm.flops import attention_flops_per_pair
-    from megatron_csbp.core import modes, ops
+    from megatron_csbp.core import kernel_work, ops
     from megatron_csbp.core.kernels import default_kernels
 
     kernel_family, P, block = default_kernels(device), args.kernel_ranks, args.kernel_block_size
@@ -405,10 +453,9 @@ def kernels(args, device, records):
     dtype, tile = DTYPES[args.bench_dtype], getattr(kernel_family, "masked_tile", 128)
     scale = head_dim ** -0.5
     for L in args.kernel_seq_lengths:
-        for name in KERNEL_MODES:
-            mode = modes.parallel_mode(name)
-            C = mode.clean_shards(P)
-            layout = mode.layout(L, block, P, C, 0)
+        for mode in KERNEL_MODES:
+            run = kernel_run(args, mode, L)
+            C, layout = run.clean_shards, run.layout(0)
             ring = ops.ring_plan(layout, device, kernel_family)
             calls = {call.kind: call for call in mode.kernel_calls(L, block, P, C, 0, tile)}
 
@@ -420,9 +467,10 @@ def kernels(args, device, records):
             parts = {}
             if ring.block_diagonal:
                 nk, nv = keys(noisy), keys(noisy)
-                parts["dense"] = (lambda: kernel_family.block_diagonal_forward(q[..., :noisy, :], nk, nv, block, scale),
-                                  lambda o, l, d: kernel_family.block_diagonal_backward(
-                                      d, q[..., :noisy, :], nk, nv, o, l, block, scale))
+                parts[kernel_work.DENSE] = (
+                    lambda: kernel_family.block_diagonal_forward(q[..., :noisy, :], nk, nv, block, scale),
+                    lambda o, l, d: kernel_family.block_diagonal_backward(d, q[..., :noisy, :], nk, nv, o, l, block,
+                                                                          scale))
             k, v = keys(ring.num_keys), keys(ring.num_keys)
             parts[ring.kind] = (lambda: ring.remote_forward(q, k, v, ring.gathered, scale),
                                 lambda o, l, d: ring.remote_backward(d, q, k, v, o, l, ring.gathered, scale))
@@ -444,9 +492,9 @@ def kernels(args, device, records):
                 backward_s = statistics.median(t[1] for t in times)
                 call = calls[kind]
                 real = call.real_pairs * call.calls * batch * heads
-                records.append(dict(mode=name, kind=kind, seq_length=L, ranks=P, clean_shards=C, block_size=block,
-                                    rows=noisy if kind == "dense" else n,
-                                    keys=noisy if kind == "dense" else ring.num_keys,
+                records.append(dict(mode=mode.name, kind=kind, seq_length=L, ranks=P, clean_shards=C, block_size=block,
+                                    rows=noisy if kind == kernel_work.DENSE else n,
+                                    keys=noisy if kind == kernel_work.DENSE else ring.num_keys,
                                     batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
                                     dtype=args.bench_dtype, tile=tile, real_pairs_per_head=call.real_pairs,
                                     computed_pairs_per_head=call.computed_pairs, forward_s=forward_s,
@@ -521,8 +569,7 @@ def train(args, device, records):
 
     from megatron_csbp.bdlm.forward_step import BDLMForwardStep
     from megatron_csbp.bdlm.objective import BDLMObjective
-    from megatron_csbp.bdlm.flops import ModelShape, bdlm_step_flops
-    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.bdlm.flops import bdlm_step_flops
     from megatron_csbp.mcore.model import model_provider
 
     use_te = args.train_spec == "te" or (args.train_spec == "auto" and te_version is not None)
@@ -533,7 +580,8 @@ def train(args, device, records):
     L, block, micro_batch, vocab = args.train_seq_length, args.train_block_size, args.train_micro_batch, \
         args.train_vocab_size
     dtype = DTYPES[args.train_dtype]
-    layout = CSBPLayout(L, block, 1, 1)
+    run = train_run(args)
+    layout = run.layout(0)
     with single_rank(device) as groups:
         torch.manual_seed(1234)
         model_parallel_cuda_manual_seed(1234)
@@ -571,11 +619,8 @@ def train(args, device, records):
         peak = _peak_bytes(device)
 
     step_time = statistics.median(times[args.train_warmup:])
-    step_flops = bdlm_step_flops(
-        ModelShape(num_layers=args.train_layers, hidden_size=args.train_hidden_size,
-                   num_attention_heads=args.train_heads, ffn_hidden_size=args.train_ffn_hidden_size,
-                   num_query_groups=args.train_query_groups, swiglu=True),
-        padded_vocab_size=vocab, seq_length=L, block_size=block, batch_size=micro_batch)
+    step_flops = bdlm_step_flops(run.shape, padded_vocab_size=vocab, seq_length=L, block_size=block,
+                                 batch_size=micro_batch)
     record = dict(spec="transformer_engine" if use_te else "local", spec_note=spec_note, dtype=args.train_dtype,
                   parameters=parameters, layers=args.train_layers, hidden_size=args.train_hidden_size,
                   heads=args.train_heads, query_groups=args.train_query_groups,

@@ -26,8 +26,9 @@ The model, in one place so it can be argued with:
   with sequence parallelism: every layer's saved tensors and gathered K/V (selective or no recompute; flash
   kernels keep no `L²` scores), or each layer's input plus the larger of one layer's backward working set
   (its recomputed saved tensors and their gradients) and the noisy rows' logits with their fp32 copy
-  (full recompute; the loss's backward frees the logits before any layer's backward runs); with `logits_tile_rows` the loss runs over the noisy rows in tiles of that many
-  rows (a tiled linear cross-entropy), so only one tile's logits live;
+  (full recompute; the loss's backward frees the logits before any layer's backward runs); with
+  `logits_tile_rows` the loss runs over the noisy rows in tiles of that many rows (a tiled linear
+  cross-entropy), so only one tile's logits live;
 * mixture of experts (`--num-experts` ...): every EP dividing the experts (ETP = TP, or 1 under TP), EP x ETP x
   expert-DP carved from each stage's TP x P x DP ranks as megatron-core does (the trainer's rules decide). Per
   rank: the MoE layers' linear FLOPs are the router's, the top-k experts' and the shared expert's
@@ -51,16 +52,16 @@ import sys
 
 
 from megatron_csbp.bdlm import flops
-from megatron_csbp.core import modes, rules, transports
+from megatron_csbp.core import kernel_work, modes, rules, transports
 from megatron_csbp.core.model_shape import ModelShape, MoEShape
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.training.flags import moe_layer_freq
 
 GIB = 2 ** 30
-MODES = tuple(sorted(rules.PARALLEL_MODES, key=lambda name: not modes.parallel_mode(name).is_baseline))  # baseline first
+MODES = tuple(sorted(modes.PARALLEL_MODES.values(), key=lambda mode: not mode.is_baseline))  # baseline first
 
 
-PASSES = ("forward", "backward")
+PASSES = FORWARD, BACKWARD = ("forward", "backward")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,12 +112,12 @@ class GPU:
 # 512-token Triton figure, x 0.90 forward and x 0.85 x 0.85 backward.
 _TRITON_FORWARD, _FA3_FORWARD, _TRITON_SHORT_FORWARD, _PEAK = 476.8, 620.7, 328.9, 989.0
 SM90_KERNELS = (
-    (("masked", "forward"), 0.90 * _TRITON_FORWARD / _PEAK),
-    (("prefix", "forward"), _FA3_FORWARD / _PEAK),
-    (("dense", "forward"), 0.90 * _TRITON_SHORT_FORWARD / _PEAK),
-    (("masked", "backward"), 0.85 * 0.85 * _TRITON_FORWARD / _PEAK),
-    (("prefix", "backward"), 0.85 * 0.85 * _TRITON_FORWARD / _PEAK),
-    (("dense", "backward"), 0.85 * 0.85 * _TRITON_SHORT_FORWARD / _PEAK),
+    ((kernel_work.MASKED, FORWARD), 0.90 * _TRITON_FORWARD / _PEAK),
+    ((kernel_work.PREFIX, FORWARD), _FA3_FORWARD / _PEAK),
+    ((kernel_work.DENSE, FORWARD), 0.90 * _TRITON_SHORT_FORWARD / _PEAK),
+    ((kernel_work.MASKED, BACKWARD), 0.85 * 0.85 * _TRITON_FORWARD / _PEAK),
+    ((kernel_work.PREFIX, BACKWARD), 0.85 * 0.85 * _TRITON_FORWARD / _PEAK),
+    ((kernel_work.DENSE, BACKWARD), 0.85 * 0.85 * _TRITON_SHORT_FORWARD / _PEAK),
 )
 
 # Dense bf16 peak from the data sheets; 45% of it is a typical Megatron dense-model figure;
@@ -165,7 +166,7 @@ class Model:
     bytes_per_elem: int = 2
     micro_batch_size: int = 1
     global_batch_size: int = None
-    transport: str = "collective"
+    transport: transports.Transport = transports.COLLECTIVE  # or its name
     sharded_gradients: bool = False  # fp32 gradients sharded over DP×P (ZeRO-2 / FSDP), not whole on every rank
     logits_tile_rows: int = None     # the loss over the noisy rows in tiles of this many rows (None: all at once)
     # mixture of experts (the trainer's flags; num_experts None: a dense model)
@@ -190,6 +191,7 @@ class Model:
                     if self.recompute is not None else None,
                     rules.TRANSPORTS.problem(self.transport)]
         rules.refuse(next(filter(None, problems), None))
+        fill("transport", transports.transport(self.transport))
         shape = ModelShape(
             num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
             num_query_groups=self.num_query_groups, kv_channels=self.kv_channels, ffn_hidden_size=self.ffn_hidden_size,
@@ -202,10 +204,6 @@ class Model:
             fill(name, getattr(shape, name))
         if shape.moe is not None:
             fill("moe_ffn_hidden_size", shape.moe.ffn_hidden_size)
-
-    @property
-    def num_blocks(self) -> int:
-        return self.seq_length // self.block_size
 
     @property
     def full_recompute(self) -> bool:
@@ -241,7 +239,7 @@ class Model:
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """One layout: `p` ranks share a sequence (Megatron's CP slot); CP uses `c == p`, BP `c == 1`."""
-    mode: str
+    mode: modes.ParallelMode  # or its name
     tp: int
     pp: int
     p: int
@@ -249,6 +247,9 @@ class Topology:
     dp: int
     ep: int = 1            # expert parallel: EP x ETP x expert-DP carved from each stage's TP x P x DP ranks
     etp: int = None        # expert tensor parallel (None: TP)
+
+    def __post_init__(self):
+        object.__setattr__(self, "mode", modes.parallel_mode(self.mode))
 
     @property
     def gpus(self) -> int:
@@ -263,10 +264,13 @@ class Topology:
         """The expert-data-parallel size: each expert's replicas, over which its gradients and optimizer state go."""
         return self.tp * self.p * self.dp // (self.ep * self.expert_tp)
 
+    def record(self) -> dict:
+        return dict(dataclasses.asdict(self), mode=self.mode.name)
+
     def label(self) -> str:
         experts = f" EP{self.ep}" + (f" ETP{self.etp}" if self.etp not in (None, self.tp) else "") \
             if self.ep > 1 or self.etp not in (None, self.tp) else ""
-        return f"{self.mode:<4} TP{self.tp} PP{self.pp} P{self.p} C{self.c} DP{self.dp}{experts}"
+        return f"{self.mode.name:<4} TP{self.tp} PP{self.pp} P{self.p} C{self.c} DP{self.dp}{experts}"
 
 
 def _divisors(n: int):
@@ -294,11 +298,11 @@ def topology_problem(model: Model, cluster: Cluster, topo: Topology):
 
 def run_config(model: Model, topo: Topology, cluster: Cluster) -> RunConfig:
     """The trainer's `RunConfig` of `model` in layout `topo` on `cluster` (`ConfigError` where it refuses)."""
-    return RunConfig(model.shape, seq_length=model.seq_length, block_size=model.block_size, mode=topo.mode, block_parallel_size=topo.p, clean_shards=topo.c, transport=model.transport,
+    return RunConfig(model.shape, seq_length=model.seq_length, block_size=model.block_size, mode=topo.mode,
+                     block_parallel_size=topo.p, clean_shards=topo.c, transport=model.transport,
                      tensor_parallel_size=topo.tp, pipeline_parallel_size=topo.pp, world_size=cluster.gpus,
                      micro_batch_size=model.micro_batch_size, global_batch_size=model.global_batch_size,
-                     expert_parallel_size=topo.ep,
-                     expert_tensor_parallel_size=topo.etp)
+                     expert_parallel_size=topo.ep, expert_tensor_parallel_size=topo.etp)
 
 
 def candidate_topologies(cluster: Cluster, model: Model = None):
@@ -313,7 +317,7 @@ def candidate_topologies(cluster: Cluster, model: Model = None):
             for p in _divisors(n // (tp * pp)):
                 dp = n // (tp * pp * p)
                 for mode in MODES:
-                    for c in modes.parallel_mode(mode).clean_shard_choices(p):
+                    for c in mode.clean_shard_choices(p):
                         if experts is None:
                             yield Topology(mode, tp, pp, p, c, dp)
                             continue
@@ -393,7 +397,7 @@ class Prediction:
 
     def record(self) -> dict:
         fields = {k: v for k, v in dataclasses.asdict(self).items() if k != "topology"}
-        return {**dataclasses.asdict(self.topology), **fields, "fits": self.fits,
+        return {**self.topology.record(), **fields, "fits": self.fits,
                 "attention_traffic_gib_per_step": round(self.attention_gib, 2)}
 
 
@@ -405,13 +409,14 @@ def _kernel_calls(mode, seq_length: int, block_size: int, p: int, c: int, tile: 
 
 def attention_seconds(mode, model: Model, topo: Topology, gpu: GPU, per_pair: float) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's core attention on the slowest rank, one micro-batch: each
-    kernel call's computed pairs at its family's rate in that pass (the backward does `rules.BACKWARD_FLOPS_PER_FORWARD` times the forward's FLOPs).
+    kernel call's computed pairs at its family's rate in that pass (the backward does
+    `rules.BACKWARD_FLOPS_PER_FORWARD` times the forward's FLOPs).
     """
     seconds = []
     for calls in _kernel_calls(mode, model.seq_length, model.block_size, topo.p, topo.c, gpu.tile):
         work = lambda pass_: sum(call.calls * call.computed_pairs * per_pair / gpu.kernel_rate(call.kind, pass_)
                                  for call in calls)
-        seconds.append((work("forward"), rules.BACKWARD_FLOPS_PER_FORWARD * work("backward")))
+        seconds.append((work(FORWARD), rules.BACKWARD_FLOPS_PER_FORWARD * work(BACKWARD)))
     return max(seconds, key=sum)
 
 
@@ -427,9 +432,8 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     microbatches = global_batch // (mbs * dp)
     rate = gpu.linear_rate
 
-    parallel_mode = modes.parallel_mode(mode)
-    noisy_rows, clean_rows = parallel_mode.rows(L, p, c)
-    pairs, local_pairs = parallel_mode.attention_pairs(flops.bdlm_attention_pair_parts(L, model.block_size), p, c)
+    noisy_rows, clean_rows = mode.rows(L, p, c)
+    pairs, local_pairs = mode.attention_pairs(flops.bdlm_attention_pair_parts(L, model.block_size), p, c)
     rows = noisy_rows + clean_rows
     heads_tp = model.num_attention_heads // tp
     groups = model.num_query_groups
@@ -441,7 +445,7 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     head_passes = rules.step_passes()
 
     per_pair = flops.attention_flops_per_pair(heads_tp, model.kv_channels)
-    forward_attention_s, backward_attention_s = attention_seconds(parallel_mode, model, topo, gpu, per_pair)
+    forward_attention_s, backward_attention_s = attention_seconds(mode, model, topo, gpu, per_pair)
     # The stage with the most MoE layers (its experts' state, FLOPs and all-to-all bound the step).
     pattern = model.moe_layers()
     moe_layers = max(sum(pattern[stage * layers:(stage + 1) * layers]) for stage in range(pp))
@@ -455,9 +459,11 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     forward_s = mbs * (stage_linear / rate + layers * forward_attention_s + head_forward / rate)
     microbatch_flops = mbs * (passes * stage_linear + layers * attention_passes * attention_forward
                               + head_passes * head_forward)
-    attention_runs = attention_passes - rules.BACKWARD_FLOPS_PER_FORWARD  # forward runs of the core attention: 1, or 2 when recomputed
-    compute_s = mbs * (passes * stage_linear / rate + layers * (attention_runs * forward_attention_s
-                                                                + backward_attention_s) + head_passes * head_forward / rate)
+    # forward runs of the core attention: 1, or 2 when recomputed
+    attention_runs = attention_passes - rules.BACKWARD_FLOPS_PER_FORWARD
+    compute_s = mbs * (passes * stage_linear / rate
+                       + layers * (attention_runs * forward_attention_s + backward_attention_s)
+                       + head_passes * head_forward / rate)
 
     # MoE all-to-all (alltoall dispatcher) of the stage's MoE layers: every row of the rank is routed (noisy and
     # clean; / TP under sequence parallelism), uniformly, on the EP group's link; on the critical path (the
@@ -477,7 +483,7 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
         mode, L, c, kv_heads_tp, model.kv_channels, e, model.transport, forward_runs == 2)
     forward_bytes = mbs * flops.attention_forward_bytes(mode, L, c, kv_heads_tp, model.kv_channels, e)
     backward_bytes = layer_bytes - forward_bytes * forward_runs
-    transport = transports.transport(model.transport)
+    transport = model.transport
     latency = gpu.link_latency_us * 1e-6 if c > 1 else 0.0
     forward_link_s = transport.forward_messages(c) * latency + forward_bytes / ring_bw
     backward_link_s = transport.backward_messages(c) * latency + backward_bytes / ring_bw
@@ -513,7 +519,7 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     query, kv = model.num_attention_heads * model.kv_channels, groups * model.kv_channels
     ffn_saved = model.ffn_hidden_size * (3 if model.swiglu else 2)
     row_bytes = e * (4 * h + query + 2 * kv + query + ffn_saved) / tp + 4 * heads_tp
-    kv_buffer = parallel_mode.gathered_tokens(L, c) * flops.kv_bytes_per_token(kv_heads_tp, model.kv_channels, e)
+    kv_buffer = mode.gathered_tokens(L, c) * flops.kv_bytes_per_token(kv_heads_tp, model.kv_channels, e)
     working_layer = mbs * (rows * row_bytes + kv_buffer)
     layer_stored = mbs * rows * h * e / tp if model.full_recompute else working_layer
     # A recomputed layer's backward holds its saved tensors and, as it runs, gradients of the same sizes.
@@ -537,7 +543,8 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
         bytes_intra_node=attention_bytes * (1 - inter_fraction), bytes_inter_node=attention_bytes * inter_fraction,
         activation_bytes=activation_bytes, state_bytes=state_bytes,
         memory_bytes=activation_bytes + state_bytes, memory_limit_bytes=memory_limit,
-        compute_s=microbatches * compute_s, forward_s=microbatches * forward_s, exposed_attention_s=microbatches * exposed_attention_s,
+        compute_s=microbatches * compute_s, forward_s=microbatches * forward_s,
+        exposed_attention_s=microbatches * exposed_attention_s,
         exposed_other_comm_s=microbatches * tp_pp_s + exposed_dp_s, bubble_s=bubble_s,
         step_time_s=step_time_s, tokens_per_s=global_batch * L / step_time_s,
         dense_params_per_rank=dense_params, expert_params_per_rank=expert_params, parameter_bytes=parameter_bytes,
@@ -586,9 +593,9 @@ def _count(n: float) -> str:
 def _reason(pred: Prediction, baseline: Prediction = None) -> str:
     """`baseline`: the baseline mode's prediction at the same TP, PP, C and replicas, if valid."""
     topo, said = pred.topology, []
-    mode = modes.parallel_mode(topo.mode)
+    mode = topo.mode
     if mode.compared_with_baseline and baseline is not None:
-        said.append(f"sends {pred.attention_gib:.2f} GiB vs {baseline.topology.mode.upper()}{topo.c}'s "
+        said.append(f"sends {pred.attention_gib:.2f} GiB vs {baseline.topology.mode.name.upper()}{topo.c}'s "
                     f"{baseline.attention_gib:.2f}")
     said += mode.traits(topo.p, topo.c)
     if pred.ring_link != "none":
@@ -600,9 +607,9 @@ def _reason(pred: Prediction, baseline: Prediction = None) -> str:
     if pred.expert_params_per_rank:
         said.append(f"EP{topo.ep}: {_count(pred.expert_params_per_rank)} expert + "
                     f"{_count(pred.dense_params_per_rank)} dense params per rank, expert state over "
-                    f"expert-DP {topo.expert_dp}" + (f", all-to-all {pred.all_to_all_bytes / GIB:.2f} GiB per step "
-                                                     f"(exposed {100 * pred.exposed_all_to_all_s / pred.step_time_s:.1f}%)"
-                                                     if topo.ep > 1 else ""))
+                    f"expert-DP {topo.expert_dp}"
+                    + (f", all-to-all {pred.all_to_all_bytes / GIB:.2f} GiB per step "
+                       f"(exposed {100 * pred.exposed_all_to_all_s / pred.step_time_s:.1f}%)" if topo.ep > 1 else ""))
     mem = f"{pred.memory_bytes / GIB:.1f} of {pred.memory_limit_bytes / GIB:.1f} GiB"
     said.append(f"fits ({mem})" if pred.fits else f"does NOT fit ({mem})")
     return "; ".join(said)
@@ -612,7 +619,7 @@ def plan(model: Model, cluster: Cluster):
     """Predictions for every valid layout, fitting ones first, fastest first, each with its reason."""
     preds = [predict(model, cluster, t) for t in valid_topologies(model, cluster)]
     baseline_by_key = {(q.topology.tp, q.topology.pp, q.topology.c, q.topology.dp * q.topology.p // q.topology.c): q
-                       for q in preds if modes.parallel_mode(q.topology.mode).is_baseline}
+                       for q in preds if q.topology.mode.is_baseline}
     for q in preds:
         t = q.topology
         q.reason = _reason(q, baseline_by_key.get((t.tp, t.pp, t.c, t.dp * t.p // t.c)))
@@ -633,7 +640,7 @@ def requested_topologies(model: Model, cluster: Cluster, tp: int, pp: int, p: in
     """The user's layout in each mode: CP over the same P ranks, CSBP (P, C), BP (P, 1); EP and ETP as given."""
     rules.refuse(rules.world_size_problem(tp, pp, p, cluster.gpus))
     dp = cluster.gpus // (tp * pp * p)
-    return [Topology(mode, tp, pp, p, rules.clean_shards(mode, p, c), dp, ep, etp) for mode in MODES]
+    return [Topology(mode, tp, pp, p, mode.clean_shards(p, c), dp, ep, etp) for mode in MODES]
 
 
 # The paper's 16×H200, 256K rows (docs/algorithm.md §11; /work/shared csbp-algorithm §8): the model shapes of
@@ -662,8 +669,9 @@ def paper_model(config: str, seq_length: int = 262144) -> Model:
     path = pathlib.Path(__file__).resolve().parents[2] / "configs" / f"{config}.yaml"
     model = _model(parse_args(["--config", str(path)]))
     return dataclasses.replace(model, seq_length=seq_length, block_size=PAPER_BLOCK_SIZE, recompute="full",
-                               bytes_per_elem=2, micro_batch_size=1, global_batch_size=None, transport="collective",
-                               sharded_gradients=True, logits_tile_rows=PAPER_LOGITS_TILE_ROWS)
+                               bytes_per_elem=2, micro_batch_size=1, global_batch_size=None,
+                               transport=transports.COLLECTIVE, sharded_gradients=True,
+                               logits_tile_rows=PAPER_LOGITS_TILE_ROWS)
 
 
 def _within(predicted: float, published: float) -> str:
@@ -675,7 +683,7 @@ def paper_check(gpu: GPU, out=sys.stdout):
     """The planner at each published row's own layout, beside the published speedup and peak memory; returns
     the records. Baseline: the field's CP (`is_baseline`), one masked kernel per rank."""
     cluster = Cluster(16, 8, gpu)
-    baseline = next(name for name in MODES if modes.parallel_mode(name).is_baseline)
+    baseline = next(mode for mode in MODES if mode.is_baseline)
     print(f"paper check: 16 x {gpu.name}, 256K context, block {PAPER_BLOCK_SIZE}, full recompute, bf16, ZeRO-2, "
           f"tiled CE; each row at its published layout (DiffusionGemma 26B-A4B MoE and Qwen3.8-27B skipped: "
           f"MoE, sliding windows and TP are not in these rows)", file=out)
@@ -683,7 +691,7 @@ def paper_check(gpu: GPU, out=sys.stdout):
     for name, config, (dp, p), (cp_tokens, csbp_tokens), (cp_peak, csbp_peak) in PAPER_ROWS:
         model = paper_model(config)
         cp = predict(model, cluster, Topology(baseline, 1, 1, p, p, dp))
-        csbp = predict(model, cluster, Topology("csbp", 1, 1, p, p, dp))
+        csbp = predict(model, cluster, Topology(modes.CSBP, 1, 1, p, p, dp))
         published, predicted = csbp_tokens / cp_tokens, csbp.tokens_per_s / cp.tokens_per_s
         record = {"model": name, "layout": f"DP{dp}/CP{p}", "published_speedup": published,
                   "predicted_speedup": predicted, "published_cp_tokens_per_s": cp_tokens,
@@ -694,7 +702,8 @@ def paper_check(gpu: GPU, out=sys.stdout):
                   "predicted_cp_forward_s": cp.forward_s, "predicted_csbp_forward_s": csbp.forward_s,
                   "predicted_cp_backward_s": cp.step_time_s - cp.forward_s - cp.exposed_attention_s,
                   "predicted_csbp_backward_s": csbp.step_time_s - csbp.forward_s - csbp.exposed_attention_s,
-                  "predicted_cp_exposed_s": cp.exposed_attention_s, "predicted_csbp_exposed_s": csbp.exposed_attention_s,
+                  "predicted_cp_exposed_s": cp.exposed_attention_s,
+                  "predicted_csbp_exposed_s": csbp.exposed_attention_s,
                   "predicted_cp_step_s": cp.step_time_s, "predicted_csbp_step_s": csbp.step_time_s}
         records.append(record)
         print(f"  {name:<23} DP{dp}/CP{p}: speedup published {published:.2f}x, predicted {predicted:.3f}x "
@@ -712,10 +721,10 @@ def paper_check(gpu: GPU, out=sys.stdout):
         print(f"    {label:<40} {cp_s:6.2f} -> {csbp_s:6.2f} (gain {cp_s - csbp_s:5.2f}) | "
               f"{mine[0]:6.2f} -> {mine[1]:6.2f} (gain {mine[0] - mine[1]:5.2f})", file=out)
     model = paper_model("nemotron_diffusion_14b_256k")
-    traffic = {name: predict(model, cluster, Topology(name, 1, 1, 8, 8, 2)).attention_gib
-               for name in (baseline, "csbp")}
-    print(f"  14B, CP8, 256K attention traffic per GPU per step: {traffic[baseline]:.2f} -> {traffic['csbp']:.2f} GiB "
-          "(published 210 -> 105)", file=out)
+    traffic = {mode: predict(model, cluster, Topology(mode, 1, 1, 8, 8, 2)).attention_gib
+               for mode in (baseline, modes.CSBP)}
+    print(f"  14B, CP8, 256K attention traffic per GPU per step: {traffic[baseline]:.2f} -> "
+          f"{traffic[modes.CSBP]:.2f} GiB (published 210 -> 105)", file=out)
     return records
 
 
@@ -743,7 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--recompute-granularity", choices=rules.RECOMPUTE_GRANULARITIES)
     add("--bf16", action="store_true")
     add("--fp16", action="store_true")
-    add("--csbp-transport", choices=rules.TRANSPORTS, default="collective")
+    add("--csbp-transport", choices=rules.TRANSPORTS, default=transports.COLLECTIVE.name)
     add("--num-experts", type=int, help="experts per MoE layer (default: a dense model)")
     add("--moe-router-topk", type=int, default=2)
     add("--moe-ffn-hidden-size", type=int, help="each expert's FFN size (default: --ffn-hidden-size)")
@@ -803,7 +812,7 @@ def _gpu(args) -> GPU:
 
 def verdict(best: dict) -> list:
     """Short sentences comparing the best layout of each mode."""
-    cp, csbp, bp = best["cp"], best["csbp"], best["bp"]
+    cp, csbp, bp = best[modes.CP], best[modes.CSBP], best[modes.BP]
     said = []
     if cp and csbp:
         said.append(f"CSBP {csbp.tokens_per_s / cp.tokens_per_s:.3f}x CP: at equal C it sends half the attention "
@@ -859,12 +868,12 @@ def _print_requested(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c
     for topo in requested_topologies(model, cluster, tp, pp, p, c, ep, etp):
         problem = topology_problem(model, cluster, topo)
         if problem:
-            print(f"  {topo.mode:<4}  invalid: {problem}", file=out)
+            print(f"  {topo.mode.name:<4}  invalid: {problem}", file=out)
             continue
         pred = predict(model, cluster, topo)
-        baseline = pred if modes.parallel_mode(topo.mode).is_baseline else baseline
+        baseline = pred if topo.mode.is_baseline else baseline
         pred.reason = _reason(pred, baseline)
-        print(f"  {topo.mode:<4} {pred.attention_gib:8.2f} GiB   step {pred.step_time_s:8.3f} s   "
+        print(f"  {topo.mode.name:<4} {pred.attention_gib:8.2f} GiB   step {pred.step_time_s:8.3f} s   "
               f"{pred.tokens_per_s:9.0f} tok/s   {pred.reason}", file=out)
         records.append({**pred.record(), "requested": True})
     return records
@@ -885,9 +894,9 @@ def _print_plan(preds: list, top: int, out):
         if q is None:
             least = min((r.memory_bytes for r in preds if r.topology.mode == mode), default=None)
             need = f" (needs at least {least / GIB:.1f} GiB)" if least else ""
-            print(f"  {mode:<4} does not fit in memory in any layout{need}", file=out)
+            print(f"  {mode.name:<4} does not fit in memory in any layout{need}", file=out)
         else:
-            print(f"  {mode:<4} {q.attention_gib:8.2f} GiB   {q.topology.label()}   {q.tokens_per_s:9.0f} tok/s",
+            print(f"  {mode.name:<4} {q.attention_gib:8.2f} GiB   {q.topology.label()}   {q.tokens_per_s:9.0f} tok/s",
                   file=out)
     for sentence in verdict(best):
         print(f"  {sentence}", file=out)
