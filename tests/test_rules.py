@@ -178,3 +178,28 @@ def test_the_planner_and_the_trainer_agree_on_expert_layouts(tmp_path):
         expert_refusals += trainer is not None and "--expert-model-parallel-size" in trainer
     assert accepted == len(plan.valid_topologies(model, cluster)) and accepted > 0 and expert_refusals > 0
     assert any(t.ep == 4 for t in plan.valid_topologies(model, cluster))
+
+
+def test_a_variant_crosses_a_process_boundary_as_itself():
+    """Pickled (to a spawned rank) or copied, a variant comes back as the registered object, so `registry(variant)`
+    and identity hold in every rank; a RunConfig and a layout holding variants round-trip equal."""
+    import copy
+    import pickle
+
+    from megatron_csbp.core import clean_attention, modes, objectives, schedule, transports
+    from megatron_csbp.core.model_shape import ModelShape
+    from megatron_csbp.core.run_config import RunConfig
+
+    registries = (modes.PARALLEL_MODES, objectives.OBJECTIVES, transports.TRANSPORTS, schedule.SCHEDULES,
+                  schedule.CLEAN_LAYOUTS, clean_attention.CLEAN_ATTENTIONS)
+    for registry in registries:
+        for variant in registry.values():
+            assert pickle.loads(pickle.dumps(variant)) is variant and copy.deepcopy(variant) is variant, variant
+            assert registry(pickle.loads(pickle.dumps(variant))) is variant
+    # schedules and clean layouts share a name ("contiguous"): each comes back as its own kind
+    assert pickle.loads(pickle.dumps(schedule.CONTIGUOUS_CLEAN)) is not schedule.CONTIGUOUS_BLOCKS
+    settings = RunConfig(ModelShape(2, 64, 4), seq_length=64, block_size=8, mode=modes.CP.name, block_parallel_size=2,
+                         transport=transports.STREAMING.name)
+    assert pickle.loads(pickle.dumps(settings)) == settings and pickle.loads(pickle.dumps(settings)).mode is modes.CP
+    layout = settings.layout(1)
+    assert pickle.loads(pickle.dumps(layout)) == layout

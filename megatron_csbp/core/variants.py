@@ -11,7 +11,10 @@ written as a string literal outside the module that defines it).
 Standard library only (the planner runs without torch).
 """
 
+import importlib
 from collections.abc import Mapping
+
+_REGISTERED = []  # every registered variant: what a pickled reference to one is resolved against
 
 
 class Registry(Mapping):
@@ -20,6 +23,7 @@ class Registry(Mapping):
     def __init__(self, flag: str, *variants):
         self.flag = flag
         self._by_name = {variant.name: variant for variant in variants}
+        _REGISTERED.extend(variants)
 
     def __getitem__(self, name: str):
         return self._by_name[name]
@@ -51,8 +55,18 @@ class Registry(Mapping):
         return tuple(self._by_name)
 
 
+def _registered(module: str, kind: str, name: str):
+    """The registered variant of class `kind` (in `module`) called `name`: unpickling a variant gives this same
+    object, in a spawned rank too, so `registry(variant)` and `is` hold across processes."""
+    importlib.import_module(module)
+    return next(variant for variant in _REGISTERED if type(variant).__module__ == module
+                and type(variant).__qualname__ == kind and variant.name == name)
+
+
 def named(cls):
-    """Class decorator for a variant: its repr is its kind and name (layouts, plans and errors print it)."""
+    """Class decorator for a variant: its repr is its kind and name (layouts, plans and errors print it), and it
+    pickles (and copies) as a reference to the registered object, never as a second one."""
     cls.__repr__ = lambda self: f"{type(self).__name__.lstrip('_')}({self.name})"
     cls.__str__ = lambda self: self.name
+    cls.__reduce__ = lambda self: (_registered, (type(self).__module__, type(self).__qualname__, self.name))
     return cls

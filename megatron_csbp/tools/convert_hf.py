@@ -44,6 +44,7 @@ import sys
 
 from megatron_csbp.core import modes, objectives
 from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.training import hf_formats
 
 NEW_MASK_TOKEN = "<|mask|>"
 HF_SIDE = "hf"  # CKPT/hf: the tokenizer and HF config the checkpoint goes with
@@ -300,7 +301,7 @@ def _write_import(hf_dir, save, private, config, flags, weights, tokenizer, mask
 
 
 # ------------------------------------------------------------------------------------------------ export
-def export_config(args, base: dict | None, rows: int, dtype, export_format: str = "hf") -> dict:
+def export_config(args, base: dict | None, rows: int, dtype, export_format: str = hf_formats.HF.name) -> dict:
     """The HF `config.json` of our model (the imported one updated, or one built from the flags), with the
     keys that say how it decodes (`hf.bdlm_config`), as `export_format` writes it (`hf_formats`; it refuses
     a checkpoint the format's engine cannot serve)."""
@@ -370,7 +371,7 @@ def _check_export_target(out: str, overwrite: bool, protected: list[str]) -> Non
 
 
 def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, overwrite: bool = False,
-                      export_format: str = "hf", log=print) -> str:
+                      export_format: str = hf_formats.HF.name, log=print) -> str:
     """The latest checkpoint under `load` -> an HF directory `out` in `export_format` (`hf_formats`: `hf`,
     `sdar`, `fast-dllm-v2`; the weights are the same in each); returns `out`.
 
@@ -503,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     to_ours_back.add_argument("--load", required=True, help="Checkpoint root (its latest iteration is exported).")
     to_ours_back.add_argument("--hf-dir", required=True, help="HF directory to write.")
     to_ours_back.add_argument("--max-shard-size-mb", type=int, default=2048, help="Largest safetensors file.")
-    to_ours_back.add_argument("--format", default="hf", choices=tuple(hf_formats.FORMATS),
+    to_ours_back.add_argument("--format", default=hf_formats.HF.name, choices=tuple(hf_formats.FORMATS),
                               help="hf: the source family's own architecture (Llama/Qwen2/Qwen3); sdar: SDAR for "
                                    "SGLang / lmdeploy (Qwen3, MASK 151669); fast-dllm-v2: Fast-dLLM v2 (Qwen2.5, "
                                    "MASK 151665). The weights are the same.")

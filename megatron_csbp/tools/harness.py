@@ -67,6 +67,7 @@ from tqdm import tqdm
 from megatron_csbp.core import objectives
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.core.rules import ConfigError
+from megatron_csbp.tools.sampling import DEFAULT_STRATEGY
 
 COMMAND = "python -m megatron_csbp.harness"  # as its refusals name it
 NAME = "megatron_csbp"
@@ -157,7 +158,7 @@ class MegatronCSBPLM(LM):
                  "max_batch_size", "device")
 
     def __init__(self, load=None, config=None, mc_samples=32, estimator="inverse-t", seed=0, greedy_check=True,
-                 strategy="confidence", steps_per_block=None, threshold=0.9, temperature=0.0, top_k=0, top_p=1.0,
+                 strategy=DEFAULT_STRATEGY, steps_per_block=None, threshold=0.9, temperature=0.0, top_k=0, top_p=1.0,
                  max_gen_toks=128, tensor_parallel_size=1, batch_size=None, max_batch_size=None, device=None,
                  **unknown):
         super().__init__()
