@@ -16,8 +16,8 @@ key tiles a query tile cannot see are skipped, partly visible ones computed and 
 same identity, so a streamed call's parts merge and differentiate like the two parts above.
 
 One module per family: `merge` (the LSE merge and its accumulation dtype), `mask` (the BDLM mask of any rows
-and keys), `cpu_tiles` (torch's CPU flash kernel, tile by tile: its `PrefixPlan` and `MaskedPlan`), `flex`
-(flex attention on GPUs). Every kernel family offers `plan(query_limits, key_positions)`,
+and keys), `cpu_tiles` (torch's CPU flash kernel, tile by tile: one loop over its `PrefixPlan`, `RangePlan`
+and `MaskedPlan`), `flex` (flex attention on GPUs). Every kernel family offers `plan(query_limits, key_positions)`,
 `block_diagonal_forward/backward`, `prefix_forward/backward`, `masked_plan(query_positions, query_clean,
 key_positions, key_clean, block_size)` and `masked_forward/backward`; a plan's `work()` gives the (real,
 computed) pairs its kernel covers, read off its own masks (the CPU plans).
