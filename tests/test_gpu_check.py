@@ -124,10 +124,10 @@ class _NaNs(_WrongScale):
 
 
 class _Broken:
-    def plan(self, *args):  # the op plans first (ops.ring_plan), then the kernel fails
+    def plan(self, *args, **options):  # the op plans first (ops.ring_plan), then the kernel fails
         return None
 
-    def masked_plan(self, *args):
+    def masked_plan(self, *args, **options):
         return None
 
     def block_diagonal_forward(self, *args):

@@ -105,10 +105,11 @@ def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
             rows = (layout.row_positions.to(device), layout.row_is_clean.to(device), positions.to(device),
                     clean.to(device), block)
             if documents is None:
-                return kernels.masked_plan(*rows)
+                return kernels.masked_plan(*rows, clean_attention=layout.clean_attention)
             # packed: a token's two copies share its position, hence its document
             return kernels.masked_plan(*rows, query_documents=documents.index_of(layout.row_positions).to(device),
-                                       key_documents=documents.index_of(positions).to(device))
+                                       key_documents=documents.index_of(positions).to(device),
+                                       clean_attention=layout.clean_attention)
     else:  # clean keys only, in position order; packed: each row's keys cut to its document, [start, limit)
         kind, remote_forward, remote_backward = PREFIX, kernels.prefix_forward, kernels.prefix_backward
         if documents is None:

@@ -19,8 +19,8 @@ One module per family: `merge` (the LSE merge and its accumulation dtype), `mask
 and keys), `cpu_tiles` (torch's CPU flash kernel, tile by tile: one loop over its `PrefixPlan`, `RangePlan`
 and `MaskedPlan`), `flex` (flex attention on GPUs). Every kernel family offers `plan(query_limits, key_positions)`,
 `block_diagonal_forward/backward`, `prefix_forward/backward`, `masked_plan(query_positions, query_clean,
-key_positions, key_clean, block_size)` and `masked_forward/backward`; a plan's `work()` gives the (real,
-computed) pairs its kernel covers, read off its own masks (the CPU plans).
+key_positions, key_clean, block_size, clean_attention=BLOCK_CAUSAL)` and `masked_forward/backward`; a plan's
+`work()` gives the (real, computed) pairs its kernel covers, read off its own masks (the CPU plans).
 """
 
 import math

@@ -19,6 +19,7 @@ The block-diagonal part runs every block as a separate batch entry of one kernel
 
 import torch
 
+from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
 from megatron_csbp.core.kernels.mask import bdlm_visible
 from megatron_csbp.core.kernels.merge import accumulation_dtype, finite_lse, merge_into, running_merge
 
@@ -182,7 +183,7 @@ class MaskedPlan(_TilePlan):
     blind_rows = True  # a partial span's keys may all be hidden from some rows of the query tile
 
     def __init__(self, query_positions, query_clean, key_positions, key_clean, block_size, tile,
-                 query_documents=None, key_documents=None):
+                 query_documents=None, key_documents=None, clean_attention=BLOCK_CAUSAL):
         n, m = query_positions.numel(), key_positions.numel()
         starts = torch.arange(0, m, tile)
         widths, key_tile = torch.clamp(m - starts, max=tile), torch.arange(m) // tile
@@ -190,7 +191,7 @@ class MaskedPlan(_TilePlan):
         for lo in range(0, n, tile):
             hi = min(lo + tile, n)
             visible = bdlm_visible(query_positions[lo:hi, None], query_clean[lo:hi, None],
-                                   key_positions[None], key_clean[None], block_size)
+                                   key_positions[None], key_clean[None], block_size, clean_attention)
             if query_documents is not None:
                 visible = visible & (query_documents[lo:hi, None] == key_documents[None])
             per_tile = torch.zeros(starts.numel(), dtype=torch.long).index_add_(0, key_tile, visible.sum(0).cpu())
@@ -289,9 +290,9 @@ class CPUKernels:
         return PrefixPlan(query_limits, key_positions, self.tile)
 
     def masked_plan(self, query_positions, query_clean, key_positions, key_clean, block_size,
-                    query_documents=None, key_documents=None):
+                    query_documents=None, key_documents=None, clean_attention=BLOCK_CAUSAL):
         return MaskedPlan(query_positions, query_clean, key_positions, key_clean, block_size, self.masked_tile,
-                          query_documents, key_documents)
+                          query_documents, key_documents, clean_attention)
 
     def masked_forward(self, q, k, v, plan, scale):
         return _tiles_forward(q, k, v, plan, scale)
