@@ -7,14 +7,16 @@ algorithm doc, spelled out pair by pair.
 import torch
 
 
-def bdlm_mask(seq_length: int, block_size: int) -> torch.Tensor:
-    """`[2L, 2L]` bool: may query row attend to key row."""
-    block = torch.arange(seq_length) // block_size
+def bdlm_mask(seq_length: int, block_size: int, token_causal: bool = False) -> torch.Tensor:
+    """`[2L, 2L]` bool: may query row attend to key row. `token_causal`: a clean row sees the clean tokens up to its
+    own position (an autoregressive clean stream) instead of its whole block."""
+    position = torch.arange(seq_length)
+    block = position // block_size
     qb, kb = block.view(-1, 1), block.view(1, -1)
     noisy_to_noisy = qb == kb
     noisy_to_clean = kb < qb
     clean_to_noisy = torch.zeros_like(noisy_to_noisy)
-    clean_to_clean = kb <= qb
+    clean_to_clean = (position.view(1, -1) <= position.view(-1, 1)) if token_causal else kb <= qb
     return torch.cat([torch.cat([noisy_to_noisy, noisy_to_clean], 1), torch.cat([clean_to_noisy, clean_to_clean], 1)], 0)
 
 

@@ -288,8 +288,11 @@ def test_each_format_states_its_engines_facts():
         sdar.problem("qwen3", "fast-dllm-v2", 151669)
     assert "is a Llama model" in sdar.problem("llama", "bd3lm", 151669)
     assert "hard-coded to 151665" in fast.problem("qwen2", "fast-dllm-v2", 151669)
-    assert all(plain.problem(family, objective, 7) is None for family in ("llama", "qwen2", "qwen3")
-               for objective in ("bd3lm", "fast-dllm-v2"))
+    assert all(plain.problem(family, objective, 7, clean) is None for family in ("llama", "qwen2", "qwen3")
+               for objective in ("bd3lm", "fast-dllm-v2") for clean in ("block-causal", "token-causal"))
+    for engine, family, objective, mask in ((sdar, "qwen3", "bd3lm", 151669), (fast, "qwen2", "fast-dllm-v2", 151665)):
+        assert "trained with --bdlm-clean-attention token-causal" in engine.problem(family, objective, mask,
+                                                                                     "token-causal")
     assert sdar.notes(4) == [] and fast.notes(32) == [fast.notes(16)[1]] and plain.notes(16) == []
     with pytest.raises(ConfigError, match="--format gguf: not an export format; choose one of hf, sdar, fast-dllm-v2"):
         hf_formats.export_format("gguf")

@@ -105,22 +105,31 @@ def test_nucleus_rules_and_settings_refuse_bad_values():
     assert _settings(strategy="fast-dllm-v2", shifted_labels=True, block_size=32).sub_blocks[:2] == [(0, 8), (8, 16)]
 
 
-def test_block_causal_attention_is_the_bdlm_mask_over_position_ordered_rows():
-    """A query at position p sees the keys of blocks <= p // B, whether its call holds one block (plain
-    attention) or several (the kernels' prefix attention); GQA heads stay grouped as Megatron groups them."""
+@pytest.mark.parametrize("token_causal", [False, True])
+def test_sampling_attention_is_the_bdlm_mask_over_position_ordered_rows(token_causal):
+    """A query of the last block (the one being decoded) at position p sees the keys of blocks <= p // B; a
+    committed row before it the same with block-causal clean rows, the keys <= p with token-causal ones; whether
+    its call holds one block (plain attention) or several (the kernels' prefix attention); GQA heads stay grouped
+    as Megatron groups them."""
     from megatron.core.transformer import TransformerConfig
 
-    from megatron_csbp.tools.sampling import BlockCausalAttention
+    from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, TOKEN_CAUSAL
+    from megatron_csbp.tools.sampling import SamplingAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
                                attention_dropout=0.0)
-    attention = BlockCausalAttention(config, 1, block_size=BLOCK)
+    rule = TOKEN_CAUSAL if token_causal else BLOCK_CAUSAL
+    attention = SamplingAttention(config, 1, block_size=BLOCK, clean_attention=rule)
     generator = torch.Generator().manual_seed(0)
     for first, keys in [(8, 12), (8, 20), (0, 20), (13, 15)]:
         rows = keys - first
         query = torch.randn(rows, 2, 4, 8, generator=generator, dtype=torch.float64)
         key, value = torch.randn(2, keys, 2, 2, 8, generator=generator, dtype=torch.float64)
-        visible = (torch.arange(keys) // BLOCK)[None, :] <= (torch.arange(first, keys) // BLOCK)[:, None]
+        row_positions, key_positions = torch.arange(first, keys)[:, None], torch.arange(keys)[None, :]
+        visible = key_positions // BLOCK <= row_positions // BLOCK
+        if token_causal:  # committed rows (before the last block) see the keys up to their own position
+            committed = row_positions // BLOCK < (keys - 1) // BLOCK
+            visible = torch.where(committed, key_positions <= row_positions, visible)
         scores = torch.einsum("sbhd,tbhd->bhst", query, key.repeat_interleave(2, 2)) * 8 ** -0.5
         expected = torch.einsum("bhst,tbhd->sbhd", scores.masked_fill(~visible, float("-inf")).softmax(-1),
                                 value.repeat_interleave(2, 2)).reshape(rows, 2, -1)

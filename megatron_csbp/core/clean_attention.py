@@ -3,7 +3,9 @@
 Every visible set of clean keys is a prefix of the clean sequence: a row sees the clean keys at positions
 below its limit. A noisy row of block `qb` sees the clean blocks before its own (limit `qb·B`) under every
 rule; what a clean row sees is the rule's: BD3-LM's block-causal clean stream sees its own block whole
-(limit `(qb+1)·B`). The noisy keys a noisy row sees (its own block) do not depend on the rule.
+(limit `(qb+1)·B`); a token-causal clean stream (Nemotron-Labs-Diffusion's, an autoregressive model's) sees
+the clean keys up to its own position (limit `p + 1`), so its rows can carry a next-token loss. The noisy
+keys a noisy row sees (its own block) do not depend on the rule.
 
 Each place that needs the mask asks the rule — the op's plans (`core.ops`), the packed documents' ranges and
 pair counts (`core.documents`), the masked kernels (`core.kernels.mask`), the modes' analytic kernel calls
@@ -48,5 +50,36 @@ class CleanAttention:
         return block_size * block_size * num_blocks * (num_blocks + 1) // 2
 
 
+    @property
+    def sees_the_future(self) -> bool:
+        """Whether a clean row sees a clean key after its own position (so it cannot carry a next-token loss)."""
+        return True
+
+
+@named
+class _TokenCausal(CleanAttention):
+    """An autoregressive clean stream: a clean row sees the clean keys at its own position and before."""
+
+    def clean_row_limit(self, positions, block_size):
+        return positions + 1
+
+    def limit_runs(self, spans, clean, block_size):
+        if not clean:
+            yield from super().limit_runs(spans, clean, block_size)
+            return
+        for start, stop in spans:
+            for position in range(start, stop):
+                yield position + 1, 1
+
+    def clean_pairs(self, seq_length, block_size):
+        return seq_length * (seq_length + 1) // 2
+
+    @property
+    def sees_the_future(self):
+        return False
+
+
 BLOCK_CAUSAL = CleanAttention("block-causal", "BD3-LM: a clean row sees the clean copy up to the end of its block")
-CLEAN_ATTENTIONS = Registry("--bdlm-clean-attention", BLOCK_CAUSAL)
+TOKEN_CAUSAL = _TokenCausal("token-causal", "an autoregressive clean stream: a clean row sees the clean copy up to "
+                                            "its own position")
+CLEAN_ATTENTIONS = Registry("--bdlm-clean-attention", BLOCK_CAUSAL, TOKEN_CAUSAL)

@@ -124,6 +124,7 @@ class RunConfig:
         return cls(
             shape=shape, seq_length=args.seq_length, block_size=args.bdlm_block_size,
             objective=args.bdlm_objective, loss_weighting=args.bdlm_loss_weighting,
+            clean_attention=args.bdlm_clean_attention,
             noise_range=tuple(args.bdlm_noise_range), antithetic_noise=args.bdlm_noise_sampling == "antithetic",
             seed=args.seed, mode=args.bdlm_parallel_mode,
             block_parallel_size=args.context_parallel_size,  # Megatron's CP slot (`--context-block-parallel` fills it)

@@ -43,6 +43,7 @@ import sys
 
 
 from megatron_csbp.core import modes, objectives
+from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training import hf_formats
 
@@ -327,15 +328,16 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
         config.pop(stale, None)
     config["rope_parameters"] = {**(config.get("rope_parameters") or {}), **rope}
     objective = getattr(args, "bdlm_objective", objectives.BD3LM.name)
+    clean_attention = getattr(args, "bdlm_clean_attention", BLOCK_CAUSAL.name)  # older checkpoints: BD3-LM's
     config.update(hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,
                   num_hidden_layers=args.num_layers, num_attention_heads=args.num_attention_heads,
                   num_key_value_heads=args.num_query_groups, head_dim=args.kv_channels,
                   rms_norm_eps=args.norm_epsilon, max_position_embeddings=args.max_position_embeddings,
                   vocab_size=rows, tie_word_embeddings=not args.untie_embeddings_and_output_weights,
                   dtype=str(dtype).removeprefix("torch."),
-                  **hf.bdlm_config(objective, args.bdlm_block_size, args.mask_token_id))
+                  **hf.bdlm_config(objective, args.bdlm_block_size, args.mask_token_id, clean_attention))
     return hf_formats.export_format(export_format).config(config, family, objective, args.bdlm_block_size,
-                                                          args.mask_token_id)
+                                                          args.mask_token_id, clean_attention)
 
 
 def _export_tokenizer(hf_side: str, out: str, mask_id: int, log) -> None:

@@ -85,6 +85,7 @@ def build_model(args, directory: str | None):
 
     from megatron_csbp.training import checkpointing, providers
     from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.core.clean_attention import CLEAN_ATTENTIONS
     from megatron_csbp.tools import sampling
     from megatron_csbp.training.megatron_config import transformer_config_from_args
     from megatron_csbp.core.device import default_device
@@ -94,6 +95,7 @@ def build_model(args, directory: str | None):
     model_parallel_cuda_manual_seed(args.seed)
     model = sampling.sampling_model(  # the GPTModel keywords RunProviders.model_provider gives the training model
         transformer_config_from_args(args), args.padded_vocab_size, args.bdlm_block_size,
+        clean_attention=CLEAN_ATTENTIONS(args.bdlm_clean_attention),
         **providers.gpt_model_kwargs(args)).to(default_device())
     if directory is not None:
         checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,

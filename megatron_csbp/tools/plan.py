@@ -53,6 +53,7 @@ import sys
 
 from megatron_csbp.bdlm import flops
 from megatron_csbp.core import kernel_work, modes, rules, transports
+from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS, CleanAttention
 from megatron_csbp.core.model_shape import ModelShape, MoEShape
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.training.flags import moe_layer_freq
@@ -167,6 +168,7 @@ class Model:
     micro_batch_size: int = 1
     global_batch_size: int = None
     transport: transports.Transport = transports.COLLECTIVE  # or its name
+    clean_attention: CleanAttention = BLOCK_CAUSAL  # or its name: what a clean row sees of the clean copy
     sharded_gradients: bool = False  # fp32 gradients sharded over DP×P (ZeRO-2 / FSDP), not whole on every rank
     logits_tile_rows: int = None     # the loss over the noisy rows in tiles of this many rows (None: all at once)
     # mixture of experts (the trainer's flags; num_experts None: a dense model)
@@ -192,6 +194,7 @@ class Model:
                     rules.TRANSPORTS.problem(self.transport)]
         rules.refuse(next(filter(None, problems), None))
         fill("transport", transports.transport(self.transport))
+        fill("clean_attention", CLEAN_ATTENTIONS(self.clean_attention))
         shape = ModelShape(
             num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
             num_query_groups=self.num_query_groups, kv_channels=self.kv_channels, ffn_hidden_size=self.ffn_hidden_size,
@@ -300,6 +303,7 @@ def run_config(model: Model, topo: Topology, cluster: Cluster) -> RunConfig:
     """The trainer's `RunConfig` of `model` in layout `topo` on `cluster` (`ConfigError` where it refuses)."""
     return RunConfig(model.shape, seq_length=model.seq_length, block_size=model.block_size, mode=topo.mode,
                      block_parallel_size=topo.p, clean_shards=topo.c, transport=model.transport,
+                     clean_attention=model.clean_attention,
                      tensor_parallel_size=topo.tp, pipeline_parallel_size=topo.pp, world_size=cluster.gpus,
                      micro_batch_size=model.micro_batch_size, global_batch_size=model.global_batch_size,
                      expert_parallel_size=topo.ep, expert_tensor_parallel_size=topo.etp)
@@ -402,9 +406,9 @@ class Prediction:
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel_calls(mode, seq_length: int, block_size: int, p: int, c: int, tile: int) -> tuple:
+def _kernel_calls(mode, seq_length: int, block_size: int, p: int, c: int, tile: int, clean_attention) -> tuple:
     """Every rank's kernel calls of one layer's forward (`ParallelMode.kernel_calls`), once per layout."""
-    return tuple(mode.kernel_calls(seq_length, block_size, p, c, rank, tile) for rank in range(p))
+    return tuple(mode.kernel_calls(seq_length, block_size, p, c, rank, tile, clean_attention) for rank in range(p))
 
 
 def attention_seconds(mode, model: Model, topo: Topology, gpu: GPU, per_pair: float) -> tuple[float, float]:
@@ -413,7 +417,8 @@ def attention_seconds(mode, model: Model, topo: Topology, gpu: GPU, per_pair: fl
     `rules.BACKWARD_FLOPS_PER_FORWARD` times the forward's FLOPs).
     """
     seconds = []
-    for calls in _kernel_calls(mode, model.seq_length, model.block_size, topo.p, topo.c, gpu.tile):
+    for calls in _kernel_calls(mode, model.seq_length, model.block_size, topo.p, topo.c, gpu.tile,
+                               model.clean_attention):
         work = lambda pass_: sum(call.calls * call.computed_pairs * per_pair / gpu.kernel_rate(call.kind, pass_)
                                  for call in calls)
         seconds.append((work(FORWARD), rules.BACKWARD_FLOPS_PER_FORWARD * work(BACKWARD)))
@@ -433,7 +438,8 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     rate = gpu.linear_rate
 
     noisy_rows, clean_rows = mode.rows(L, p, c)
-    pairs, local_pairs = mode.attention_pairs(flops.bdlm_attention_pair_parts(L, model.block_size), p, c)
+    parts = flops.bdlm_attention_pair_parts(L, model.block_size, model.clean_attention)
+    pairs, local_pairs = mode.attention_pairs(parts, p, c)
     rows = noisy_rows + clean_rows
     heads_tp = model.num_attention_heads // tp
     groups = model.num_query_groups
@@ -753,6 +759,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--bf16", action="store_true")
     add("--fp16", action="store_true")
     add("--csbp-transport", choices=rules.TRANSPORTS, default=transports.COLLECTIVE.name)
+    add("--bdlm-clean-attention", choices=CLEAN_ATTENTIONS, default=BLOCK_CAUSAL.name,
+        help="what a clean row sees of the clean copy: its block (block-causal) or the tokens up to its own")
     add("--num-experts", type=int, help="experts per MoE layer (default: a dense model)")
     add("--moe-router-topk", type=int, default=2)
     add("--moe-ffn-hidden-size", type=int, help="each expert's FFN size (default: --ffn-hidden-size)")
@@ -836,7 +844,8 @@ def _model(args) -> Model:
                  swiglu=args.swiglu, untie_embeddings=args.untie_embeddings_and_output_weights,
                  recompute=args.recompute_granularity, bytes_per_elem=2 if (args.bf16 or args.fp16) else 4,
                  micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
-                 transport=args.csbp_transport, num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+                 transport=args.csbp_transport, clean_attention=args.bdlm_clean_attention,
+                 num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                  moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                  moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
                  moe_layer_freq=args.moe_layer_freq, moe_router_dtype=args.moe_router_dtype)
@@ -848,7 +857,7 @@ def _print_setting(model: Model, cluster: Cluster, out):
           f"{model.num_attention_heads} heads / {model.num_query_groups} KV groups x {model.kv_channels}, "
           f"vocab {model.vocab_size} ids + EOD + MASK, L = {model.seq_length}, B = {model.block_size}, "
           f"recompute {model.recompute or 'none'}, {'bf16' if model.bytes_per_elem == 2 else 'fp32'}, "
-          f"micro-batch {model.micro_batch_size}, {model.transport} transport"
+          f"micro-batch {model.micro_batch_size}, {model.transport} transport, {model.clean_attention} clean rows"
           f"{'' if model.bytes_per_elem == 2 else ' (FLOP rate is still the bf16 peak)'}", file=out)
     if model.moe:
         moe = model.moe

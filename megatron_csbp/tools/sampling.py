@@ -9,9 +9,11 @@ checked when a block is complete (as every published decoder does); it is cut be
 Why the sampler's model is a plain megatron-core `GPTModel`. While sampling, each position holds exactly
 one row: committed blocks as clean rows (`x0`), the active block as its noisy rows (`x_t`). The training
 mask restricted to such rows (a noisy row of block `b` sees its own block and the clean blocks before it;
-a clean row of block `k` the clean blocks up to `k`) reads: a row sees the rows of blocks up to its own.
-That is a block-causal mask over an ordinary sequence, so sampling and training agree by construction,
-and the trained weights run as a `GPTModel` whose core attention is `BlockCausalAttention`, with
+a clean row of block `k` the clean blocks up to `k`, or with a token-causal clean stream the clean tokens up
+to its own) reads: the active block's rows see every row up to the end of their block, a committed row what
+the clean-attention rule lets it see. That is a mask over an ordinary sequence, so sampling and training
+agree by construction,
+and the trained weights run as a `GPTModel` whose core attention is `SamplingAttention`, with
 Megatron's own RoPE (the position is the row index) and its static K/V cache (`StaticInferenceContext`):
 a committed block's K/V are written once and kept (the offset moves past them); the active block's are
 written after them and overwritten by the next call. Keys are position-encoded per token after they
@@ -64,6 +66,7 @@ from typing import Callable, NamedTuple
 import torch
 from megatron.core.transformer.module import MegatronModule
 
+from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
 from megatron_csbp.core.kernels import default_kernels
@@ -286,20 +289,24 @@ class SamplingSettings:
 
 
 # ------------------------------------------------------------------------------------------------ the model
-class BlockCausalAttention(MegatronModule):
+class SamplingAttention(MegatronModule):
     """Core attention of the sampling model: the BDLM mask over position-ordered rows (see module doc).
 
     Megatron's static inference hands it the queries of this call's rows and the keys of the whole cached
-    sequence up to them, so the queries are the last rows: a query at position `p` sees the keys below
-    the end of its block. A call whose rows lie in one block (every denoising step) sees every key, so
-    it is plain attention; a call over several blocks (a prompt) uses the training kernels' prefix
-    attention, which never builds a rows x keys mask.
+    sequence up to them, so the queries are the last rows, and the last block is the one being decoded (the
+    noisy rows): its rows see every key below the end of their block; the committed rows before it are
+    clean rows, seeing what the model's clean-attention rule lets them (`core.clean_attention`: the end of
+    their block, or their own position). A call whose rows lie in one block (every denoising step) sees every
+    key, so it is plain attention; a call over several blocks (a prompt, a commit) uses the training kernels'
+    prefix attention, which never builds a rows x keys mask.
     """
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self", attention_dropout=None,
-                 softmax_scale=None, cp_comm_type=None, pg_collection=None, block_size: int = 1, **unused):
+                 softmax_scale=None, cp_comm_type=None, pg_collection=None, block_size: int = 1,
+                 clean_attention=BLOCK_CAUSAL, **unused):
         super().__init__(config=config)
         self.block_size = block_size
+        self.clean_attention = clean_attention
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
@@ -311,7 +318,7 @@ class BlockCausalAttention(MegatronModule):
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale, enable_gqa=True)
         else:
             b, heads, _, d = q.shape
-            plan = _prefix_plan(query.device, first, keys, block)
+            plan = _prefix_plan(query.device, first, keys, block, self.clean_attention)
             grouped = q.reshape(b, k.shape[1], heads // k.shape[1], rows, d)  # query heads under their K/V head
             out = default_kernels(query.device).prefix_forward(grouped, k, v, plan, self.softmax_scale)[0]
             out = out.reshape(b, heads, rows, d)
@@ -319,17 +326,21 @@ class BlockCausalAttention(MegatronModule):
 
 
 @lru_cache(maxsize=8)
-def _prefix_plan(device, first: int, keys: int, block: int):
-    """Rows `first..keys-1` against keys `0..keys-1`: each sees the keys below the end of its block (one
-    plan per call, shared by every layer)."""
+def _prefix_plan(device, first: int, keys: int, block: int, clean_attention):
+    """Rows `first..keys-1` against keys `0..keys-1`: the last block's (noisy) rows see the keys below the end of
+    their block, the committed rows before it what `clean_attention` lets a clean row see (one plan per call,
+    shared by every layer)."""
     positions = torch.arange(keys, device=device)
-    limits = (positions[first:] // block + 1) * block
+    rows = positions[first:]
+    noisy = rows >= (keys - 1) // block * block
+    limits = clean_attention.row_limits(rows, ~noisy, block) + noisy * block  # a noisy row: its block's end
     return default_kernels(device).plan(limits, positions)
 
 
-def sampling_model(config, vocab_size: int, block_size: int, **gpt_kwargs):
-    """A `GPTModel` with `BDLMGPTModel`'s parameters (the CSBP layer spec, its norms) and block-causal
-    core attention; load any BDLM checkpoint into it. One pipeline stage, no sequence or context parallelism."""
+def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLOCK_CAUSAL, **gpt_kwargs):
+    """A `GPTModel` with `BDLMGPTModel`'s parameters (the CSBP layer spec, its norms) and the BDLM mask over
+    position-ordered rows (`SamplingAttention`, with the model's clean-attention rule); load any BDLM checkpoint
+    into it. One pipeline stage, no sequence or context parallelism."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
@@ -340,7 +351,8 @@ def sampling_model(config, vocab_size: int, block_size: int, **gpt_kwargs):
              "sampling runs one pipeline stage without context/block parallelism: use "
              "--tensor-model-parallel-size only")
     _require(not config.sequence_parallel, "sampling does not use sequence parallelism: drop --sequence-parallel")
-    attention = ModuleSpec(module=BlockCausalAttention, params={"block_size": block_size})
+    attention = ModuleSpec(module=SamplingAttention,
+                           params={"block_size": block_size, "clean_attention": clean_attention})
     if config.num_moe_experts:  # as training's (model.model_provider): megatron-core's MoE and dense layers
         layers = csbp_spec.get_csbp_block_spec(config)
         for layer in {id(spec): spec for spec in layers.layer_specs}.values():

@@ -126,8 +126,8 @@ _classify(Honoured(), "--exit-signal-handler")
 _classify(Honoured(), "--tensorboard-dir")
 _classify(Honoured(), """
     --context-block-parallel --context-block-parallel-clean-shards --bdlm-block-size --bdlm-objective
-    --bdlm-loss-weighting --bdlm-noise-range --bdlm-noise-sampling --bdlm-parallel-mode --csbp-transport --link-gbps
-    --link-latency-us --csbp-block-schedule --csbp-clean-layout --bdlm-mask-token-id --max-consecutive-bad-steps
+    --bdlm-clean-attention --bdlm-loss-weighting --bdlm-noise-range --bdlm-noise-sampling --bdlm-parallel-mode
+    --csbp-transport --link-gbps --link-latency-us --csbp-block-schedule --csbp-clean-layout --bdlm-mask-token-id --max-consecutive-bad-steps
     --config --training-loop""")
 
 # Megatron-LM's optimizer, schedule, gradient reduction and checkpoint machinery: its code, not our providers.

@@ -9,7 +9,7 @@ sequence dimension pipeline stages exchange, where Megatron would use `seq_lengt
 
 import argparse
 
-from megatron_csbp.core import modes, objectives, rules, schedule, transports
+from megatron_csbp.core import clean_attention, modes, objectives, rules, schedule, transports
 from megatron_csbp.core.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS, ConfigError
 from megatron_csbp.training import layer_pattern
 from megatron_csbp.training.datasets import MEGATRON_SPLIT_DEFAULT
@@ -43,6 +43,11 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--bdlm-block-size", type=int, default=16, metavar="B", help="Diffusion block size B.")
     group.add_argument("--bdlm-objective", choices=rules.OBJECTIVES, default=objectives.BD3LM.name,
                        help="BD3-LM NELBO, or Fast-dLLM v2 (complementary masks, shifted labels, unit weights).")
+    group.add_argument("--bdlm-clean-attention", choices=clean_attention.CLEAN_ATTENTIONS,
+                       default=clean_attention.BLOCK_CAUSAL.name,
+                       help="What a clean row sees of the clean copy: its own block whole (block-causal, BD3-LM's) "
+                            "or the tokens up to its own (token-causal, an autoregressive clean stream, "
+                            "Nemotron-Labs-Diffusion's).")
     group.add_argument("--bdlm-loss-weighting", choices=rules.LOSS_WEIGHTINGS, default=None,
                        help="Per-block loss weight 1/t (the NELBO) or 1. Default: inverse-t for bd3lm, unit for "
                             "fast-dllm-v2.")

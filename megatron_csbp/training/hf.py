@@ -41,6 +41,7 @@ from typing import Callable
 import torch
 
 from megatron_csbp.core import objectives, rules
+from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
 
@@ -371,17 +372,19 @@ def model_flags(config: dict, hf_dir: str = ".") -> dict:
     return {key: value for key, value in flags.items() if value is not None}
 
 
-def bdlm_config(objective: str, block_size: int, mask_token_id: int) -> dict:
+def bdlm_config(objective: str, block_size: int, mask_token_id: int,
+                clean_attention: str = BLOCK_CAUSAL.name) -> dict:
     """The `config.json` keys that say how the exported model decodes, which the weights alone cannot say.
 
     In the names the serving engines and reference decoders read, where they have one: `mask_token_id`
     (SDAR's and LLaDA2's config.json; lmdeploy reads it for LLaDA2), `block_size` (SDAR's config.json; the
     `block_size` of SGLang's `--dllm-algorithm-config`) and, for shifted labels only, `bd_size` (Fast-dLLM v2's
     config: its models predict token p+1 at row p, so a BD3-LM model must not claim it). Then our own,
-    explicit ones: `bdlm_objective`, `bdlm_label_shift` (row p predicts token p + shift) and `bdlm_block_size`."""
+    explicit ones: `bdlm_objective`, `bdlm_label_shift` (row p predicts token p + shift), `bdlm_block_size` and
+    `bdlm_clean_attention` (what a committed token's row sees: its block whole, or the tokens up to its own)."""
     shift = objectives.objective_kind(objective).label_shift
     keys = {"mask_token_id": mask_token_id, "block_size": block_size, "bdlm_objective": objective,
-            "bdlm_label_shift": shift, "bdlm_block_size": block_size}
+            "bdlm_label_shift": shift, "bdlm_block_size": block_size, "bdlm_clean_attention": clean_attention}
     if shift:
         keys["bd_size"] = block_size
     return keys

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from megatron_csbp.core import objectives
+from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training.hf import FAMILIES, QWEN2, QWEN3
 
@@ -87,6 +88,7 @@ class ExportFormat:
     architecture: str | None = None
     model_type: str | None = None
     objective: objectives.ObjectiveKind | None = None
+    clean_attention: object = None  # the clean-attention rule the engine decodes committed blocks with
     mask_token_id: int | None = None
     mask_source: str = ""
     block_size: int | None = None
@@ -95,9 +97,10 @@ class ExportFormat:
     files: dict = field(default_factory=dict)
     needs: str = ""
 
-    def problem(self, family: str, objective: str, mask_token_id: int) -> str | None:
+    def problem(self, family: str, objective: str, mask_token_id: int,
+                clean_attention: str = BLOCK_CAUSAL.name) -> str | None:
         """One line naming `--format` and the fix, or None: what this format cannot honour for a checkpoint
-        (`family`, `objective`: the names it records)."""
+        (`family`, `objective`, `clean_attention`: the names it records)."""
         flag = f"--format {self.name}"
         if self.families is not None and FAMILIES.get(family) not in self.families:
             wanted = " or ".join(accepted.display for accepted in self.families)
@@ -111,6 +114,10 @@ class ExportFormat:
                     f"({self.objective.target}) but this checkpoint records --bdlm-objective {objective} "
                     f"({objective.target}; an import not yet fine-tuned records {objectives.BD3LM}); fine-tune it "
                     f"with --bdlm-objective {self.objective}, or export it with --format {' / '.join(other + [HF.name])}")
+        if self.clean_attention is not None and CLEAN_ATTENTIONS(clean_attention) is not self.clean_attention:
+            return (f"{flag}: {self.engines} decode committed blocks with {self.clean_attention} clean attention, "
+                    f"and this checkpoint was trained with --bdlm-clean-attention {clean_attention}: the engine "
+                    f"would compute other keys than the model learned; export it with --format {HF.name}")
         if self.mask_token_id is not None and mask_token_id != self.mask_token_id:
             return (f"{flag}: this checkpoint's MASK id is {mask_token_id} but the MASK id of {self.engines} is "
                     f"hard-coded to {self.mask_token_id} ({self.mask_source}); "
@@ -130,9 +137,10 @@ class ExportFormat:
             notes.append(f"note: --format {self.name}: {self.needs}")
         return notes
 
-    def config(self, config: dict, family: str, objective: str, block_size: int, mask_token_id: int) -> dict:
+    def config(self, config: dict, family: str, objective: str, block_size: int, mask_token_id: int,
+               clean_attention: str = BLOCK_CAUSAL.name) -> dict:
         """`config` (the plain export's config.json) as this format writes it; refuses (ConfigError) first."""
-        problem = self.problem(family, objective, mask_token_id)
+        problem = self.problem(family, objective, mask_token_id, clean_attention)
         if problem:
             raise ConfigError(problem)
         config = dict(config)
@@ -145,7 +153,7 @@ class ExportFormat:
 HF = ExportFormat("hf")
 SDAR = ExportFormat(
     "sdar", engines="SGLang and lmdeploy", families=(QWEN3,), architecture="SDARForCausalLM", model_type="sdar",
-    objective=objectives.BD3LM, mask_token_id=151669,
+    objective=objectives.BD3LM, clean_attention=BLOCK_CAUSAL, mask_token_id=151669,
     mask_source="SGLang's DLLM_PARAMS in python/sglang/srt/dllm/config.py, lmdeploy's "
                 "lmdeploy/pytorch/configurations/sdar.py",
     block_size=4,
@@ -155,6 +163,7 @@ SDAR = ExportFormat(
 FAST_DLLM_V2 = ExportFormat(
     "fast-dllm-v2", engines="Fast-dLLM v2's model code", families=(QWEN2,),
     architecture="Fast_dLLM_QwenForCausalLM", model_type="Fast_dLLM_Qwen", objective=objectives.FAST_DLLM_V2,
+    clean_attention=BLOCK_CAUSAL,
     mask_token_id=151665,
     mask_source="the mask_id=151665 default of Fast_dLLM_QwenForCausalLM.forward and .generate in its modeling.py",
     block_size=32,

@@ -48,7 +48,8 @@ def calibrate(world_size, args, seq_length, repeats=4) -> RankCalibration:
     layout = run.layout(0)
     q = torch.randn(layout.num_rows, 1, heads, d, requires_grad=True)
     k, v = (torch.randn(layout.num_rows, 1, groups, d, requires_grad=True) for _ in range(2))
-    attention_flops = rules.step_passes() * flops.bdlm_attention_pairs(seq_length // 2, args.block_size) \
+    attention_flops = rules.step_passes() * flops.bdlm_attention_pairs(run.seq_length, run.block_size,
+                                                                        run.clean_attention) \
         * flops.attention_flops_per_pair(heads, d)
     attention_s = _timed(lambda: context_sharded_block_attention(q, k, v, layout).sum().backward(), repeats)
 

@@ -37,6 +37,7 @@ import argparse
 import json
 
 from megatron_csbp.core import modes, rules, transports
+from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS
 from megatron_csbp.core.model_shape import ModelShape, MoEShape
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.tools.bench.records import Calibration
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--nproc", type=int, default=2, help="ranks (the block-parallel / CP size)")
     add("--block-size", type=int, default=64)
     add("--csbp-transport", default=transports.COLLECTIVE.name, choices=transports.TRANSPORTS)
+    add("--bdlm-clean-attention", default=BLOCK_CAUSAL.name, choices=CLEAN_ATTENTIONS,
+        help="what a clean row sees of the clean copy: its block (block-causal) or the tokens up to its own")
     add("--transport-memory", action="store_true",
         help="also measure, in the same ranks, the peak tensor memory of a step and of the attention op alone under "
              "each transport (collective, streaming), for the modes with a ring")
@@ -121,7 +124,8 @@ def model_shape(args, experts: bool = True) -> ModelShape:
 def run_config(args, mode, seq_length) -> RunConfig:
     """The trainer's run of `mode` (its name or itself) at `seq_length` on `--nproc` ranks, as the bench runs it."""
     return RunConfig(model_shape(args), seq_length, args.block_size, mode=mode, block_parallel_size=args.nproc,
-                     transport=args.csbp_transport, micro_batch_size=args.micro_batch_size,
+                     transport=args.csbp_transport, clean_attention=args.bdlm_clean_attention,
+                     micro_batch_size=args.micro_batch_size,
                      expert_parallel_size=args.expert_model_parallel_size,
                      expert_tensor_parallel_size=args.expert_tensor_parallel_size, flags=FLAGS)
 
@@ -130,7 +134,8 @@ def calibration_run(args, seq_length) -> RunConfig:
     """The one-rank CSBP run whose attention `--predict`'s calibration times at `seq_length`: one rank's `L/2`
     clean rows (the model without its experts: only its matmuls and attention are timed)."""
     return RunConfig(model_shape(args, experts=False), seq_length // 2, args.block_size,
-                     micro_batch_size=args.micro_batch_size, flags=CALIBRATION_FLAGS)
+                     clean_attention=args.bdlm_clean_attention, micro_batch_size=args.micro_batch_size,
+                     flags=CALIBRATION_FLAGS)
 
 
 def kernel_check_runs(args) -> list[RunConfig]:

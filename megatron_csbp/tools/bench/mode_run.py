@@ -14,11 +14,9 @@ from megatron_csbp.tools.bench.records import Condition, RankRecord
 
 
 def rank_attention_pairs(layout) -> int:
-    """Query-key pairs the BDLM mask lets this rank's rows see, per head, layer and sample."""
-    block = layout.block_size
-    noisy = layout.noisy_positions // block
-    clean = layout.clean_positions // block
-    return int(((noisy + 1) * block).sum() + ((clean + 1) * block).sum())
+    """Query-key pairs the BDLM mask lets this rank's rows see, per head, layer and sample: each row's clean keys
+    below its limit (the clean-attention rule's), and a noisy row's own block."""
+    return int(layout.row_limits.sum()) + layout.num_noisy_rows * layout.block_size
 
 
 def kernel_work(layout, transport) -> tuple:
