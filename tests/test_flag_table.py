@@ -76,6 +76,8 @@ SHOWN_BY = {
         "--bdlm-loss-weighting --bdlm-noise-range --bdlm-noise-sampling --bdlm-parallel-mode --csbp-transport "
         "--link-gbps --link-latency-us --csbp-block-schedule --csbp-clean-layout --bdlm-mask-token-id "
         "--max-consecutive-bad-steps --config --training-loop",
+    "tests/test_clean_stream.py::test_token_causal_attention_matches_the_dense_mask_and_the_block_causal_one_misses":
+        "--bdlm-clean-attention",
     "tests/test_moe.py::test_world_2_moe_compositions_and_negative_control":
         "--num-experts --moe-layer-freq --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
         "--moe-router-topk --moe-router-score-function --moe-router-dtype --moe-router-load-balancing-type "
