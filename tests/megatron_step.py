@@ -157,17 +157,20 @@ def train_step(topology, weights, build_model, forward_step, batches, micro_batc
             num_microbatches=len(rank_batches),
             seq_length=topology.seq if topology.pp > 1 else pipeline_seq_length(layout, config),
             micro_batch_size=micro_batch_size, forward_only=False)
-        loss = None
-        if mpu.is_pipeline_last_stage():
-            total = torch.stack([r["lm loss"] for r in reports]).sum(0)
-            torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
-            loss = (total[0] / total[1]).item()
+        loss, losses = None, {}
+        if mpu.is_pipeline_last_stage():  # each reported loss (the lm loss, and its parts where it has two)
+            for name in sorted(reports[0]):
+                total = torch.stack([r[name] for r in reports]).sum(0)
+                torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
+                losses[name] = (total[0] / total[1]).item()
+            loss = losses["lm loss"]
         observed = after_step(len(rank_batches)) if after_step else {}
         grads = {_global_name(model, n): _full(p, p.main_grad) for n, p in model.named_parameters()}
         success, grad_norm, _ = optimizer.step()
         assert success
         after = {_global_name(model, n): _full(p, p) for n, p in model.named_parameters()}
-        return dict(loss=loss, grads=grads, after=after, initial=initial, grad_norm=grad_norm, **observed)
+        return dict(loss=loss, losses=losses, grads=grads, after=after, initial=initial, grad_norm=grad_norm,
+                    **observed)
     finally:
         parallel_state.destroy_model_parallel()
 

@@ -153,3 +153,62 @@ def test_the_planner_counts_the_causal_clean_rows():
     step = dict(padded_vocab_size=256, seq_length=64, block_size=16)
     assert predicted == flops.bdlm_step_flops(model.shape, clean_attention=RULE, **step)
     assert predicted < flops.bdlm_step_flops(model.shape, clean_attention=BLOCK_CAUSAL, **step)
+
+
+TRAINING = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--data-path", "unused/prefix",
+            "--bdlm-block-size", "8"]
+
+
+@pytest.mark.parametrize("extra, line", [
+    (["--bdlm-ar-loss-weight", "1"],
+     "--bdlm-ar-loss-weight 1.0 needs --bdlm-clean-attention token-causal: with block-causal clean attention a clean "
+     "row sees the tokens after its own in its block, so its next-token loss would read the answer"),
+    (["--bdlm-ar-loss-weight", "1", "--bdlm-clean-attention", "token-causal", "--bdlm-objective", "fast-dllm-v2"],
+     "--bdlm-ar-loss-weight 1.0 does not go with --bdlm-objective fast-dllm-v2: its rows predict the next token "
+     "already and its complementary views would carry the clean stream twice; drop --bdlm-ar-loss-weight or use "
+     "--bdlm-objective bd3lm"),
+    (["--bdlm-ar-loss-weight", "-1", "--bdlm-clean-attention", "token-causal"],
+     "--bdlm-ar-loss-weight -1.0 must be >= 0 (0: that part is off)"),
+    (["--bdlm-diffusion-loss-weight", "nan"], "--bdlm-diffusion-loss-weight nan must be >= 0 (0: that part is off)"),
+    (["--bdlm-diffusion-loss-weight", "0"],
+     "--bdlm-diffusion-loss-weight and --bdlm-ar-loss-weight are both 0: nothing would be trained; give one a "
+     "weight > 0"),
+])
+def test_the_loss_parts_refuse_what_cannot_train_in_one_line(extra, line):
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.training.arguments import validate
+    from megatron_csbp.training.flags import build_parser
+
+    with pytest.raises(ConfigError) as refused:
+        validate(build_parser().parse_args(TRAINING + extra), 1, on_accelerator=False, check_paths=False)
+    assert str(refused.value) == line
+
+
+def test_the_recipes_flags_make_the_run():
+    """Nemotron-Labs-Diffusion's flags: a token-causal run whose model runs its head over the clean rows too."""
+    from megatron_csbp.core.clean_attention import TOKEN_CAUSAL as RULE
+    from megatron_csbp.training.arguments import validate
+    from megatron_csbp.training.flags import build_parser
+
+    settings = validate(build_parser().parse_args(TRAINING + [
+        "--bdlm-clean-attention", "token-causal", "--bdlm-ar-loss-weight", "1", "--bdlm-diffusion-loss-weight",
+        "0.3"]), 1, on_accelerator=False, check_paths=False)
+    assert settings.clean_attention is RULE and settings.clean_logits and settings.layout(0).clean_attention is RULE
+    assert (settings.diffusion_loss_weight, settings.ar_loss_weight) == (0.3, 1.0)
+
+
+def test_the_ar_heads_flops_are_counted_by_the_trainer_and_the_planner():
+    """With the AR co-loss the LM head runs over the clean rows too: twice the head's FLOPs, in the trainer's
+    count and in the planner's (one rank holding a whole sample)."""
+    from megatron_csbp.bdlm import flops
+    from megatron_csbp.core.clean_attention import TOKEN_CAUSAL as RULE
+    from megatron_csbp.tools import plan
+
+    model = plan.Model(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=64, block_size=16,
+                       vocab_size=254, clean_attention=RULE.name, clean_logits=True)
+    step = dict(padded_vocab_size=256, seq_length=64, block_size=16, clean_attention=RULE)
+    with_head = flops.bdlm_step_flops(model.shape, clean_logits=True, **step)
+    assert with_head - flops.bdlm_step_flops(model.shape, **step) == 3 * 64 * flops.lm_head_flops_per_row(64, 256)
+    cluster = plan.Cluster(1, 8, plan.GPU_PRESETS["h200"])
+    assert plan.predict(model, cluster, plan.Topology("csbp", 1, 1, 1, 1, 1)).flops_per_rank == with_head

@@ -78,6 +78,8 @@ SHOWN_BY = {
         "--max-consecutive-bad-steps --config --training-loop",
     "tests/test_clean_stream.py::test_token_causal_attention_matches_the_dense_mask_and_the_block_causal_one_misses":
         "--bdlm-clean-attention",
+    "tests/test_clean_stream_training.py::test_world_4_token_causal_ar_step_equals_one_rank":
+        "--bdlm-diffusion-loss-weight --bdlm-ar-loss-weight",
     "tests/test_moe.py::test_world_2_moe_compositions_and_negative_control":
         "--num-experts --moe-layer-freq --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
         "--moe-router-topk --moe-router-score-function --moe-router-dtype --moe-router-load-balancing-type "

@@ -7,7 +7,7 @@ counting Megatron's way overstates the work, so the training logger counts here.
 Counting rules (a multiply-add is 2 FLOPs; backward is twice the forward: `rules.BACKWARD_FLOPS_PER_FORWARD`):
 * every linear layer runs over all `2L` rows: QKV (GQA), output projection, MLP (SwiGLU: 3 matrices);
 * attention costs `4 · heads · head_dim` per allowed (query, key) pair: `Q·Kᵀ` and `P·V`;
-* the LM head runs over the `L` noisy rows;
+* the LM head runs over the `L` noisy rows (all `2L` rows with an autoregressive co-loss on the clean rows);
 * full recomputation adds one more forward of the transformer layers (not of the head).
 Norms, softmax, RoPE and the embedding lookup are not counted (the usual convention).
 
@@ -107,7 +107,8 @@ def lm_head_flops_per_row(hidden_size: int, padded_vocab_size: int) -> int:
 
 
 def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: int, block_size: int,
-                    batch_size: int = 1, recompute: bool = False, clean_attention=BLOCK_CAUSAL) -> int:
+                    batch_size: int = 1, recompute: bool = False, clean_attention=BLOCK_CAUSAL,
+                    clean_logits: bool = False) -> int:
     """Exact FLOPs of one BDLM training step (forward + backward) over `batch_size` samples of model `shape`.
 
     `seq_length` is the clean length `L` (the model sees `2L` rows), `block_size` the diffusion block `B`,
@@ -115,7 +116,8 @@ def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: in
     `padded_vocab_size` Megatron's padded vocabulary. `recompute=False` gives model FLOPs (what MFU and the
     logger's TFLOP/s count); `recompute=True` adds the transformer layers' second forward of full activation
     recomputation (hardware FLOPs). With `shape.moe`, its MoE layers' MLP FLOPs per row are
-    `moe_mlp_flops_per_row`'s, and every row, noisy and clean, is routed (`2L` per sample).
+    `moe_mlp_flops_per_row`'s, and every row, noisy and clean, is routed (`2L` per sample). `clean_logits`: the
+    LM head runs over the clean rows too (an autoregressive co-loss), `2L` rows instead of `L`.
     """
     layer_forward = (2 * seq_length * linear_flops_per_row(shape)
                      + bdlm_attention_pairs(seq_length, block_size, clean_attention)
@@ -124,7 +126,8 @@ def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: in
     if shape.moe is not None:  # the MoE layers' MLP replaced by the router, the top-k experts and the shared expert
         layers_forward += shape.num_moe_layers * 2 * seq_length * (
             moe_layer_linear_flops_per_row(shape) - linear_flops_per_row(shape))
-    head_forward = seq_length * lm_head_flops_per_row(shape.hidden_size, padded_vocab_size)
+    head_rows = 2 * seq_length if clean_logits else seq_length
+    head_forward = head_rows * lm_head_flops_per_row(shape.hidden_size, padded_vocab_size)
     return batch_size * (rules.step_passes(recompute) * layers_forward + rules.step_passes() * head_forward)
 
 
@@ -133,7 +136,7 @@ def run_step_flops(settings, padded_vocab_size: int, recompute: bool = False) ->
     return bdlm_step_flops(settings.shape, padded_vocab_size=padded_vocab_size, seq_length=settings.seq_length,
                            block_size=settings.block_size, recompute=recompute,
                            batch_size=settings.global_batch_size * settings.objective.views_per_sample,
-                           clean_attention=settings.clean_attention)
+                           clean_attention=settings.clean_attention, clean_logits=settings.clean_logits)
 
 
 def megatron_causal_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: int, batch_size: int = 1) -> int:

@@ -4,7 +4,7 @@ model, the loss (with Megatron's rerun checks).
 API::
 
     forward_step = BDLMForwardStep(objective, layout)   # layout: this rank's CSBPLayout / CPLayout
-    forward_step(data_iterator, model) -> (per_token_ce, partial(loss_func, loss_weights, num_tokens))
+    forward_step(data_iterator, model) -> (per_token_ce, partial(loss_func, loss_weights, num_tokens, parts=...))
                                            # each model checked against the step on its first micro-batch
 
 The batch that `data_iterator` yields is a dict with `tokens [b, L]` (clean `x0`), `sample_index [b]`
@@ -53,13 +53,19 @@ def _check_model_matches(objective, layout, model):
     _require(model_mask == objective.mask_token_id,
              f"the model excludes the logit of mask_token_id={model_mask}, the objective masks with "
              f"--bdlm-mask-token-id={objective.mask_token_id}: give the model the objective's id")
+    clean_logits = getattr(inner, "clean_logits", bool(objective.ar_loss_weight))
+    _require(clean_logits == bool(objective.ar_loss_weight),
+             f"the model's LM head {'runs' if clean_logits else 'does not run'} over the clean rows, and the "
+             f"objective's --bdlm-ar-loss-weight is {objective.ar_loss_weight}: build the model with "
+             f"clean_logits={bool(objective.ar_loss_weight)}")
 
 
-def checked_loss_func(loss_weights, num_tokens, output_tensor, *, check_results=False, check_spiky_loss=False):
+def checked_loss_func(loss_weights, num_tokens, output_tensor, *, parts=None, check_results=False,
+                      check_spiky_loss=False):
     """`loss_func`, then Megatron's rerun state machine on this rank's loss, as `pretrain_gpt.py` does: NaN/Inf
     are fatal (`--check-for-nan-in-loss-and-grad`), a loss 10x the largest seen is flagged
     (`--check-for-spiky-loss`). The machine does nothing in its disabled mode (our own loop's)."""
-    loss, num_tokens, report = loss_func(loss_weights, num_tokens, output_tensor)
+    loss, num_tokens, report = loss_func(loss_weights, num_tokens, output_tensor, parts)
     if check_results or check_spiky_loss:
         from megatron.core.rerun_state_machine import get_rerun_state_machine
 
@@ -178,4 +184,4 @@ class BDLMForwardStep:
         rows = self.packing.rows(self.objective, batch, self.layout)
         output = model(rows.input_ids if first_stage else None, rows.position_ids, attention_mask=rows.document_ids,
                        labels=rows.labels if last_stage else None)
-        return output, partial(self.loss_func, rows.loss_weights, rows.num_tokens)
+        return output, partial(self.loss_func, rows.loss_weights, rows.num_tokens, parts=rows.parts)

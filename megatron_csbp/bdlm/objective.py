@@ -67,13 +67,25 @@ class Noise(NamedTuple):
     masked: torch.Tensor  # [b, L] bool, token replaced by MASK in x_t
 
 
+class LossParts(NamedTuple):
+    """The loss's two parts and their weights: the diffusion loss of the noisy rows, and an autoregressive co-loss
+    of the clean rows (`ar_weights [m, n_clean]`, 1 where a clean row's next-token target counts on this rank;
+    None without it) over `ar_num_tokens` targets."""
+
+    diffusion_weight: float = 1.0
+    ar_weight: float = 0.0
+    ar_weights: torch.Tensor | None = None
+    ar_num_tokens: torch.Tensor | None = None
+
+
 class Rows(NamedTuple):
     input_ids: torch.Tensor
     position_ids: torch.Tensor
-    labels: torch.Tensor
+    labels: torch.Tensor  # [m, n_noisy] (the noisy rows' targets), then [m, n_clean] next tokens with the AR part
     loss_weights: torch.Tensor
     num_tokens: torch.Tensor
     document_ids: torch.Tensor | None = None  # [m, L] document of every position (packed samples), else None
+    parts: LossParts | None = None  # None: the diffusion loss alone, weight 1
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,8 @@ class BDLMObjective:
     antithetic: bool = True
     antithetic_group: int = 1
     seed: int = 1234
+    diffusion_loss_weight: float = 1.0
+    ar_loss_weight: float = 0.0  # > 0: the clean rows' next-token co-loss (a token-causal clean stream's)
 
     def __post_init__(self):
         _require(isinstance(self.block_size, int) and self.block_size >= 1,
@@ -106,6 +120,8 @@ class BDLMObjective:
                  f"antithetic_group={self.antithetic_group!r} must be a positive integer: the samples sharing one "
                  f"stratified draw (the training loop sets it to --global-batch-size)")
         _require(isinstance(self.seed, int) and self.seed >= 0, f"--seed={self.seed!r} must be a non-negative integer")
+        _require(self.ar_loss_weight == 0 or self.objective.views_per_sample == 1,
+                 f"--bdlm-ar-loss-weight goes with one view per sample, not --bdlm-objective {self.objective}")
 
     @property
     def views_per_sample(self) -> int:
@@ -199,25 +215,65 @@ class BDLMObjective:
                 position_ids = position_ids - first.gather(1, rows_at)
             if separate_documents:
                 document_ids = documents.to(device)
+        labels = labels.gather(1, noisy)
+        parts = None
+        if self.ar_loss_weight or self.diffusion_loss_weight != 1.0:
+            parts = LossParts(self.diffusion_loss_weight, self.ar_loss_weight)
+        if self.ar_loss_weight:
+            targets, ar_weights = self._next_tokens(tokens, supervised, documents if separate_documents else None,
+                                                    layout)
+            labels = torch.cat([labels, targets], dim=1)
+            parts = parts._replace(ar_weights=ar_weights.to(device),
+                                   ar_num_tokens=ar_weights.sum().to(torch.int).to(device))
         return Rows(
             input_ids=torch.cat([noisy_tokens.gather(1, noisy), clean[:, kept]], dim=1).to(device),
             position_ids=position_ids.contiguous().to(device),
-            labels=labels.gather(1, noisy).to(device),
+            labels=labels.to(device),
             loss_weights=torch.where(scored, weight, 0.0).gather(1, noisy).to(torch.float32).to(device),
             num_tokens=countable.gather(1, noisy[:tokens.shape[0]]).sum().to(torch.int).to(device),
             document_ids=document_ids,
+            parts=parts,
         )
 
+    @staticmethod
+    def _next_tokens(tokens, supervised, documents, layout):
+        """The clean rows' next-token targets `[b, n_clean]` (token p+1 for the clean row at p) and their weights
+        (1 where it counts). A target counts where it exists (p+1 < L), is supervised (loss mask, EOD) and lies in
+        the row's own document; and, since every ring of `P/C` ranks holds the whole clean sequence, only on the
+        first ring's ranks, so each target counts once (its other rings' copies carry the same rows: the
+        gradient is the one-copy gradient)."""
+        positions = layout.clean_positions
+        following = (positions + 1).clamp(max=layout.seq_length - 1)
+        counted = (positions + 1 < layout.seq_length) & supervised[:, following]
+        if documents is not None:
+            counted &= documents[:, following] == documents[:, positions]
+        counted &= layout.ring_index == 0
+        return tokens[:, following], counted.to(torch.float32)
 
-def loss_func(loss_weights, num_tokens, output_tensor):
+
+def loss_func(loss_weights, num_tokens, output_tensor, parts: LossParts | None = None):
     """Megatron's per-token loss: the weighted CE sum of this micro-batch and the tokens it stands for.
 
     Megatron sums both over micro-batches and dp×cp and divides the gradients by the total count
-    (`calculate_per_token_loss=True`), which makes the loss a per-token NELBO of the global batch.
+    (`calculate_per_token_loss=True`), which makes the loss a per-token NELBO of the global batch. With the
+    autoregressive co-loss (`parts`), as Megatron-Bridge's step: the weighted sum of the two parts over the tokens
+    of both, each part also reported over its own tokens (`diffusion loss`, `ar loss`).
     """
-    _require(output_tensor.shape == loss_weights.shape,
+    noisy = loss_weights.shape[1]
+    clean = 0 if parts is None or parts.ar_weights is None else parts.ar_weights.shape[1]
+    _require(output_tensor.shape == (loss_weights.shape[0], noisy + clean),
              f"the model returned {tuple(output_tensor.shape)}, expected per-token cross-entropy "
-             f"{tuple(loss_weights.shape)} over this rank's noisy rows (call it with labels)")
-    loss_sum = (output_tensor.float() * loss_weights).sum()
-    report = torch.stack([loss_sum.detach(), num_tokens.to(loss_sum.dtype)])
-    return loss_sum, num_tokens, {"lm loss": report}
+             f"{(loss_weights.shape[0], noisy + clean)} over this rank's noisy{' and clean' if clean else ''} rows "
+             f"(call it with labels{'; build it with clean_logits' if clean else ''})")
+    output_tensor = output_tensor.float()
+    diffusion = (output_tensor[:, :noisy] * loss_weights).sum()
+    if parts is None:
+        report = torch.stack([diffusion.detach(), num_tokens.to(diffusion.dtype)])
+        return diffusion, num_tokens, {"lm loss": report}
+    loss, total, report = parts.diffusion_weight * diffusion, num_tokens, {}
+    if clean:
+        ar = (output_tensor[:, noisy:] * parts.ar_weights).sum()
+        loss, total = loss + parts.ar_weight * ar, num_tokens + parts.ar_num_tokens
+        report["diffusion loss"] = torch.stack([diffusion.detach(), num_tokens.to(diffusion.dtype)])
+        report["ar loss"] = torch.stack([ar.detach(), parts.ar_num_tokens.to(ar.dtype)])
+    return loss, total, {"lm loss": torch.stack([loss.detach(), total.to(loss.dtype)]), **report}

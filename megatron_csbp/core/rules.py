@@ -354,6 +354,30 @@ def loss_weighting_problem(objective, loss_weighting: str | None) -> str | None:
     return choice_problem("--bdlm-loss-weighting", weighting, LOSS_WEIGHTINGS) or kind.weighting_problem(weighting)
 
 
+def loss_parts_problem(objective, clean_attention, diffusion_weight: float, ar_weight: float) -> str | None:
+    """The loss's parts (`--bdlm-diffusion-loss-weight`, `--bdlm-ar-loss-weight`): weights >= 0, not both 0. The
+    autoregressive co-loss is a next-token loss on the clean rows, so a clean row must not see the tokens after
+    its own (token-causal clean attention), and it is BD3-LM's: Fast-dLLM v2's own rows are next-token rows
+    already, and its two complementary views would carry the clean stream twice."""
+    for flag, weight in (("--bdlm-diffusion-loss-weight", diffusion_weight), ("--bdlm-ar-loss-weight", ar_weight)):
+        if not weight >= 0:
+            return f"{flag} {weight} must be >= 0 (0: that part is off)"
+    if diffusion_weight == 0 and ar_weight == 0:
+        return "--bdlm-diffusion-loss-weight and --bdlm-ar-loss-weight are both 0: nothing would be trained; give " \
+               "one a weight > 0"
+    if not ar_weight:
+        return None
+    if objectives.objective_kind(objective).views_per_sample > 1:
+        return (f"--bdlm-ar-loss-weight {ar_weight} does not go with --bdlm-objective {objective}: its rows predict "
+                f"the next token already and its complementary views would carry the clean stream twice; drop "
+                f"--bdlm-ar-loss-weight or use --bdlm-objective {objectives.BD3LM}")
+    if clean_attention.sees_the_future:
+        return (f"--bdlm-ar-loss-weight {ar_weight} needs --bdlm-clean-attention token-causal: with "
+                f"{clean_attention} clean attention a clean row sees the tokens after its own in its block, so its "
+                f"next-token loss would read the answer")
+    return None
+
+
 def noise_range_problem(t_min: float, t_max: float) -> str | None:
     """Noise times are masking probabilities, and `1/t` weights need `t > 0`."""
     if 0 < t_min <= t_max <= 1:

@@ -38,6 +38,8 @@ class RunConfig:
     antithetic_noise: bool = True  # noise times stratified over each global batch (else i.i.d.)
     seed: int = 1234  # the noise is drawn from (seed, sample index)
     clean_attention: CleanAttention = BLOCK_CAUSAL
+    diffusion_loss_weight: float = 1.0  # the weight of the diffusion loss on the noisy rows
+    ar_loss_weight: float = 0.0  # the weight of the next-token loss on the clean rows (0: none)
     # the layout
     mode: modes.ParallelMode = modes.CSBP
     block_parallel_size: int = 1  # P, in Megatron's CP slot
@@ -98,7 +100,9 @@ class RunConfig:
                                              self.mode.clean_shards(P, self.clean_shards), self.clean_layout, f)
                    or rules.noise_range_problem(*self.noise_range)
                    or rules.packing_problem(self.reset_position_ids, self.reset_attention_mask, PP, flags=f)
-                   or rules.loss_weighting_problem(self.objective, self.loss_weighting))
+                   or rules.loss_weighting_problem(self.objective, self.loss_weighting)
+                   or rules.loss_parts_problem(self.objective, self.clean_attention, self.diffusion_loss_weight,
+                                               self.ar_loss_weight))
         if problem or self.global_batch_size is None:
             return problem
         return rules.batch_problem(self.global_batch_size, self.micro_batch_size, world // (TP * PP * P), f)
@@ -124,7 +128,8 @@ class RunConfig:
         return cls(
             shape=shape, seq_length=args.seq_length, block_size=args.bdlm_block_size,
             objective=args.bdlm_objective, loss_weighting=args.bdlm_loss_weighting,
-            clean_attention=args.bdlm_clean_attention,
+            clean_attention=args.bdlm_clean_attention, diffusion_loss_weight=args.bdlm_diffusion_loss_weight,
+            ar_loss_weight=args.bdlm_ar_loss_weight,
             noise_range=tuple(args.bdlm_noise_range), antithetic_noise=args.bdlm_noise_sampling == "antithetic",
             seed=args.seed, mode=args.bdlm_parallel_mode,
             block_parallel_size=args.context_parallel_size,  # Megatron's CP slot (`--context-block-parallel` fills it)
@@ -162,6 +167,11 @@ class RunConfig:
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // self.model_parallel_size
+
+    @property
+    def clean_logits(self) -> bool:
+        """Whether the LM head also runs over the clean rows (their next-token loss)."""
+        return self.ar_loss_weight > 0
 
     @property
     def packed(self) -> bool:

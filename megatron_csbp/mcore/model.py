@@ -5,7 +5,8 @@ What differs from a plain `GPTModel`, and why:
   layout's `row_positions`, on every pipeline stage), so a token's noisy and clean copy share one
   position; Megatron's RoPE would number the local rows `0..rows*cp` and zigzag-slice them by CP rank,
   which is wrong for CSBP rows. The positions are one source: what the batch gives is what RoPE uses.
-* The LM head runs over noisy rows only (clean rows carry no loss: half the head FLOPs saved). Only real
+* The LM head runs over noisy rows only (clean rows carry no loss: half the head FLOPs saved), unless the run
+  trains an autoregressive co-loss on the clean rows (`clean_logits`: a token-causal clean stream). Only real
   ids take probability: the MASK column and the vocabulary padding after the real ids (`vocab_ids`) are
   -inf on whichever TP rank holds them. Megatron-LM leaves the padding columns in the softmax; an imported
   model's zero padding rows then give logit 0 and take probability from every real token (2-7% of the
@@ -15,7 +16,8 @@ What differs from a plain `GPTModel`, and why:
 
 Contract with `megatron_csbp.bdlm.objective`: `model(input_ids [b, rows], position_ids [b, rows],
 attention_mask=None, labels=x0 of noisy rows [b, n_noisy])` returns per-token cross-entropy
-`[b, n_noisy]` on the last pipeline stage, or the logits `[b, n_noisy, V/tp]` when `labels` is None.
+`[b, n_noisy]` on the last pipeline stage, or the logits `[b, n_noisy, V/tp]` when `labels` is None (with
+`clean_logits`, over all rows: the clean rows' labels, their next tokens, follow the noisy rows').
 The samples of a micro-batch share one row layout, so RoPE reads the positions of its first sample: one
 `[rows, 1, 1, dim]` table for the batch, the shape Megatron's (and Transformer Engine's fused) RoPE takes.
 Packed samples whose positions restart at each document (`per_sample_positions`, `--reset-position-ids`)
@@ -94,7 +96,7 @@ class BDLMGPTModel(GPTModel):
     real ids before the vocabulary padding (default: no padding, all `vocab_size` columns)."""
 
     def __init__(self, config, transformer_layer_spec, vocab_size, *args, layout, mask_token_id=None, vocab_ids=None,
-                 per_sample_positions=False, **kwargs):
+                 per_sample_positions=False, clean_logits=False, **kwargs):
         validate_config(config, layout, vocab_size, mask_token_id)  # before any weight is allocated
         vocab_ids = vocab_size if vocab_ids is None else vocab_ids
         if not 0 < vocab_ids <= vocab_size:
@@ -109,6 +111,7 @@ class BDLMGPTModel(GPTModel):
         self.mask_token_id = mask_token_id
         self.vocab_ids = vocab_ids
         self.per_sample_positions = per_sample_positions  # packed samples, positions restarted per document
+        self.clean_logits = clean_logits  # the LM head runs over the clean rows too (their next-token loss)
         self._predictable = None  # this TP rank's predictable columns, made on the first forward
         self.padded_rows = padded_row_count(layout, self.config)
         if self.position_embedding_type == "rope":
@@ -143,7 +146,8 @@ class BDLMGPTModel(GPTModel):
         return (output[0], table[position_ids[0].to(table.device)], *output[2:])
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
-        """LM head over the noisy rows only (replaces `GPTModel._postprocess`)."""
+        """LM head over the noisy rows (and the clean rows, with `clean_logits`): replaces
+        `GPTModel._postprocess`."""
         if not self.post_process:
             return hidden_states
         output_layer = self.output_layer
@@ -152,7 +156,8 @@ class BDLMGPTModel(GPTModel):
             # input-gradient all-reduce (sequence_parallel switched off below) already sums over TP.
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp)
-        noisy_hidden = hidden_states[: self.layout.num_noisy_rows]
+        head_rows = self.layout.num_rows if self.clean_logits else self.layout.num_noisy_rows
+        noisy_hidden = hidden_states[:head_rows]
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         sequence_parallel, output_layer.sequence_parallel = output_layer.sequence_parallel, False
         try:

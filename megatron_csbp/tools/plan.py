@@ -169,6 +169,7 @@ class Model:
     global_batch_size: int = None
     transport: transports.Transport = transports.COLLECTIVE  # or its name
     clean_attention: CleanAttention = BLOCK_CAUSAL  # or its name: what a clean row sees of the clean copy
+    clean_logits: bool = False  # the LM head runs over the clean rows too (an autoregressive co-loss)
     sharded_gradients: bool = False  # fp32 gradients sharded over DP×P (ZeRO-2 / FSDP), not whole on every rank
     logits_tile_rows: int = None     # the loss over the noisy rows in tiles of this many rows (None: all at once)
     # mixture of experts (the trainer's flags; num_experts None: a dense model)
@@ -461,7 +462,8 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     moe_row_flops = flops.moe_layer_linear_flops_per_row(model.shape) if model.moe else dense_row_flops
     stage_linear = rows * ((layers - moe_layers) * dense_row_flops + moe_layers * moe_row_flops) / tp
     attention_forward = pairs * per_pair
-    head_forward = noisy_rows * flops.lm_head_flops_per_row(h, vocab) / tp
+    head_rows = rows if model.clean_logits else noisy_rows  # the AR co-loss' head runs over the clean rows too
+    head_forward = head_rows * flops.lm_head_flops_per_row(h, vocab) / tp
     forward_s = mbs * (stage_linear / rate + layers * forward_attention_s + head_forward / rate)
     microbatch_flops = mbs * (passes * stage_linear + layers * attention_passes * attention_forward
                               + head_passes * head_forward)
@@ -532,7 +534,7 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     recompute_working = 2 * working_layer if model.full_recompute else 0.0
     # The CE keeps an fp32 copy of the logits until its backward, which runs before any layer's (one tile's
     # logits when the loss runs in tiles of rows).
-    logit_rows = min(noisy_rows, model.logits_tile_rows or noisy_rows)
+    logit_rows = min(head_rows, model.logits_tile_rows or head_rows)
     logits = mbs * logit_rows * vocab / tp * (e + 4)
     last_stage = layer_stored * layers + max(logits, recompute_working)
     first_stage = layer_stored * layers * min(pp, microbatches) + recompute_working
@@ -761,6 +763,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--csbp-transport", choices=rules.TRANSPORTS, default=transports.COLLECTIVE.name)
     add("--bdlm-clean-attention", choices=CLEAN_ATTENTIONS, default=BLOCK_CAUSAL.name,
         help="what a clean row sees of the clean copy: its block (block-causal) or the tokens up to its own")
+    add("--bdlm-ar-loss-weight", type=float, default=0.0,
+        help="> 0: an autoregressive co-loss on the clean rows (the LM head runs over them too)")
     add("--num-experts", type=int, help="experts per MoE layer (default: a dense model)")
     add("--moe-router-topk", type=int, default=2)
     add("--moe-ffn-hidden-size", type=int, help="each expert's FFN size (default: --ffn-hidden-size)")
@@ -845,6 +849,7 @@ def _model(args) -> Model:
                  recompute=args.recompute_granularity, bytes_per_elem=2 if (args.bf16 or args.fp16) else 4,
                  micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                  transport=args.csbp_transport, clean_attention=args.bdlm_clean_attention,
+                 clean_logits=args.bdlm_ar_loss_weight > 0,
                  num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                  moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                  moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
@@ -858,6 +863,7 @@ def _print_setting(model: Model, cluster: Cluster, out):
           f"vocab {model.vocab_size} ids + EOD + MASK, L = {model.seq_length}, B = {model.block_size}, "
           f"recompute {model.recompute or 'none'}, {'bf16' if model.bytes_per_elem == 2 else 'fp32'}, "
           f"micro-batch {model.micro_batch_size}, {model.transport} transport, {model.clean_attention} clean rows"
+          f"{', LM head over the clean rows too (AR co-loss)' if model.clean_logits else ''}"
           f"{'' if model.bytes_per_elem == 2 else ' (FLOP rate is still the bf16 peak)'}", file=out)
     if model.moe:
         moe = model.moe

@@ -126,9 +126,10 @@ _classify(Honoured(), "--exit-signal-handler")
 _classify(Honoured(), "--tensorboard-dir")
 _classify(Honoured(), """
     --context-block-parallel --context-block-parallel-clean-shards --bdlm-block-size --bdlm-objective
-    --bdlm-clean-attention --bdlm-loss-weighting --bdlm-noise-range --bdlm-noise-sampling --bdlm-parallel-mode
-    --csbp-transport --link-gbps --link-latency-us --csbp-block-schedule --csbp-clean-layout --bdlm-mask-token-id --max-consecutive-bad-steps
-    --config --training-loop""")
+    --bdlm-clean-attention --bdlm-diffusion-loss-weight --bdlm-ar-loss-weight --bdlm-loss-weighting
+    --bdlm-noise-range --bdlm-noise-sampling --bdlm-parallel-mode --csbp-transport --link-gbps --link-latency-us
+    --csbp-block-schedule --csbp-clean-layout --bdlm-mask-token-id --max-consecutive-bad-steps --config
+    --training-loop""")
 
 # Megatron-LM's optimizer, schedule, gradient reduction and checkpoint machinery: its code, not our providers.
 _classify(Honoured(by=MEGATRON_LM_LOOP), """

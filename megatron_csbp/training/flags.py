@@ -48,6 +48,12 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="What a clean row sees of the clean copy: its own block whole (block-causal, BD3-LM's) "
                             "or the tokens up to its own (token-causal, an autoregressive clean stream, "
                             "Nemotron-Labs-Diffusion's).")
+    group.add_argument("--bdlm-diffusion-loss-weight", type=float, default=1.0, metavar="W",
+                       help="Weight of the diffusion loss (the noisy rows').")
+    group.add_argument("--bdlm-ar-loss-weight", type=float, default=0.0, metavar="W",
+                       help="Weight of an autoregressive co-loss: the clean rows predict the next token (needs "
+                            "--bdlm-clean-attention token-causal; 0: off). The loss is the weighted sum of both "
+                            "parts over the tokens of both (Megatron-Bridge's); each part is logged on its own.")
     group.add_argument("--bdlm-loss-weighting", choices=rules.LOSS_WEIGHTINGS, default=None,
                        help="Per-block loss weight 1/t (the NELBO) or 1. Default: inverse-t for bd3lm, unit for "
                             "fast-dllm-v2.")

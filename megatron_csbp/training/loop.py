@@ -73,6 +73,12 @@ def _set_seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def _per_token(totals: dict) -> dict[str, float]:
+    """Each reported loss per token (its summed value over its summed tokens), the lm loss first."""
+    names = sorted(totals, key=lambda name: name != "lm loss")
+    return {name: (totals[name][0] / totals[name][1]).item() for name in names}
+
+
 def micro_batches(dataset, first_sample: int, args, dp_rank: int, dp_size: int):
     """Endless micro-batches from global sample `first_sample` on, in Megatron's order: each global batch
     of `G` samples is cut into micro-batch rounds of `micro x DP`, DP rank `r` taking slice `r` of each.
@@ -209,7 +215,8 @@ class Trainer:
         return forward_step
 
     def _forward_backward(self, forward_step, data_iterator, num_micro_batches, forward_only):
-        """Runs the schedule; on the last stage returns [weighted CE sum, tokens] over the global batch."""
+        """Runs the schedule; on the last stage returns each reported loss (`lm loss`, and its parts where the loss
+        has two) as [weighted CE sum, tokens] over the global batch."""
         from megatron.core import parallel_state as mpu
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -219,9 +226,10 @@ class Trainer:
             micro_batch_size=self.micro_batch_rows, forward_only=forward_only)
         if not self.last_stage:
             return None
-        total = torch.stack([report["lm loss"] for report in reports]).sum(0).double()
-        dist.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
-        return total
+        names = sorted(reports[0])
+        totals = torch.stack([torch.stack([report[name] for report in reports]).sum(0) for name in names]).double()
+        dist.all_reduce(totals, group=mpu.get_data_parallel_group(with_context_parallel=True))
+        return dict(zip(names, totals))
 
     def _guarded_step(self, loss_is_finite: bool):
         """The optimizer's own step, split so a non-finite loss or grad norm never updates anything.
@@ -240,8 +248,9 @@ class Trainer:
                                              use_decoupled_grad=optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         return bool(self.optimizer.step_with_ready_grads()), grad_norm, False
 
-    def evaluate(self, valid) -> float | None:
-        """Validation NELBO per token over the next `--eval-iters` global batches (last stage; else None)."""
+    def evaluate(self, valid) -> dict | None:
+        """Validation losses per token over the next `--eval-iters` global batches (last stage; else None): the
+        NELBO, or with an autoregressive co-loss the loss and its parts."""
         self.ddp.eval()
         args = self.args
         data = micro_batches(valid, self.state.consumed_valid_samples, args, self.dp_rank, args.data_parallel_size)
@@ -249,13 +258,13 @@ class Trainer:
         with torch.no_grad():
             for _ in range(args.eval_iters):
                 batch = self._forward_backward(self.forward_step, data, self.num_micro_batches, forward_only=True)
-                total = batch if total is None else total + batch
+                total = batch if total is None else {name: total[name] + batch[name] for name in total}
         self.state.consumed_valid_samples += args.eval_iters * args.global_batch_size
         self.ddp.train()
         if args.num_experts:
             from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
             clear_aux_losses_tracker()  # as Megatron-LM: validation's routing is not the next step's to log
-        return None if total is None else (total[0] / total[1]).item()
+        return None if total is None else _per_token(total)
 
     def moe_losses(self) -> dict[str, float]:
         """The MoE losses Megatron-LM's training line shows (`load_balancing_loss`), of the step just taken: each
@@ -306,7 +315,8 @@ class Trainer:
                 with supervision.watch(f"iteration {iteration}: forward/backward"):
                     total = self._forward_backward(self._forward_step(iteration), data, self.num_micro_batches,
                                                    forward_only=False)
-                    loss = None if total is None else (total[0] / total[1]).item()
+                    losses = None if total is None else _per_token(total)
+                    loss = None if losses is None else losses.pop("lm loss")
                 with supervision.watch(f"iteration {iteration}: the stop-flag all-reduce"):
                     bad_loss, stop_reason = self._stop_reason(signals, started, loss is None or math.isfinite(loss))
                 with supervision.watch(f"iteration {iteration}: optimizer step (grad-norm all-reduce)"):
@@ -336,13 +346,14 @@ class Trainer:
                     self.progress.training(iteration, state.consumed_train_samples,
                                            (now - interval_start) / interval_iterations,
                                            self.optimizer.param_groups[0]["lr"], loss, grad_norm,
-                                           state.skipped_iterations, state.nan_iterations, moe_losses)
+                                           state.skipped_iterations, state.nan_iterations,
+                                           {**losses, **moe_losses})
                     interval_start, interval_iterations = now, 0
                 if evaluates and iteration % args.eval_interval == 0:
                     with supervision.watch(f"iteration {iteration}: validation"):
-                        nelbo = self.evaluate(valid)
-                    if nelbo is not None:
-                        self.progress.validation(iteration, nelbo)
+                        validation = self.evaluate(valid)
+                    if validation is not None:
+                        self.progress.validation(iteration, validation)
                     interval_start = time.time()
                 if args.save_interval and iteration % args.save_interval == 0:
                     self.save()

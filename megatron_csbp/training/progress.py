@@ -42,8 +42,9 @@ class Progress:
     def __init__(self, args, settings, enabled: bool, stream=None):
         """`args`: the run's arguments with its vocabulary (what its lines name); `settings`: its `RunConfig`."""
         self.args = args
-        # the validation loss is the NELBO (its exp bounds perplexity)
+        # the validation loss is the NELBO (its exp bounds perplexity): the diffusion part's, with an AR co-loss
         self.loss_is_bound = settings.objective.loss_is_bound(settings.loss_weighting)
+        self.bound = "diffusion loss" if settings.clean_logits else "lm loss"
         self.enabled = enabled
         self.stream = stream or sys.stdout
         self.flops_per_step = run_step_flops(settings, args.padded_vocab_size)
@@ -57,12 +58,13 @@ class Progress:
             print(line, file=self.stream, flush=True)
 
     def training(self, iteration, consumed_samples, seconds_per_iteration, learning_rate, loss, grad_norm,
-                 skipped, nan_iterations, moe_losses=None) -> None:
-        """One iteration's line; `moe_losses` (e.g. `load_balancing_loss`) follow the lm loss where positive, as
-        in Megatron-LM's line."""
+                 skipped, nan_iterations, other_losses=None) -> None:
+        """One iteration's line; `other_losses` (the loss's parts, `diffusion loss` and `ar loss`, and the MoE
+        `load_balancing_loss` where positive) follow the lm loss, as in Megatron-LM's line."""
         args = self.args
-        moe_losses = {name: value for name, value in (moe_losses or {}).items() if value > 0}
-        moe = "".join(f" {name}: {value:.6E} |" for name, value in moe_losses.items())
+        other_losses = {name: value for name, value in (other_losses or {}).items()
+                        if value > 0 or name.endswith(" loss")}
+        others = "".join(f" {name}: {value:.6E} |" for name, value in other_losses.items())
         tokens_per_second = args.global_batch_size * args.seq_length / seconds_per_iteration
         tflops_per_rank = self.flops_per_step / seconds_per_iteration / args.world_size / 1e12
         norm = "nan" if grad_norm is None else f"{grad_norm:.3f}"
@@ -70,13 +72,13 @@ class Progress:
                    f"{consumed_samples:12d} | elapsed time per iteration (ms): {seconds_per_iteration * 1e3:.1f} | "
                    f"tokens/s: {tokens_per_second:.1f} | TFLOP/s per rank: {tflops_per_rank:.4g} | "
                    f"learning rate: {learning_rate:.6E} | global batch size: {args.global_batch_size:5d} | "
-                   f"lm loss: {loss:.6E} |{moe} grad norm: {norm} | number of skipped iterations: {skipped:3d} | "
+                   f"lm loss: {loss:.6E} |{others} grad norm: {norm} | number of skipped iterations: {skipped:3d} | "
                    f"number of nan iterations: {nan_iterations:3d} |")
         memory = memory_stats()
         self.print(" memory (MB) | " + " | ".join(f"{name}: {value:.1f}" for name, value in memory.items()) + " |")
         if self.writer is not None:
             scalars = {"lm loss": loss, "learning-rate": learning_rate, "tokens-per-second": tokens_per_second,
-                       "tflops-per-rank": tflops_per_rank, "skipped-iterations": skipped, **moe_losses}
+                       "tflops-per-rank": tflops_per_rank, "skipped-iterations": skipped, **other_losses}
             if grad_norm is not None and math.isfinite(grad_norm):
                 scalars["grad-norm"] = grad_norm
             scalars.update({f"memory/{name} (MB)": value for name, value in memory.items()})
@@ -84,16 +86,21 @@ class Progress:
                 self.writer.add_scalar(name, value, iteration)
             self.writer.flush()
 
-    def validation(self, iteration, nelbo) -> None:
-        """Validation loss per token and `exp` of it: with the BD3-LM NELBO (1/t weights) an upper bound on
-        perplexity; with unit weights or Fast-dLLM v2 only a loss, not a bound."""
-        ppl = math.exp(min(nelbo, 700.0))
-        line = (f" validation loss at iteration {iteration} | lm loss value: {nelbo:.6E} | "
-                f"lm loss PPL{' (upper bound)' if self.loss_is_bound else ''}: {ppl:.6E} |")
+    def validation(self, iteration, losses: dict) -> None:
+        """Each validation loss per token (`lm loss`, and its parts with an AR co-loss) and `exp` of it: the
+        NELBO's (BD3-LM, 1/t weights: the lm loss, or the diffusion part beside an AR co-loss) is an upper bound
+        on perplexity; with unit weights, Fast-dLLM v2 or the AR part, `exp` is only a loss's."""
+        parts = []
+        for name, value in losses.items():
+            ppl = math.exp(min(value, 700.0))
+            bound = " (upper bound)" if self.loss_is_bound and name == self.bound else ""
+            parts.append(f" {name} value: {value:.6E} | {name} PPL{bound}: {ppl:.6E} |")
+            if self.writer is not None:
+                self.writer.add_scalar(f"{name} validation", value, iteration)
+                self.writer.add_scalar(f"{name} validation ppl{' bound' if bound else ''}", ppl, iteration)
+        line = f" validation loss at iteration {iteration} |" + "".join(parts)
         self.print("-" * len(line) + "\n" + line + "\n" + "-" * len(line))
         if self.writer is not None:
-            self.writer.add_scalar("lm loss validation", nelbo, iteration)
-            self.writer.add_scalar("lm loss validation ppl bound", ppl, iteration)
             self.writer.flush()
 
     def close(self) -> None:

@@ -46,7 +46,8 @@ def objective_for(settings: RunConfig, mask_token_id: int) -> BDLMObjective:
     return BDLMObjective(
         block_size=settings.block_size, mask_token_id=mask_token_id, objective=settings.objective,
         loss_weighting=settings.loss_weighting, noise_range=settings.noise_range,
-        antithetic=settings.antithetic_noise, antithetic_group=settings.global_batch_size, seed=settings.seed)
+        antithetic=settings.antithetic_noise, antithetic_group=settings.global_batch_size, seed=settings.seed,
+        diffusion_loss_weight=settings.diffusion_loss_weight, ar_loss_weight=settings.ar_loss_weight)
 
 
 def for_bdlm(config):
@@ -238,7 +239,7 @@ class RunProviders:
             mask_token_id=run.vocabulary.mask_token_id, vocab_ids=run.vocabulary.num_ids, vp_stage=vp_stage,
             use_transformer_engine=args.transformer_impl == "transformer_engine",
             base_spec=layer_spec_from_args(args), pg_collection=pg_collection,
-            per_sample_positions=self.settings.packed,
+            per_sample_positions=self.settings.packed, clean_logits=self.settings.clean_logits,
             **gpt_model_kwargs(args))
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
