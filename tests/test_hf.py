@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from attention_reference import bdlm_mask
+from megatron_csbp.core.positions import YARN_FLAGS
 from pretrain_runs import TORCHRUN
 from megatron_csbp.tools import convert_hf, tiny_hf_model
 from spawn import kill_tree, on_cpu_backend, run_command, run_ranks, start
@@ -44,11 +45,27 @@ TOLERANCE = 1e-5
 # (MASK takes the unused row 300). Padded to a multiple of 64 x TP: 384 at TP1 and TP2, so no padding rows.
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# YaRN over an original context of 16 (8: the query scaling's steps fall inside SEQ), so that it moves every
+# frequency the test's positions reach: a Llama with transformers' defaults for the attention factor (0.1 ln 4 + 1)
+# and truncate false, a Qwen3 with Ministral's mscales (factor 1), and a Ministral 3 with Llama 4's query scaling.
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+             "beta_fast": 8.0, "beta_slow": 2.0, "truncate": False}
+MINISTRAL_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "llama_4_scaling_beta": 0.5}
 MODELS = {"llama": dict(family="llama", tokenizer_ids=383),
           "llama3": dict(family="llama", tokenizer_ids=383, tied=True, rope_parameters=LLAMA3_ROPE),
           "qwen2": dict(family="qwen2", tokenizer_ids=300, model_rows=384, tied=True),
-          "qwen3": dict(family="qwen3", tokenizer_ids=300, model_rows=384)}
-CONTROLS = {"rope interleaved": MODELS, "qkv concatenated": MODELS, "rope unscaled": ["llama3"]}
+          "qwen3": dict(family="qwen3", tokenizer_ids=300, model_rows=384),
+          "llama_yarn": dict(family="llama", tokenizer_ids=383, rope_parameters=YARN_ROPE),
+          "qwen3_yarn": dict(family="qwen3", tokenizer_ids=300, model_rows=384,
+                             rope_parameters={**{key: value for key, value in MINISTRAL_ROPE.items()
+                                                 if key != "llama_4_scaling_beta"},
+                                              "original_max_position_embeddings": 16}),
+          "ministral3": dict(family="ministral3", tokenizer_ids=383, rope_parameters=MINISTRAL_ROPE)}
+YARN_MODELS = ["llama_yarn", "qwen3_yarn", "ministral3"]
+CONTROLS = {"rope interleaved": MODELS, "qkv concatenated": MODELS, "rope unscaled": ["llama3"],
+            "yarn off": YARN_MODELS, "query unscaled": ["ministral3"]}
 DIVISIBLE_BY = 64
 
 
@@ -138,6 +155,12 @@ def _our_logits(rank, world, root, families, tp, cp, controls):
                 config = transformer_config_from_args(args)
                 config.rotary_interleaved = control == "rope interleaved"
                 args.use_rope_scaling = args.use_rope_scaling and control != "rope unscaled"
+                if control in ("yarn off", "query unscaled"):  # plain RoPE, or YaRN without the query scaling
+                    args.llama_4_scaling_beta = None
+                if control == "yarn off":
+                    args.position_embedding_type, args.yarn_correction_range_round_to_int = "rope", True
+                    for name in YARN_FLAGS:
+                        setattr(args, name, None)
                 run_providers = providers.RunProviders(args)
                 model = run_providers.model_provider(config=config)
                 checkpointing.load_checkpoint(os.path.join(root, family, "ckpt", "iter_0000000"), model, None, None,

@@ -26,11 +26,12 @@ from megatron_csbp.core.rules import ConfigError, refuse
 
 YARN = "yarn"  # --position-embedding-type of YaRN (megatron-core's name); plain RoPE is "rope"
 ROPE = "rope"
-# Each YaRN flag (its `args` attribute) and the `YaRN` field it sets.
+# Each YaRN flag (its `args` attribute: megatron-core's `TransformerConfig` field) and the `YaRN` field it sets.
 YARN_FLAGS = {"yarn_rotary_scaling_factor": "factor",
               "yarn_original_max_position_embeddings": "original_max_position_embeddings",
               "yarn_beta_fast": "beta_fast", "yarn_beta_slow": "beta_slow", "yarn_mscale": "mscale",
               "yarn_mscale_all_dim": "mscale_all_dim"}
+ROUNDING = "yarn_correction_range_round_to_int"  # megatron-core's field; its flag turns it off
 NO_ROUNDING = "--no-yarn-correction-range-round-to-int"
 
 
@@ -88,11 +89,9 @@ class YaRN:
 
     def config_fields(self) -> dict:
         """megatron-core's `TransformerConfig` fields of this YaRN (its GPTModel and attention read them)."""
-        return {"yarn_rotary_scaling_factor": float(self.factor),
-                "yarn_original_max_position_embeddings": self.original_max_position_embeddings,
-                "yarn_beta_fast": float(self.beta_fast), "yarn_beta_slow": float(self.beta_slow),
-                "yarn_mscale": float(self.mscale), "yarn_mscale_all_dim": float(self.mscale_all_dim),
-                "yarn_correction_range_round_to_int": self.correction_range_round_to_int}
+        fields = {name: getattr(self, field) if field == "original_max_position_embeddings" else
+                  float(getattr(self, field)) for name, field in YARN_FLAGS.items()}
+        return {**fields, ROUNDING: self.correction_range_round_to_int}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +133,7 @@ class RotaryPositions:
         kind = args.position_embedding_type
         given = {field: getattr(args, dest) for dest, field in YARN_FLAGS.items()
                  if getattr(args, dest, None) is not None}
-        rounded = getattr(args, "yarn_correction_range_round_to_int", True)
+        rounded = getattr(args, ROUNDING, True)
         beta = getattr(args, "llama_4_scaling_beta", None)
         if kind != YARN:
             stray = [_flag(dest) for dest, field in YARN_FLAGS.items() if field in given] + ([NO_ROUNDING] * (not rounded))
