@@ -228,6 +228,12 @@ def test_a_cpu_run_bigger_than_the_machine_is_refused_by_megatron_lm_too(megatro
     (["--num-experts", "4", "--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be >= 1; got 0"),
     (["--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be below --lr-decay-iters 4 (default: --train-iters); "
                                  "shorten the warmup or give it as --lr-warmup-fraction"),
+    (["--position-embedding-type", "yarn", "--yarn-original-max-position-embeddings", "16"],
+     "--position-embedding-type yarn needs --yarn-rotary-scaling-factor F (how many times its original context the "
+     "model extends to, e.g. 4)"),
+    (["--llama-4-scaling-beta", "0.1"],
+     "--llama-4-scaling-beta scales the queries past YaRN's original length (--yarn-original-max-position-embeddings), "
+     "but --position-embedding-type is rope: give --position-embedding-type yarn, or drop --llama-4-scaling-beta"),
 ])
 def test_refused_in_one_line_exit_2_under_both_loops(extra, line):
     for loop, value in (("megatron-lm", " 0.001"), ("megatron-core", "")):
