@@ -175,11 +175,12 @@ def test_yarn_flags_land_as_positions_and_refusals_are_one_line():
             (["--yarn-beta-fast", "8"], "--yarn-beta-fast is a YaRN setting, but --position-embedding-type is rope: "
                                         "give --position-embedding-type yarn, or drop --yarn-beta-fast"),
             (["--no-yarn-correction-range-round-to-int"], "--no-yarn-correction-range-round-to-int is a YaRN setting"),
-            (["--llama-4-scaling-beta", "0.1"], "--llama-4-scaling-beta scales the queries past YaRN's original length "
-                                                "(--yarn-original-max-position-embeddings), but --position-embedding-type "
-                                                "is rope: give --position-embedding-type yarn, or drop "
-                                                "--llama-4-scaling-beta"),
-            (YARN + ["--llama-4-scaling-beta", "-0.1"], "--llama-4-scaling-beta must be a finite number >= 0; got -0.1"),
+            (["--llama-4-scaling-beta", "0.1"],
+             "--llama-4-scaling-beta scales the queries past YaRN's original length (--yarn-original-max-position-"
+             "embeddings), but --position-embedding-type is rope: give --position-embedding-type yarn, or drop "
+             "--llama-4-scaling-beta"),
+            (YARN + ["--llama-4-scaling-beta", "-0.1"],
+             "--llama-4-scaling-beta must be a finite number >= 0; got -0.1"),
             (YARN + ["--yarn-beta-slow", "0"], "--yarn-beta-slow must be a finite number > 0; got 0.0"),
             (YARN + ["--yarn-beta-slow", "64"], "--yarn-beta-fast 32.0 is below --yarn-beta-slow 64.0"),
             (YARN + ["--yarn-mscale", "-1"], "--yarn-mscale must be a finite number >= 0; got -1.0"),

@@ -180,13 +180,14 @@ def test_a_run_continuing_a_checkpoint_keeps_its_rope_and_a_finetune_may_change_
     check_same_positions(plain, argparse.Namespace(**plain, yarn_beta_fast=None, llama_4_scaling_beta=None), "c")
     check_same_positions(yarn, argparse.Namespace(**yarn), "c")
     for saved, ours, said in (
-            (yarn, plain, "was trained with --position-embedding-type yarn, this run has --position-embedding-type rope"),
+            (yarn, plain,
+             "was trained with --position-embedding-type yarn, this run has --position-embedding-type rope"),
             (yarn, {**yarn, "yarn_rotary_scaling_factor": 8.0},
              "was trained with --yarn-rotary-scaling-factor 4.0, this run has --yarn-rotary-scaling-factor 8.0"),
             (yarn, {**yarn, "llama_4_scaling_beta": 0.1},
              "was trained with no --llama-4-scaling-beta, this run has --llama-4-scaling-beta 0.1"),
-            (plain, {**plain, "rotary_base": 500000}, "was trained with --rotary-base 10000, this run has --rotary-base "
-                                                      "500000")):
+            (plain, {**plain, "rotary_base": 500000},
+             "was trained with --rotary-base 10000, this run has --rotary-base 500000")):
         with pytest.raises(CheckpointError) as refused:
             check_same_positions(saved, argparse.Namespace(**ours), "c")
         assert str(refused.value).startswith(f"checkpoint c {said}: a run that continues it keeps its positions; "

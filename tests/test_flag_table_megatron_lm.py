@@ -414,8 +414,9 @@ def test_architecture_flags_build_megatron_lms_state_dict():
     assert len(set(sizes)) >= len(sizes) - 5, sizes  # most cases change the parameters (the RoPE/init ones do not)
 
 
-YARN = ["--position-embedding-type", "yarn", "--yarn-rotary-scaling-factor", "4", "--yarn-original-max-position-embeddings",
-        "16", "--yarn-beta-fast", "8", "--yarn-mscale-all-dim", "1", "--no-yarn-correction-range-round-to-int",
+YARN = ["--position-embedding-type", "yarn", "--yarn-rotary-scaling-factor", "4",
+        "--yarn-original-max-position-embeddings", "16", "--yarn-beta-fast", "8", "--yarn-mscale-all-dim", "1",
+        "--no-yarn-correction-range-round-to-int",
         "--llama-4-scaling-beta", "0.5", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
 
 

@@ -7,6 +7,9 @@ both copies); the MASK token's input embedding is the documented initialisation,
 * logits on the noisy rows: converted model == HF model, <= 1e-5 relative, on 1 rank, TP2 and CSBP2
   (the MASK column, which the model sets to -inf, left out); controls with the RoPE halves interleaved
   or Q/K/V concatenated without per-group interleaving fail;
+* YaRN (a Llama, a Qwen3) and Ministral 3's Llama 4 query scaling, imported, give transformers' logits too (controls:
+  plain RoPE, no query scaling), also on packed documents, where the query scale counts from each document's start;
+  their rope parameters read back from an export as the same flags and as the same frequencies and factor;
 * import -> export is bit-exact (MASK rows = the documented initialisation), from the import itself and
   from a checkpoint our training loop saved at TP2 x PP2;
 * fine-tuning an imported model runs, and its first-iteration loss is the Fast-dLLM v2 loss of the HF

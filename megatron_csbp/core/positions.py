@@ -136,7 +136,8 @@ class RotaryPositions:
         rounded = getattr(args, ROUNDING, True)
         beta = getattr(args, "llama_4_scaling_beta", None)
         if kind != YARN:
-            stray = [_flag(dest) for dest, field in YARN_FLAGS.items() if field in given] + ([NO_ROUNDING] * (not rounded))
+            stray = [_flag(dest) for dest, field in YARN_FLAGS.items() if field in given]
+            stray += [NO_ROUNDING] * (not rounded)
             refuse(stray and f"{stray[0]} is a YaRN setting, but --position-embedding-type is {kind}: give "
                              f"--position-embedding-type yarn, or drop {stray[0]}", ConfigError)
             refuse(beta is not None and f"--llama-4-scaling-beta scales the queries past YaRN's original length "

@@ -1,4 +1,5 @@
-"""Hugging Face <-> megatron-core weights for Llama-family models: Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE.
+"""Hugging Face <-> megatron-core weights for Llama-family models: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and
+Ministral 3.
 
 One mapping, both directions; `scripts/convert_hf.py` drives it (import: HF directory -> our `torch_dist`
 checkpoint; export: any of our checkpoints -> HF directory). Megatron-Bridge's `AutoBridge` is the

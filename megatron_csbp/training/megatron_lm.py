@@ -14,7 +14,7 @@ A run here:
 3. calls `pretrain()` with the plugin's providers (the bound methods of one `providers.RunProviders()`,
    which builds the run from Megatron-LM's parsed arguments on the first provider call), `args_defaults`
    for the BDLM defaults Megatron-LM keeps as None, inside `cpu_backend.active()` (which does nothing where
-   an accelerator exists).
+   an accelerator exists); each of its parses of the command line takes the plugin's flags too.
 
 A refusal a provider raises inside `pretrain()` (`ConfigError`) comes out of this `pretrain` unchanged: the
 training script catches it, one line, exit 2.
@@ -201,6 +201,25 @@ def _checkpoints_under_our_rules(args: argparse.Namespace):
             save_lock.release(lock[0])
 
 
+@contextlib.contextmanager
+def _plugin_flags_in_every_parse():
+    """Megatron-LM's `pretrain()` parses the command line again without the plugin's flags (`ft_integration.setup`:
+    `parse_args(ignore_unknown_args=True)`). It would ignore them, but not a value the plugin adds to one of its own
+    flags' choices (`--position-embedding-type yarn`): inside `pretrain()` every parse takes the plugin's flags."""
+    from megatron.training import arguments
+
+    original = arguments.parse_args
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        return original(extra_args_provider or add_csbp_args, ignore_unknown_args)
+
+    arguments.parse_args = parse_args
+    try:
+        yield
+    finally:
+        arguments.parse_args = original
+
+
 def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
     """Trains with Megatron-LM's `pretrain()` on the argv `parse_args` expanded (and validated, as `args`)."""
     from megatron.core.enums import ModelType
@@ -217,7 +236,8 @@ def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
     if args.eval_interval is None:  # Megatron-LM's None fails counting its validation samples: our loop's default
         defaults["eval_interval"] = EVAL_INTERVAL
     run_providers = providers.RunProviders()  # Megatron-LM's args: parsed by pretrain(), read on first call
-    with cpu_backend.active(), _built_dataset_helpers_kept(), _checkpoints_under_our_rules(args):
+    with cpu_backend.active(), _built_dataset_helpers_kept(), _checkpoints_under_our_rules(args), \
+            _plugin_flags_in_every_parse():
         megatron_pretrain(run_providers.train_valid_test_datasets_provider, run_providers.model_provider,
                           ModelType.encoder_or_decoder, run_providers.forward_step,
                           extra_args_provider=add_csbp_args, args_defaults=defaults,
