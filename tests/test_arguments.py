@@ -147,6 +147,63 @@ def test_refusals_name_the_flag_and_the_fix(extra, world, needles):
         assert needle in message
 
 
+YARN = ["--position-embedding-type", "yarn", "--yarn-rotary-scaling-factor", "4",
+        "--yarn-original-max-position-embeddings", "16"]
+
+
+def test_yarn_flags_land_as_positions_and_refusals_are_one_line():
+    """The YaRN flags make megatron-core's `yarn_*` fields (defaults 32, 1, 1, 0, rounded) and the query scaling
+    YaRN's original length; each bad combination is one line naming the flag."""
+    from megatron_csbp.core.positions import QueryScaling, RotaryPositions, YaRN
+
+    assert RotaryPositions.from_args(validate()) == RotaryPositions()  # plain RoPE
+    positions = RotaryPositions.from_args(validate(*YARN, "--llama-4-scaling-beta", "0.1", "--yarn-beta-fast", "8",
+                                                   "--no-yarn-correction-range-round-to-int"))
+    assert positions == RotaryPositions(YaRN(4.0, 16, beta_fast=8.0, correction_range_round_to_int=False),
+                                        QueryScaling(0.1, 16))
+    assert positions.yarn.config_fields() == {
+        "yarn_rotary_scaling_factor": 4.0, "yarn_original_max_position_embeddings": 16, "yarn_beta_fast": 8.0,
+        "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 0.0,
+        "yarn_correction_range_round_to_int": False}
+    assert positions.embedding_type == "yarn" and RotaryPositions.from_args(parse(*positions_flags(positions))) \
+        == positions  # its flags give it back
+    for extra, line in (
+            (YARN[:2], "--position-embedding-type yarn needs --yarn-rotary-scaling-factor F (how many times its "
+                       "original context the model extends to, e.g. 4)"),
+            (YARN[:4], "--position-embedding-type yarn needs --yarn-original-max-position-embeddings N (the context "
+                       "the model was trained at before YaRN)"),
+            (["--yarn-beta-fast", "8"], "--yarn-beta-fast is a YaRN setting, but --position-embedding-type is rope: "
+                                        "give --position-embedding-type yarn, or drop --yarn-beta-fast"),
+            (["--no-yarn-correction-range-round-to-int"], "--no-yarn-correction-range-round-to-int is a YaRN setting"),
+            (["--llama-4-scaling-beta", "0.1"],
+             "--llama-4-scaling-beta scales the queries past YaRN's original length (--yarn-original-max-position-"
+             "embeddings), but --position-embedding-type is rope: give --position-embedding-type yarn, or drop "
+             "--llama-4-scaling-beta"),
+            (YARN + ["--llama-4-scaling-beta", "-0.1"],
+             "--llama-4-scaling-beta must be a finite number >= 0; got -0.1"),
+            (YARN + ["--yarn-beta-slow", "0"], "--yarn-beta-slow must be a finite number > 0; got 0.0"),
+            (YARN + ["--yarn-beta-slow", "64"], "--yarn-beta-fast 32.0 is below --yarn-beta-slow 64.0"),
+            (YARN + ["--yarn-mscale", "-1"], "--yarn-mscale must be a finite number >= 0; got -1.0"),
+            (YARN + ["--yarn-mscale-all-dim", "inf"], "--yarn-mscale-all-dim must be a finite number >= 0; got inf"),
+            (YARN[:3] + ["0.5"] + YARN[4:], "--yarn-rotary-scaling-factor must be a finite number >= 1; got 0.5"),
+            (YARN[:5] + ["0"], "--yarn-original-max-position-embeddings must be an integer >= 1; got 0"),
+            (YARN + ["--use-rope-scaling"], "--use-rope-scaling (Llama 3's frequency scaling) and "
+                                            "--position-embedding-type yarn would scale the same frequencies twice"),
+            (YARN + ["--rotary-percent", "0.5"], "--rotary-percent 0.5 with --position-embedding-type yarn"),
+    ):
+        with pytest.raises(ConfigError) as caught:
+            validate(*extra)
+        assert str(caught.value).startswith(line) and "\n" not in str(caught.value), (extra, str(caught.value))
+
+
+def positions_flags(positions) -> list[str]:
+    """`RotaryPositions.flags()` as command-line words."""
+    words = []
+    for key, value in positions.flags().items():
+        words += [f"--{key}"] if value is True else [f"--{key}", str(value)]
+    return words
+
+
 def test_bf16_and_fp16_are_exclusive_even_on_a_gpu():
     with pytest.raises(ConfigError, match="--bf16 and --fp16 are exclusive"):
         validate("--bf16", "--fp16", on_accelerator=True)

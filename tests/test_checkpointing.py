@@ -103,6 +103,9 @@ def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corp
         ("damaged_fallback", validated_args(corpus, load=str(damaged), load_fallback_to_previous=True, **settings)),
         ("lost", validated_args(corpus, load=str(lost), **settings)),
         ("shape", validated_args(corpus, load=str(source), hidden_size=32, **settings)),
+        ("yarn", validated_args(corpus, load=str(source), **YARN, **settings)),
+        ("yarn_finetune", validated_args(corpus, load=str(source), finetune=True, **YARN, train_iters=1,
+                                         lr_warmup_iters=0, eval_iters=0)),
         ("requeue", validated_args(corpus, load=str(empty), save=str(empty), train_iters=1, lr_warmup_iters=0,
                                     eval_iters=0)),
         ("missing", validated_args(corpus, load=str(tmp_path / "missing"), save=str(tmp_path / "missing"),
@@ -139,6 +142,13 @@ def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corp
     assert status == "error" and message == (
         f"checkpoint {source}/iter_0000006 was saved with --hidden-size 64, this run has --hidden-size 32: use the "
         f"same --hidden-size, or another --load")
+    status, message = results["yarn"]  # resuming under other positions: refused; --finetune may change them
+    assert status == "error" and message == (
+        f"checkpoint {source}/iter_0000006 was trained with --position-embedding-type rope, this run has "
+        f"--position-embedding-type yarn: a run that continues it keeps its positions; give its RoPE flags, or "
+        f"--finetune to train it on under new ones (e.g. to extend its context with YaRN)"), message
+    status, output = results["yarn_finetune"]
+    assert status == "ok" and f"loaded checkpoint from {source} at iteration 6" in output, output
     for name, stop, why in (("exit_interval", 2, "--exit-interval 2"), ("exit_duration", 1, "--exit-duration-in-mins 0")):
         status, output = results[name]  # Megatron-LM's exit conditions: save, then leave (exit status 0)
         assert status == "ok" and f"exiting at iteration {stop} on {why}; last good checkpoint: iteration {stop} in " \
@@ -151,6 +161,37 @@ def test_damaged_or_mismatched_checkpoints_and_exit_conditions(interrupted, corp
     status, output = results["requeue"]
     assert status == "ok" and f"no checkpoint in {empty} yet (--load is --save, the requeue pattern)" in output
     assert (empty / "latest_checkpointed_iteration.txt").read_text() == "1"
+
+
+YARN = dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4, yarn_original_max_position_embeddings=16)
+
+
+def test_a_run_continuing_a_checkpoint_keeps_its_rope_and_a_finetune_may_change_it():
+    """`check_same_positions`: the first RoPE flag that differs, named with both values, in one line; the same flags
+    pass (a checkpoint recording no YaRN flags, saved before they existed, is plain RoPE)."""
+    import argparse
+
+    from megatron_csbp.training.checkpointing import CheckpointError, check_same_positions
+
+    plain = dict(position_embedding_type="rope", rotary_base=10000, rotary_percent=1.0, use_rope_scaling=False,
+                 rope_scaling_factor=8.0)
+    yarn = {**plain, "position_embedding_type": "yarn", "yarn_rotary_scaling_factor": 4.0,
+            "yarn_original_max_position_embeddings": 16}
+    check_same_positions(plain, argparse.Namespace(**plain, yarn_beta_fast=None, llama_4_scaling_beta=None), "c")
+    check_same_positions(yarn, argparse.Namespace(**yarn), "c")
+    for saved, ours, said in (
+            (yarn, plain,
+             "was trained with --position-embedding-type yarn, this run has --position-embedding-type rope"),
+            (yarn, {**yarn, "yarn_rotary_scaling_factor": 8.0},
+             "was trained with --yarn-rotary-scaling-factor 4.0, this run has --yarn-rotary-scaling-factor 8.0"),
+            (yarn, {**yarn, "llama_4_scaling_beta": 0.1},
+             "was trained with no --llama-4-scaling-beta, this run has --llama-4-scaling-beta 0.1"),
+            (plain, {**plain, "rotary_base": 500000},
+             "was trained with --rotary-base 10000, this run has --rotary-base 500000")):
+        with pytest.raises(CheckpointError) as refused:
+            check_same_positions(saved, argparse.Namespace(**ours), "c")
+        assert str(refused.value).startswith(f"checkpoint c {said}: a run that continues it keeps its positions; "
+                                             f"give its RoPE flags, or --finetune"), str(refused.value)
 
 
 def _damage(path, *, length=4096):

@@ -89,6 +89,9 @@ SHOWN_BY = {
         "--moe-grouped-gemm",
     "tests/test_hf_moe.py::test_logits_equal_huggingface":
         "--moe-router-pre-softmax",
+    "tests/test_hf.py::test_logits_equal_huggingface":
+        "--yarn-rotary-scaling-factor --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow "
+        "--yarn-mscale --yarn-mscale-all-dim --no-yarn-correction-range-round-to-int --llama-4-scaling-beta",
 }
 
 

@@ -228,6 +228,12 @@ def test_a_cpu_run_bigger_than_the_machine_is_refused_by_megatron_lm_too(megatro
     (["--num-experts", "4", "--moe-ffn-hidden-size", "0"], "--moe-ffn-hidden-size must be >= 1; got 0"),
     (["--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be below --lr-decay-iters 4 (default: --train-iters); "
                                  "shorten the warmup or give it as --lr-warmup-fraction"),
+    (["--position-embedding-type", "yarn", "--yarn-original-max-position-embeddings", "16"],
+     "--position-embedding-type yarn needs --yarn-rotary-scaling-factor F (how many times its original context the "
+     "model extends to, e.g. 4)"),
+    (["--llama-4-scaling-beta", "0.1"],
+     "--llama-4-scaling-beta scales the queries past YaRN's original length (--yarn-original-max-position-embeddings), "
+     "but --position-embedding-type is rope: give --position-embedding-type yarn, or drop --llama-4-scaling-beta"),
 ])
 def test_refused_in_one_line_exit_2_under_both_loops(extra, line):
     for loop, value in (("megatron-lm", " 0.001"), ("megatron-core", "")):
@@ -406,3 +412,93 @@ def test_architecture_flags_build_megatron_lms_state_dict():
     assert len(controls) == 4 and not any(controls.values()), controls  # a dropped flag shows
     sizes = [case["parameters"] for case in results.values()]
     assert len(set(sizes)) >= len(sizes) - 5, sizes  # most cases change the parameters (the RoPE/init ones do not)
+
+
+YARN = ["--position-embedding-type", "yarn", "--yarn-rotary-scaling-factor", "4",
+        "--yarn-original-max-position-embeddings", "16", "--yarn-beta-fast", "8", "--yarn-mscale-all-dim", "1",
+        "--no-yarn-correction-range-round-to-int",
+        "--llama-4-scaling-beta", "0.5", "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear"]
+
+
+def _yarn_rank(rank, world_size, argv):
+    """On one gloo rank: our model from the same YaRN flags under Megatron-LM's parse and config, and under ours;
+    what each holds of YaRN and the query scaling."""
+    import contextlib
+    import io
+
+    import torch
+
+    from megatron_csbp.mcore import cpu_backend, parallel_state
+    from megatron_csbp.training import arguments, flags, megatron_lm, providers
+    from megatron_csbp.training.tokenizers import Vocabulary
+
+    megatron_lm.import_pretrain()
+    import megatron.training.arguments as megatron_arguments
+    from megatron.core import tensor_parallel
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import YarnRotaryEmbedding
+    from megatron.core.transformer.attention import _yarn_get_concentration_factor_from_config
+    from megatron.training.global_vars import set_args
+
+    def seeded(build):
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        torch.manual_seed(1234)
+        return build()
+
+    with cpu_backend.active():
+        parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1)
+        argv = BASE + ["--use-cpu-initialization", "--no-persist-layer-norm"] + argv
+        expanded, _ = megatron_lm.parse_args(argv, 1)
+        sys.argv = ["pretrain_bdlm.py", *expanded]
+        args = megatron_arguments.parse_args(extra_args_provider=flags.add_csbp_args)
+        with contextlib.redirect_stdout(io.StringIO()):
+            megatron_arguments.validate_args(args, {"max_position_embeddings": args.seq_length})
+        our_args = arguments.validate_args(flags.build_parser().parse_args(argv + ["--data-path", "x"]), 1,
+                                           on_accelerator=False, check_paths=False)
+        vocabulary = Vocabulary.from_args(our_args)
+        args.padded_vocab_size = vocabulary.padded_vocab_size
+        set_args(args)
+        models = {"megatron-lm": seeded(lambda: providers.RunProviders(vocabulary=vocabulary).model_provider()),
+                  "megatron-core": seeded(lambda: providers.RunProviders(our_args, vocabulary=vocabulary)
+                                          .model_provider())}
+        reference = YarnRotaryEmbedding(16, rotary_base=10000, scaling_factor=4.0, original_max_position_embeddings=16,
+                                        beta_fast=8.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0,
+                                        correction_range_round_to_int=False, use_cpu_initialization=True)
+        expected_table, expected_factor = reference.get_emb(64)
+        positions = torch.arange(64).repeat(2)[None]
+        results = {}
+        for label, model in models.items():
+            table, factor = model.rotary_pos_emb()
+            scales = model.positions.query_scaling.scales(positions)
+            results[label] = {
+                "state dict": {key: value for key, value in model.state_dict().items()
+                               if isinstance(value, torch.Tensor) and not key.endswith("_extra_state")},
+                "yarn config": {key: value for key, value in vars(model.config).items() if key.startswith("yarn_")},
+                "table": torch.equal(table, expected_table), "factor": factor == expected_factor
+                and _yarn_get_concentration_factor_from_config(model.config) == expected_factor,
+                "scales": scales}
+    return results
+
+
+def test_yarn_and_the_query_scaling_build_the_same_model_under_both_loops():
+    """Megatron-LM's own GPT model cannot be built with YaRN at this tag (its config has no `yarn_*` fields, which
+    megatron-core's GPTModel reads): ours, from the same flags under Megatron-LM's parse and ours, has the same
+    weights, the same `yarn_*` config fields, the RoPE table and concentration factor of megatron-core's
+    `YarnRotaryEmbedding` built from the flags' values, and the same query scales (1 + 0.5 ln(1 + floor(p / 16)))."""
+    from spawn import run_ranks
+
+    import torch
+
+    os.environ["MEGATRON_LM_PATH"] = MEGATRON_LM
+    (results,) = run_ranks(_yarn_rank, 1, YARN, timeout=600)
+    lm, core = results["megatron-lm"], results["megatron-core"]
+    assert lm["state dict"].keys() == core["state dict"].keys()
+    assert all(torch.equal(lm["state dict"][key], core["state dict"][key]) for key in lm["state dict"])
+    assert lm["yarn config"] == core["yarn config"] == {
+        "yarn_rotary_scaling_factor": 4.0, "yarn_original_max_position_embeddings": 16, "yarn_beta_fast": 8.0,
+        "yarn_beta_slow": 1.0, "yarn_mscale": 1.0, "yarn_mscale_all_dim": 1.0,
+        "yarn_correction_range_round_to_int": False}
+    assert lm["table"] and core["table"] and lm["factor"] and core["factor"]
+    positions = torch.arange(64).repeat(2)[None]
+    expected = 1 + 0.5 * torch.log(1 + torch.floor(positions / 16))
+    assert torch.equal(lm["scales"], core["scales"]) and torch.allclose(core["scales"], expected, rtol=0, atol=1e-6)
+    assert not torch.equal(core["scales"], torch.ones_like(core["scales"]))  # positions past 16 are scaled

@@ -7,6 +7,9 @@ both copies); the MASK token's input embedding is the documented initialisation,
 * logits on the noisy rows: converted model == HF model, <= 1e-5 relative, on 1 rank, TP2 and CSBP2
   (the MASK column, which the model sets to -inf, left out); controls with the RoPE halves interleaved
   or Q/K/V concatenated without per-group interleaving fail;
+* YaRN (a Llama, a Qwen3) and Ministral 3's Llama 4 query scaling, imported, give transformers' logits too (controls:
+  plain RoPE, no query scaling), also on packed documents, where the query scale counts from each document's start;
+  their rope parameters read back from an export as the same flags and as the same frequencies and factor;
 * import -> export is bit-exact (MASK rows = the documented initialisation), from the import itself and
   from a checkpoint our training loop saved at TP2 x PP2;
 * fine-tuning an imported model runs, and its first-iteration loss is the Fast-dLLM v2 loss of the HF
@@ -30,8 +33,10 @@ import pytest
 import torch
 
 from attention_reference import bdlm_mask
+from megatron_csbp.core.positions import YARN_FLAGS
 from pretrain_runs import TORCHRUN
 from megatron_csbp.tools import convert_hf, tiny_hf_model
+from megatron_csbp.training import hf
 from spawn import kill_tree, on_cpu_backend, run_command, run_ranks, start
 
 pytest.importorskip("transformers")
@@ -44,11 +49,28 @@ TOLERANCE = 1e-5
 # (MASK takes the unused row 300). Padded to a multiple of 64 x TP: 384 at TP1 and TP2, so no padding rows.
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+# YaRN over an original context of 16 (8: the query scaling's steps fall inside SEQ), so that it moves every
+# frequency the test's positions reach: a Llama with transformers' defaults for the attention factor (0.1 ln 4 + 1)
+# and truncate false, a Qwen3 with Ministral's mscales (factor 1), and a Ministral 3 with Llama 4's query scaling.
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+             "beta_fast": 8.0, "beta_slow": 2.0, "truncate": False}
+MINISTRAL_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8,
+                  "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "llama_4_scaling_beta": 0.5}
 MODELS = {"llama": dict(family="llama", tokenizer_ids=383),
           "llama3": dict(family="llama", tokenizer_ids=383, tied=True, rope_parameters=LLAMA3_ROPE),
           "qwen2": dict(family="qwen2", tokenizer_ids=300, model_rows=384, tied=True),
-          "qwen3": dict(family="qwen3", tokenizer_ids=300, model_rows=384)}
-CONTROLS = {"rope interleaved": MODELS, "qkv concatenated": MODELS, "rope unscaled": ["llama3"]}
+          "qwen3": dict(family="qwen3", tokenizer_ids=300, model_rows=384),
+          "llama_yarn": dict(family="llama", tokenizer_ids=383, rope_parameters=YARN_ROPE),
+          "qwen3_yarn": dict(family="qwen3", tokenizer_ids=300, model_rows=384,
+                             rope_parameters={**{key: value for key, value in MINISTRAL_ROPE.items()
+                                                 if key != "llama_4_scaling_beta"},
+                                              "original_max_position_embeddings": 16}),
+          "ministral3": dict(family="ministral3", tokenizer_ids=383, rope_parameters=MINISTRAL_ROPE)}
+YARN_MODELS = ["llama_yarn", "qwen3_yarn", "ministral3"]
+CONTROLS = {"rope interleaved": [name for name in MODELS if name not in YARN_MODELS],  # megatron-core's YaRN has none
+            "qkv concatenated": MODELS, "rope unscaled": ["llama3"],
+            "yarn off": YARN_MODELS, "query unscaled": ["ministral3"]}
 DIVISIBLE_BY = 64
 
 
@@ -91,8 +113,9 @@ def _mask_embedding(embedding, mean_of):
     return embedding[:mean_of].double().mean(0).to(embedding.dtype)
 
 
-def hf_reference(hf_dir, x_t, x0, mask_id, mean_of):
-    """The HF model's logits `[b, L, rows]` on the noisy rows of `[x_t ; x0]` under the BDLM mask."""
+def hf_reference(hf_dir, x_t, x0, mask_id, mean_of, documents=None, positions=None):
+    """The HF model's logits `[b, L, rows]` on the noisy rows of `[x_t ; x0]` under the BDLM mask (cut to each
+    sample's documents `[b, L]` where given), at `positions [b, L]` (default: 0..L-1) in both halves."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="eager")
@@ -102,13 +125,16 @@ def hf_reference(hf_dir, x_t, x0, mask_id, mean_of):
     ids = torch.cat([x_t, x0], dim=1)
     embeds = table[ids.clamp(max=table.shape[0] - 1)]
     embeds[ids == mask_id] = mask_row
-    allowed = bdlm_mask(SEQ, BLOCK)
-    additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
     batch = ids.shape[0]
-    positions = torch.arange(SEQ).repeat(2).expand(batch, -1)
+    allowed = bdlm_mask(SEQ, BLOCK).expand(batch, -1, -1)
+    if documents is not None:
+        both = torch.cat([documents, documents], dim=1)
+        allowed = allowed & (both[:, :, None] == both[:, None, :])
+    additive = torch.zeros(allowed.shape).masked_fill(~allowed, float("-inf"))
+    positions = torch.arange(SEQ).expand(batch, -1) if positions is None else positions
     with torch.no_grad():
-        logits = model(inputs_embeds=embeds, attention_mask=additive.expand(batch, 1, -1, -1),
-                       position_ids=positions).logits
+        logits = model(inputs_embeds=embeds, attention_mask=additive[:, None],
+                       position_ids=torch.cat([positions, positions], dim=1)).logits
     return logits[:, :SEQ]
 
 
@@ -138,6 +164,12 @@ def _our_logits(rank, world, root, families, tp, cp, controls):
                 config = transformer_config_from_args(args)
                 config.rotary_interleaved = control == "rope interleaved"
                 args.use_rope_scaling = args.use_rope_scaling and control != "rope unscaled"
+                if control in ("yarn off", "query unscaled"):  # plain RoPE, or YaRN without the query scaling
+                    args.llama_4_scaling_beta = None
+                if control == "yarn off":
+                    args.position_embedding_type, args.yarn_correction_range_round_to_int = "rope", True
+                    for name in YARN_FLAGS:
+                        setattr(args, name, None)
                 run_providers = providers.RunProviders(args)
                 model = run_providers.model_provider(config=config)
                 checkpointing.load_checkpoint(os.path.join(root, family, "ckpt", "iter_0000000"), model, None, None,
@@ -208,6 +240,81 @@ def test_logits_equal_huggingface(converted, tp, cp):
             assert wrong > 100 * TOLERANCE, (family, control, wrong)
 
 
+PACKED = "ministral3"  # YaRN and the query scaling, whose scale depends on where a position counts from
+DOCUMENT_ENDS = ((9,), (20, 26))  # each sample's EOD positions: documents of different lengths per sample
+
+
+@on_cpu_backend
+def _packed_logits(rank, world, root, cp):
+    """On each rank: `PACKED`'s import trained on packed documents (--reset-position-ids --reset-attention-mask):
+    per sample, the rows the forward step makes, and the model's logits on this rank's noisy rows."""
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_csbp.core.documents import Documents, balanced_layout, document_ids
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.training import checkpointing, providers
+    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.config import parse_args
+
+    args = validate_args(parse_args(
+        ["--config", _fragment(root, PACKED), f"seq-length={SEQ}", f"bdlm-block-size={BLOCK}",
+         f"micro-batch-size={BATCH}", "train-iters=1", "lr=0", "data-path=unused", "reset-position-ids=true",
+         "reset-attention-mask=true", f"context-block-parallel={cp}"]), world, check_paths=False)
+    parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=cp, clean_shards=cp)
+    try:
+        model_parallel_cuda_manual_seed(1234)
+        run_providers = providers.RunProviders(args)
+        model = run_providers.model_provider()
+        checkpointing.load_checkpoint(os.path.join(root, PACKED, "ckpt", "iter_0000000"), model, None, None,
+                                      run_providers.vocabulary.recorded(args), load_optimizer=False, load_rng=False,
+                                      log=lambda *_: None)
+        run, eod = run_providers.run, run_providers.vocabulary.tokenizer.eod
+        x0, _ = _inputs(run_providers.vocabulary.mask_token_id, MODELS[PACKED]["tokenizer_ids"])
+        x0[x0 == eod] = eod + 1
+        for sample, ends in enumerate(DOCUMENT_ENDS):
+            x0[sample, list(ends)] = eod
+        rows = run.forward_step.packing.rows(run.objective, {"tokens": x0, "sample_index": torch.arange(BATCH)},
+                                             run.layout)
+        model.eval()
+        with torch.no_grad():
+            logits = model(rows.input_ids, rows.position_ids, attention_mask=rows.document_ids)
+        dealt = [balanced_layout(run.layout, Documents.from_ids(ids)) for ids in document_ids(x0, eod)]
+        return x0, [(layout.noisy_positions, rows.input_ids[i, :layout.num_noisy_rows], rows.position_ids[i],
+                     logits[i]) for i, layout in enumerate(dealt)]
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+@pytest.mark.parametrize("cp", [1, 2], ids=["1 rank", "csbp2"])
+def test_packed_documents_scale_queries_at_their_own_rope_positions(converted, cp):
+    """Under --reset-position-ids a row's RoPE position counts from its document's start, and so does its query
+    scale (Llama 4's, as transformers computes it from `position_ids`): the imported Ministral 3's logits on packed
+    samples equal transformers' on the same rows with the documents' masks and positions, on 1 rank and CSBP2.
+    Negative control: transformers at the sample's positions (the scale counted from the sample's start)."""
+    from megatron_csbp.core.documents import document_ids
+
+    per_rank = run_ranks(_packed_logits, cp, converted, cp, timeout=600)
+    x0 = per_rank[0][0]
+    mask_id = _mask_id(PACKED)
+    x_t, ours = torch.full_like(x0, -1), None
+    positions = torch.full_like(x0, -1)
+    for _, samples in per_rank:
+        for sample, (noisy, inputs, rows_positions, logits) in enumerate(samples):
+            if ours is None:
+                ours = torch.full((BATCH, SEQ, logits.shape[-1]), float("nan"))
+            x_t[sample, noisy], ours[sample, noisy] = inputs.cpu(), logits.cpu()
+            positions[sample, noisy] = rows_positions[:noisy.numel()].cpu()
+    assert (x_t >= 0).all() and not ours.isnan().any()
+    documents = document_ids(x0, int(x0[0, DOCUMENT_ENDS[0][0]]))
+    starts = torch.stack([torch.tensor([int((row[:p] != row[p]).sum()) for p in range(SEQ)]) for row in documents])
+    assert torch.equal(positions, torch.arange(SEQ) - starts)  # the rows' RoPE positions restart per document
+    hf_dir, rows = os.path.join(converted, PACKED, "hf"), MODELS[PACKED]["tokenizer_ids"]
+    error = _relative_error(ours, hf_reference(hf_dir, x_t, x0, mask_id, rows, documents, positions), mask_id)
+    wrong = _relative_error(ours, hf_reference(hf_dir, x_t, x0, mask_id, rows, documents), mask_id)
+    print(f"packed {PACKED} csbp{cp}: relative error {error:.2e}; at the sample's positions {wrong:.2e}")
+    assert error <= TOLERANCE and wrong > 100 * TOLERANCE, (error, wrong)
+
+
 def _safetensors(directory):
     from safetensors.torch import load_file
 
@@ -263,7 +370,70 @@ def test_import_export_round_trip_is_bit_exact(converted, tmp_path):
         assert (config.bdlm_objective, config.bdlm_label_shift) == ("bd3lm", 0) and not hasattr(config, "bd_size")
         assert tokenizer.mask_token == "<|mask|>" and tokenizer.mask_token_id == _mask_id(family)
         assert config.tie_word_embeddings == MODELS[family].get("tied", False)
-        AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # transformers loads it offline
+        exported = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)  # transformers loads it offline
+        source = AutoModelForCausalLM.from_pretrained(os.path.join(converted, family, "hf"), local_files_only=True)
+        assert type(exported) is type(source), family  # Ministral 3 stays Ministral 3 (its query scaling)
+        theirs, ours = source.model.rotary_emb, exported.model.rotary_emb  # transformers' RoPE, as it reads each
+        assert torch.equal(ours.inv_freq, theirs.inv_freq) and ours.attention_scaling == theirs.attention_scaling
+        assert config.rope_parameters.get("llama_4_scaling_beta") == \
+            (MODELS[family].get("rope_parameters") or {}).get("llama_4_scaling_beta"), family
+        if family in YARN_MODELS:  # the import of the export: the same flags
+            source_flags = hf.model_flags(json.load(open(os.path.join(converted, family, "hf", "config.json"))))
+            assert hf.model_flags(json.load(open(os.path.join(out, "config.json")))) == source_flags, family
+            print(f"{family}: exported rope_parameters {config.rope_parameters}")
+
+
+@pytest.mark.parametrize("yarn", [
+    dict(factor=4.0, original_max_position_embeddings=16),
+    dict(factor=32.0, original_max_position_embeddings=4096, beta_fast=8.0, beta_slow=0.5,
+         correction_range_round_to_int=False),
+    dict(factor=16.0, original_max_position_embeddings=16384, mscale=1.0, mscale_all_dim=1.0),  # Ministral 3's
+    dict(factor=40.0, original_max_position_embeddings=4096, mscale=0.707, mscale_all_dim=0.707),  # DeepSeek's
+    dict(factor=8.0, original_max_position_embeddings=8192, mscale=2.0),  # transformers would ignore mscale: factor
+    dict(factor=8.0, original_max_position_embeddings=8192, mscale=0.0, mscale_all_dim=1.0),  # both ways
+    dict(factor=1.0, original_max_position_embeddings=8192, mscale=3.0, mscale_all_dim=1.0),
+], ids=["defaults", "betas, truncate false", "ministral", "deepseek", "mscale alone", "mscale 0", "factor 1"])
+@pytest.mark.parametrize("beta", [None, 0.1])
+def test_yarn_rope_parameters_read_back_as_written_and_as_transformers_reads_them(yarn, beta):
+    """Export's rope parameters of each YaRN (and query scaling) are read back by the import as the same YaRN, and
+    transformers gets from them the frequencies and attention factor megatron-core computes from our flags."""
+    import transformers
+    from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (YarnRotaryEmbedding,
+                                                                                  _yarn_get_concentration_factor)
+
+    from megatron_csbp.core.positions import QueryScaling, RotaryPositions, YaRN
+    from megatron_csbp.mcore import cpu_backend
+
+    positions = RotaryPositions(YaRN(**yarn), None if beta is None else QueryScaling(beta, yarn[
+        "original_max_position_embeddings"]))
+    family = hf.MINISTRAL3 if beta is not None else hf.LLAMA
+    config = {"architectures": [family.architecture], "max_position_embeddings": 131072,
+              "rope_parameters": {"rope_theta": 10000.0, **hf.rope_parameters(positions)}}
+    assert hf.hf_positions(config, family.architecture, family) == positions
+    y = positions.yarn
+    megatron_factor = _yarn_get_concentration_factor(float(y.factor), float(y.mscale), float(y.mscale_all_dim))
+    assert y.attention_factor == megatron_factor
+    theirs = getattr(transformers, family.config_class)(hidden_size=64, num_attention_heads=4, head_dim=16,
+                                                        max_position_embeddings=131072,
+                                                        rope_parameters=dict(config["rope_parameters"]))
+    read = transformers.modeling_rope_utils.ROPE_INIT_FUNCTIONS["yarn"]
+    inv_freq, attention_factor = read(theirs, "cpu")
+    assert attention_factor == megatron_factor
+    written = config["rope_parameters"]
+    assert ("attention_factor" in written) == (yarn.get("mscale", 1.0) != 1.0 and not (
+        yarn.get("mscale") and yarn.get("mscale_all_dim"))), written  # only where transformers would differ
+    if "attention_factor" in written:  # negative control: without it transformers derives another factor
+        bare = getattr(transformers, family.config_class)(
+            hidden_size=64, num_attention_heads=4, head_dim=16, max_position_embeddings=131072,
+            rope_parameters={key: value for key, value in written.items() if key != "attention_factor"})
+        assert read(bare, "cpu")[1] != megatron_factor
+    with cpu_backend.active():
+        ours = YarnRotaryEmbedding(16, use_cpu_initialization=True, rotary_base=10000, **{
+            "scaling_factor": y.factor, "original_max_position_embeddings": y.original_max_position_embeddings,
+            "beta_fast": y.beta_fast, "beta_slow": y.beta_slow, "mscale": y.mscale, "mscale_all_dim": y.mscale_all_dim,
+            "correction_range_round_to_int": y.correction_range_round_to_int})
+        table, _ = ours.get_emb(3)
+    assert torch.equal(table[1, 0, 0, :8].cpu(), inv_freq)  # position 1's angles: the frequencies
 
 
 def training_data(converted, name, mask_id):
@@ -356,7 +526,19 @@ def test_finetune_first_loss_is_the_huggingface_models(converted, llama_data, tm
     ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding-window"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window layers"),
     ({"layer_types": ["linear_attention", "full_attention"]}, "linear-attention"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "rope scaling type 'yarn'"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}},
+     "rope scaling type 'longrope'"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0}}, "rope_type yarn without its factor"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "attention_factor": 3.0}},
+     "(attention factor 3.0) make no YaRN megatron-core computes"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 0.5}},
+     "--yarn-rotary-scaling-factor must be a finite number >= 1; got 0.5"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "llama_4_scaling_beta": 0.1}},
+     "llama_4_scaling_beta, which transformers' Llama does not apply"),
+    ({"architectures": ["Ministral3ForCausalLM"], "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+     "Llama 4's query scaling is converted with YaRN"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": -1}},
+     "--yarn-beta-fast must be a finite number > 0; got -1"),
     ({"tie_word_embeddings": True}, "lm_head.weight differs"),
 ])
 def test_import_refuses_what_the_mapping_cannot_express(converted, tmp_path, capsys, change, message):

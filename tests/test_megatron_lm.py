@@ -243,6 +243,30 @@ def test_a_checkpoint_of_either_loop_resumes_in_the_other(corpus, tmp_path):
     assert float(validation[4]) == pytest.approx(float(ours_validation[4]), rel=2e-6, abs=0)
 
 
+def test_yarn_and_the_query_scaling_train_alike_in_both_loops_and_a_resume_without_them_is_refused(corpus, tmp_path):
+    """YaRN and Llama 4's query scaling (an original context of 32 of the 128 positions) under CSBP2: the same
+    losses, grad norms and validation in both loops. Either loop's checkpoint, resumed by the other without them,
+    is refused in one line, exit 2, before any iteration."""
+    yarn = dict(position_embedding_type="yarn", yarn_rotary_scaling_factor=4, yarn_original_max_position_embeddings=32,
+                llama_4_scaling_beta=0.2)
+    overrides = _overrides(corpus, context_block_parallel=2, save_interval=2, **yarn)
+    ours = _launch("megatron-core", 2, overrides + [f"save={tmp_path / 'ours'}"])
+    megatron = _launch("megatron-lm", 2, overrides + [f"save={tmp_path / 'megatron'}"])
+    _assert_same_numbers(ours, megatron)
+    for loop, saved in (("megatron-core", "megatron"), ("megatron-lm", "ours")):
+        load = _resume_from(tmp_path / saved, 2, tmp_path / f"load_{saved}")
+        done = subprocess.run([sys.executable, SCRIPT, "--config", CONFIG, "--training-loop", loop,
+                               *_overrides(corpus, context_block_parallel=1), f"load={load}"], cwd=REPO, timeout=300,
+                              capture_output=True, text=True, env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}))
+        errors = [line for line in done.stderr.splitlines() if "error" in line.lower() and "warn" not in line.lower()]
+        assert done.returncode == 2 and errors == [
+            f"pretrain_bdlm.py: error: checkpoint {load}/iter_0000002 was trained with --position-embedding-type "
+            f"yarn, this run has --position-embedding-type rope: a run that continues it keeps its positions; give "
+            f"its RoPE flags, or --finetune to train it on under new ones (e.g. to extend its context with YaRN)"], (
+            loop, done.returncode, done.stderr[-3000:])
+        assert not ITERATION.search(done.stdout), loop
+
+
 def test_a_hugging_face_tokenizer_gives_the_same_numbers_in_both_loops(corpus, tmp_path):
     """Megatron-LM's HuggingFaceTokenizer (a directory, through transformers) and ours (its tokenizer.json)
     number alike: same losses, grad norms and validation; GPTDataset never takes a real id as padding."""

@@ -446,11 +446,11 @@ def _relative_error(got, expected):
     return ((got - expected)[finite].abs().max() / expected[finite].abs().max()).item()
 
 
-def _model_checks(rank, world_size, moe=False):
+def _model_checks(rank, world_size, moe=False, positions=None, strategies=None):
     from megatron_csbp.mcore import cpu_backend
 
     with cpu_backend.active():
-        return _checks_on_one_rank(moe)
+        return _checks_on_one_rank(moe, positions, strategies)
 
 
 # A mixture of experts: megatron-core's MoE layers (4 experts, top-2, a shared expert) in the second layer.
@@ -458,7 +458,7 @@ MOE = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_sha
            moe_layer_freq=[0, 1], moe_token_dispatcher_type="alltoall", add_bias_linear=False)
 
 
-def _checks_on_one_rank(moe=False):
+def _checks_on_one_rank(moe=False, positions=None, strategies=None):
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer import TransformerConfig
@@ -476,15 +476,16 @@ def _checks_on_one_rank(moe=False):
                                attention_dropout=0.0, normalization="RMSNorm", init_method_std=0.3,
                                **(MOE if moe else {}))
     layout = CSBPLayout(SEQ, BLOCK, 1, 1)  # dual-end order: noisy rows are not in position order
-    trained = model_provider(config=config, layout=layout, vocab_size=VOCAB, mask_token_id=MASK)
-    sampler = sampling_model(config, VOCAB, BLOCK, max_sequence_length=SEQ)
+    trained = model_provider(config=config, layout=layout, vocab_size=VOCAB, mask_token_id=MASK, positions=positions)
+    sampler = sampling_model(config, VOCAB, BLOCK, max_sequence_length=SEQ, positions=positions)
     sampler.load_state_dict(trained.state_dict(), strict=True)
     trained, sampler = trained.to(default_device()).eval(), sampler.to(default_device())
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6, 5], [2, 7, 1, 8, 2, 8, 1, 8, 2, 8, 4, 5, 9, 0]]  # two blocks of prefill
     generator = torch.Generator().manual_seed(1)
     errors, control, results = {}, [], {}
     for shifted in (False, True):
-        for strategy in [name for name, rule in STRATEGY.items() if shifted or not rule.needs_shifted_labels]:
+        for strategy in [name for name, rule in STRATEGY.items() if (shifted or not rule.needs_shifted_labels)
+                         and (strategies is None or name in strategies)]:
             sampled = {"temperature": 1.0, "seed": 5} if strategy in BD3LM_RULES else {}
             runs = {}
             for kv_cache in (True, False):
@@ -537,6 +538,56 @@ def test_sampler_logits_equal_the_training_forward_and_the_cache_changes_nothing
         assert cache_error <= TOLERANCE, (name, cache_error)
     print(f"negative control (neighbouring rows' logits): {control[0]:.2e}")
     assert control[0] > 1e-2
+
+
+def _yarn_positions(beta=0.5):
+    from megatron_csbp.core.positions import QueryScaling, RotaryPositions, YaRN
+
+    yarn = YaRN(4.0, 8, beta_fast=8.0, mscale_all_dim=0.0)  # the original context, 8, is a quarter of SEQ
+    return RotaryPositions(yarn, None if beta is None else QueryScaling(beta, 8))
+
+
+def _query_scaling_control(rank, world_size):
+    """The sampler's logits over one sequence with and without the query scaling (the same weights)."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_csbp.mcore import cpu_backend
+    from megatron_csbp.tools.sampling import sampling_model
+
+    with cpu_backend.active():
+        mpu.initialize_model_parallel()
+        logits = []
+        for positions in (_yarn_positions(), _yarn_positions(None)):
+            model_parallel_cuda_manual_seed(0)
+            config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                                       use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
+                                       normalization="RMSNorm", init_method_std=0.3)
+            torch.manual_seed(0)
+            model = sampling_model(config, VOCAB, BLOCK, max_sequence_length=SEQ, positions=positions).eval()
+            tokens = torch.arange(SEQ)[None] % MASK
+            with torch.no_grad():
+                logits.append(model(tokens, torch.arange(SEQ)[None], None))
+        mpu.destroy_model_parallel()
+    return logits
+
+
+def test_sampler_with_yarn_rope_and_the_query_scaling_equals_the_training_forward():
+    """YaRN and Llama 4's query scaling (original context 8 of the 32 positions): the sampler's logits, cached or
+    not, are the training forward's at every step (its RoPE positions: the row index of what it sees, as the
+    training rows'). Negative control: without the query scaling the sampler's logits move (max relative
+    difference above 1e-2) where the training forward's stay."""
+    errors, control = run_ranks(_model_checks, 1, False, _yarn_positions(), ("confidence", "fast-dllm-v2"),
+                                timeout=300)[0]
+    for name, (consistency, cache_error, *_) in errors.items():
+        print(f"yarn + query scaling {name}: sampler vs training forward {consistency:.2e}, cache {cache_error:.2e}")
+        assert consistency <= TOLERANCE and cache_error <= TOLERANCE, (name, consistency, cache_error)
+    assert len(errors) == 3 and control[0] > 1e-2
+    scaled, unscaled = run_ranks(_query_scaling_control, 1, timeout=300)[0]
+    moved = _relative_error(unscaled, scaled)
+    print(f"without the query scaling: {moved:.2e}")
+    assert moved > 1e-2
 
 
 def test_a_mixture_of_experts_samples_as_it_trains():

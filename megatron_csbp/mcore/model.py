@@ -4,7 +4,10 @@ What differs from a plain `GPTModel`, and why:
 * RoPE takes each row's global position from the batch's `position_ids` (the forward step ships the
   layout's `row_positions`, on every pipeline stage), so a token's noisy and clean copy share one
   position; Megatron's RoPE would number the local rows `0..rows*cp` and zigzag-slice them by CP rank,
-  which is wrong for CSBP rows. The positions are one source: what the batch gives is what RoPE uses.
+  which is wrong for CSBP rows. The positions are one source: what the batch gives is what RoPE uses, YaRN's
+  frequencies (megatron-core's `YarnRotaryEmbedding`) and Llama 4's query scaling (`core.positions`) alike:
+  the query scale of each row is computed here from its RoPE position and reaches the core attention as
+  megatron-core's `attention_bias`, the one per-micro-batch input it passes the core attention.
 * The LM head runs over noisy rows only (clean rows carry no loss: half the head FLOPs saved), unless the run
   trains an autoregressive co-loss on the clean rows (`clean_logits`: a token-causal clean stream). Only real
   ids take probability: the MASK column and the vocabulary padding after the real ids (`vocab_ids`) are
@@ -31,6 +34,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_csbp.core import transports
+from megatron_csbp.core.positions import ROUNDING, YARN_FLAGS, RotaryPositions
 from megatron_csbp.mcore import spec as csbp_spec
 from megatron_csbp.core.rules import ConfigError, refused_features
 
@@ -75,9 +79,31 @@ def validate_config(config, layout, vocab_size=None, mask_token_id=None) -> None
                 f"needs its own id, so make --vocab-size (or the padded vocabulary) at least {mask_token_id + 1}")
 
 
+def set_rotary_config(config, positions: RotaryPositions) -> None:
+    """megatron-core reads YaRN off the `TransformerConfig` (its GPTModel builds `YarnRotaryEmbedding` from the
+    `yarn_*` fields, its attention multiplies cos and sin by their concentration factor), fields Megatron-LM's
+    `core_transformer_config_from_args` does not fill: they are set where a model is built, from `positions`, and
+    taken away from a config without YaRN."""
+    fields = positions.yarn.config_fields() if positions.yarn is not None else {}
+    for name in (*YARN_FLAGS, ROUNDING):
+        if name in fields:
+            setattr(config, name, fields[name])
+        elif name in vars(config):
+            delattr(config, name)
+
+
+def query_scales(positions: RotaryPositions, position_ids):
+    """`[rows, b, 1, 1]` the query scale of each row at `position_ids [b, rows]` (None: no query scaling), the
+    core attention's `attention_bias`."""
+    if positions.query_scaling is None:
+        return None
+    return positions.query_scaling.scales(position_ids).t()[:, :, None, None]
+
+
 class PositionTableRotaryEmbedding(torch.nn.Module):
-    """Megatron's RoPE table over every position of the sequence, neither numbered by local row nor sliced by
-    CP rank: `BDLMGPTModel` indexes it with the batch's `position_ids`."""
+    """Megatron's RoPE (or YaRN) table over every position of the sequence, neither numbered by local row nor
+    sliced by CP rank: `BDLMGPTModel` indexes it with the batch's `position_ids`. YaRN's table comes with its
+    concentration factor, as megatron-core's does (the attention reads that off the config)."""
 
     def __init__(self, rotary, seq_length: int):
         super().__init__()
@@ -87,26 +113,31 @@ class PositionTableRotaryEmbedding(torch.nn.Module):
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         return self.seq_length
 
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return self.rotary.get_emb(self.seq_length)  # [positions, 1, 1, dim]
+    def forward(self, *args, **kwargs):
+        return self.rotary.get_emb(self.seq_length)  # [positions, 1, 1, dim] (YaRN: and its factor)
 
 
 class BDLMGPTModel(GPTModel):
     """`GPTModel` over CSBP rows; see the module docstring. `layout`: this rank's row layout; `vocab_ids`: the
-    real ids before the vocabulary padding (default: no padding, all `vocab_size` columns)."""
+    real ids before the vocabulary padding (default: no padding, all `vocab_size` columns); `positions`: YaRN and
+    the query scaling (default: plain RoPE), with `position_embedding_type` its `embedding_type`."""
 
     def __init__(self, config, transformer_layer_spec, vocab_size, *args, layout, mask_token_id=None, vocab_ids=None,
-                 per_sample_positions=False, clean_logits=False, **kwargs):
+                 per_sample_positions=False, clean_logits=False, positions: RotaryPositions | None = None,
+                 **kwargs):
         validate_config(config, layout, vocab_size, mask_token_id)  # before any weight is allocated
         vocab_ids = vocab_size if vocab_ids is None else vocab_ids
         if not 0 < vocab_ids <= vocab_size:
             raise ConfigError(f"the model's {vocab_size} vocabulary rows cannot hold {vocab_ids} real ids: raise "
                               f"--make-vocab-size-divisible-by or check --vocab-size")
+        positions = positions or RotaryPositions()
         position_embedding_type = kwargs.get("position_embedding_type", "learned_absolute")
-        if position_embedding_type not in ("rope", "learned_absolute", "none"):
+        if position_embedding_type not in (positions.embedding_type, "learned_absolute", "none"):
             raise ValueError(f"--position-embedding-type={position_embedding_type} is not supported by "
-                             "BDLM: use rope")
+                             f"BDLM with these positions: use {positions.embedding_type}")
+        set_rotary_config(config, positions)
         super().__init__(config, transformer_layer_spec, vocab_size, *args, **kwargs)
+        self.positions = positions
         self.layout = layout
         self.mask_token_id = mask_token_id
         self.vocab_ids = vocab_ids
@@ -114,7 +145,7 @@ class BDLMGPTModel(GPTModel):
         self.clean_logits = clean_logits  # the LM head runs over the clean rows too (their next-token loss)
         self._predictable = None  # this TP rank's predictable columns, made on the first forward
         self.padded_rows = padded_row_count(layout, self.config)
-        if self.position_embedding_type == "rope":
+        if self.position_embedding_type == positions.embedding_type:
             self.rotary_pos_emb = PositionTableRotaryEmbedding(self.rotary_pos_emb, layout.seq_length)
 
     def _pad_rows(self, ids):
@@ -132,13 +163,17 @@ class BDLMGPTModel(GPTModel):
         if position_ids is None:
             raise ValueError("position_ids are needed: each row's global position ([b, rows], the layout's "
                              "row_positions), which RoPE takes")
-        return super().forward(self._pad_rows(input_ids), self._pad_rows(position_ids), attention_mask,
+        position_ids = self._pad_rows(position_ids)
+        scales = query_scales(self.positions, position_ids if self.per_sample_positions else position_ids[:1])
+        if scales is not None:
+            kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), "attention_bias": scales}
+        return super().forward(self._pad_rows(input_ids), position_ids, attention_mask,
                                decoder_input=decoder_input, labels=labels, **kwargs)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         """Megatron's preprocessing, with RoPE at the batch's positions (first sample: see the module doc)."""
         output = super()._preprocess(input_ids, position_ids, *args, **kwargs)
-        if self.position_embedding_type != "rope":
+        if self.position_embedding_type != self.positions.embedding_type:
             return output
         table = output[1]
         if self.per_sample_positions:  # `[rows, b, 1, dim]`: each sample's own positions (unfused RoPE broadcasts)
@@ -204,7 +239,7 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
             layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
             layer_norm=csbp_spec.SequenceParallelTorchNorm)
     gpt_kwargs.setdefault("max_sequence_length", layout.seq_length)
-    gpt_kwargs.setdefault("position_embedding_type", "rope")
+    gpt_kwargs.setdefault("position_embedding_type", (gpt_kwargs.get("positions") or RotaryPositions()).embedding_type)
     return _experts_apart(BDLMGPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=vocab_size,
                                        pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
                                        layout=layout, mask_token_id=mask_token_id, vocab_ids=vocab_ids,

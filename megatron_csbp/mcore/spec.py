@@ -101,6 +101,10 @@ class AttentionContext:
 class CSBPCoreAttention(MegatronModule):
     """Block-diffusion attention over this rank's `[noisy ; clean]` rows through the CSBP op.
 
+    `attention_bias`, megatron-core's one per-micro-batch input to the core attention besides the mask, carries
+    each row's query scale `[rows, b or 1, 1, 1]` (Llama 4's query scaling, from the row's RoPE position:
+    `model.query_scales`), which multiplies the query, RoPE already applied, as transformers does.
+
     Attention dropout is refused: the op is a fused, flash-style kernel that never materialises the
     attention probabilities. `apply_query_key_layer_scaling` changes nothing: in Megatron it divides
     the scale by the layer number and multiplies the scores back in fp32, an fp16 overflow guard
@@ -133,8 +137,8 @@ class CSBPCoreAttention(MegatronModule):
         if packed_seq_params is not None:
             raise ValueError("packed_seq_params (THD packed sequences) cannot be used with CSBP: rows are "
                              "laid out by the CSBP layout; feed one sample per row set (bshd)")
-        if attention_bias is not None:
-            raise ValueError("attention_bias is not supported by the CSBP attention")
+        if attention_bias is not None:  # the rows' query scales (Llama 4's; `BDLMGPTModel` gives them)
+            query = query * attention_bias.to(query)
         context = self.context
         rows = context.layout.num_rows
         padded_rows = query.shape[0]

@@ -306,27 +306,34 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
     """The HF `config.json` of our model (the imported one updated, or one built from the flags), with the
     keys that say how it decodes (`hf.bdlm_config`), as `export_format` writes it (`hf_formats`; it refuses
     a checkpoint the format's engine cannot serve)."""
+    from megatron_csbp.core.positions import RotaryPositions
     from megatron_csbp.training import hf, hf_formats
 
-    if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear or \
-            getattr(args, "position_embedding_type", "rope") != "rope":
+    if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear:
         raise hf.UnsupportedModel("export needs a Llama-family model (--normalization RMSNorm --swiglu "
-                                  "--disable-bias-linear, rope); this checkpoint has another shape")
-    family = hf.exported_family(args.add_qkv_bias, args.qk_layernorm, bool(getattr(args, "num_experts", None)))
+                                  "--disable-bias-linear); this checkpoint has another shape")
+    positions = RotaryPositions.from_args(args)  # the checkpoint's record (one before YaRN: plain RoPE)
+    family = hf.exported_family(args.add_qkv_bias, args.qk_layernorm, bool(getattr(args, "num_experts", None)),
+                                positions.query_scaling is not None)
     problem = family.experts.export_problem(args) if family.experts else None
     if problem:
         raise hf.UnsupportedModel(problem)
-    config = dict(base) if base else {"architectures": [family.architecture], "model_type": family.name,
-                                      "hidden_act": "silu", "attention_bias": False}
+    config = dict(base) if base else {"hidden_act": "silu", "attention_bias": False}
+    based_on = hf.FAMILIES.get(hf.ARCHITECTURES.get(hf.model_name(base))) if base else None
+    if based_on is None or based_on.query_scaling != family.query_scaling:
+        config.update(architectures=[family.architecture], model_type=family.name)  # the query scaling's family
     if family.experts:
         config.update(family.experts.config(args, base))
     family = family.name
     rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
     if getattr(args, "use_rope_scaling", False):
         rope.update(rope_type="llama3", factor=float(args.rope_scaling_factor), **hf.LLAMA3_ROPE_FIXED)
-    for stale in ("rope_scaling", "rope_theta", "bd_size"):  # bd_size: only a shifted-label model may claim it
+    rope.update(hf.rope_parameters(positions))
+    # the checkpoint's RoPE, all of it (original_max_position_embeddings: Phi-3's, read before the rope parameters');
+    # bd_size: only a shifted-label model may claim it
+    for stale in ("rope_scaling", "rope_theta", "original_max_position_embeddings", "bd_size"):
         config.pop(stale, None)
-    config["rope_parameters"] = {**(config.get("rope_parameters") or {}), **rope}
+    config["rope_parameters"] = rope
     objective = getattr(args, "bdlm_objective", objectives.BD3LM.name)
     clean_attention = getattr(args, "bdlm_clean_attention", BLOCK_CAUSAL.name)  # older checkpoints: BD3-LM's
     config.update(hidden_size=args.hidden_size, intermediate_size=args.ffn_hidden_size,

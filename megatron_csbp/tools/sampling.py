@@ -67,6 +67,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
+from megatron_csbp.core.positions import RotaryPositions
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
 from megatron_csbp.core.kernels import default_kernels
@@ -298,20 +299,26 @@ class SamplingAttention(MegatronModule):
     clean rows, seeing what the model's clean-attention rule lets them (`core.clean_attention`: the end of
     their block, or their own position). A call whose rows lie in one block (every denoising step) sees every
     key, so it is plain attention; a call over several blocks (a prompt, a commit) uses the training kernels'
-    prefix attention, which never builds a rows x keys mask.
+    prefix attention, which never builds a rows x keys mask. With Llama 4's `query_scaling`, the queries are
+    scaled at their RoPE positions, `keys - rows ..` (the cache's offset on: the row index of what the model
+    sees).
     """
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self", attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, block_size: int = 1,
-                 clean_attention=BLOCK_CAUSAL, **unused):
+                 clean_attention=BLOCK_CAUSAL, query_scaling=None, **unused):
         super().__init__(config=config)
         self.block_size = block_size
         self.clean_attention = clean_attention
+        self.query_scaling = query_scaling
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         rows, keys, block = query.shape[0], key.shape[0], self.block_size
+        if self.query_scaling is not None:
+            at = torch.arange(keys - rows, keys, device=query.device)
+            query = query * self.query_scaling.scales(at).to(query.dtype)[:, None, None, None]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, rows, d]
         first = keys - rows
         if first // block == (keys - 1) // block:
@@ -337,22 +344,28 @@ def _prefix_plan(device, first: int, keys: int, block: int, clean_attention):
     return default_kernels(device).plan(limits, positions)
 
 
-def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLOCK_CAUSAL, **gpt_kwargs):
+def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLOCK_CAUSAL,
+                   positions: RotaryPositions | None = None, **gpt_kwargs):
     """A `GPTModel` with `BDLMGPTModel`'s parameters (the CSBP layer spec, its norms) and the BDLM mask over
     position-ordered rows (`SamplingAttention`, with the model's clean-attention rule); load any BDLM checkpoint
-    into it. One pipeline stage, no sequence or context parallelism."""
+    into it. One pipeline stage, no sequence or context parallelism. `positions`: YaRN (megatron-core's own, as
+    training's) and the query scaling (`SamplingAttention`'s), default plain RoPE."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
     from megatron_csbp.mcore import spec as csbp_spec
+    from megatron_csbp.mcore.model import set_rotary_config
+
+    positions = positions or RotaryPositions()
 
     _require(config.pipeline_model_parallel_size == 1 and config.context_parallel_size == 1,
              "sampling runs one pipeline stage without context/block parallelism: use "
              "--tensor-model-parallel-size only")
     _require(not config.sequence_parallel, "sampling does not use sequence parallelism: drop --sequence-parallel")
     attention = ModuleSpec(module=SamplingAttention,
-                           params={"block_size": block_size, "clean_attention": clean_attention})
+                           params={"block_size": block_size, "clean_attention": clean_attention,
+                                   "query_scaling": positions.query_scaling})
     if config.num_moe_experts:  # as training's (model.model_provider): megatron-core's MoE and dense layers
         layers = csbp_spec.get_csbp_block_spec(config)
         for layer in {id(spec): spec for spec in layers.layer_specs}.values():
@@ -362,7 +375,8 @@ def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLO
         layer.submodules.self_attention.submodules.core_attention = attention
         layers = TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers,
                                             layer_norm=csbp_spec.SequenceParallelTorchNorm)
-    gpt_kwargs.setdefault("position_embedding_type", "rope")
+    gpt_kwargs.setdefault("position_embedding_type", positions.embedding_type)
+    set_rotary_config(config, positions)
     return GPTModel(config=config, transformer_layer_spec=layers, vocab_size=vocab_size, **gpt_kwargs)
 
 

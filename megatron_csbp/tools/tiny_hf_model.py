@@ -3,7 +3,8 @@
     python scripts/make_tiny_hf_model.py --family llama --output runs/tiny_llama_hf
 
 A byte-level BPE tokenizer trained on a slice of this Python's standard library, and a Llama / Qwen2 / Qwen3
-(or Mistral without sliding window) or a Qwen3-MoE (4 experts, top 2, by default) with random weights, norms
+(or Mistral without sliding window, or Ministral 3: give it `rope_parameters` with YaRN and `llama_4_scaling_beta`)
+or a Qwen3-MoE (4 experts, top 2, by default) with random weights, norms
 and biases (so none is trivially 1 or 0), saved as `config.json`, `model.safetensors` and the tokenizer files, in
 fp32. A Qwen3-MoE's experts are saved per expert, as the hub holds them, or with `fused_experts` as transformers 5
 holds them in memory (`save_pretrained(..., save_original_format=False)`).

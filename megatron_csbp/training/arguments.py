@@ -11,7 +11,7 @@ import re
 import shutil
 import sys
 
-from megatron_csbp.core import rules
+from megatron_csbp.core import positions, rules
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.core.rules import ConfigError, refused_features
 from megatron_csbp.training.datasets import MEGATRON_SPLIT_DEFAULT, check_data_prefixes, parse_data_path
@@ -218,9 +218,10 @@ def check_output_paths(args: argparse.Namespace, settings: RunConfig | None = No
 def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     """The plugin's rules, on our loop's arguments and on Megatron-LM's alike (one line: flag and fix): the run
     (`RunConfig.from_args`: the model's sizes, block size, layout geometry, world size, noise range, loss
-    weighting), which it returns, then the simulated link, the refused ring-CP features, the experts, RoPE and
-    the transformer implementation. The block-parallel size P lives in Megatron's CP slot alone
-    (`--context-block-parallel` fills it); the defaults the run leaves are the `RunConfig`'s, resolved there.
+    weighting), which it returns, then the simulated link, the refused ring-CP features, the experts, RoPE (YaRN
+    and the query scaling: `positions.RotaryPositions`) and the transformer implementation. The block-parallel
+    size P lives in Megatron's CP slot alone (`--context-block-parallel` fills it); the defaults the run leaves
+    are the `RunConfig`'s, resolved there.
     Writes nothing to `args`.
     """
     for flag in ("bdlm_block_size", "context_parallel_size", "max_consecutive_bad_steps"):
@@ -253,9 +254,10 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig
         _require(not args.moe_grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,
                  "--moe-grouped-gemm needs Transformer Engine (its grouped GEMM); drop it to run the experts one "
                  "by one (megatron-core's SequentialMLP)")
-    _require(args.position_embedding_type == "rope",
-             f"--position-embedding-type {args.position_embedding_type}: BDLM needs rope (a token's noisy and clean "
-             f"copy share one position); use --position-embedding-type rope")
+    _require(args.position_embedding_type in (positions.ROPE, positions.YARN),
+             f"--position-embedding-type {args.position_embedding_type}: BDLM needs rope (or yarn: a token's noisy "
+             f"and clean copy share one position); use --position-embedding-type rope")
+    positions.RotaryPositions.from_args(args)
     if args.transformer_impl == "transformer_engine":
         import importlib.util
         _require(importlib.util.find_spec("transformer_engine") is not None,

@@ -542,10 +542,37 @@ def check_compatible(saved_args: dict, args: argparse.Namespace, directory: str)
                                   f"{flag} {getattr(args, name, None)}: use the same {flag}, or another --load")
 
 
+def rope_flags(args) -> dict:
+    """A model's RoPE as its training flags (YAML keys): base, percent, Llama 3's scaling, YaRN and the query
+    scaling (`positions.RotaryPositions`), from parsed or recorded arguments."""
+    from megatron_csbp.core.positions import RotaryPositions
+
+    flags = {"rotary-base": args.rotary_base, "rotary-percent": args.rotary_percent,
+             "use-rope-scaling": bool(args.use_rope_scaling), **RotaryPositions.from_args(args).flags()}
+    if args.use_rope_scaling:
+        flags["rope-scaling-factor"] = args.rope_scaling_factor
+    return flags
+
+
+def check_same_positions(saved_args: dict, args: argparse.Namespace, directory: str) -> None:
+    """Refuses (one line naming the first flag that differs) a run that continues a checkpoint (not --finetune)
+    under another RoPE than it was trained with: every weight was trained for its positions. A --finetune run
+    may change them (e.g. to extend the context with YaRN): it starts a new training from the weights."""
+    saved, ours = rope_flags(argparse.Namespace(**saved_args)), rope_flags(args)
+    for key in (*saved, *(key for key in ours if key not in saved)):
+        if saved.get(key) != ours.get(key):
+            def said(flags):
+                return f"--{key} {flags[key]}" if key in flags else f"no --{key}"
+            raise CheckpointError(f"checkpoint {directory} was trained with {said(saved)}, this run has {said(ours)}: "
+                                  f"a run that continues it keeps its positions; give its RoPE flags, or --finetune to "
+                                  f"train it on under new ones (e.g. to extend its context with YaRN)")
+
+
 def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_optimizer=True, load_rng=True,
-                    verify=True, log=print) -> LoopState:
+                    verify=True, resuming=False, log=print) -> LoopState:
     """Loads a complete checkpoint directory into the model (and optimizer, scheduler, RNG); returns the
-    loop state to continue from. Collective. `verify=False` for a directory `find_checkpoint` just checked."""
+    loop state to continue from. Collective. `verify=False` for a directory `find_checkpoint` just checked;
+    `resuming`: the run continues the checkpoint's training (not --finetune), so its RoPE must be the same."""
     from megatron.core import dist_checkpointing
 
     if verify:
@@ -553,6 +580,8 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
     safe_load.check_metadata(directory)  # cheap, and torch unpickles it with plain pickle: never unchecked
     common = common_state(directory)
     check_compatible(saved_args(common), args, directory)
+    if resuming:
+        check_same_positions(saved_args(common), args, directory)
     scheduler_state = common.get("opt_param_scheduler", common.get("scheduler"))
     if load_optimizer and scheduler_state is None:
         raise CheckpointError(f"checkpoint {directory} holds a model only (no optimizer state, e.g. a converted "

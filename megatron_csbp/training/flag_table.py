@@ -103,7 +103,10 @@ _classify(Honoured(), """
     --untie-embeddings-and-output-weights --max-position-embeddings
     --rotary-base --rotary-percent --use-rope-scaling --rope-scaling-factor --init-method-std --hidden-dropout""")
 _classify(Honoured(only=("local", "transformer_engine")), "--transformer-impl")
-_classify(Honoured(), "--position-embedding-type --attention-dropout")  # rope and 0 only
+_classify(Honoured(), "--position-embedding-type --attention-dropout")  # rope or yarn, and 0 only
+_classify(Honoured(), """
+    --yarn-rotary-scaling-factor --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
+    --yarn-mscale --yarn-mscale-all-dim --no-yarn-correction-range-round-to-int --llama-4-scaling-beta""")
 _classify(Honoured(), "--spec")
 _classify(Honoured(), """
     --seq-length --micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-decay-style --lr-decay-iters

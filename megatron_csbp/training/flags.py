@@ -9,7 +9,7 @@ sequence dimension pipeline stages exchange, where Megatron would use `seq_lengt
 
 import argparse
 
-from megatron_csbp.core import clean_attention, modes, objectives, rules, schedule, transports
+from megatron_csbp.core import clean_attention, modes, objectives, positions, rules, schedule, transports
 from megatron_csbp.core.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS, ConfigError
 from megatron_csbp.training import layer_pattern
 from megatron_csbp.training.datasets import MEGATRON_SPLIT_DEFAULT
@@ -85,6 +85,7 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--training-loop", choices=TRAINING_LOOPS, default="auto",
                        help="megatron-lm: Megatron-LM's pretrain(); megatron-core: the plugin's own loop built from "
                             "megatron-core parts; auto: Megatron-LM's where megatron.training imports, else ours.")
+    add_positions_args(parser)
     if not _has_flag(parser, "--distributed-timeout-minutes"):
         group.add_argument("--distributed-timeout-minutes", type=int, default=10,
                            help="Timeout minutes for torch.distributed.")
@@ -93,6 +94,37 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         parser._option_string_actions["--tokenizer-type"].choices.append(BYTE_TOKENIZER)  # see byte_tokenizer_as_null
     parser.set_defaults(**bdlm_defaults())
     return parser
+
+
+def add_positions_args(parser: argparse.ArgumentParser) -> None:
+    """YaRN and Llama 4's query scaling (`core.positions`): megatron-core's `TransformerConfig.yarn_*` fields, which
+    Megatron-LM's parser (core_v0.16.1) has no flags for, and `--position-embedding-type yarn`, which its choices
+    lack."""
+    if _has_flag(parser, "--position-embedding-type"):
+        choices = parser._option_string_actions["--position-embedding-type"].choices
+        if positions.YARN not in choices:
+            choices.append(positions.YARN)
+    group = parser.add_argument_group(title="YaRN and Llama 4 query scaling (with --position-embedding-type yarn)")
+    group.add_argument("--yarn-rotary-scaling-factor", type=float, default=None, metavar="F",
+                       help="YaRN's factor: the context the model extends to, in multiples of "
+                            "--yarn-original-max-position-embeddings (transformers' rope_parameters factor). Required.")
+    group.add_argument("--yarn-original-max-position-embeddings", type=int, default=None, metavar="N",
+                       help="The context the model was trained at before YaRN. Required.")
+    group.add_argument("--yarn-beta-fast", type=float, default=None,
+                       help="Channels turning more than this many times in the original context keep their "
+                            "frequency. Default: 32.")
+    group.add_argument("--yarn-beta-slow", type=float, default=None,
+                       help="Channels turning fewer times are interpolated by the factor. Default: 1.")
+    group.add_argument("--yarn-mscale", type=float, default=None,
+                       help="cos and sin are multiplied by (0.1 mscale ln F + 1) / (0.1 mscale_all_dim ln F + 1). "
+                            "Default: 1.")
+    group.add_argument("--yarn-mscale-all-dim", type=float, default=None, help="Default: 0.")
+    group.add_argument(positions.NO_ROUNDING, action="store_false", dest="yarn_correction_range_round_to_int",
+                       help="Do not round the ramp's channel range to whole channels (transformers' truncate false).")
+    group.add_argument("--llama-4-scaling-beta", type=float, default=None, metavar="BETA",
+                       help="Llama 4's query scaling: the query at RoPE position p times 1 + BETA ln(1 + floor(p / "
+                            "N)), N the YaRN original length (transformers' rope_parameters llama_4_scaling_beta). "
+                            "Default: none.")
 
 
 def bdlm_defaults() -> dict:
@@ -148,9 +180,10 @@ def _add_model_args(parser):
     group.add_argument("--num-query-groups", type=int, default=1)
     group.add_argument("--kv-channels", type=int, default=None, help="Default: hidden-size / num-attention-heads.")
     group.add_argument("--max-position-embeddings", type=int, default=None, help="Default: --seq-length.")
-    group.add_argument("--position-embedding-type", choices=("rope",), default="rope",
-                       help="Only rope: a token's noisy and clean copy share its RoPE position. (Megatron-LM's "
-                            "default, learned_absolute, is not supported.)")
+    group.add_argument("--position-embedding-type", choices=[positions.ROPE, positions.YARN], default="rope",
+                       help="rope, or yarn (RoPE with YaRN's frequencies: the --yarn-* flags): a token's noisy and "
+                            "clean copy share its position. (Megatron-LM's default, learned_absolute, is not "
+                            "supported.)")
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--rotary-percent", type=float, default=1.0)
     group.add_argument("--use-rope-scaling", action="store_true",

@@ -1,4 +1,5 @@
-"""Hugging Face <-> megatron-core weights for Llama-family models: Llama, Mistral, Qwen2, Qwen3 and Qwen3-MoE.
+"""Hugging Face <-> megatron-core weights for Llama-family models: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and
+Ministral 3.
 
 One mapping, both directions; `scripts/convert_hf.py` drives it (import: HF directory -> our `torch_dist`
 checkpoint; export: any of our checkpoints -> HF directory). Megatron-Bridge's `AutoBridge` is the
@@ -14,7 +15,12 @@ for it, with its conventions and names:
   non-interleaved RoPE (`rotary_interleaved=False`): Q/K rows are copied unpermuted.
 * QK-norm (Qwen3): `q_norm`/`k_norm` are megatron's `q_layernorm`/`k_layernorm` (RMSNorm over `d`).
 * RoPE scaling: Llama 3's `llama3` type is megatron-core's `rope_scaling` (its fixed low/high frequency
-  factors and original context); other types are refused.
+  factors and original context); `yarn` is megatron-core's YaRN (`--position-embedding-type yarn`, the `--yarn-*`
+  flags: `core.positions`), read as transformers reads it (`hf_positions`: its defaults, and its attention
+  factor, which megatron-core derives from factor, mscale and mscale_all_dim); other types are refused.
+* Llama 4's query scaling (`llama_4_scaling_beta` in the rope parameters) is applied by transformers' Ministral 3
+  (`Ministral3ForCausalLM`, Llama's weights), always, with YaRN's original length; it is our
+  `--llama-4-scaling-beta`. A Llama or Qwen config naming it is refused: transformers' model would ignore it.
 * Mixture of experts (Qwen3-MoE, `Family.experts`): a sparse layer's router `mlp.gate.weight` is megatron-core's
   `mlp.router.weight`; expert `e`'s `mlp.experts.{e}.{gate,up,down}_proj.weight` (the hub's per-expert tensors) are
   megatron-core's local expert `mlp.experts.local_experts.{e}.linear_fc1.weight` (`[gate ; up]`, as the dense MLP)
@@ -42,6 +48,7 @@ import torch
 
 from megatron_csbp.core import objectives, rules
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
+from megatron_csbp.core.positions import QueryScaling, RotaryPositions, YaRN, yarn_mscale
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
 
@@ -146,6 +153,7 @@ class Family:
     exported: bool = True  # export writes this family (Mistral's dense weights are exported as Llama's)
     windowed_by_default: bool = False  # its transformers config has a sliding window unless told `None`
     experts: QwenExperts | None = None  # its sparse (mixture-of-experts) MLP layers; None: a dense model
+    query_scaling: bool = False  # Llama 4's query scaling, always (its rope parameters' llama_4_scaling_beta)
 
 
 LLAMA = Family("llama", "Llama", "LlamaForCausalLM", "LlamaConfig")
@@ -155,7 +163,9 @@ QWEN2 = Family("qwen2", "Qwen2 / Qwen2.5 (QKV bias)", "Qwen2ForCausalLM", "Qwen2
 QWEN3 = Family("qwen3", "Qwen3 (QK-norm)", "Qwen3ForCausalLM", "Qwen3Config", qk_norm=True)
 QWEN3_MOE = Family("qwen3_moe", "Qwen3-MoE (QK-norm, experts)", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
                    qk_norm=True, experts=QwenExperts())
-FAMILIES = Registry("model_type", LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE)
+MINISTRAL3 = Family("ministral3", "Ministral 3 (Llama 4 query scaling)", "Ministral3ForCausalLM", "Ministral3Config",
+                    query_scaling=True)
+FAMILIES = Registry("model_type", LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MINISTRAL3)
 ARCHITECTURES = {family.architecture: family.name for family in FAMILIES.values()}
 # Mixture-of-experts architectures the mapping knows and refuses, and why (one line each).
 REFUSED_EXPERTS = {
@@ -164,17 +174,18 @@ REFUSED_EXPERTS = {
 }
 
 
-def exported_family(qkv_bias: bool, qk_norm: bool, experts: bool = False) -> Family:
-    """The family export writes for a model with (or without) QKV biases, QK-norm and experts; refuses (one line)
-    a combination no family has."""
+def exported_family(qkv_bias: bool, qk_norm: bool, experts: bool = False, query_scaling: bool = False) -> Family:
+    """The family export writes for a model with (or without) QKV biases, QK-norm, experts and Llama 4's query
+    scaling; refuses (one line) a combination no family has."""
     for family in FAMILIES.values():
-        if family.exported and (family.qkv_bias, family.qk_norm, family.experts is not None) == \
-                (bool(qkv_bias), bool(qk_norm), bool(experts)):
+        if family.exported and (family.qkv_bias, family.qk_norm, family.experts is not None, family.query_scaling) \
+                == (bool(qkv_bias), bool(qk_norm), bool(experts), bool(query_scaling)):
             return family
     wanted = ", ".join(f"{family.display}" for family in FAMILIES.values() if family.exported)
     raise UnsupportedModel(f"a model with{'' if qkv_bias else 'out'} --add-qkv-bias, with{'' if qk_norm else 'out'} "
-                           f"--qk-layernorm and with{'' if experts else 'out'} --num-experts has no Hugging Face "
-                           f"family here (export writes {wanted})")
+                           f"--qk-layernorm, with{'' if experts else 'out'} --num-experts and with"
+                           f"{'' if query_scaling else 'out'} --llama-4-scaling-beta has no Hugging Face family here "
+                           f"(export writes {wanted})")
 
 
 def moe_layer_pattern(args) -> list[int]:
@@ -237,6 +248,7 @@ def _of_type(kind: type) -> Callable[[object], bool]:
 _POSITIVE = ConfigField("a positive integer", _integer(1), nullable=True)
 _BOOLEAN = ConfigField("true or false", _of_type(bool))
 _ROPE = ConfigField("an object (the RoPE settings)", _of_type(dict), nullable=True)
+_NUMBER = ConfigField("a number", _number(lambda value: True), nullable=True)
 # Every field of config.json the import (and the export, of the imported model's config) reads, and its type.
 CONFIG_FIELDS = {
     "architectures": ConfigField("a list of class names", _list_of(_of_type(str)), nullable=True),
@@ -247,6 +259,8 @@ CONFIG_FIELDS = {
     "intermediate_size": ConfigField("a positive integer", _integer(1), required=True),
     "num_attention_heads": ConfigField("a positive integer", _integer(1), required=True),
     "num_key_value_heads": _POSITIVE, "head_dim": _POSITIVE, "max_position_embeddings": _POSITIVE,
+    # Phi-3's spelling of YaRN's original length, which transformers puts before the rope parameters' own
+    "original_max_position_embeddings": ConfigField("a positive integer", _integer(1)),
     "rms_norm_eps": ConfigField("a number > 0", _number(lambda value: value > 0)),
     "rope_theta": ConfigField("a number > 0", _number(lambda value: value > 0)),
     "rope_parameters": _ROPE, "rope_scaling": _ROPE,
@@ -274,6 +288,11 @@ ROPE_FIELDS = {
     "low_freq_factor": ConfigField("a number", _number(lambda value: True)),
     "high_freq_factor": ConfigField("a number", _number(lambda value: True)),
     "original_max_position_embeddings": ConfigField("a positive integer", _integer(1)),
+    # YaRN (transformers reads a null or 0 beta as its default); Llama 4's query scaling
+    "beta_fast": _NUMBER, "beta_slow": _NUMBER, "mscale": _NUMBER, "mscale_all_dim": _NUMBER,
+    "attention_factor": ConfigField("a number > 0", _number(lambda value: value > 0), nullable=True),
+    "truncate": _BOOLEAN,
+    "llama_4_scaling_beta": ConfigField("a number >= 0", _number(lambda value: value >= 0)),
 }
 
 
@@ -297,6 +316,7 @@ def check_config(config: dict, hf_dir: str, required: bool = False, where: str |
                               f"config.json")
 
 
+YARN = "yarn"  # transformers' rope_type of YaRN
 # Llama 3.x RoPE scaling as megatron-core implements it (`--use-rope-scaling`): only its factor is free.
 LLAMA3_ROPE_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -308,10 +328,75 @@ def _rope(config: dict) -> tuple[str, float, dict]:
     return kind, float(theta), parameters
 
 
-def model_family(config: dict) -> str:
-    """'llama', 'mistral', 'qwen2' or 'qwen3'; refuses (one line) what the mapping cannot express."""
+def hf_positions(config: dict, name: str, family: Family) -> RotaryPositions:
+    """YaRN and Llama 4's query scaling of an HF config, as transformers reads them (`_compute_yarn_parameters`,
+    `standardize_rope_params`, Ministral 3's attention); refuses (one line) what megatron-core cannot express."""
+    kind, _, parameters = _rope(config)
+    beta = parameters.get("llama_4_scaling_beta")
+    _refuse(family.query_scaling and (kind != YARN or beta is None),
+            f"{name}: Llama 4's query scaling is converted with YaRN (rope_type yarn) and its llama_4_scaling_beta; "
+            f"this config has rope_type {kind} and llama_4_scaling_beta {beta}")
+    _refuse(not family.query_scaling and beta is not None,
+            f"{name}: rope parameters name llama_4_scaling_beta, which transformers' {family.display} does not apply "
+            f"(Ministral3ForCausalLM does); drop the key, or convert it as Ministral3ForCausalLM")
+    if kind != YARN:
+        return RotaryPositions()
+    _refuse("factor" not in parameters, f"{name}: rope_type yarn without its factor; restore the model's config.json")
+    factor = parameters["factor"]
+    original = config.get("original_max_position_embeddings", parameters.get("original_max_position_embeddings",
+                                                                            config.get("max_position_embeddings")))
+    _refuse(original is None, f"{name}: rope_type yarn without original_max_position_embeddings (or "
+                              f"max_position_embeddings); restore the model's config.json")
+    mscale, all_dim = parameters.get("mscale"), parameters.get("mscale_all_dim")
+    wanted = parameters.get("attention_factor")  # transformers' factor on cos and sin, given or derived so:
+    if wanted is None:
+        wanted = yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim) if mscale and all_dim else \
+            yarn_mscale(factor, 1.0)
+    common = dict(factor=factor, original_max_position_embeddings=original,
+                  beta_fast=parameters.get("beta_fast") or 32.0, beta_slow=parameters.get("beta_slow") or 1.0,
+                  correction_range_round_to_int=parameters.get("truncate", True))
+    problems = []
+    for pair in ((1.0 if mscale is None else mscale, 0.0 if all_dim is None else all_dim), (1.0, 0.0)):
+        try:
+            yarn = YaRN(**common, mscale=pair[0], mscale_all_dim=pair[1])
+        except ConfigError as error:
+            problems.append(f" ({error})")
+            continue
+        if yarn.attention_factor == wanted:
+            return RotaryPositions(yarn, QueryScaling(beta, original) if family.query_scaling else None)
+    raise UnsupportedModel(f"{name}: its yarn rope parameters (attention factor {wanted}) make no YaRN megatron-core "
+                           f"computes from factor, mscale and mscale_all_dim{(problems or [''])[0]}; convert another "
+                           f"model")
+
+
+def rope_parameters(positions: RotaryPositions) -> dict:
+    """transformers' rope parameters (beside the type and theta) of YaRN and the query scaling, which
+    `hf_positions` reads back as `positions`: the attention factor is written where transformers would derive
+    another one from the mscales."""
+    yarn = positions.yarn
+    if yarn is None:
+        return {}
+    written = {"rope_type": YARN, "factor": float(yarn.factor),
+               "original_max_position_embeddings": yarn.original_max_position_embeddings,
+               "beta_fast": float(yarn.beta_fast), "beta_slow": float(yarn.beta_slow), "mscale": float(yarn.mscale),
+               "mscale_all_dim": float(yarn.mscale_all_dim), "truncate": yarn.correction_range_round_to_int}
+    derived = yarn.attention_factor if yarn.mscale and yarn.mscale_all_dim else yarn_mscale(yarn.factor, 1.0)
+    if derived != yarn.attention_factor:
+        written["attention_factor"] = yarn.attention_factor
+    if positions.query_scaling is not None:
+        written["llama_4_scaling_beta"] = float(positions.query_scaling.beta)
+    return written
+
+
+def model_name(config: dict) -> str:
+    """The model's class (`architectures[0]`), else its `model_type`."""
     architectures = config.get("architectures") or []
-    name = architectures[0] if architectures else str(config.get("model_type"))
+    return architectures[0] if architectures else str(config.get("model_type"))
+
+
+def model_family(config: dict) -> str:
+    """A family's name (`FAMILIES`); refuses (one line) what the mapping cannot express."""
+    name = model_name(config)
     moe = ("moe" in name.lower() or "mixtral" in name.lower()
            or any(config.get(key) for key in ("num_experts", "num_local_experts", "n_routed_experts")))
     _refuse(name in REFUSED_EXPERTS, f"{name} is a mixture-of-experts model that does not convert: "
@@ -333,8 +418,9 @@ def model_family(config: dict) -> str:
     _refuse(sliding, f"{name}: sliding-window attention (sliding_window={config.get('sliding_window')}) cannot be "
                      f"expressed; only models with full attention in every layer convert")
     kind, theta, parameters = _rope(config)
-    _refuse(kind not in ("default", "llama3"), f"{name}: rope scaling type '{kind}' is not implemented (plain "
-                                               f"RoPE and Llama 3's 'llama3' are); convert another model")
+    _refuse(kind not in ("default", "llama3", YARN), f"{name}: rope scaling type '{kind}' is not implemented (plain "
+                                                     f"RoPE, Llama 3's 'llama3' and 'yarn' are); convert another model")
+    hf_positions(config, name, FAMILIES[family])
     fixed = {key: parameters.get(key) for key in LLAMA3_ROPE_FIXED}
     _refuse(kind == "llama3" and fixed != LLAMA3_ROPE_FIXED,
             f"{name}: llama3 rope scaling with {fixed} is not implemented (megatron-core's has {LLAMA3_ROPE_FIXED})")
@@ -352,6 +438,7 @@ def model_flags(config: dict, hf_dir: str = ".") -> dict:
     """Our model flags (YAML keys) for the HF config of `hf_dir`."""
     check_config(config, hf_dir, required=True)
     family = FAMILIES[model_family(config)]
+    positions = hf_positions(config, model_name(config), family)
     heads = config["num_attention_heads"]
     groups = config.get("num_key_value_heads") or heads
     head_dim = config.get("head_dim") or config["hidden_size"] // heads
@@ -360,7 +447,7 @@ def model_flags(config: dict, hf_dir: str = ".") -> dict:
         "ffn-hidden-size": config["intermediate_size"], "num-attention-heads": heads,
         "group-query-attention": groups != heads, "num-query-groups": groups, "kv-channels": head_dim,
         "max-position-embeddings": config.get("max_position_embeddings"),
-        "position-embedding-type": "rope", "rotary-base": int(_rope(config)[1]),
+        **positions.flags(), "rotary-base": int(_rope(config)[1]),
         "use-rope-scaling": _rope(config)[0] == "llama3",
         "rope-scaling-factor": float(_rope(config)[2].get("factor", 8.0)) if _rope(config)[0] == "llama3" else None,
         "normalization": "RMSNorm", "norm-epsilon": float(config.get("rms_norm_eps", 1e-6)), "swiglu": True,

@@ -180,7 +180,7 @@ class Trainer:
             state = checkpointing.load_checkpoint(directory, self.model, self.optimizer, self.scheduler, args,
                                                   load_optimizer=load_optimizer,
                                                   load_rng=not (args.no_load_rng or args.finetune),
-                                                  verify=False, log=self.progress.print)
+                                                  verify=False, resuming=not args.finetune, log=self.progress.print)
         if not args.finetune:
             self.state = state
             if os.path.realpath(args.load) == os.path.realpath(args.save or ""):

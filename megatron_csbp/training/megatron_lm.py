@@ -14,7 +14,7 @@ A run here:
 3. calls `pretrain()` with the plugin's providers (the bound methods of one `providers.RunProviders()`,
    which builds the run from Megatron-LM's parsed arguments on the first provider call), `args_defaults`
    for the BDLM defaults Megatron-LM keeps as None, inside `cpu_backend.active()` (which does nothing where
-   an accelerator exists).
+   an accelerator exists); each of its parses of the command line takes the plugin's flags too.
 
 A refusal a provider raises inside `pretrain()` (`ConfigError`) comes out of this `pretrain` unchanged: the
 training script catches it, one line, exit 2.
@@ -128,7 +128,8 @@ def _checkpoints_under_our_rules(args: argparse.Namespace):
     * load: before Megatron-LM's `_load_base_checkpoint` (the one reader behind `load_checkpoint` and
       `--use-checkpoint-args`) reads a torch_dist directory, it is verified as our loop verifies one
       (`checkpointing.check_complete`: the manifest's sizes and SHA-256 where there is one, `.metadata` through
-      `safe_load`'s allow-list, the common state), and it then reads under `safe_load.restricted()`;
+      `safe_load`'s allow-list, the common state), and it then reads under `safe_load.restricted()`; a run that
+      continues it (not --finetune) must have its RoPE (`checkpointing.check_same_positions`), as in our loop;
     * save: after Megatron-LM's `save_checkpoint` returns, the manifest is recorded (Megatron-LM writes into
       `iter_XXXXXXX` and its tracker directly, so a crash between its tracker and our manifest leaves a
       checkpoint that loads as Megatron-LM's own, verified without checksums, and says so);
@@ -161,7 +162,12 @@ def _checkpoints_under_our_rules(args: argparse.Namespace):
         elif directory is not None and not os.path.isdir(directory):
             checkpointing.check_complete(directory, log=_rank0_log)  # one line: it does not exist
         with safe_load.restricted():
-            return original_load(load_dir, run_args, *rest, **options)
+            loaded = original_load(load_dir, run_args, *rest, **options)
+        state_dict = loaded[0] if isinstance(loaded, tuple) else None
+        if directory is not None and isinstance(state_dict, dict) and "args" in state_dict and \
+                not getattr(run_args, "finetune", False):
+            checkpointing.check_same_positions(checkpointing.saved_args(state_dict), run_args, directory)
+        return loaded
 
     def save_checkpoint(iteration, *rest, **options):
         checkpointing.writer_helpers_die_with_us()
@@ -195,6 +201,25 @@ def _checkpoints_under_our_rules(args: argparse.Namespace):
             save_lock.release(lock[0])
 
 
+@contextlib.contextmanager
+def _plugin_flags_in_every_parse():
+    """Megatron-LM's `pretrain()` parses the command line again without the plugin's flags (`ft_integration.setup`:
+    `parse_args(ignore_unknown_args=True)`). It would ignore them, but not a value the plugin adds to one of its own
+    flags' choices (`--position-embedding-type yarn`): inside `pretrain()` every parse takes the plugin's flags."""
+    from megatron.training import arguments
+
+    original = arguments.parse_args
+
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        return original(extra_args_provider or add_csbp_args, ignore_unknown_args)
+
+    arguments.parse_args = parse_args
+    try:
+        yield
+    finally:
+        arguments.parse_args = original
+
+
 def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
     """Trains with Megatron-LM's `pretrain()` on the argv `parse_args` expanded (and validated, as `args`)."""
     from megatron.core.enums import ModelType
@@ -211,7 +236,8 @@ def pretrain(expanded: list[str], args: argparse.Namespace) -> None:
     if args.eval_interval is None:  # Megatron-LM's None fails counting its validation samples: our loop's default
         defaults["eval_interval"] = EVAL_INTERVAL
     run_providers = providers.RunProviders()  # Megatron-LM's args: parsed by pretrain(), read on first call
-    with cpu_backend.active(), _built_dataset_helpers_kept(), _checkpoints_under_our_rules(args):
+    with cpu_backend.active(), _built_dataset_helpers_kept(), _checkpoints_under_our_rules(args), \
+            _plugin_flags_in_every_parse():
         megatron_pretrain(run_providers.train_valid_test_datasets_provider, run_providers.model_provider,
                           ModelType.encoder_or_decoder, run_providers.forward_step,
                           extra_args_provider=add_csbp_args, args_defaults=defaults,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from megatron_csbp.core.positions import RotaryPositions
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.bdlm.forward_step import BDLMForwardStep, Packing
@@ -78,11 +79,14 @@ def layer_spec_from_args(args: argparse.Namespace):
 
 
 def gpt_model_kwargs(args: argparse.Namespace) -> dict:
-    """The `GPTModel` keywords the flags decide (embeddings, RoPE): training's model and the sampler's alike."""
+    """The `GPTModel` keywords the flags decide (embeddings, RoPE): training's model and the sampler's alike;
+    `positions` (YaRN, the query scaling) is ours, which both models take."""
+    positions = RotaryPositions.from_args(args)
     return dict(share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                 max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
                 rotary_percent=args.rotary_percent, rope_scaling=args.use_rope_scaling,
-                rope_scaling_factor=args.rope_scaling_factor)
+                rope_scaling_factor=args.rope_scaling_factor, position_embedding_type=positions.embedding_type,
+                positions=positions)
 
 
 def embedding_ranks(pp_ranks: list[int], tied: bool) -> list[int]:
