@@ -398,7 +398,8 @@ def test_lm_eval_output_is_published_whole_or_not_at_all(tmp_path):
 
 def test_evaluation_bounds_noise_samples_and_its_json_before_any_work(tmp_path, places, monkeypatch):
     """--noise-samples against the machine's memory (each draw's NELBO is kept for the record; the sums are
-    streamed) and the --output-json record against the free space, before the checkpoint is read."""
+    streamed), --distributed-timeout-minutes against what a timeout can hold, and the --output-json record
+    against the free space, before the checkpoint is read."""
     from collections import namedtuple
 
     import psutil
@@ -414,6 +415,9 @@ def test_evaluation_bounds_noise_samples_and_its_json_before_any_work(tmp_path, 
     assert str(caught.value) == ("--noise-samples 10000000000: the evaluation keeps each draw's NELBO for the "
                                  "record, 596.0 GiB, more than the 1.0 GiB of memory available; lower it (at most "
                                  "16,777,216)")
+    with pytest.raises(ConfigError) as caught:  # the process group's timeout: a timedelta, ~2.7 million years
+        evaluation.prepare(base + ["--distributed-timeout-minutes", str(10 ** 13)], 1)
+    assert str(caught.value) == "--distributed-timeout-minutes 10000000000000 must be in [1, 1439999999999]"
     target = tmp_path / "numbers.json"
     need = evaluation.record_bytes(10 ** 6)  # 16 KiB + 32 bytes a draw
     assert need == 16 * 2 ** 10 + 32 * 10 ** 6

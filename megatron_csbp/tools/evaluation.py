@@ -34,12 +34,14 @@ this launch's layout, `providers.RunProviders` (model, datasets, `BDLMForwardSte
 forward-only schedule (what `Trainer.evaluate` runs) and `checkpointing.load_checkpoint` without an
 optimizer. One sequence per micro-batch, so each micro-batch's `[S, C]` report is one sequence's (summed
 over the block-parallel ranks, gathered over data-parallel ranks); the reports are summed draw by draw
-(`Tally`), so memory grows with N + K, not N x K (each draw's NELBO is kept for the record: `--noise-samples`
-is refused when those do not fit in memory, and `--output-json` when its disk has no room for the record). Sequences are the split's samples of the
-checkpoint's `--split` (and dataset seed), `--split all` the whole dataset, the first `--eval-sequences`.
+(`Tally`), so memory grows with N + K, not N x K. Each draw's NELBO is kept for the record: `--noise-samples`
+is refused when those do not fit in memory, `--output-json` when its disk has no room for the record.
+Sequences are the split's samples of the checkpoint's `--split` (and dataset seed), `--split all` the whole
+dataset, the first `--eval-sequences`.
 """
 
 import argparse
+import datetime
 import hashlib
 import json
 import math
@@ -195,6 +197,9 @@ def _check_options(options) -> None:
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_block_parallel"):
         if getattr(options, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(options, flag)} must be >= 1")
+    minutes, longest = options.distributed_timeout_minutes, datetime.timedelta.max // datetime.timedelta(minutes=1)
+    if minutes is not None and not 1 <= minutes <= longest:  # the process group's timeout is a timedelta
+        raise ConfigError(f"--distributed-timeout-minutes {minutes} must be in [1, {longest}]")
     if options.data_path.endswith((".bin", ".idx")):
         raise ConfigError(f"--data-path {options.data_path}: give the prefix without the extension "
                           f"(--data-path {options.data_path[:-4]})")

@@ -160,7 +160,7 @@ SWITCH = Option(_switch, lambda v: True, "true or false")
 MAX_GEN_TOKS = _integer_from(1, 128)
 TEMPERATURE = Option(_number, lambda v: v >= 0, "a number >= 0 (0: greedy)", 0.0)
 GEN_OPTIONS = {"max_gen_toks": MAX_GEN_TOKS, "temperature": TEMPERATURE, "do_sample": SWITCH,
-               "until": Option(_stops, lambda v: True, "a string or a list of strings", ())}
+               "until": Option(_stops, lambda v: True, "a string or a list of strings")}
 
 
 def model_options() -> dict:
@@ -184,7 +184,7 @@ def model_options() -> dict:
         "tensor_parallel_size": _integer_from(1, 1),
         "batch_size": Option(_batch, lambda v: v >= 1, "an integer >= 1, or auto", AUTO_BATCH),
         "max_batch_size": _integer_from(1, None),
-        "device": Option(_text, lambda v: True, "a device name (unused: the model runs on the accelerator, if any)"),
+        "device": Option(_text, lambda v: True, "a device name (unused: the model runs on the accelerator if any)"),
     }
 
 
@@ -609,7 +609,7 @@ class MegatronCSBPLM(LM):
         options = read_options({"max_gen_toks": self.default_max_gen_toks, "temperature": self.sampling["temperature"],
                                 **given}, GEN_OPTIONS, "gen_kwargs")
         temperature = 0.0 if options["do_sample"] is False else options["temperature"]
-        return tuple(text for text in options["until"] if text), options["max_gen_toks"], temperature
+        return tuple(text for text in options["until"] or () if text), options["max_gen_toks"], temperature
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list:
         from megatron_csbp.tools.sampling import generate

@@ -58,7 +58,7 @@ def _members(manager, spec) -> list:
     listed = config.get("task")
     if isinstance(listed, list):
         return [member for member in listed if isinstance(member, str) and member in manager.task_index]
-    if entry is not None and str(entry.kind).endswith("TAG"):
+    if entry is not None and entry.kind.name == "TAG":
         return [name for name, other in manager.task_index.items() if entry.name in other.tags]
     return []
 
