@@ -336,6 +336,12 @@ def test_bad_input_is_one_line_before_the_model_loads(harness_root, tmp_path, mo
         "output file": (_harness(root, load, "csbp_next_word") + ["--output_path", str(file)],
                         f"--output_path {file} is a file; give a directory (lm-eval writes its results under it) "
                         f"or a name ending .json (written beside it as NAME_<date>.json)", False, False),
+        "no config file": (_harness(root, load, "csbp_next_word", f"config={tmp_path / 'no.yaml'}"),
+                           f"model_args: config={tmp_path / 'no.yaml'}: no such file; give a training YAML", False,
+                           False),
+        "negative limit": (_harness(root, load, "csbp_next_word") + ["--limit", "-5"],  # lm-eval: after the model
+                           "--limit -5.0: give a number of documents >= 1, or a fraction of them in (0, 1)", False,
+                           False),
         "no include path": (_harness(root, load, "csbp_next_word")[:-4] + ["--include_path", str(tmp_path / "no")],
                             f"--include_path {tmp_path / 'no'}: no such file or directory; give the folder of your "
                             f"task YAMLs", False, False),

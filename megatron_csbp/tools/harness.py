@@ -677,14 +677,30 @@ SILENT = {"output_path": None, "log_samples": False, "predict_only": False, "wan
 
 
 def _check_model_configuration(config) -> None:
-    """`--model megatron_csbp`'s model_args and lm-eval's flags it receives, typed, and `load` a directory."""
+    """`--model megatron_csbp`'s model_args and lm-eval's flags it receives, typed; `load` and `config` there."""
     given = dict(config.model_args or {})
     for flag in LM_EVAL_FLAGS:
         _require(flag not in given, f"model_args: {flag} is lm-eval's own flag; give it as --{flag}")
     flags = {flag: getattr(config, flag) for flag in LM_EVAL_FLAGS if getattr(config, flag) is not None}
-    load = model_arguments({**given, **flags})["load"]
+    arguments = model_arguments({**given, **flags})
+    load, config_file = arguments["load"], arguments["config"]
     _require(os.path.isdir(load), f"model_args: load={load}: no such directory; give the --save directory of a "
                                   f"training run")  # the checkpoint itself is verified as the model loads
+    _require(config_file is None or os.path.isfile(config_file), f"model_args: config={config_file}: no such file; "
+                                                                 f"give a training YAML")
+
+
+def _check_run_options(config) -> None:
+    """lm-eval's own options it would take and fail on (or misread) only once the model is built."""
+    limit, shots = _number(config.limit), _integer(config.num_fewshot)
+    _require(config.limit is None or limit is not None and limit > 0,
+             f"--limit {config.limit}: give a number of documents >= 1, or a fraction of them in (0, 1)")
+    _require(config.num_fewshot is None or shots is not None and shots >= 0,
+             f"--num_fewshot {config.num_fewshot} must be an integer >= 0")
+    included = config.include_path if isinstance(config.include_path, (list, tuple)) else [config.include_path]
+    for folder in filter(None, included):  # lm-eval would skip it and report its tasks not found
+        _require(os.path.exists(folder), f"--include_path {folder}: no such file or directory; give the folder "
+                                         f"of your task YAMLs")
 
 
 def _check_generation_kwargs(config, items) -> None:
@@ -707,7 +723,8 @@ def _checked_cli(rank: int, world: int):
 
     Two hooks of lm-eval's config class (where its command line and its `--config` YAML meet):
     `EvaluatorConfig.from_cli` (before lm-eval indexes its tasks) checks the model_args
-    (`model_arguments`, `load` a directory), `--output_path`, `--use_cache` under TP, silences rank != 0
+    (`model_arguments`, `load` and `config` there), `--limit`, `--num_fewshot`, `--include_path`,
+    `--output_path`, `--use_cache` under TP, silences rank != 0
     (`SILENT`), and stages the output (`lm_eval_inputs.StagedOutput`); `EvaluatorConfig.process_tasks` loads
     the tasks and their data (`lm_eval_inputs.load_tasks`) and types their gen_kwargs. lm-eval's own errors in
     both are its input refused, in one line."""
@@ -725,10 +742,7 @@ def _checked_cli(rank: int, world: int):
             raise ConfigError(f"lm-eval's options: {lm_eval_inputs.reasons(error)}") from None
         if config.model == NAME:
             _check_model_configuration(config)
-        included = config.include_path if isinstance(config.include_path, (list, tuple)) else [config.include_path]
-        for folder in filter(None, included):  # lm-eval would skip it and report its tasks not found
-            _require(os.path.exists(folder), f"--include_path {folder}: no such file or directory; give the folder "
-                                             f"of your task YAMLs")
+        _check_run_options(config)
         if config.output_path:
             lm_eval_inputs.check_output_path(config.output_path)
         if world > 1:
