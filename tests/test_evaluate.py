@@ -124,6 +124,7 @@ def test_the_json_holds_the_printed_numbers(evaluations, trained):
         assert "expected NELBO" in record["stderr_of"] and "these sequences" in record["noise_stderr_of"]
         progress = PROGRESS.findall(output)
         assert [int(done) for done, *_ in progress] == list(range(32, SEQUENCES * int(samples) + 1, 32)), output
+    assert not [name for name in os.listdir(trained) if name.startswith(".")]  # no private temporary left
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(trained / "tb"))
@@ -135,23 +136,84 @@ def test_the_json_holds_the_printed_numbers(evaluations, trained):
 def test_refusals_are_one_line_before_any_work(trained, corpus, tmp_path):
     checkpoint, existing = trained / "run", tmp_path / "earlier.json"
     existing.write_text('{"nelbo": 1.0}\n')
-    cases = {
-        "--load": ["--load", tmp_path / "no_run", "--data-path", corpus],
-        "--data-path": ["--load", checkpoint, "--data-path", tmp_path / "no_data"],
-        "--noise-samples": ["--load", checkpoint, "--data-path", corpus, "--noise-samples", 0],
-        "--output-json": ["--load", checkpoint, "--data-path", corpus, "--output-json", existing],
-        "--context-block-parallel": ["--load", checkpoint, "--data-path", corpus, "--context-block-parallel", 2],
-    }
+    cases = [
+        ("--load", ["--load", tmp_path / "no_run", "--data-path", corpus]),
+        ("--data-path", ["--load", checkpoint, "--data-path", tmp_path / "no_data"]),
+        ("--noise-samples", ["--load", checkpoint, "--data-path", corpus, "--noise-samples", 0]),
+        # each draw's NELBO is kept for the record: more draws than the memory holds (it once allocated draws x
+        # sequences after loading the model)
+        ("--noise-samples 1000000000000: the evaluation keeps each draw's NELBO for the record, 59,604.6 GiB, more "
+         "than the", ["--load", checkpoint, "--data-path", corpus, "--noise-samples", 10 ** 12]),
+        ("--output-json", ["--load", checkpoint, "--data-path", corpus, "--output-json", existing]),
+        (f"--output-json {existing}/numbers.json: {existing} is not a writable directory",
+         ["--load", checkpoint, "--data-path", corpus, "--output-json", existing / "numbers.json"]),
+        ("--context-block-parallel", ["--load", checkpoint, "--data-path", corpus, "--context-block-parallel", 2]),
+    ]
     before = existing.read_bytes()
-    for flag, arguments in cases.items():
+    for flag, arguments in cases:
         output = evaluate(1, *arguments, expect=2)
         lines = output.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("evaluate_bdlm.py: error: ") and flag in lines[0], output
-    assert existing.read_bytes() == before
+    assert existing.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["earlier.json"]
     # Under the launcher every rank refuses; they leave together, so it is still one line and exit status 2.
     output = evaluate(2, "--load", checkpoint, "--data-path", corpus, "--tensor-model-parallel-size", 3, expect=2)
     lines = output.strip().splitlines()
     assert len(lines) == 1 and "--tensor-model-parallel-size 3 does not divide" in lines[0], output
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs. Needs root (mount); tests/test_refusals.py covers the same paths with a patched disk."""
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_full_disk_at_the_output_json_is_found_before_the_evaluation(trained, corpus, small_disk):
+    """On a real 64 KiB disk: a record of 10^5 draws (~3 MiB) is refused before any work; a record written
+    there anyway (the disk filling during the run) is one line naming the file, nothing left behind."""
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.tools.evaluation import record_bytes, write_json
+
+    target = small_disk / "numbers.json"
+    output = evaluate(1, "--load", trained / "run", "--data-path", corpus, "--noise-samples", 10 ** 5,
+                      "--output-json", target, expect=2)
+    need = record_bytes(10 ** 5) / 2 ** 20
+    assert output.strip().splitlines() == [f"evaluate_bdlm.py: error: --output-json {target}: {need:.1f} MiB are to "
+                                           f"be written but only 0.1 MiB are free there; free space or give another "
+                                           f"--output-json"], output
+    with pytest.raises(ConfigError) as caught:
+        write_json(str(target), {"nelbo_per_draw": [1.0] * 10 ** 5}, overwrite=False)
+    assert str(caught.value) == (f"--output-json {target}: cannot write it (No space left on device); nothing was "
+                                 f"written: free space there or give another file")
+    assert os.listdir(small_disk) == []
+
+
+def test_streamed_sums_give_the_estimate_of_all_draws_at_once():
+    """`Tally` (what the evaluation keeps, draw by draw) against the two-pass formulas over the whole [K, N]
+    table, on random sums with a heavy tail; a different table gives a different estimate (control)."""
+    import torch
+
+    from megatron_csbp.tools.evaluation import estimate
+
+    generator = torch.Generator().manual_seed(0)
+    sums = torch.rand(7, 11, generator=generator, dtype=torch.float64).pow(-0.5) * 40
+    counts = torch.full((7, 11), 64.0, dtype=torch.float64)
+    result = estimate(sums, counts)
+    nelbo = sums.sum() / counts.sum()
+    residual = (sums.sum(0) - nelbo * counts.sum(0)) / counts.sum(0).mean()
+    assert result.nelbo == pytest.approx(nelbo.item(), rel=1e-12)
+    assert result.stderr == pytest.approx((residual.std() / math.sqrt(11)).item(), rel=1e-12)
+    assert result.noise_stderr == pytest.approx((sums.var(dim=0).sum() / 7).sqrt().item() / counts[0].sum().item(),
+                                                rel=1e-12)
+    assert result.per_draw == pytest.approx((sums.sum(1) / counts.sum(1)).tolist(), rel=1e-12)
+    assert estimate(sums.flip(0) * 1.01, counts).nelbo != pytest.approx(result.nelbo, rel=1e-6)
 
 
 def test_a_different_seed_changes_the_estimate(evaluations):

@@ -5,7 +5,9 @@ colours among four far above chance, the same model untrained (one step at learn
 at chance; `generate_until` answers what `scripts/generate_bdlm.py` prints for the same greedy settings; the two
 NELBO estimators agree (and a biased one does not), and a continuation's score does not depend on the padding
 or the batch it ran in. Under tensor parallelism (2 ranks through `python -m megatron_csbp.torchrun -m
-megatron_csbp.harness`) the same tasks give the 1-rank answers, and only rank 0 writes them.
+megatron_csbp.harness`) the same tasks give the 1-rank answers, and only rank 0 writes them. Every bad input
+(model_args, lm-eval's options, a task or its data, --output_path, a model call larger than the memory) is one
+line with exit status 2 before the model loads, and a save that fails on a full disk saves nothing.
 """
 
 import ast
@@ -86,20 +88,29 @@ def _write_tasks(folder) -> None:
           "metric_list:\n  - metric: exact_match\n    aggregation: mean\n    higher_is_better: true\n")
 
 
+def _config(root) -> list:
+    return ["--config", os.path.join(REPO, "configs", "demo_sequences.yaml"), f"data-path={root / 'sequences'}",
+            f"tensorboard-dir={root / 'tensorboard'}", *SMALL]
+
+
 @pytest.fixture(scope="module")
-def harness_runs(tmp_path_factory):
-    """The sequences corpus, a model trained 300 steps on it and the same model untrained, the local tasks."""
+def harness_root(tmp_path_factory):
+    """The sequences corpus, the local tasks, and the model untrained: the demo's config and seed, one step at
+    learning rate 0 (the weights stay the initial ones; pretrain_bdlm.py refuses train-iters=0)."""
     root = tmp_path_factory.mktemp("harness")
     assert prepare_data.main(["--corpus", "sequences", "--output-prefix", str(root / "sequences")]) == 0
-    config = ["--config", os.path.join(REPO, "configs", "demo_sequences.yaml"), f"data-path={root / 'sequences'}",
-              f"tensorboard-dir={root / 'tensorboard'}", *SMALL]
-    _ok([sys.executable, SCRIPT, *config, f"save={root / 'trained'}", f"load={root / 'trained'}", "train-iters=300",
-         "save-interval=300"])
-    # The untrained control: the same config and seed, one step at learning rate 0 (the weights stay the initial
-    # ones; pretrain_bdlm.py refuses train-iters=0).
-    _ok([sys.executable, SCRIPT, *config, f"save={root / 'untrained'}", f"load={root / 'untrained'}",
+    _ok([sys.executable, SCRIPT, *_config(root), f"save={root / 'untrained'}", f"load={root / 'untrained'}",
          "train-iters=1", "save-interval=1", "lr=0", "min-lr=0"])
     _write_tasks(root / "tasks")
+    return root
+
+
+@pytest.fixture(scope="module")
+def harness_runs(harness_root):
+    """`harness_root` and the same model trained 300 steps on the corpus."""
+    root = harness_root
+    _ok([sys.executable, SCRIPT, *_config(root), f"save={root / 'trained'}", f"load={root / 'trained'}",
+         "train-iters=300", "save-interval=300"])
     return root
 
 
@@ -236,7 +247,8 @@ def _in_process(rank, world_size, load):
 
 
 def test_estimators_agree_scores_do_not_depend_on_padding_and_rows_are_the_objectives(harness_runs):
-    summary, padding, control, refusals, same_rows = run_ranks(_in_process, 1, str(harness_runs / "trained"), timeout=300)[0]
+    summary, padding, control, refusals, same_rows = run_ranks(_in_process, 1, str(harness_runs / "trained"),
+                                                               timeout=300)[0]
     for index in range(3):
         (a, sa), (b, sb), (u, su) = (summary[name][index] for name in ("inverse-t", "count", "unweighted"))
         gap, unweighted = abs(a - b) / (sa ** 2 + sb ** 2) ** 0.5, abs(a - u) / (sa ** 2 + su ** 2) ** 0.5
@@ -254,12 +266,209 @@ def test_estimators_agree_scores_do_not_depend_on_padding_and_rows_are_the_objec
         assert case in refusals and message in refusals[case] and "\n" not in refusals[case], (case, refusals)
 
 
-def test_a_refusal_through_the_command_line_is_one_line_with_exit_2(harness_runs):
-    done = _run(_harness(harness_runs, harness_runs / "trained", "csbp_next_word", "tensor_parallel_size=2"))
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
-    assert lines[-1].startswith("python -m megatron_csbp.harness: error: model_args: tensor_parallel_size=2"), lines[-1]
-    assert re.fullmatch(r"[^\n]+", lines[-1])
+def _write_bad_tasks(folder) -> None:
+    """Local tasks lm-eval cannot load: data that is not JSON, a missing data file, no documents, documents
+    without the field the task reads, a group over the first, a dataset on the Hub (offline here)."""
+    folder.mkdir()
+    (folder / "not_json.json").write_text("this is not JSON {\n")
+    (folder / "empty.json").write_text("[]\n")
+    (folder / "no_field.json").write_text(json.dumps([{"context": "red orange"}]))
+    task = ("task: {name}\n{data}test_split: test\noutput_type: multiple_choice\ndoc_to_text: \"{{{{context}}}}\"\n"
+            "doc_to_choice: \"{{{{choices}}}}\"\ndoc_to_target: 0\nmetric_list:\n  - metric: acc\n")
+    local = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {file}\n"
+    for name, file in (("not_json", "not_json.json"), ("missing", "missing.json"), ("empty", "empty.json"),
+                       ("no_field", "no_field.json")):
+        (folder / f"{name}.yaml").write_text(task.format(name=f"csbp_{name}",
+                                                         data=local.format(file=folder / file)))
+    (folder / "hub.yaml").write_text(task.format(name="csbp_hub", data="dataset_path: no_such_org/no_such_data\n"))
+    (folder / "group.yaml").write_text("group: csbp_bad_group\ntask:\n  - csbp_not_json\n")
+
+
+HARNESS = "python -m megatron_csbp.harness"
+
+
+def _refusal(status: int, stderr: str) -> str:
+    """The refusal's line, checked to be the only error line, after no traceback, with exit status 2."""
+    assert status == 2 and "Traceback" not in stderr, f"exit {status}:\n{stderr[-3000:]}"
+    lines = stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith(f"{HARNESS}: error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], lines[-5:]
+    return errors[0][len(f"{HARNESS}: error: "):]
+
+
+def test_bad_input_is_one_line_before_the_model_loads(harness_root, tmp_path, monkeypatch, capsys):
+    """lm-eval's command line with one bad input each: exit status 2, one line naming what is wrong, no
+    traceback, nothing written. Those found in lm-eval's configuration come before the checkpoint is even read
+    (no `verified` line), the tasks are loaded (and refused) before it too, and the model call's size once the
+    checkpoint's arguments are read, before the model is built. Some run as users run them (a process each),
+    the rest through the same `main(argv)` in this process, where building the model would raise."""
+    import lm_eval.utils
+
+    from megatron_csbp.tools import harness
+    from megatron_csbp.training import loops
+
+    load, root = harness_root / "untrained", harness_root
+    _write_bad_tasks(tmp_path / "bad_tasks")
+    file = tmp_path / "a_file"
+    file.write_text("keep me")
+    include = ["--include_path", str(tmp_path / "bad_tasks")]
+    cases = {  # name: (command, the refusal (exact, or its start when it ends with '...'), checkpoint read, spawn)
+        "model_args": (_harness(root, load, "csbp_next_word", "mc_samples=abc"),
+                       "model_args: mc_samples=abc: expected an integer >= 1", False, True),
+        "data not JSON": (_harness(root, load, "csbp_not_json")[:-4] + include + ["--output_path", str(tmp_path)],
+                          f"--tasks csbp_not_json (task file {tmp_path}/bad_tasks/not_json.yaml; data {tmp_path}/"
+                          f"bad_tasks/not_json.json): lm-eval cannot load it: DatasetGenerationError: ...", False,
+                          True),
+        "Hub dataset offline": (_harness(root, load, "csbp_hub")[:-4] + include,
+                                f"--tasks csbp_hub (task file {tmp_path}/bad_tasks/hub.yaml; dataset "
+                                f"no_such_org/no_such_data): lm-eval cannot load it: ...", False, True),
+        "model call": (_harness(root, load, "csbp_next_word", f"mc_samples={10 ** 9}"),
+                       f"model_args: mc_samples={10 ** 9} with --batch_size 16: a model call scores "
+                       f"16,000,000,000 rows of 128 positions, about ...", True, True),
+        "tensor_parallel_size": (_harness(root, load, "csbp_next_word", "tensor_parallel_size=2"),
+                                 "model_args: tensor_parallel_size=2 but this launch has 1 rank: ...", False, False),
+        "no checkpoint": (_harness(root, tmp_path / "no_run", "csbp_next_word"),
+                          f"model_args: load={tmp_path / 'no_run'}: no such directory; give the --save directory "
+                          f"of a training run", False, False),
+        "lm-eval's options": (_harness(root, load, "csbp_next_word") + ["--log_samples"],
+                              "lm-eval's options: ValueError: Specify --output_path if providing --log_samples or "
+                              "--predict_only", False, False),
+        "output file": (_harness(root, load, "csbp_next_word") + ["--output_path", str(file)],
+                        f"--output_path {file} is a file; give a directory (lm-eval writes its results under it) "
+                        f"or a name ending .json (written beside it as NAME_<date>.json)", False, False),
+        "no config file": (_harness(root, load, "csbp_next_word", f"config={tmp_path / 'no.yaml'}"),
+                           f"model_args: config={tmp_path / 'no.yaml'}: no such file; give a training YAML", False,
+                           False),
+        "negative limit": (_harness(root, load, "csbp_next_word") + ["--limit", "-5"],  # lm-eval: after the model
+                           "--limit -5.0: give a number of documents >= 1, or a fraction of them in (0, 1)", False,
+                           False),
+        "no include path": (_harness(root, load, "csbp_next_word")[:-4] + ["--include_path", str(tmp_path / "no")],
+                            f"--include_path {tmp_path / 'no'}: no such file or directory; give the folder of your "
+                            f"task YAMLs", False, False),
+        "unknown task": (_harness(root, load, "csbp_no_such_task"),
+                         f"--tasks csbp_no_such_task: ValueError: Tasks not found: csbp_no_such_task; lm-eval's "
+                         f"tasks: {HARNESS} ls tasks (with --include_path DIR for tasks of your own)", False, False),
+        "gen_kwargs": (_harness(root, load, "csbp_prompts") + ["--gen_kwargs", "max_gen_toks=abc"],
+                       "gen_kwargs of --tasks csbp_prompts: max_gen_toks=abc: expected an integer >= 1", False, False),
+    }
+
+    def building(*args, **kwargs):
+        raise AssertionError("the model is being built")
+
+    monkeypatch.setattr(loops, "init_distributed", building)
+    monkeypatch.setattr(lm_eval.utils, "_LOGGING_CONFIGURED", True)  # its logs to pytest's, not to a handler here
+    monkeypatch.setattr(sys, "argv", list(sys.argv))  # main() sets lm-eval's
+    for name, (command, expected, read, spawn) in cases.items():
+        started = time.time()
+        if spawn:
+            done = _run(command)
+            status, stderr, stdout = done.returncode, done.stderr, done.stdout
+        else:
+            status = harness.main(command[3:])
+            captured = capsys.readouterr()
+            stderr, stdout = captured.err, captured.out
+        line = _refusal(status, stderr)
+        print(f"{name}: {time.time() - started:.0f} s: {line}")
+        assert line == expected or expected.endswith("...") and line.startswith(expected[:-3]), (name, line)
+        assert (" verified " in stdout) == read, (name, stdout[-2000:])  # the checkpoint was read
+    assert sorted(os.listdir(tmp_path)) == ["a_file", "bad_tasks"] and file.read_text() == "keep me"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1200 KiB tmpfs: room for a results file (the 1 MiB bound), not for samples of long documents. Needs
+    root (mount); tests/test_refusals.py covers the same paths with a patched disk and files."""
+    mount = tmp_path / "small_disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1200k", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here ({done.stderr.decode().strip()})")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+def test_a_save_that_fails_on_a_full_disk_is_one_line_and_saves_nothing(harness_root, small_disk, tmp_path):
+    """lm-eval logs a failed write as a warning and exits 0; here its samples (30 documents of ~15 kB, each in
+    the samples four times) fill the disk after the results fit: one line, exit status 2, nothing left there."""
+    words = prepare_data.SEQUENCES["months"].split()
+    folder = tmp_path / "long_task"
+    folder.mkdir()
+    documents = [{"context": " ".join(words[(i + k) % len(words)] for k in range(2000)),
+                  "choices": ["a", "b", "c", "d"], "answer": 0} for i in range(30)]
+    (folder / "long.json").write_text(json.dumps(documents))
+    (folder / "long.yaml").write_text(
+        f"task: csbp_long\ndataset_path: json\ntest_split: test\ndataset_kwargs:\n  data_files:\n    test: "
+        f"{folder / 'long.json'}\noutput_type: multiple_choice\ndoc_to_text: \"{{{{context}}}}\"\ndoc_to_choice: "
+        f"\"{{{{choices}}}}\"\ndoc_to_target: answer\nmetric_list:\n  - metric: acc\n")
+    output = small_disk / "results"
+    command = _harness(harness_root, harness_root / "untrained", "csbp_long", "mc_samples=2", "greedy_check=false")
+    done = _run(command[:-4] + ["--include_path", str(folder), "--output_path", str(output), "--log_samples"])
+    assert _refusal(done.returncode, done.stderr) == (
+        f"--output_path {output}: lm-eval could not write its output (the samples of csbp_long are missing or "
+        f"incomplete; its warning above says why); nothing was saved there")
+    assert "Could not save sample results" in done.stderr and "csbp_long" in done.stdout  # it ran, then failed
+    assert os.listdir(small_disk) == []
+
+
+def test_task_and_data_errors_name_the_task_and_its_files(harness_root, tmp_path):
+    """lm-eval's and `datasets`' own errors while loading a task become one line naming the task, its YAML and
+    its data files (a group's failing member, not the group); good tasks load into the objects lm-eval runs."""
+    from lm_eval.api.task import Task
+    from lm_eval.tasks import TaskManager
+
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.tools.lm_eval_inputs import load_tasks
+
+    folder = tmp_path / "bad_tasks"
+    _write_bad_tasks(folder)
+    manager = TaskManager(include_path=[str(harness_root / "tasks"), str(folder)], include_defaults=False)
+    cases = {"csbp_not_json": ("csbp_not_json", "not_json.json", "JSON parse error"),
+             "csbp_missing": ("csbp_missing", "missing.json", f"FileNotFoundError: Unable to find '{folder}/missing"),
+             "csbp_empty": ("csbp_empty", "empty.json", "corresponds to no data"),
+             "csbp_no_field": ("csbp_no_field", "no_field.json", "UndefinedError: 'choices' is undefined"),
+             "csbp_bad_group": ("csbp_not_json", "not_json.json", "JSON parse error")}
+    for asked, (named, data, why) in cases.items():
+        with pytest.raises(ConfigError) as caught:
+            load_tasks(manager, ["csbp_next_word", asked])
+        message = str(caught.value)
+        print(message)
+        assert message.startswith(f"--tasks {named} (task file {folder}/{named[5:]}.yaml; data {folder}/{data}): "
+                                  f"lm-eval cannot load it: ") and "\n" not in message, message
+        assert why in message and message.endswith("; fix the task or its data, or leave it out"), message
+    items = load_tasks(manager, ["csbp_next_word", "csbp_texts"])  # control
+    assert [item.task_name for item in items] == ["csbp_next_word", "csbp_texts"]
+    assert all(isinstance(item, Task) for item in items) and len(items[0].eval_docs) == 80
+
+
+def test_resource_bounds_refuse_before_the_model_is_built(harness_root, monkeypatch):
+    """A model call's rows (`--batch_size x mc_samples`) and decoding to `max_gen_toks` are bounded by the
+    device's memory once the checkpoint's arguments are read, before the process group and the model exist;
+    the defaults fit (control: the build then starts)."""
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.tools import harness
+    from megatron_csbp.training import loops
+
+    class Building(Exception):
+        pass
+
+    def building(*args, **kwargs):
+        raise Building()
+
+    monkeypatch.setattr(loops, "init_distributed", building)  # the first step of building the model
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    load = str(harness_root / "untrained")
+    for arguments, start in (({"mc_samples": 10 ** 9}, f"model_args: mc_samples={10 ** 9} with --batch_size 8: "
+                                                       f"a model call scores 8,000,000,000 rows of 128 positions, "
+                                                       f"about "),
+                             ({"max_gen_toks": 10 ** 12}, f"model_args: max_gen_toks={10 ** 12}: decoding 8 prompts "
+                                                          f"to 1,000,000,000,008 positions needs ")):
+        with pytest.raises(ConfigError) as caught:
+            harness.MegatronCSBPLM(load=load, **arguments)
+        assert str(caught.value).startswith(start) and "GiB this device has; lower " in str(caught.value), caught.value
+    with pytest.raises(Building):
+        harness.MegatronCSBPLM(load=load, batch_size=16, mc_samples=8)
 
 
 LAUNCHER = [sys.executable, "-m", "megatron_csbp.torchrun", "--standalone", "--nproc-per-node", "2"]
@@ -297,8 +506,8 @@ def test_two_tensor_parallel_ranks_answer_as_one_rank(harness_runs, evaluations)
     assert texts[0] == texts[1] and len(texts[0]) == len(GEN_PROMPTS)
 
 
-def test_a_world_size_other_than_tensor_parallel_size_is_refused_in_one_line(harness_runs):
-    done = _run(LAUNCHER + _harness(harness_runs, harness_runs / "trained", "csbp_next_word")[1:])
+def test_a_world_size_other_than_tensor_parallel_size_is_refused_in_one_line(harness_root):
+    done = _run(LAUNCHER + _harness(harness_root, harness_root / "untrained", "csbp_next_word")[1:])
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert lines[-1] == ("python -m megatron_csbp.harness: error: model_args: tensor_parallel_size=1 but this launch "

@@ -397,3 +397,232 @@ def test_submit_refuses_a_non_positive_cpus_per_task():
         else:  # negative control: a valid count is written into the batch script
             assert done.returncode == 0 and "--cpus-per-task=2" in done.stdout, done.stderr
 
+
+
+# ------------------------------------------------------------------------ the lm-eval model and the evaluator
+# (model_args as lm-eval hands them over, the refusal's exact text): lm-eval's `key=value` parsing has already
+# turned numbers into int/float and true/false/none into bool/None; a Python caller gives anything.
+MODEL_ARGS_REFUSALS = [
+    ({"mc_samples": "abc"}, "model_args: mc_samples=abc: expected an integer >= 1"),
+    ({"mc_samples": 0}, "model_args: mc_samples=0: expected an integer >= 1"),
+    ({"mc_samples": 1.5}, "model_args: mc_samples=1.5: expected an integer >= 1"),
+    ({"mc_samples": ""}, "model_args: mc_samples=: expected an integer >= 1"),  # `mc_samples` without `=`
+    ({"mc_samples": True}, "model_args: mc_samples=True: expected an integer >= 1"),
+    ({"mc_samples": [1, 2]}, "model_args: mc_samples=[1, 2]: expected an integer >= 1"),  # JSON model_args
+    ({"mc_samples": None}, "model_args: mc_samples=None: expected an integer >= 1"),
+    ({"seed": -1}, "model_args: seed=-1: expected an integer in [0, 2**64)"),
+    ({"seed": 2 ** 64}, f"model_args: seed={2 ** 64}: expected an integer in [0, 2**64)"),
+    ({"max_gen_toks": 0}, "model_args: max_gen_toks=0: expected an integer >= 1"),
+    ({"top_k": -1}, "model_args: top_k=-1: expected an integer >= 0"),
+    ({"steps_per_block": 0}, "model_args: steps_per_block=0: expected an integer >= 1"),
+    ({"tensor_parallel_size": 0}, "model_args: tensor_parallel_size=0: expected an integer >= 1"),
+    ({"threshold": 1.5}, "model_args: threshold=1.5: expected a probability in [0, 1]"),
+    ({"threshold": float("nan")}, "model_args: threshold=nan: expected a probability in [0, 1]"),
+    ({"temperature": -0.5}, "model_args: temperature=-0.5: expected a number >= 0 (0: greedy)"),
+    ({"temperature": float("inf")}, "model_args: temperature=inf: expected a number >= 0 (0: greedy)"),
+    ({"temperature": "hot"}, "model_args: temperature=hot: expected a number >= 0 (0: greedy)"),
+    ({"top_p": 0}, "model_args: top_p=0: expected a number in (0, 1]"),
+    ({"greedy_check": "maybe"}, "model_args: greedy_check=maybe: expected true or false"),
+    ({"greedy_check": 2}, "model_args: greedy_check=2: expected true or false"),
+    ({"estimator": "median"}, "model_args: estimator=median: expected one of inverse-t, count"),
+    ({"strategy": 3}, "model_args: strategy=3: expected one of confidence, fast-dllm-v2, top-k, posterior, "
+                      "first-hitting"),
+    ({"config": ""}, "model_args: config=: expected a path: a training YAML whose settings override those the "
+                     "checkpoint recorded"),
+    ({"load": 7}, "model_args: load=7: expected a path: a --save directory of a training run, or one of its "
+                  "iter_XXXXXXX directories"),
+    ({"batch_size": 0}, "--batch_size 0: expected an integer >= 1, or auto"),
+    ({"batch_size": "-1"}, "--batch_size -1: expected an integer >= 1, or auto"),
+    ({"batch_size": "big"}, "--batch_size big: expected an integer >= 1, or auto"),
+    ({"max_batch_size": 0}, "--max_batch_size 0: expected an integer >= 1"),
+    ({"tensor_parallel_size": 2}, "model_args: tensor_parallel_size=2 but this launch has 1 rank: launch exactly "
+                                  "tensor_parallel_size ranks (python -m megatron_csbp.torchrun --standalone "
+                                  "--nproc-per-node 2 -m megatron_csbp.harness ...)"),
+]
+
+
+def test_model_args_are_read_by_one_typed_parser(monkeypatch):
+    """Every model_args key is typed and ranged in one table; a bad value is one line naming the key, the value
+    and what it must be; an unknown key names the closest known one; lm-eval's own values parse (control)."""
+    pytest.importorskip("lm_eval")
+    from megatron_csbp.tools.harness import model_arguments
+
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for given, message in MODEL_ARGS_REFUSALS:
+        with pytest.raises(ConfigError) as caught:
+            model_arguments({"load": "runs/x", **given})
+        assert str(caught.value) == message, given
+    for given, hint in (({"mc_sample": 4}, " (did you mean mc_samples?)"), ({"pretrained": "gpt2"}, "")):
+        with pytest.raises(ConfigError) as caught:
+            model_arguments({"load": "runs/x", **given})
+        assert str(caught.value).startswith(f"model_args: unknown argument {next(iter(given))!r}{hint}; known: load, "
+                                            "config, mc_samples,"), caught.value
+        assert "batch_size" not in str(caught.value)  # lm-eval's flags are not model_args
+    with pytest.raises(ConfigError) as caught:
+        model_arguments({"mc_samples": 4})
+    assert str(caught.value).startswith("model_args: give load=DIR")
+    # Control: what lm-eval hands over for good values reads as the types the model uses.
+    values = model_arguments({"load": "runs/x", "mc_samples": "16", "seed": 1e3, "greedy_check": "no",
+                              "temperature": 1, "top_p": "0.5", "steps_per_block": None, "batch_size": "auto:4",
+                              "device": "cuda:0"})
+    assert (values["mc_samples"], values["seed"], values["greedy_check"], values["temperature"], values["top_p"],
+            values["steps_per_block"], values["batch_size"]) == (16, 1000, False, 1.0, 0.5, None, 8)
+    assert isinstance(values["mc_samples"], int) and isinstance(values["temperature"], float)
+    assert model_arguments({"load": "runs/x"})["mc_samples"] == 32 and model_arguments(
+        {"load": "runs/x", "batch_size": 3})["batch_size"] == 3
+
+
+def test_gen_kwargs_are_typed_like_model_args():
+    pytest.importorskip("lm_eval")
+    from megatron_csbp.tools.harness import GEN_OPTIONS, read_options
+
+    for given, message in (({"max_gen_toks": "abc"}, "gen_kwargs: max_gen_toks=abc: expected an integer >= 1"),
+                           ({"max_gen_toks": -3}, "gen_kwargs: max_gen_toks=-3: expected an integer >= 1"),
+                           ({"temperature": -1}, "gen_kwargs: temperature=-1: expected a number >= 0 (0: greedy)"),
+                           ({"do_sample": "sometimes"}, "gen_kwargs: do_sample=sometimes: expected true or false"),
+                           ({"until": ["\n", 3]}, "gen_kwargs: until=['\\n', 3]: expected a string or a list of "
+                                                  "strings")):
+        with pytest.raises(ConfigError) as caught:
+            read_options(given, GEN_OPTIONS, "gen_kwargs")
+        assert str(caught.value) == message
+    values = read_options({"max_gen_toks": 16, "until": "\n\n", "do_sample": False}, GEN_OPTIONS, "gen_kwargs")
+    assert (values["max_gen_toks"], values["until"], values["do_sample"]) == (16, ["\n\n"], False)
+
+
+def _usage(free):
+    from collections import namedtuple
+
+    return namedtuple("usage", "total used free")(10 * 2 ** 30, 0, free)
+
+
+def test_output_path_is_checked_as_lm_eval_reads_it(tmp_path, monkeypatch):
+    """lm-eval 0.4's --output_path: a name ending .json is a pattern for files beside it, anything else a
+    directory. A file where the directory must be, no write access or no room for a results file is refused;
+    nothing is created by the check."""
+    pytest.importorskip("lm_eval")
+    from megatron_csbp.tools import lm_eval_inputs
+    from megatron_csbp.training import publish
+
+    file = tmp_path / "a_file"
+    file.write_text("keep me")
+    refused = {
+        str(file): f"--output_path {file} is a file; give a directory (lm-eval writes its results under it) or a "
+                   f"name ending .json (written beside it as NAME_<date>.json)",
+        str(file / "sub"): f"--output_path {file}/sub: {file} is a file, not a directory; give a path in a directory",
+        str(file / "r.json"): f"--output_path {file}/r.json: {file} is a file, not a directory; give a path in a "
+                              f"directory",
+    }
+    for path, message in refused.items():
+        with pytest.raises(ConfigError) as caught:
+            lm_eval_inputs.check_output_path(path)
+        assert str(caught.value) == message
+    # Accepted as lm-eval defines them: a missing directory, an existing .json file (results go beside it).
+    assert lm_eval_inputs.check_output_path(str(tmp_path / "new" / "dir")) == str(tmp_path / "new" / "dir")
+    assert lm_eval_inputs.check_output_path(str(file) + ".json") == str(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["a_file"] and file.read_text() == "keep me"
+    monkeypatch.setattr(publish.shutil, "disk_usage", lambda path: _usage(lm_eval_inputs.RESULTS_BYTES - 1))
+    with pytest.raises(ConfigError) as caught:
+        lm_eval_inputs.check_output_path(str(tmp_path / "results"))
+    assert str(caught.value).startswith(f"--output_path {tmp_path}/results: 1.0 MiB are to be written but only")
+    monkeypatch.setattr(lm_eval_inputs.os, "access", lambda path, mode: False)
+    with pytest.raises(ConfigError) as caught:
+        lm_eval_inputs.check_output_path(str(tmp_path / "results"))
+    assert str(caught.value) == (f"--output_path {tmp_path}/results: {tmp_path} cannot be written (permissions or a "
+                                 f"read-only file system); give another path")
+
+
+def _lm_eval_writes(staged: str, samples_lines: int, results: bool = True) -> None:
+    """What lm-eval's tracker writes for a directory --output_path: results and one task's samples."""
+    import json
+
+    folder = os.path.join(staged, "model")
+    os.makedirs(folder)
+    if results:
+        with open(os.path.join(folder, "results_2026-01-01T00-00-00.0.json"), "w") as handle:
+            json.dump({"results": {}, "n-samples": {"my_task": {"original": 5, "effective": 3}}}, handle)
+    with open(os.path.join(folder, "samples_my_task_2026-01-01T00-00-00.0.jsonl"), "w") as handle:
+        handle.write('{"doc_id": 0}\n' * samples_lines + ('{"doc_' if samples_lines < 3 else ""))
+
+
+def test_lm_eval_output_is_published_whole_or_not_at_all(tmp_path):
+    """lm-eval writes into a private directory; its files are published when all are complete (the results
+    parse, each task's samples are all there), else the run says so in one line and nothing is published."""
+    pytest.importorskip("lm_eval")
+    from megatron_csbp.tools.lm_eval_inputs import StagedOutput
+
+    for lines, results, why in ((2, True, "the samples of my_task are missing or incomplete"),
+                                (3, False, "no results file")):
+        output = StagedOutput(str(tmp_path / "out"), samples=True)
+        _lm_eval_writes(output.staged, lines, results)
+        with pytest.raises(ConfigError) as caught:
+            output.publish()
+        assert str(caught.value) == (f"--output_path {tmp_path}/out: lm-eval could not write its output ({why}; its "
+                                     f"warning above says why); nothing was saved there")
+        output.discard()
+        assert os.listdir(tmp_path) == []  # the directory made for the run is gone with what lm-eval wrote
+    output = StagedOutput(str(tmp_path / "out"), samples=True)
+    _lm_eval_writes(output.staged, 3)
+    published = output.publish()
+    output.discard()  # after publishing: nothing to discard
+    assert sorted(os.path.relpath(path, tmp_path) for path in published) == [
+        "out/model/results_2026-01-01T00-00-00.0.json", "out/model/samples_my_task_2026-01-01T00-00-00.0.jsonl"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["model"]  # no private directory left
+
+
+def test_evaluation_bounds_noise_samples_and_its_json_before_any_work(tmp_path, places, monkeypatch):
+    """--noise-samples against the machine's memory (each draw's NELBO is kept for the record; the sums are
+    streamed), --distributed-timeout-minutes against what a timeout can hold, and the --output-json record
+    against the free space, before the checkpoint is read."""
+    from collections import namedtuple
+
+    import psutil
+
+    from megatron_csbp.tools import evaluation
+    from megatron_csbp.training import publish
+
+    memory = namedtuple("memory", "available")
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(2 ** 30))
+    base = ["--load", str(tmp_path / "no_run"), "--data-path", places["prefix"]]
+    with pytest.raises(ConfigError) as caught:
+        evaluation.prepare(base + ["--noise-samples", str(10 ** 10)], 1)
+    assert str(caught.value) == ("--noise-samples 10000000000: the evaluation keeps each draw's NELBO for the "
+                                 "record, 596.0 GiB, more than the 1.0 GiB of memory available; lower it (at most "
+                                 "16,777,216)")
+    with pytest.raises(ConfigError) as caught:  # the process group's timeout: a timedelta, ~2.7 million years
+        evaluation.prepare(base + ["--distributed-timeout-minutes", str(10 ** 13)], 1)
+    assert str(caught.value) == "--distributed-timeout-minutes 10000000000000 must be in [1, 1439999999999]"
+    target = tmp_path / "numbers.json"
+    need = evaluation.record_bytes(10 ** 6)  # 16 KiB + 32 bytes a draw
+    assert need == 16 * 2 ** 10 + 32 * 10 ** 6
+    monkeypatch.setattr(publish.shutil, "disk_usage", lambda path: _usage(2 ** 20))
+    with pytest.raises(ConfigError) as caught:
+        evaluation.prepare(base + ["--noise-samples", str(10 ** 6), "--output-json", str(target)], 1)
+    assert str(caught.value) == (f"--output-json {target}: 30.5 MiB are to be written but only 1.0 MiB are free "
+                                 f"there; free space or give another --output-json")
+    # Control: with room, the options pass and the next check (the checkpoint) is the one that refuses.
+    monkeypatch.setattr(publish.shutil, "disk_usage", lambda path: _usage(need))
+    with pytest.raises(ConfigError) as caught:
+        evaluation.prepare(base + ["--noise-samples", str(10 ** 6), "--output-json", str(target)], 1)
+    assert str(caught.value).startswith(f"--load {tmp_path}/no_run: no such directory")
+    assert not target.exists()
+
+
+def test_a_failed_json_write_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    """The disk filling (or any write error) while the record is written: one line naming the file; no file
+    there, no private temporary beside it."""
+    import errno
+    import json
+
+    from megatron_csbp.tools import evaluation
+
+    def full_disk(record, handle, **kwargs):
+        handle.write('{"nelbo": ')
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(json, "dump", full_disk)
+    target = tmp_path / "numbers.json"
+    with pytest.raises(ConfigError) as caught:
+        evaluation.write_json(str(target), {"nelbo": 1.0}, overwrite=False)
+    assert str(caught.value) == (f"--output-json {target}: cannot write it (No space left on device); nothing was "
+                                 f"written: free space there or give another file")
+    assert os.listdir(tmp_path) == []

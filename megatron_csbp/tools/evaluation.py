@@ -33,11 +33,15 @@ How. The model, the objective rows and the schedule are training's: the checkpoi
 this launch's layout, `providers.RunProviders` (model, datasets, `BDLMForwardStep`), megatron-core's
 forward-only schedule (what `Trainer.evaluate` runs) and `checkpointing.load_checkpoint` without an
 optimizer. One sequence per micro-batch, so each micro-batch's `[S, C]` report is one sequence's (summed
-over the block-parallel ranks, gathered over data-parallel ranks). Sequences are the split's samples of the
-checkpoint's `--split` (and dataset seed), `--split all` the whole dataset, the first `--eval-sequences`.
+over the block-parallel ranks, gathered over data-parallel ranks); the reports are summed draw by draw
+(`Tally`), so memory grows with N + K, not N x K. Each draw's NELBO is kept for the record: `--noise-samples`
+is refused when those do not fit in memory, `--output-json` when its disk has no room for the record.
+Sequences are the split's samples of the checkpoint's `--split` (and dataset seed), `--split all` the whole
+dataset, the first `--eval-sequences`.
 """
 
 import argparse
+import datetime
 import hashlib
 import json
 import math
@@ -140,6 +144,27 @@ def checkpoint_directory(load: str) -> str:
     return directory
 
 
+DRAW_BYTES = 64  # memory one noise draw's NELBO takes until the record is written (a float, its slots, a copy)
+JSON_BYTES, JSON_DRAW_BYTES = 16 * 2 ** 10, 32  # the record's fixed part (paths included), one draw's line in it
+
+
+def record_bytes(noise_samples: int) -> int:
+    """A bound on the size of the `--output-json` record (it lists every draw's NELBO)."""
+    return JSON_BYTES + JSON_DRAW_BYTES * noise_samples
+
+
+def _check_noise_samples(options) -> None:
+    """`--noise-samples` against the machine: the sums over draws are kept per sequence (memory bounded by the
+    split), but each draw's NELBO is kept for the record; its time grows with it too, unbounded."""
+    import psutil
+
+    needed, available = options.noise_samples * DRAW_BYTES, psutil.virtual_memory().available
+    if needed > available:
+        raise ConfigError(f"--noise-samples {options.noise_samples}: the evaluation keeps each draw's NELBO for the "
+                          f"record, {needed / 2**30:,.1f} GiB, more than the {available / 2**30:,.1f} GiB of memory "
+                          f"available; lower it (at most {available // DRAW_BYTES:,})")
+
+
 def _check_output_json(options) -> None:
     path = options.output_json
     if path is None:
@@ -154,11 +179,15 @@ def _check_output_json(options) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"--output-json {path}: {probe} is not a writable directory; give another file")
+    from megatron_csbp.training import publish
+
+    publish.require_free_space(path, record_bytes(options.noise_samples), "--output-json")
 
 
 def _check_options(options) -> None:
     if options.noise_samples < 1:
         raise ConfigError(f"--noise-samples {options.noise_samples} must be >= 1 (noise draws per sequence)")
+    _check_noise_samples(options)
     if options.eval_sequences is not None and options.eval_sequences < 1:
         raise ConfigError(f"--eval-sequences {options.eval_sequences} must be >= 1 (or leave it out: the whole split)")
     if options.seed is not None and options.seed < 0:
@@ -168,6 +197,9 @@ def _check_options(options) -> None:
     for flag in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_block_parallel"):
         if getattr(options, flag) < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} {getattr(options, flag)} must be >= 1")
+    minutes, longest = options.distributed_timeout_minutes, datetime.timedelta.max // datetime.timedelta(minutes=1)
+    if minutes is not None and not 1 <= minutes <= longest:  # the process group's timeout is a timedelta
+        raise ConfigError(f"--distributed-timeout-minutes {minutes} must be in [1, {longest}]")
     if options.data_path.endswith((".bin", ".idx")):
         raise ConfigError(f"--data-path {options.data_path}: give the prefix without the extension "
                           f"(--data-path {options.data_path[:-4]})")
@@ -294,28 +326,63 @@ class Estimate:
         return math.exp(min(self.nelbo, 700.0))
 
 
+class Tally:
+    """What the estimate needs, summed draw by draw (memory O(N + K) whatever K): per sequence its CE and token
+    sums over the draws and the spread of its CE sums between draws (Welford's running mean and squares), the
+    first draw's tokens, and each draw's own NELBO."""
+
+    def __init__(self, sequences: int):
+        import torch
+
+        self.draws, self.first_tokens, self.per_draw = 0, None, []
+        self.sums, self.counts, self.mean, self.squares = (torch.zeros(sequences, dtype=torch.float64)
+                                                           for _ in range(4))
+
+    def add(self, sums, counts) -> None:
+        """Draw `k`'s weighted CE sum and supervised tokens of each sequence ([N] each)."""
+        import torch
+
+        sums, counts = torch.as_tensor(sums, dtype=torch.float64), torch.as_tensor(counts, dtype=torch.float64)
+        self.draws += 1
+        delta = sums - self.mean
+        self.mean += delta / self.draws
+        self.squares += delta * (sums - self.mean)
+        self.sums += sums
+        self.counts += counts
+        if self.first_tokens is None:
+            self.first_tokens = counts.sum()
+        self.per_draw.append((sums.sum() / counts.sum()).item())
+
+    def estimate(self) -> Estimate:
+        """The NELBO per token and its standard errors over sequences and over noise draws."""
+        import torch
+
+        K, N = self.draws, self.sums.shape[0]
+        total = self.counts.sum()
+        if total <= 0:
+            raise ConfigError("the evaluated sequences hold no supervised token")
+        nelbo = (self.sums.sum() / total).item()
+        stderr = None
+        if N >= 2:  # the ratio estimator's linearisation; with equal counts, sd(per-sequence NELBO) / sqrt(N)
+            residual = (self.sums - nelbo * self.counts) / self.counts.mean()
+            stderr = (residual.std(correction=1) / math.sqrt(N)).item()
+        noise_stderr = None
+        if K >= 2:  # counts do not depend on the noise: Var(NELBO | sequences) = sum_i Var(S_i) / (K C²)
+            within = (self.squares / (K - 1)).sum()
+            noise_stderr = (torch.sqrt(within / K) / self.first_tokens).item()
+        return Estimate(nelbo, stderr, noise_stderr, N, K, total.item(), tuple(self.per_draw))
+
+
 def estimate(sums, counts) -> Estimate:
     """From `sums[k][i]` (weighted CE sum of sequence `i` under draw `k`) and `counts[k][i]` (its supervised
-    tokens): the NELBO per token and its standard errors over sequences and over noise draws."""
+    tokens): the NELBO per token and its standard errors over sequences and over noise draws (`Tally`)."""
     import torch
 
     sums, counts = torch.as_tensor(sums, dtype=torch.float64), torch.as_tensor(counts, dtype=torch.float64)
-    K, N = sums.shape
-    total = counts.sum()
-    if total <= 0:
-        raise ConfigError("the evaluated sequences hold no supervised token")
-    nelbo = (sums.sum() / total).item()
-    per_sequence_sum, per_sequence_count = sums.sum(0), counts.sum(0)
-    stderr = None
-    if N >= 2:  # the ratio estimator's linearisation; with equal counts, sd(per-sequence NELBO) / sqrt(N)
-        residual = (per_sequence_sum - nelbo * per_sequence_count) / per_sequence_count.mean()
-        stderr = (residual.std(correction=1) / math.sqrt(N)).item()
-    noise_stderr = None
-    if K >= 2:  # counts do not depend on the noise: Var(NELBO | sequences) = sum_i Var(S_i) / (K C²)
-        within = sums.var(dim=0, correction=1).sum()
-        noise_stderr = (torch.sqrt(within / K) / counts[0].sum()).item()
-    per_draw = tuple((sums.sum(1) / counts.sum(1)).tolist())
-    return Estimate(nelbo, stderr, noise_stderr, N, K, total.item(), per_draw)
+    tally = Tally(sums.shape[1])
+    for draw_sums, draw_counts in zip(sums, counts):
+        tally.add(draw_sums, draw_counts)
+    return tally.estimate()
 
 
 def _error(value: float | None) -> str:
@@ -340,20 +407,23 @@ def write_json(path: str, record: dict, overwrite: bool) -> None:
     target = os.path.abspath(path)
     with publish.private_directory(target, "--output-json") as private:
         written = os.path.join(private, os.path.basename(target))
-        with open(written, "w", encoding="utf-8") as handle:
-            json.dump(record, handle, indent=2)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        if overwrite:
-            os.replace(written, target)
-        else:
-            try:
+        try:
+            with open(written, "w", encoding="utf-8") as handle:
+                json.dump(record, handle, indent=2)
+                handle.write("\n")
+                handle.flush()
+                os.fsync(handle.fileno())
+            if overwrite:
+                os.replace(written, target)
+            else:
                 os.link(written, target)
-            except FileExistsError:
-                raise ConfigError(f"--output-json {path}: a file appeared there during the evaluation; nothing was "
-                                  f"written: give another file, or --overwrite") from None
-        publish.fsync_dir(os.path.dirname(target))
+            publish.fsync_dir(os.path.dirname(target))
+        except FileExistsError:
+            raise ConfigError(f"--output-json {path}: a file appeared there during the evaluation; nothing was "
+                              f"written: give another file, or --overwrite") from None
+        except OSError as error:  # e.g. the disk filled during the evaluation
+            raise ConfigError(f"--output-json {path}: cannot write it ({error.strerror or error}); nothing was "
+                              f"written: free space there or give another file") from None
 
 
 # ---------------------------------------------------------------------------------------------- the run
@@ -473,8 +543,7 @@ class Evaluator:
         options = prepared.options
         dataset, count, available = self._dataset()
         K = options.noise_samples
-        sums = torch.zeros(K, count, dtype=torch.float64)
-        counts = torch.zeros(K, count, dtype=torch.float64)
+        tally = Tally(count)
         self.progress.print(f" evaluating {prepared.directory} (iteration {prepared.iteration}) on {count} of the "
                             f"{available} sequences of the {options.split} split x {K} noise samples (seed "
                             f"{prepared.seed}) | tp {args.tensor_model_parallel_size} pp "
@@ -486,21 +555,24 @@ class Evaluator:
         started = interval_start = time.perf_counter()
         for draw in range(K):
             forward_step = BDLMForwardStep(self.objective_for_draw(self.run.objective, draw), self.run.layout)
+            sums, counts = torch.zeros(count, dtype=torch.float64), torch.zeros(count, dtype=torch.float64)
             for start in range(0, count, per_call):
                 size = min(per_call, count - start)
                 with supervision.watch(f"evaluation: noise sample {draw}, sequences {start}-{start + size - 1}"):
                     rows = self._call(forward_step, dataset, start, size)
                 if rows is not None:
-                    sums[draw, start:start + size], counts[draw, start:start + size] = rows[:, 0], rows[:, 1]
+                    sums[start:start + size], counts[start:start + size] = rows[:, 0], rows[:, 1]
                 done += size
                 if done // options.log_interval > logged or done == total:
                     now = time.perf_counter()
                     self._progress_line(done, total, draw, K, done - last_logged, now - interval_start)
                     logged, last_logged, interval_start = done // options.log_interval, done, now
+            if self.last_stage:
+                tally.add(sums, counts)
         seconds = time.perf_counter() - started
         if not self.last_stage:
             return None
-        return self._record(estimate(sums, counts), seconds)
+        return self._record(tally.estimate(), seconds)
 
     def _progress_line(self, done, total, draw, K, evaluated, seconds) -> None:
         seconds = max(seconds, 1e-9)

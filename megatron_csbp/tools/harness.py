@@ -45,19 +45,29 @@ data parallelism), because each model call is a collective of all the ranks. Onl
 on the other ranks stdout goes to /dev/null, lm-eval logs errors only, and the output flags (`--output_path`,
 `--log_samples`, `--predict_only`, the W&B/Trackio/Hub loggers, `--show_config`, `--write_out`,
 `--cache_requests`) are dropped from the configuration lm-eval builds, whether they came from the command line
-or from its `--config` YAML. Refused in one line (`ConfigError`, exit 2): a launch whose world size is not
-`tensor_parallel_size`, `--use_cache` under TP (a rank answering from its cache would skip a collective the
-others enter), loglikelihood on a `fast-dllm-v2` checkpoint (its shifted labels give no BD3-LM bound;
-`config=` a YAML with `bdlm-objective: bd3lm` to score it as one), unknown or bad model_args.
+or from its `--config` YAML.
+
+Every input is checked before the model loads, and refused in one line (`ConfigError`, exit 2): model_args
+(and lm-eval's `--batch_size`) by one typed parser (`model_arguments`: an unknown key, a value not of its
+key's type or range), lm-eval's own option errors, a launch whose world size is not `tensor_parallel_size`,
+`--use_cache` under TP (a rank answering from its cache would skip a collective the others enter), a task or
+its data lm-eval cannot load, gen_kwargs of the wrong type, an `--output_path` lm-eval cannot write
+(`lm_eval_inputs`, which also publishes lm-eval's files whole), a model call (`--batch_size x mc_samples`
+rows) or a decode (`max_gen_toks`) larger than the device's memory; and, when its requests come,
+loglikelihood on a `fast-dllm-v2` checkpoint (its shifted labels give no BD3-LM bound; `config=` a YAML with
+`bdlm-objective: bd3lm` to score it as one).
 """
 
 import atexit
 import difflib
 import hashlib
+import math
 import os
 import re
 import sys
 from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from lm_eval.api.model import LM
@@ -72,6 +82,8 @@ from megatron_csbp.tools.sampling import DEFAULT_STRATEGY
 COMMAND = "python -m megatron_csbp.harness"  # as its refusals name it
 NAME = "megatron_csbp"
 ESTIMATORS = ("inverse-t", "count")
+AUTO_BATCH = 8  # the requests per model call of lm-eval's `--batch_size auto`
+LM_EVAL_FLAGS = ("batch_size", "max_batch_size", "device")  # lm-eval's own flags, passed to the model beside model_args
 
 
 def _require(condition: bool, message: str) -> None:
@@ -79,27 +91,166 @@ def _require(condition: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _flag(value) -> bool:
-    """A model_args switch: lm-eval turns `true`/`false` into bools already; accept 1/0/yes/no too."""
+# ------------------------------------------------------------------------------------ typed arguments
+@dataclass(frozen=True)
+class Option:
+    """One key of model_args (or gen_kwargs): `read` turns the value lm-eval hands over (`key=value` text it
+    already turned into a str, int, float, bool or None, or whatever a Python caller gave) into its type, or
+    None when it is not of that type; `holds` is its range; `expected` says both in a refusal."""
+
+    read: Callable
+    holds: Callable
+    expected: str
+    default: object = None
+
+
+def _integer(value):
     if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
         return value
-    text = str(value).strip().lower()
-    _require(text in ("1", "0", "true", "false", "yes", "no"), f"model_args: {value!r} is not true or false")
-    return text in ("1", "true", "yes")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return int(value) if isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value) else None
 
 
-def check_world_size(tensor_parallel_size) -> int:
-    """`tensor_parallel_size` as an int, refused unless the launch has exactly that many ranks: the ranks hold
-    one model replica's TP shards and all answer every request (the harness does no data parallelism)."""
-    text = str(tensor_parallel_size).strip()
-    _require(text.isdigit() and int(text) >= 1, f"model_args: tensor_parallel_size={tensor_parallel_size} must be "
-                                                 f"an integer >= 1")
-    size, world = int(text), int(os.environ.get("WORLD_SIZE", "1"))
+def _number(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return None
+    try:
+        number = float(value)
+    except (ValueError, OverflowError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _switch(value):
+    if isinstance(value, bool) or isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    return {"true": True, "yes": True, "1": True, "false": False, "no": False, "0": False}.get(
+        value.strip().lower()) if isinstance(value, str) else None
+
+
+def _text(value):
+    return value if isinstance(value, str) and value.strip() else None
+
+
+def _batch(value):
+    return AUTO_BATCH if isinstance(value, str) and re.fullmatch(r"auto(:\d+)?", value.strip()) else _integer(value)
+
+
+def _stops(value):
+    stops = [value] if isinstance(value, str) else value
+    return list(stops) if isinstance(stops, (list, tuple)) and all(isinstance(s, str) for s in stops) else None
+
+
+def _integer_from(low: int, default, below: tuple | None = None) -> Option:
+    """An integer >= `low` (and below `below`, a (value, how to write it) pair)."""
+    expected = f"an integer >= {low}" if below is None else f"an integer in [{low}, {below[1]})"
+    return Option(_integer, lambda v: v >= low and (below is None or v < below[0]), expected, default)
+
+
+def _choice(choices, default) -> Option:
+    return Option(_text, lambda v: v in choices, f"one of {', '.join(choices)}", default)
+
+
+def _path(what: str) -> Option:
+    return Option(_text, lambda v: True, f"a path: {what}")
+
+
+SWITCH = Option(_switch, lambda v: True, "true or false")
+MAX_GEN_TOKS = _integer_from(1, 128)
+TEMPERATURE = Option(_number, lambda v: v >= 0, "a number >= 0 (0: greedy)", 0.0)
+GEN_OPTIONS = {"max_gen_toks": MAX_GEN_TOKS, "temperature": TEMPERATURE, "do_sample": SWITCH,
+               "until": Option(_stops, lambda v: True, "a string or a list of strings")}
+
+
+def model_options() -> dict:
+    """Every model_args key, with lm-eval's flags the model also receives (`LM_EVAL_FLAGS`)."""
+    from megatron_csbp.tools.sampling import STRATEGIES
+
+    return {
+        "load": _path("a --save directory of a training run, or one of its iter_XXXXXXX directories"),
+        "config": _path("a training YAML whose settings override those the checkpoint recorded"),
+        "mc_samples": _integer_from(1, 32),
+        "estimator": _choice(ESTIMATORS, "inverse-t"),
+        "seed": _integer_from(0, 0, below=(2 ** 64, "2**64")),
+        "greedy_check": Option(_switch, lambda v: True, "true or false", True),
+        "strategy": _choice(STRATEGIES, DEFAULT_STRATEGY),
+        "steps_per_block": _integer_from(1, None),
+        "threshold": Option(_number, lambda v: 0 <= v <= 1, "a probability in [0, 1]", 0.9),
+        "temperature": TEMPERATURE,
+        "top_k": _integer_from(0, 0),
+        "top_p": Option(_number, lambda v: 0 < v <= 1, "a number in (0, 1]", 1.0),
+        "max_gen_toks": MAX_GEN_TOKS,
+        "tensor_parallel_size": _integer_from(1, 1),
+        "batch_size": Option(_batch, lambda v: v >= 1, "an integer >= 1, or auto", AUTO_BATCH),
+        "max_batch_size": _integer_from(1, None),
+        "device": Option(_text, lambda v: True, "a device name (unused: the model runs on the accelerator if any)"),
+    }
+
+
+def _named(where: str, key: str, value) -> str:
+    return f"--{key} {value}" if key in LM_EVAL_FLAGS else f"{where}: {key}={value}"
+
+
+def read_options(given: dict, options: dict, where: str) -> dict:
+    """`given` read by `options`: every key of `options` in the result (its default where not given); an
+    unknown key (with the closest known one), or a value not of its key's type and range, is one line."""
+    values = {}
+    for key, value in given.items():
+        if key not in options:
+            close = difflib.get_close_matches(key, options, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            known = ", ".join(name for name in options if name not in LM_EVAL_FLAGS)
+            raise ConfigError(f"{where}: unknown argument {key!r}{hint}; known: {known}")
+        option = options[key]
+        typed = None if value is None else option.read(value)
+        if typed is None and not (value is None and option.default is None) or \
+                typed is not None and not option.holds(typed):
+            raise ConfigError(f"{_named(where, key, value)}: expected {option.expected}")
+        values[key] = typed
+    return {key: values.get(key, option.default) for key, option in options.items()}
+
+
+def model_arguments(given: dict) -> dict:
+    """model_args (and lm-eval's `--batch_size`, `--max_batch_size`, `--device`) typed and checked, before
+    anything is read or built: the one parser of the model's arguments, whichever way lm-eval passes them."""
+    values = read_options(given, model_options(), "model_args")
+    _require(values["load"] is not None, "model_args: give load=DIR, a --save directory of a training run or one of "
+                                         "its iter_XXXXXXX directories")
+    check_world_size(values["tensor_parallel_size"])
+    return values
+
+
+def check_world_size(size: int) -> None:
+    """Refused unless the launch has exactly `tensor_parallel_size` ranks: the ranks hold one model replica's
+    TP shards and all answer every request (the harness does no data parallelism)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     _require(size == world, f"model_args: tensor_parallel_size={size} but this launch has {world} "
                             f"rank{'s' if world != 1 else ''}: launch exactly tensor_parallel_size ranks "
                             f"(python -m megatron_csbp.torchrun --standalone --nproc-per-node {size} "
                             f"-m megatron_csbp.harness ...)")
-    return size
+
+
+def checkpoint_of(load: str) -> str:
+    """The checkpoint directory model_args `load` names (`inference.checkpoint_directory`, its refusal
+    naming the model argument)."""
+    from megatron_csbp.tools import inference
+
+    try:
+        return inference.checkpoint_directory(load)
+    except ConfigError as error:
+        raise ConfigError(f"model_args: {str(error).replace(f'--load {load}', f'load={load}', 1)}") from None
+
+
+def call_bytes(args, rows: int) -> int:
+    """About what one forward of the training model over `rows` `[x_t ; x_0]` rows allocates beyond its weights
+    (float32): per position of the `2L`, the logits, a row of attention scores per head, the MLP's and a layer's
+    activations (the tests' model measured ~0.8x of it)."""
+    positions, hidden = 2 * args.seq_length, args.hidden_size
+    sharded = args.padded_vocab_size + positions * args.num_attention_heads + 2 * (args.ffn_hidden_size or 4 * hidden)
+    return 4 * rows * positions * (sharded // args.tensor_model_parallel_size + 4 * hidden)
 
 
 def _uniforms(seed: int, key: str, count: int) -> torch.Tensor:
@@ -145,49 +296,30 @@ def noise_draws(estimator: str, seed: int, tokens: list, block_positions: list, 
 class MegatronCSBPLM(LM):
     """An lm-eval `LM` over one of our checkpoints (see the module doc for what each request type returns).
 
-    model_args (lm-eval's `key=value,...`): `load` (a `--save` directory or an `iter_XXXXXXX` one, required),
-    `config` (a training YAML overriding what the checkpoint recorded), `mc_samples` (noise draws per
-    request, 32), `estimator` (`inverse-t` | `count`), `seed` (0), `greedy_check` (true), `strategy`
-    (confidence), `steps_per_block` (the block size), `threshold` (0.9), `temperature` (0), `top_k` (0),
-    `top_p` (1), `max_gen_toks` (default for gen_kwargs, 128), `tensor_parallel_size` (1: the launch's world
-    size must equal it); lm-eval's `--batch_size` is the requests per model call ("auto": 8).
+    model_args (lm-eval's `key=value,...`, read by `model_arguments`): `load` (a `--save` directory or an
+    `iter_XXXXXXX` one, required), `config` (a training YAML overriding what the checkpoint recorded),
+    `mc_samples` (noise draws per request, 32), `estimator` (`inverse-t` | `count`), `seed` (0), `greedy_check`
+    (true), `strategy` (confidence), `steps_per_block` (the block size), `threshold` (0.9), `temperature` (0),
+    `top_k` (0), `top_p` (1), `max_gen_toks` (default for gen_kwargs, 128), `tensor_parallel_size` (1: the
+    launch's world size must equal it); lm-eval's `--batch_size` is the requests per model call ("auto": 8).
+    One model call holds `batch_size x mc_samples` rows: refused when they cannot fit in the device's memory.
     """
 
-    ARGUMENTS = ("load", "config", "mc_samples", "estimator", "seed", "greedy_check", "strategy", "steps_per_block",
-                 "threshold", "temperature", "top_k", "top_p", "max_gen_toks", "tensor_parallel_size", "batch_size",
-                 "max_batch_size", "device")
-
-    def __init__(self, load=None, config=None, mc_samples=32, estimator="inverse-t", seed=0, greedy_check=True,
-                 strategy=DEFAULT_STRATEGY, steps_per_block=None, threshold=0.9, temperature=0.0, top_k=0, top_p=1.0,
-                 max_gen_toks=128, tensor_parallel_size=1, batch_size=None, max_batch_size=None, device=None,
-                 **unknown):
+    def __init__(self, **model_args):
         super().__init__()
-        for name in unknown:
-            close = difflib.get_close_matches(name, self.ARGUMENTS, n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            raise ConfigError(f"model_args: unknown argument {name!r}{hint}; known: {', '.join(self.ARGUMENTS)}")
-        _require(load is not None and str(load) != "", "model_args: give load=DIR, a --save directory of a training "
-                                                       "run or one of its iter_XXXXXXX directories")
-        self.tensor_parallel_size = check_world_size(tensor_parallel_size)
+        options = model_arguments(model_args)
+        self.tensor_parallel_size = options["tensor_parallel_size"]
         # Every rank answers every request (a model call is a collective of the TP ranks): to lm-eval this LM is
         # rank 0 of 1 on each of them (LM's defaults, stated here because TP depends on them).
         self._rank, self._world_size = 0, 1
         self._shard_rank = int(os.environ.get("RANK", "0"))  # only rank 0 shows progress bars and warnings
-        _require(estimator in ESTIMATORS, f"model_args: estimator={estimator!r}: choose one of {', '.join(ESTIMATORS)}")
-        _require(int(mc_samples) >= 1, f"model_args: mc_samples={mc_samples} must be >= 1")
-        _require(int(seed) >= 0, f"model_args: seed={seed} must be >= 0")
-        _require(int(max_gen_toks) >= 1, f"model_args: max_gen_toks={max_gen_toks} must be >= 1")
-        if batch_size in (None, "", "auto") or str(batch_size).startswith("auto"):
-            batch_size = 8
-        _require(str(batch_size).isdigit() and int(batch_size) >= 1, f"--batch_size {batch_size} must be an integer >= 1")
-        self.batch_size = int(batch_size)
-        self.mc_samples, self.estimator, self.seed = int(mc_samples), estimator, int(seed)
-        self.greedy_check, self.default_max_gen_toks = _flag(greedy_check), int(max_gen_toks)
-        self.sampling = dict(strategy=strategy, steps_per_block=None if steps_per_block is None else int(steps_per_block),
-                             threshold=float(threshold), temperature=float(temperature), top_k=int(top_k),
-                             top_p=float(top_p))
+        self.batch_size, self.mc_samples = options["batch_size"], options["mc_samples"]
+        self.estimator, self.seed = options["estimator"], options["seed"]
+        self.greedy_check, self.default_max_gen_toks = options["greedy_check"], options["max_gen_toks"]
+        self.sampling = {key: options[key] for key in ("strategy", "steps_per_block", "threshold", "temperature",
+                                                       "top_k", "top_p")}
         self._warned = set()
-        self._load(str(load), None if config is None else str(config))
+        self._load(options["load"], options["config"])
 
     # ------------------------------------------------------------------------------------------ set-up
     def _load(self, load: str, config: str | None) -> None:
@@ -195,7 +327,7 @@ class MegatronCSBPLM(LM):
         rank's shard (as generate_bdlm.py: the process group, then megatron-core's TP groups)."""
         from megatron_csbp.tools import inference
 
-        directory = inference.checkpoint_directory(load)
+        directory = checkpoint_of(load)
         args = inference.model_args(directory, config, self.tensor_parallel_size)
         self.args, self.directory, self.tokenizer = args, directory, args.tokenizer
         self.seq_length, self.block_size = args.seq_length, args.bdlm_block_size
@@ -203,6 +335,7 @@ class MegatronCSBPLM(LM):
         # the objective and weighting it trained
         self.run_config = RunConfig.from_args(args, world_size=self.tensor_parallel_size)
         self.settings(temperature=self.sampling["temperature"])  # refuse bad decoding model_args before any work
+        self._check_memory()
 
         import torch.distributed as dist
 
@@ -239,6 +372,41 @@ class MegatronCSBPLM(LM):
                                group=parallel_state.get_block_parallel_groups(), **providers.gpt_model_kwargs(args))
         model.load_state_dict(self.sampler.state_dict(), strict=True, assign=True)  # shares the tensors
         return model.to(default_device())
+
+    def _check_memory(self) -> None:
+        """What a model call allocates, bounded by the device before the model is built: `batch_size x
+        mc_samples` NELBO rows, and decoding `batch_size` prompts to `max_gen_toks` (gen_kwargs' are checked
+        as their requests come, `_check_decoding`)."""
+        from megatron_csbp.tools.generate import available_memory
+
+        rows, have = self.batch_size * self.mc_samples, available_memory()
+        needed = call_bytes(self.args, rows)
+        _require(needed <= have, f"model_args: mc_samples={self.mc_samples} with --batch_size {self.batch_size}: a "
+                                 f"model call scores {rows:,} rows of {2 * self.seq_length} positions, about "
+                                 f"{needed / 2**30:,.1f} GiB (logits, attention scores, activations), more than the "
+                                 f"{have / 2**30:,.1f} GiB this device has; lower mc_samples or --batch_size (at most "
+                                 f"{have // call_bytes(self.args, 1):,} rows a call)")
+        self._check_decoding(self.default_max_gen_toks, "model_args: max_gen_toks")
+
+    def _decoding(self, max_gen: int) -> tuple:
+        """(context window or None, the most prompt tokens kept) of decoding `max_gen` tokens: past the trained
+        length `L` the sampler slides BD3-LM's window, and a prompt keeps its last `L - max_gen` tokens."""
+        L, B = self.seq_length, self.block_size
+        window = max(2 * B, L // B * B) if max_gen + B > L else None
+        return window, max(L - max_gen, B)
+
+    def _check_decoding(self, max_gen: int, named: str) -> None:
+        """Decoding `batch_size` prompts to `max_gen` tokens fits in the device (`generate.decoding_bytes`)."""
+        from megatron_csbp.tools.generate import available_memory, decoding_bytes
+        from megatron_csbp.tools.sampling import positions_seen
+
+        window, keep = self._decoding(max_gen)
+        total = -(-(keep + max_gen) // self.block_size) * self.block_size
+        seen = positions_seen([keep], max_gen, self.settings(0.0, context_window=window))
+        needed, have = decoding_bytes(self.args, self.batch_size, total, seen), available_memory()
+        _require(needed <= have, f"{named}={max_gen}: decoding {self.batch_size} prompts to {total:,} positions "
+                                 f"needs {needed / 2**30:,.1f} GiB (sequence and K/V cache), more than the "
+                                 f"{have / 2**30:,.1f} GiB this device has; lower it")
 
     @contextmanager
     def _backend(self):
@@ -437,15 +605,13 @@ class MegatronCSBPLM(LM):
             raise ConfigError(f"model_args: {named}") from None
 
     def _generation_options(self, gen_kwargs: dict) -> tuple:
-        kwargs = dict(gen_kwargs or {})
-        until = kwargs.pop("until", None)
-        until = [until] if isinstance(until, str) else list(until or [])
-        max_gen = int(kwargs.pop("max_gen_toks", self.default_max_gen_toks))
-        _require(max_gen >= 1, f"gen_kwargs: max_gen_toks={max_gen} must be >= 1")
-        temperature = float(kwargs.pop("temperature", self.sampling["temperature"]))
-        if kwargs.pop("do_sample", None) is False:
-            temperature = 0.0
-        return tuple(text for text in until if text), max_gen, temperature
+        """(stop strings, max_gen_toks, temperature) of a request's gen_kwargs, typed as model_args are (the keys
+        this model does not use, e.g. top_p, are left to the model_args)."""
+        given = {key: value for key, value in (gen_kwargs or {}).items() if key in GEN_OPTIONS}
+        options = read_options({"max_gen_toks": self.default_max_gen_toks, "temperature": self.sampling["temperature"],
+                                **given}, GEN_OPTIONS, "gen_kwargs")
+        temperature = 0.0 if options["do_sample"] is False else options["temperature"]
+        return tuple(text for text in options["until"] or () if text), options["max_gen_toks"], temperature
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list:
         from megatron_csbp.tools.sampling import generate
@@ -455,17 +621,17 @@ class MegatronCSBPLM(LM):
         for index, request in enumerate(requests):
             context, gen_kwargs = request.args
             groups.setdefault(self._generation_options(gen_kwargs), []).append(index)
+        for _, max_gen, _ in groups:  # every group's memory, before any decoding
+            self._check_decoding(max_gen, "gen_kwargs: max_gen_toks")
         progress = tqdm(total=len(requests), disable=disable_tqdm or self._shard_rank != 0,
                         desc="generate_until (BDLM sampler)")
-        L, B = self.seq_length, self.block_size
+        L = self.seq_length
         for (until, max_gen, temperature), indices in groups.items():
             stops = tuple(tuple(self.tok_encode(text)) for text in until)
-            window = None
-            if max_gen + B > L:  # the sample needs positions past the trained length: BD3-LM's sliding window
-                window = max(2 * B, L // B * B)
+            window, keep = self._decoding(max_gen)
+            if window is not None:  # the sample needs positions past the trained length: BD3-LM's sliding window
                 self._warn_once("window", f"max_gen_toks {max_gen} reaches past the trained length {L}: decoding "
                                           f"with a context window of {window} positions")
-            keep = max(L - max_gen, B)
             settings = self.settings(temperature, stops=stops, context_window=window)
             for first in range(0, len(indices), self.batch_size):
                 chunk = indices[first:first + self.batch_size]
@@ -512,36 +678,111 @@ SILENT = {"output_path": None, "log_samples": False, "predict_only": False, "wan
           "hf_hub_log_args": {}, "show_config": False, "write_out": False, "cache_requests": {}}
 
 
-@contextmanager
-def _lockstep(rank: int, world: int):
-    """lm-eval's configuration (`EvaluatorConfig.from_cli`, which merges the command line and its `--config`
-    YAML) checked and, on rank != 0, silenced, before lm-eval indexes its tasks or builds the model.
+def _check_model_configuration(config) -> None:
+    """`--model megatron_csbp`'s model_args and lm-eval's flags it receives, typed; `load` and `config` there."""
+    given = dict(config.model_args or {})
+    for flag in LM_EVAL_FLAGS:
+        _require(flag not in given, f"model_args: {flag} is lm-eval's own flag; give it as --{flag}")
+    flags = {flag: getattr(config, flag) for flag in LM_EVAL_FLAGS if getattr(config, flag) is not None}
+    arguments = model_arguments({**given, **flags})
+    load, config_file = arguments["load"], arguments["config"]
+    _require(os.path.isdir(load), f"model_args: load={load}: no such directory; give the --save directory of a "
+                                  f"training run")  # the checkpoint itself is verified as the model loads
+    _require(config_file is None or os.path.isfile(config_file), f"model_args: config={config_file}: no such file; "
+                                                                 f"give a training YAML")
 
-    Every launch: `--model megatron_csbp`'s `tensor_parallel_size` must equal the world size (refused at once,
-    not after the task index). Under TP, `--use_cache` is refused, and on rank != 0 the `SILENT` fields are
-    dropped, so whichever way the user asked for output only rank 0 writes it. lm-eval's own CLI runs
-    unchanged around this one hook (its config class is the one place both flag sources meet)."""
+
+def _check_run_options(config) -> None:
+    """lm-eval's own options it would take and fail on (or misread) only once the model is built."""
+    limit, shots = _number(config.limit), _integer(config.num_fewshot)
+    _require(config.limit is None or limit is not None and limit > 0,
+             f"--limit {config.limit}: give a number of documents >= 1, or a fraction of them in (0, 1)")
+    _require(config.num_fewshot is None or shots is not None and shots >= 0,
+             f"--num_fewshot {config.num_fewshot} must be an integer >= 0")
+    included = config.include_path if isinstance(config.include_path, (list, tuple)) else [config.include_path]
+    for folder in filter(None, included):  # lm-eval would skip it and report its tasks not found
+        _require(os.path.exists(folder), f"--include_path {folder}: no such file or directory; give the folder "
+                                         f"of your task YAMLs")
+
+
+def _check_generation_kwargs(config, items) -> None:
+    """Every generate_until task's gen_kwargs (its YAML's, under the command line's), typed as the model reads
+    them."""
+    from lm_eval.api.group import Group
+
+    for item in items:
+        for task in item.get_all_tasks() if isinstance(item, Group) else [item]:
+            if task.get_config("output_type") == "generate_until":
+                given = {**(task.get_config("generation_kwargs") or {}), **(config.gen_kwargs or {})}
+                read_options({key: value for key, value in given.items() if key in GEN_OPTIONS}, GEN_OPTIONS,
+                             f"gen_kwargs of --tasks {task.task_name}")
+
+
+@contextmanager
+def _checked_cli(rank: int, world: int):
+    """lm-eval's command line with its inputs checked before the model loads, on every rank alike; yields the
+    list that will hold the `StagedOutput` (rank 0's) for `main` to publish.
+
+    Two hooks of lm-eval's config class (where its command line and its `--config` YAML meet):
+    `EvaluatorConfig.from_cli` (before lm-eval indexes its tasks) checks the model_args
+    (`model_arguments`, `load` and `config` there), `--limit`, `--num_fewshot`, `--include_path`,
+    `--output_path`, `--use_cache` under TP, silences rank != 0
+    (`SILENT`), and stages the output (`lm_eval_inputs.StagedOutput`); `EvaluatorConfig.process_tasks` loads
+    the tasks and their data (`lm_eval_inputs.load_tasks`) and types their gen_kwargs. lm-eval's own errors in
+    both are its input refused, in one line."""
     from lm_eval.config.evaluate_config import EvaluatorConfig
 
-    original = EvaluatorConfig.__dict__["from_cli"]
+    from megatron_csbp.tools import lm_eval_inputs
+
+    originals = {name: EvaluatorConfig.__dict__[name] for name in ("from_cli", "process_tasks")}
+    staged = []
 
     def from_cli(cls, namespace):
-        config = original.__func__(cls, namespace)
+        try:
+            config = originals["from_cli"].__func__(cls, namespace)
+        except (ValueError, TypeError, OSError) as error:
+            raise ConfigError(f"lm-eval's options: {lm_eval_inputs.reasons(error)}") from None
         if config.model == NAME:
-            check_world_size((config.model_args or {}).get("tensor_parallel_size", 1))
+            _check_model_configuration(config)
+        _check_run_options(config)
+        if config.output_path:
+            lm_eval_inputs.check_output_path(config.output_path)
         if world > 1:
             _require(not config.use_cache, f"--use_cache {config.use_cache}: not under tensor_parallel_size > 1 (a "
                                            f"rank answering from its cache would leave the others waiting); drop it")
             if rank != 0:
                 for name, value in SILENT.items():
                     setattr(config, name, value)
+        if config.output_path:
+            samples = bool(config.log_samples or config.predict_only)
+            staged.append(lm_eval_inputs.StagedOutput(config.output_path, samples))
+            config.output_path = staged[-1].staged
         return config
 
+    def process_tasks(self, metadata=None):
+        asked = self.tasks if isinstance(self.tasks, str) else ",".join(map(str, self.tasks or []))
+        try:
+            manager = originals["process_tasks"](self, metadata)
+        except Exception as error:  # noqa: BLE001 - lm-eval resolving the names, paths and folders given
+            raise ConfigError(f"--tasks {asked}: {lm_eval_inputs.reasons(error)}; lm-eval's tasks: {COMMAND} ls tasks "
+                              f"(with --include_path DIR for tasks of your own)") from None
+        _require(self.tasks, f"--tasks: no task given; name one (lm-eval's tasks: {COMMAND} ls tasks)")
+        items = lm_eval_inputs.load_tasks(manager, self.tasks)
+        if self.model == NAME:
+            _check_generation_kwargs(self, items)
+        if not self.check_integrity:  # lm-eval's task tests take names
+            self.tasks = items
+        return manager
+
     EvaluatorConfig.from_cli = classmethod(from_cli)
+    EvaluatorConfig.process_tasks = process_tasks
     try:
-        yield
+        yield staged
     finally:
-        EvaluatorConfig.from_cli = original
+        for name, original in originals.items():
+            setattr(EvaluatorConfig, name, original)
+        for output in staged:
+            output.discard()
 
 
 def _silence_stdout() -> None:
@@ -553,12 +794,24 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
+def _run_lm_eval() -> None:
+    """lm-eval's `cli_evaluate`, its own parse errors (e.g. `--model_args` that is not JSON) one line."""
+    from lm_eval._cli import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    setup_logging()
+    parser = HarnessCLI()
+    try:
+        arguments = parser.parse_args()
+    except ValueError as error:
+        raise ConfigError(f"lm-eval's options: {error}") from None
+    parser.execute(arguments)
+
+
 def main(argv: list | None = None) -> int:
     """lm-eval's command line, unchanged, with `--model megatron_csbp` registered; refusals are one line, exit 2
     (printed by rank 0 under TP: every rank refuses alike, and all leave at once). Under a launcher
     (`WORLD_SIZE` > 1) each rank runs it in lockstep and only rank 0 prints or writes (see the module doc)."""
-    from lm_eval.__main__ import cli_evaluate
-
     from megatron_csbp.training import quiet
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
@@ -568,8 +821,10 @@ def main(argv: list | None = None) -> int:
         _silence_stdout()
         os.environ["LMEVAL_LOG_LEVEL"] = "ERROR"  # lm-eval's setup_logging reads it: rank 0 logs for all
     try:
-        with _lockstep(rank, world):
-            cli_evaluate()
+        with _checked_cli(rank, world) as staged:
+            _run_lm_eval()
+            for output in staged:
+                output.publish()
     except ConfigError as error:
         if rank == 0:
             print(f"{COMMAND}: error: {error}", file=sys.stderr, flush=True)
