@@ -734,12 +734,12 @@ def test_config_sets_every_key_it_names_even_a_default(alphabet_checkpoints, tmp
     from megatron_csbp.training.flags import build_parser
 
     assert build_parser().parse_args([]).bdlm_block_size == 16
-    directory = inference.checkpoint_directory(str(alphabet_checkpoints / "trained"))
-    assert inference.model_args(directory, None, 1).bdlm_block_size == 8
+    checkpoint = inference.read_checkpoint(str(alphabet_checkpoints / "trained"))
+    assert inference.model_args(checkpoint, None, 1).bdlm_block_size == 8
     for block in (16, 4):  # the default, and a control that is not
         config = tmp_path / f"block{block}.yaml"
         config.write_text(f"bdlm:\n  block-size: {block}\nbdlm-objective: bd3lm\n")
-        args = inference.model_args(directory, str(config), 1)
+        args = inference.model_args(checkpoint, str(config), 1)
         assert args.bdlm_block_size == block and args.bdlm_objective == "bd3lm"
 
 

@@ -87,11 +87,12 @@ def _uninitialised_model(args, vocabulary):
 
 
 def _single_rank(args):
-    """`args` of a model built on one rank (the padded vocabulary stays the one computed for training's TP)."""
+    """An import's `args` for its model built on this one rank (the padded vocabulary stays the one computed for
+    training's TP size, which the checkpoint records)."""
     args.tensor_model_parallel_size = args.pipeline_model_parallel_size = 1
     args.context_parallel_size = args.context_block_parallel = args.context_block_parallel_clean_shards = 1
     args.sequence_parallel, args.world_size, args.data_parallel_size = False, 1, 1
-    args.expert_model_parallel_size = args.expert_tensor_parallel_size = 1  # every expert (torch_dist reshards EP)
+    args.expert_model_parallel_size = args.expert_tensor_parallel_size = 1
     args.bdlm_parallel_mode = modes.CSBP.name
     args.use_cpu_initialization = True  # conversion happens in host memory, also on a GPU machine
     return args
@@ -389,8 +390,8 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
     `overwrite`, which replaces it whole."""
     import torch
 
+    from megatron_csbp.tools import inference
     from megatron_csbp.training import checkpointing, hf, hf_formats, publish
-    from megatron_csbp.training.tokenizers import Vocabulary, build_tokenizer
 
     fmt = hf_formats.export_format(export_format)
     if max_shard_bytes <= 0:
@@ -398,24 +399,24 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
                           f"safetensors file, in MiB")
     out, load = os.path.abspath(out), os.path.abspath(load)
     _check_export_target(out, overwrite, [load])
-    iteration = checkpointing.find_checkpoint(load, fallback=False, log=log)
-    directory = checkpointing.checkpoint_dir(load, iteration)
-    saved = checkpointing.common_state(directory)
-    args = _single_rank(argparse.Namespace(**checkpointing.saved_args(saved)))
-    hf_side = None
-    if args.tokenizer_type == "HuggingFaceTokenizer":
-        for candidate in (args.tokenizer_model, os.path.join(load, HF_SIDE, "tokenizer.json")):
+    checkpoint = inference.read_checkpoint(load)
+    directory, iteration, recorded = checkpoint.directory, checkpoint.iteration, checkpoint.recorded
+    hf_side, found = None, {}
+    if recorded.get("tokenizer_type") == "HuggingFaceTokenizer":  # its tokenizer, where it is now
+        for candidate in (recorded.get("tokenizer_model"), os.path.join(load, HF_SIDE, "tokenizer.json")):
             if candidate and os.path.isfile(candidate):
-                hf_side = os.path.dirname(os.path.abspath(candidate))
-                args.tokenizer_model = candidate
+                hf_side, found = os.path.dirname(os.path.abspath(candidate)), {"tokenizer_model": candidate}
                 break
         if hf_side is None:
-            raise ConfigError(f"--load {load}: its tokenizer {args.tokenizer_model} is gone; put it back (or in "
-                              f"{os.path.join(load, HF_SIDE)})")
+            raise ConfigError(f"--load {load}: its tokenizer {recorded.get('tokenizer_model')} is gone; put it back "
+                              f"(or in {os.path.join(load, HF_SIDE)})")
         _check_export_target(out, overwrite, [load, hf_side])
+    # the model on this one rank, every expert on it, in host memory (also on a GPU machine)
+    args, vocabulary = inference.launch_arguments(checkpoint, bdlm_parallel_mode=modes.CSBP.name, world_size=1,
+                                                  data_parallel_size=1, use_cpu_initialization=True, **found)
+    args = vocabulary.recorded(args)
     base_path = os.path.join(hf_side, "config.json") if hf_side else None
     base = hf.read_config(hf_side, f"--load {load}") if base_path and os.path.isfile(base_path) else None
-    vocabulary = Vocabulary(build_tokenizer(args), args.mask_token_id, args.padded_vocab_size)  # the checkpoint's
     rows = _vocabulary_rows(vocabulary)
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
     config = export_config(args, base, rows, dtype, fmt.name)  # refuses, before any tensor is read

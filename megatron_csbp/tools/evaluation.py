@@ -124,26 +124,6 @@ class Prepared:
     seed: int  # the noise seed (--seed, or the checkpoint's)
 
 
-def checkpoint_directory(load: str) -> str:
-    """The checkpoint `--load` names (one `iter_XXXXXXX` directory, or a `--save` directory's latest); its files
-    are verified when it is loaded, collectively."""
-    from megatron_csbp.training import checkpointing
-
-    if os.path.isfile(os.path.join(load, checkpointing.MANIFEST)):
-        return load
-    if not os.path.isdir(load):
-        raise ConfigError(f"--load {load}: no such directory; give the --save directory of a training run")
-    iteration = checkpointing.read_tracker(load)
-    if iteration is None:
-        raise ConfigError(f"--load {load}: no checkpoint there (no {checkpointing.TRACKER}); give the --save "
-                          f"directory of a training run")
-    directory = checkpointing.checkpoint_dir(load, iteration)
-    if not os.path.isdir(directory):
-        raise ConfigError(f"--load {load}: {checkpointing.TRACKER} names iteration {iteration}, but {directory} is "
-                          f"missing; restore it or give another --load")
-    return directory
-
-
 DRAW_BYTES = 64  # memory one noise draw's NELBO takes until the record is written (a float, its slots, a copy)
 JSON_BYTES, JSON_DRAW_BYTES = 16 * 2 ** 10, 32  # the record's fixed part (paths included), one draw's line in it
 
@@ -209,61 +189,30 @@ def _check_options(options) -> None:
     _check_output_json(options)
 
 
-def _saved_arguments(directory: str) -> tuple[dict, int]:
-    from megatron_csbp.training import checkpointing
-
-    common = checkpointing.common_state(directory)
-    saved = checkpointing.saved_args(common)
-    if not saved:
-        raise ConfigError(f"checkpoint {directory} records no training arguments: it was not written by "
-                          f"scripts/pretrain_bdlm.py (or Megatron-LM's pretrain with the plugin)")
-    return saved, int(common.get("iteration", 0))
-
-
-def run_arguments(saved: dict, options, world_size: int, directory: str):
-    """The checkpoint's training arguments with this launch's layout, data and output, validated as the
-    trainer validates (a layout the checkpoint cannot load is refused here), and its vocabulary."""
-    from megatron_csbp.core import rules
+def run_arguments(checkpoint, options, world_size: int):
+    """The checkpoint's training arguments with this launch's layout, data and output (`inference.launch_arguments`),
+    validated as the trainer validates (a layout the checkpoint cannot load is refused here), and its vocabulary."""
+    from megatron_csbp.tools.inference import Launch, launch_arguments
     from megatron_csbp.training.arguments import validate_args
-    from megatron_csbp.training.flags import build_parser as training_parser
-    from megatron_csbp.training.flags import null_as_byte_tokenizer
-    from megatron_csbp.training.tokenizers import Vocabulary, build_tokenizer
 
-    args = training_parser().parse_args([])
-    vars(args).update(saved)
-    P = options.context_block_parallel
-    layout = dict(tensor_model_parallel_size=options.tensor_model_parallel_size,
-                  pipeline_model_parallel_size=options.pipeline_model_parallel_size,
-                  context_block_parallel=P, context_parallel_size=P,
-                  context_block_parallel_clean_shards=options.context_block_parallel_clean_shards,
-                  sequence_parallel=options.sequence_parallel,
-                  # a mixture of experts: every expert on each rank (torch_dist reshards the checkpoint's EP)
-                  expert_model_parallel_size=1, expert_tensor_parallel_size=None)
-    vars(args).update(layout)
-    for flag in ("bdlm_parallel_mode", "csbp_transport", "distributed_timeout_minutes"):
-        if getattr(options, flag) is not None:
-            setattr(args, flag, getattr(options, flag))
-    # One sequence per micro-batch (each report is one sequence's); nothing is saved or resumed.
-    args.micro_batch_size, args.global_batch_size = 1, None
-    args.data_path, args.save, args.load = [options.data_path], None, None
-    args.tensorboard_dir, args.data_cache_path = options.tensorboard_dir, options.data_cache_path
-    args.eval_iters = 0  # the validation share may be empty for --split all/train
-    args.link_gbps = None
-    null_as_byte_tokenizer(args)
+    launch = Launch(options.tensor_model_parallel_size, options.pipeline_model_parallel_size,
+                    options.context_block_parallel, options.context_block_parallel_clean_shards,
+                    options.sequence_parallel)
+    chosen = {flag: getattr(options, flag) for flag in ("bdlm_parallel_mode", "csbp_transport",
+                                                        "distributed_timeout_minutes")
+              if getattr(options, flag) is not None}
+    # One sequence per micro-batch (each report is one sequence's); nothing is saved or resumed; the validation
+    # share may be empty for --split all/train.
+    args, vocabulary = launch_arguments(
+        checkpoint, launch, **chosen, micro_batch_size=1, global_batch_size=None, data_path=[options.data_path],
+        save=None, load=None, tensorboard_dir=options.tensorboard_dir, data_cache_path=options.data_cache_path,
+        eval_iters=0, link_gbps=None)
     try:
         validate_args(args, world_size)
     except ConfigError as error:
         ranks = f"{world_size} rank{'' if world_size == 1 else 's'}"
-        raise ConfigError(f"checkpoint {directory} under this launch ({ranks}): {error}") from None
-    tokenizer = build_tokenizer(args)
-    mask, padded = saved["mask_token_id"], saved["padded_vocab_size"]
-    if "vocab_ids" in saved:  # the real rows load into any TP's padding
-        padded = rules.padded_vocab_size(saved["vocab_ids"], args.make_vocab_size_divisible_by,
-                                         args.tensor_model_parallel_size)
-    elif padded % args.tensor_model_parallel_size:
-        raise ConfigError(f"checkpoint {directory}: --tensor-model-parallel-size {args.tensor_model_parallel_size} "
-                          f"does not divide its padded vocabulary {padded}; use a TP size dividing it")
-    return args, Vocabulary(tokenizer, mask, padded)
+        raise ConfigError(f"checkpoint {checkpoint.directory} under this launch ({ranks}): {error}") from None
+    return args, vocabulary
 
 
 def _check_data(args, vocabulary, split: str) -> None:
@@ -287,12 +236,13 @@ def prepare(argv: list[str], world_size: int) -> Prepared:
     """Everything that can be refused, before any process group or model exists (`ConfigError`, one line)."""
     options = build_parser().parse_args(argv)
     _check_options(options)
-    directory = checkpoint_directory(options.load)
-    saved, iteration = _saved_arguments(directory)
-    args, vocabulary = run_arguments(saved, options, world_size, directory)
+    from megatron_csbp.tools.inference import read_checkpoint
+
+    checkpoint = read_checkpoint(options.load, verify=False)  # verified when it loads, by every rank together
+    args, vocabulary = run_arguments(checkpoint, options, world_size)
     _check_data(args, vocabulary, options.split)
     seed = args.seed if options.seed is None else options.seed
-    return Prepared(options, args, vocabulary, directory, iteration, seed)
+    return Prepared(options, args, vocabulary, checkpoint.directory, checkpoint.iteration, seed)
 
 
 # ------------------------------------------------------------------------------------------------ the noise

@@ -25,7 +25,7 @@ import textwrap
 
 from megatron_csbp.core.rules import ConfigError
 # Reading a checkpoint (directory, recorded arguments, the sampling model) is shared with the lm-eval harness.
-from megatron_csbp.tools.inference import build_model, checkpoint_directory, model_args
+from megatron_csbp.tools.inference import build_model, model_args, read_checkpoint
 
 NAME = "generate_bdlm.py"  # the command's name in its messages
 
@@ -192,8 +192,9 @@ def prepare(argv):
         raise ConfigError(f"{world} ranks were launched for --tensor-model-parallel-size "
                           f"{options.tensor_model_parallel_size}: sampling runs one model replica, so launch "
                           f"exactly --tensor-model-parallel-size ranks")
-    directory = checkpoint_directory(options.load)
-    args = model_args(directory, options.config, options.tensor_model_parallel_size)
+    checkpoint = read_checkpoint(options.load)
+    directory = checkpoint.directory
+    args = model_args(checkpoint, options.config, options.tensor_model_parallel_size)
     settings = settings_from(options, args)
     encoded = [args.tokenizer.tokenize(prompt) for prompt in prompts]
     if any(not ids for ids, prompt in zip(encoded, prompts) if prompt):

@@ -233,13 +233,13 @@ def check_world_size(size: int) -> None:
                             f"-m megatron_csbp.harness ...)")
 
 
-def checkpoint_of(load: str) -> str:
-    """The checkpoint directory model_args `load` names (`inference.checkpoint_directory`, its refusal
-    naming the model argument)."""
+def checkpoint_of(load: str):
+    """The checkpoint model_args `load` names (`inference.read_checkpoint`, its refusal naming the model
+    argument)."""
     from megatron_csbp.tools import inference
 
     try:
-        return inference.checkpoint_directory(load)
+        return inference.read_checkpoint(load)
     except ConfigError as error:
         raise ConfigError(f"model_args: {str(error).replace(f'--load {load}', f'load={load}', 1)}") from None
 
@@ -327,8 +327,9 @@ class MegatronCSBPLM(LM):
         rank's shard (as generate_bdlm.py: the process group, then megatron-core's TP groups)."""
         from megatron_csbp.tools import inference
 
-        directory = checkpoint_of(load)
-        args = inference.model_args(directory, config, self.tensor_parallel_size)
+        checkpoint = checkpoint_of(load)
+        directory = checkpoint.directory
+        args = inference.model_args(checkpoint, config, self.tensor_parallel_size)
         self.args, self.directory, self.tokenizer = args, directory, args.tokenizer
         self.seq_length, self.block_size = args.seq_length, args.bdlm_block_size
         self.mask_token_id, self.eod = args.mask_token_id, args.tokenizer.eod

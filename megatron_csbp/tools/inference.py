@@ -1,75 +1,127 @@
-"""Loading one of our checkpoints for inference: its directory, the training arguments it recorded, the model.
+"""Reading one of our checkpoints for another launch: the one place its recorded arguments meet the launch's.
 
-Shared by `scripts/generate_bdlm.py` (sampling) and `megatron_csbp.tools.harness` (lm-evaluation-harness), so
-both read a checkpoint the same way: the model, tokenizer, block size, MASK id and objective come from the
-arguments the checkpoint recorded (`--config FILE.yaml` overrides every key it sets), set up for one model
-replica over `--tensor-model-parallel-size` ranks (no pipeline, context or block parallelism).
+Every command that loads a trained model — sampling (`scripts/generate_bdlm.py`), the lm-evaluation-harness
+model (`megatron_csbp.tools.harness`), the NELBO evaluator (`scripts/evaluate_bdlm.py`) and the HF export
+(`scripts/convert_hf.py export`) — reads it here, the same way (as Megatron-LM reads one with its
+`load_args_from_checkpoint`):
+
+* `--load` has one meaning: an `iter_XXXXXXX` directory, or a `--save` directory, whose tracker names the
+  iteration (`read_checkpoint`);
+* the model, tokenizer, objective, block size and MASK id are the arguments the checkpoint recorded, over the
+  trainer's defaults (for keys an older checkpoint lacks), then every key a training YAML (`--config`) sets,
+  then what the launch says of its own run (its data, its mode), then its layout (`Launch`); a mixture of
+  experts has every expert on each rank (torch_dist reshards the checkpoint's EP) (`launch_arguments`);
+* the vocabulary is the checkpoint's MASK id and real ids, padded for this launch's TP size (the real rows load
+  into any padding); a checkpoint recording no real ids keeps its padding, which the TP size must divide.
+
 Refusals are `ConfigError`s of one line that name the flag.
 """
 
 import argparse
 import os
+from dataclasses import dataclass
 
 from megatron_csbp.core.rules import ConfigError
 
 
-def checkpoint_directory(load: str) -> str:
-    """The checkpoint `--load` names: a `--save` directory's latest (verified complete later), or one
-    `iter_XXXXXXX` directory itself."""
+@dataclass(frozen=True)
+class Checkpoint:
+    """One of our checkpoints: its `iter_XXXXXXX` directory, iteration and recorded training arguments."""
+
+    directory: str
+    iteration: int
+    recorded: dict
+
+
+def read_checkpoint(load: str, *, verify: bool = True) -> Checkpoint:
+    """The checkpoint `--load` names and the arguments it recorded (its common state, through the allow-list).
+    `verify`: its files checked against their manifest now (a command with one process, before any work);
+    without, when they are loaded (collectively, by every rank of a launch)."""
     from megatron_csbp.training import checkpointing
 
     if os.path.isfile(os.path.join(load, checkpointing.MANIFEST)):
-        return load
-    if not os.path.isdir(load):
-        raise ConfigError(f"--load {load}: no such directory; give the --save directory of a training run")
-    return checkpointing.checkpoint_dir(load, checkpointing.find_checkpoint(load, fallback=False))
+        directory = load
+    else:
+        if not os.path.isdir(load):
+            raise ConfigError(f"--load {load}: no such directory; give the --save directory of a training run")
+        iteration = checkpointing.read_tracker(load)
+        if iteration is None:
+            raise ConfigError(f"--load {load}: no checkpoint there (no {checkpointing.TRACKER}); give the --save "
+                              f"directory of a training run")
+        directory = checkpointing.checkpoint_dir(load, iteration)
+        if not os.path.isdir(directory):
+            raise ConfigError(f"--load {load}: {checkpointing.TRACKER} names iteration {iteration}, but {directory} "
+                              f"is missing; restore it or give another --load")
+    if verify:
+        checkpointing.check_complete(directory, log=lambda *_: None)
+    common = checkpointing.common_state(directory)
+    recorded = checkpointing.saved_args(common)
+    if not recorded:
+        raise ConfigError(f"checkpoint {directory} records no training arguments: it was not written by "
+                          f"scripts/pretrain_bdlm.py (or Megatron-LM's pretrain with the plugin)")
+    return Checkpoint(directory, int(common.get("iteration", 0)), recorded)
 
 
-def model_args(directory: str, config: str | None, tensor_parallel: int) -> argparse.Namespace:
-    """The training arguments of the checkpoint (then `--config`), set up for one model replica over TP."""
-    from megatron_csbp.training import checkpointing
+@dataclass(frozen=True)
+class Launch:
+    """How this launch lays a checkpoint's model out (the trainer's flag meanings): any layout it loads into."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    block_parallel_size: int = 1
+    clean_shards: int | None = None
+    sequence_parallel: bool = False
+
+
+def launch_arguments(checkpoint: Checkpoint, launch: Launch = Launch(), *, config: str | None = None, **values):
+    """`(args, vocabulary)`: the checkpoint's recorded training arguments for this launch (the module docstring's
+    order: recorded, `config`'s keys, `values`, `launch`'s layout) and its vocabulary (`tokenizers.Vocabulary`)."""
+    from megatron_csbp.core import rules
+    from megatron_csbp.training.config import load_config, parse_args
     from megatron_csbp.training.flags import build_parser as training_parser
     from megatron_csbp.training.flags import null_as_byte_tokenizer
-    from megatron_csbp.training.config import parse_args
-    from megatron_csbp.core import rules
-    from megatron_csbp.training.tokenizers import build_tokenizer
+    from megatron_csbp.training.tokenizers import Vocabulary, build_tokenizer
 
-    checkpointing.check_complete(directory)
-    try:
-        saved = checkpointing.saved_args(checkpointing.common_state(directory))
-    except Exception as error:
-        raise ConfigError(f"checkpoint {directory} is corrupt: its common state cannot be read ({error})") from None
-    if not saved:
-        raise ConfigError(f"checkpoint {directory} records no training arguments: it was not written by "
-                          f"megatron_csbp's training loop (scripts/pretrain_bdlm.py)")
+    recorded, TP = checkpoint.recorded, launch.tensor_parallel_size
     args = training_parser().parse_args([])
-    vars(args).update(saved)
+    vars(args).update(recorded)
     if config is not None:  # every key the YAML sets, whatever its value (the parser's default too)
-        from megatron_csbp.training.config import load_config
-
         parser = training_parser()
         given = vars(parse_args(["--config", config]))
         vars(args).update({parser_dest(parser, name): given[parser_dest(parser, name)]
                            for name in load_config(config, parser)})
-    args.tensor_model_parallel_size = tensor_parallel
-    args.tokenizer = build_tokenizer(null_as_byte_tokenizer(args))
-    # The MASK id and the real ids are the checkpoint's; the padding is this TP size's (the real rows load into
-    # any padding, and no padding id is ever produced). A checkpoint recording no real ids keeps its padding.
-    args.mask_token_id, args.padded_vocab_size = saved["mask_token_id"], saved["padded_vocab_size"]
-    if "vocab_ids" in saved:
-        args.padded_vocab_size = rules.padded_vocab_size(saved["vocab_ids"], args.make_vocab_size_divisible_by,
-                                                         tensor_parallel)
-    args.pipeline_model_parallel_size = args.context_parallel_size = 1
-    args.context_block_parallel, args.context_block_parallel_clean_shards = 1, None
-    # every expert on this rank, split over TP as the dense layers are (torch_dist reshards the checkpoint's EP)
-    args.expert_model_parallel_size, args.expert_tensor_parallel_size = 1, tensor_parallel
-    args.sequence_parallel = False
-    problem = rules.tensor_parallel_problem(args.num_attention_heads, args.num_query_groups, tensor_parallel)
-    if problem is None and args.padded_vocab_size % tensor_parallel:  # padded for the TP size it was trained at
-        problem = (f"--tensor-model-parallel-size {tensor_parallel} does not divide the padded vocabulary "
-                   f"{args.padded_vocab_size}; use a TP size dividing it")
+    vars(args).update(values)
+    P = launch.block_parallel_size
+    vars(args).update(tensor_model_parallel_size=TP, pipeline_model_parallel_size=launch.pipeline_parallel_size,
+                      context_block_parallel=P, context_parallel_size=P,
+                      context_block_parallel_clean_shards=launch.clean_shards,
+                      sequence_parallel=launch.sequence_parallel and TP > 1,
+                      expert_model_parallel_size=1, expert_tensor_parallel_size=None)
+    null_as_byte_tokenizer(args)
+    padded = recorded["padded_vocab_size"]
+    if "vocab_ids" in recorded:  # the real rows load into any TP's padding
+        padded = rules.padded_vocab_size(recorded["vocab_ids"], args.make_vocab_size_divisible_by, TP)
+    elif padded % TP:
+        raise ConfigError(f"checkpoint {checkpoint.directory}: --tensor-model-parallel-size {TP} does not divide "
+                          f"its padded vocabulary {padded}; use a TP size dividing it")
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    problem = rules.tensor_parallel_problem(args.num_attention_heads, groups, TP)
     if problem:
-        raise ConfigError(f"checkpoint {directory}: {problem}")
+        raise ConfigError(f"checkpoint {checkpoint.directory}: {problem}")
+    vocabulary = Vocabulary(build_tokenizer(args), recorded["mask_token_id"], padded)
+    return args, vocabulary
+
+
+def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int) -> argparse.Namespace:
+    """The checkpoint's arguments (then `--config`) for one sampling replica over `tensor_parallel` ranks (no
+    pipeline, context or block parallelism), its vocabulary on them (`tokenizer`, `mask_token_id`,
+    `padded_vocab_size`), as the sampler and the harness read them."""
+    from megatron_csbp.core.run_config import RunConfig
+
+    args, vocabulary = launch_arguments(checkpoint, Launch(tensor_parallel), config=config)
+    RunConfig.from_args(args, world_size=tensor_parallel).write_back(args)  # the sizes its configs read
+    args = vocabulary.recorded(args)
+    args.tokenizer = vocabulary.tokenizer
     return args
 
 
