@@ -188,9 +188,9 @@ def test_a_pattern_flag_is_read_before_a_megatron_lm_style_type_sees_it(tmp_path
 
 
 @pytest.mark.parametrize("name, world, gpu", [("tiny_cpu", 2, False), ("demo_sequences", 2, False),
-                                              ("nemotron_diffusion_3b_64k", 8, True),
-                                              ("nemotron_diffusion_8b_256k", 16, True),
-                                              ("nemotron_diffusion_14b_256k", 16, True)])
+                                              ("nemotron_labs_diffusion_3b_256k", 16, True),
+                                              ("nemotron_labs_diffusion_8b_256k", 16, True),
+                                              ("nemotron_labs_diffusion_14b_256k", 16, True)])
 def test_shipped_configs_parse_and_validate(name, world, gpu):
     path = os.path.join(REPO, "configs", f"{name}.yaml")
     assert load_config(path)
@@ -231,8 +231,14 @@ def test_warmup_is_iterations_or_a_fraction_as_in_megatron_lm():
             steps(*argv)
 
 
-def test_recipes_scale():
-    small = parse_args(["--config", os.path.join(REPO, "configs", "nemotron_diffusion_3b_64k.yaml")])
-    large = parse_args(["--config", os.path.join(REPO, "configs", "nemotron_diffusion_8b_256k.yaml")])
-    assert (small.seq_length, small.context_block_parallel) == (65536, 4)
-    assert (large.seq_length, large.tensor_model_parallel_size, large.context_block_parallel) == (262144, 2, 8)
+def test_the_paper_recipes_are_nemotron_labs_diffusion():
+    """Megatron-Bridge's Nemotron-Labs-Diffusion: a token-causal clean stream with the AR co-loss (weights 1.0 and
+    0.3, block 64), YaRN x16 from 16K with Llama 4 query scaling, at the paper's 256K layouts."""
+    for size, layers, P in (("3b", 26, 4), ("8b", 34, 4), ("14b", 40, 8)):
+        args = parse_args(["--config", os.path.join(REPO, "configs", f"nemotron_labs_diffusion_{size}_256k.yaml")])
+        assert (args.num_layers, args.seq_length, args.context_block_parallel, args.bdlm_block_size) == \
+            (layers, 262144, P, 64), size
+        assert (args.bdlm_clean_attention, args.bdlm_ar_loss_weight, args.bdlm_diffusion_loss_weight) == \
+            ("token-causal", 1.0, 0.3), size
+        assert (args.position_embedding_type, args.yarn_rotary_scaling_factor, args.llama_4_scaling_beta) == \
+            ("yarn", 16, 0.1), size

@@ -74,7 +74,7 @@ def test_the_planner_and_the_trainer_agree_on_every_layout_of_the_shipped_config
 
 
 TINY = os.path.join(REPO, "configs", "tiny_cpu.yaml")  # L 512, B 16, 4 layers, 4 heads, 2 query groups
-FOURTEEN_B = os.path.join(REPO, "configs", "nemotron_diffusion_14b_256k.yaml")  # 40 heads, 8 query groups
+FOURTEEN_B = os.path.join(REPO, "configs", "nemotron_labs_diffusion_14b_256k.yaml")  # 32 heads, 8 query groups
 
 
 @pytest.mark.parametrize("path, extra, topology, message", [

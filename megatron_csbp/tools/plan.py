@@ -652,13 +652,14 @@ def requested_topologies(model: Model, cluster: Cluster, tp: int, pp: int, p: in
 
 
 # The paper's 16×H200, 256K rows (docs/algorithm.md §11; /work/shared csbp-algorithm §8): the model shapes of
-# the shipped configs/nemotron_diffusion_*.yaml, the published layouts (no TP), block size 256, full
+# the shipped configs/nemotron_labs_diffusion_*.yaml (Nemotron-Labs-Diffusion as Megatron-Bridge trains it: a
+# token-causal clean stream whose rows carry the AR co-loss), the published layouts (no TP), block size 256, full
 # recompute, tokens/s and peak GiB per GPU as published (CP baseline, CSBP).
 PAPER_ROWS = [
     # name, config, (DP, P = C), published tok/s CP -> CSBP, published peak GiB CP -> CSBP
-    ("Nemotron-Diffusion 3B", "nemotron_diffusion_3b_64k", (4, 4), (13434, 16027), (57.1, 57.0)),
-    ("Nemotron-Diffusion 8B", "nemotron_diffusion_8b_256k", (4, 4), (9668, 11379), (97.5, 97.5)),
-    ("Nemotron-Diffusion 14B", "nemotron_diffusion_14b_256k", (2, 8), (7884, 9301), (91.1, 90.6)),
+    ("Nemotron-Diffusion 3B", "nemotron_labs_diffusion_3b_256k", (4, 4), (13434, 16027), (57.1, 57.0)),
+    ("Nemotron-Diffusion 8B", "nemotron_labs_diffusion_8b_256k", (4, 4), (9668, 11379), (97.5, 97.5)),
+    ("Nemotron-Diffusion 14B", "nemotron_labs_diffusion_14b_256k", (2, 8), (7884, 9301), (91.1, 90.6)),
 ]
 # The 14B operator profile, CP8 -> CSBP (seconds per step): forward, backward (with the recomputed forward),
 # exposed communication.
@@ -728,7 +729,7 @@ def paper_check(gpu: GPU, out=sys.stdout):
         fourteen[f"published_cp_{short}_s"], fourteen[f"published_csbp_{short}_s"] = cp_s, csbp_s
         print(f"    {label:<40} {cp_s:6.2f} -> {csbp_s:6.2f} (gain {cp_s - csbp_s:5.2f}) | "
               f"{mine[0]:6.2f} -> {mine[1]:6.2f} (gain {mine[0] - mine[1]:5.2f})", file=out)
-    model = paper_model("nemotron_diffusion_14b_256k")
+    model = paper_model("nemotron_labs_diffusion_14b_256k")
     traffic = {mode: predict(model, cluster, Topology(mode, 1, 1, 8, 8, 2)).attention_gib
                for mode in (baseline, modes.CSBP)}
     print(f"  14B, CP8, 256K attention traffic per GPU per step: {traffic[baseline]:.2f} -> "
