@@ -15,8 +15,8 @@ the sampler, whose position is the row index, takes them at the same positions.
   row's RoPE position (the one RoPE turns it by, as transformers takes it from `position_ids`) and `L0` YaRN's
   original length: queries past the original context sharpen their attention, logarithmically.
 
-`RotaryPositions.from_args` is the one reader of these flags (training's model, the sampler's, validation);
-each refusal is one line naming the flag. Standard library only (`QueryScaling.scales` takes torch tensors).
+`RotaryPositions.from_args` reads these flags: a run's, once, into its `RunConfig`; a checkpoint's record, for
+the sampler and the export. Each refusal is one line naming the flag. Standard library only (`QueryScaling.scales` takes torch tensors).
 """
 
 import dataclasses

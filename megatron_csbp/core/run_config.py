@@ -5,8 +5,8 @@ parsed arguments (`RunConfig.from_args`, the one place the plugin reads its flag
 candidate layout — and checked in `__post_init__` by the rules (`core.rules`), in one order, so a layout the
 planner proposes is one the trainer accepts and a refusal reads the same wherever it is met. It holds the
 variants themselves (the parallel mode, the objective, the transport, the block schedule, the clean layout,
-the clean-attention rule: objects stating their own facts, `core.variants`) and the model's shape
-(`core.model_shape.ModelShape`). What the flags leave to defaults (the clean shards `C`, the loss weighting,
+the clean-attention rule: objects stating their own facts, `core.variants`), the model's shape
+(`core.model_shape.ModelShape`) and its RoPE variant (`core.positions.RotaryPositions`). What the flags leave to defaults (the clean shards `C`, the loss weighting,
 the sizes, the ETP, the global batch) it resolves once; nothing downstream re-derives them. The block-parallel
 size `P` and `C` live here; a rank's rows are `layout(rank)`.
 
@@ -21,6 +21,7 @@ import dataclasses
 from megatron_csbp.core import modes, objectives, rules, transports
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS, CleanAttention
 from megatron_csbp.core.model_shape import ModelShape, MoEShape
+from megatron_csbp.core.positions import RotaryPositions
 from megatron_csbp.core.schedule import CLEAN_LAYOUTS, DUAL_END, SCHEDULES, ZIGZAG, BlockSchedule, CleanLayout
 
 
@@ -31,6 +32,7 @@ class RunConfig:
     shape: ModelShape
     seq_length: int  # L, clean tokens per sample
     block_size: int  # B, the diffusion block
+    positions: RotaryPositions = RotaryPositions()  # YaRN and the query scaling (plain RoPE: neither)
     # the objective
     objective: objectives.ObjectiveKind = objectives.BD3LM
     loss_weighting: str | None = None  # None: the objective's default
@@ -127,6 +129,7 @@ class RunConfig:
             moe=moe)
         return cls(
             shape=shape, seq_length=args.seq_length, block_size=args.bdlm_block_size,
+            positions=RotaryPositions.from_args(args),
             objective=args.bdlm_objective, loss_weighting=args.bdlm_loss_weighting,
             clean_attention=args.bdlm_clean_attention, diffusion_loss_weight=args.bdlm_diffusion_loss_weight,
             ar_loss_weight=args.bdlm_ar_loss_weight,

@@ -217,9 +217,9 @@ def check_output_paths(args: argparse.Namespace, settings: RunConfig | None = No
 
 def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     """The plugin's rules, on our loop's arguments and on Megatron-LM's alike (one line: flag and fix): the run
-    (`RunConfig.from_args`: the model's sizes, block size, layout geometry, world size, noise range, loss
-    weighting), which it returns, then the simulated link, the refused ring-CP features, the experts, RoPE (YaRN
-    and the query scaling: `positions.RotaryPositions`) and the transformer implementation. The block-parallel
+    (`RunConfig.from_args`: the model's sizes and RoPE variant, block size, layout geometry, world size, noise
+    range, loss weighting), which it returns, then the simulated link, the refused ring-CP features, the experts,
+    the position embedding type and the transformer implementation. The block-parallel
     size P lives in Megatron's CP slot alone (`--context-block-parallel` fills it); the defaults the run leaves
     are the `RunConfig`'s, resolved there.
     Writes nothing to `args`.
@@ -257,7 +257,6 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig
     _require(args.position_embedding_type in (positions.ROPE, positions.YARN),
              f"--position-embedding-type {args.position_embedding_type}: BDLM needs rope (or yarn: a token's noisy "
              f"and clean copy share one position); use --position-embedding-type rope")
-    positions.RotaryPositions.from_args(args)
     if args.transformer_impl == "transformer_engine":
         import importlib.util
         _require(importlib.util.find_spec("transformer_engine") is not None,

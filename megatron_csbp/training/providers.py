@@ -78,10 +78,11 @@ def layer_spec_from_args(args: argparse.Namespace):
     return None
 
 
-def gpt_model_kwargs(args: argparse.Namespace) -> dict:
+def gpt_model_kwargs(args: argparse.Namespace, positions: RotaryPositions | None = None) -> dict:
     """The `GPTModel` keywords the flags decide (embeddings, RoPE): training's model and the sampler's alike;
-    `positions` (YaRN, the query scaling) is ours, which both models take."""
-    positions = RotaryPositions.from_args(args)
+    `positions` (YaRN, the query scaling: the run's, else read off `args`, a checkpoint's record) is ours, which
+    both models take."""
+    positions = positions or RotaryPositions.from_args(args)
     return dict(share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                 max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
                 rotary_percent=args.rotary_percent, rope_scaling=args.use_rope_scaling,
@@ -244,7 +245,7 @@ class RunProviders:
             use_transformer_engine=args.transformer_impl == "transformer_engine",
             base_spec=layer_spec_from_args(args), pg_collection=pg_collection,
             per_sample_positions=self.settings.packed, clean_logits=self.settings.clean_logits,
-            **gpt_model_kwargs(args))
+            **gpt_model_kwargs(args, self.settings.positions))
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
         """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
