@@ -45,6 +45,7 @@ MODULE_MARKERS = {
     "test_clean_stream_training": ("spawn", "slow"),
     "test_packing": ("spawn", "slow"),
     "test_sft_data": ("spawn", "slow"),
+    "test_sft_parallel": ("spawn", "slow"),
     "test_transport_memory": ("spawn",),
     "test_bdlm_forward_step": ("spawn",),
     "test_data": ("spawn",),

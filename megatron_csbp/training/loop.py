@@ -81,8 +81,9 @@ def _per_token(totals: dict) -> dict[str, float]:
 
 def micro_batches(dataset, first_sample: int, args, dp_rank: int, dp_size: int):
     """Endless micro-batches from global sample `first_sample` on, in Megatron's order: each global batch
-    of `G` samples is cut into micro-batch rounds of `micro x DP`, DP rank `r` taking slice `r` of each.
-    None where the dataset is not built on this rank (the forward step then receives its batches)."""
+    of `G` samples is cut into micro-batch rounds of `micro x DP`, DP rank `r` taking slice `r` of each; each
+    micro-batch holds what the samples hold (tokens, sample index, and the loss mask of SFT data). None where the
+    dataset is not built on this rank (the forward step then receives its batches)."""
     if dataset is None:
         return None
     return _micro_batches(dataset, first_sample, args, dp_rank, dp_size)
@@ -95,8 +96,7 @@ def _micro_batches(dataset, first_sample: int, args, dp_rank: int, dp_size: int)
         for start in range(sample, sample + args.global_batch_size, micro * dp_size):
             indices = [(start + dp_rank * micro + i) % len(dataset) for i in range(micro)]
             items = [dataset[i] for i in indices]
-            yield {"tokens": torch.stack([item["tokens"] for item in items]),
-                   "sample_index": torch.stack([item["sample_index"] for item in items])}
+            yield {key: torch.stack([item[key] for item in items]) for key in items[0]}
         sample += args.global_batch_size
 
 
