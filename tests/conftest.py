@@ -55,6 +55,7 @@ MODULE_MARKERS = {
     "test_moe": ("spawn", "slow"),
     "test_bench": ("spawn", "slow"),
     "test_recompute": ("spawn", "slow"),
+    "test_ddp_overlap": ("spawn", "slow"),
     "test_gpu_check": ("spawn", "slow"),
     "test_training": ("spawn", "slow"),
     "test_checkpointing": ("spawn", "slow"),
