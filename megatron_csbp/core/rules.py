@@ -421,7 +421,7 @@ def recompute_problem(granularity: str | None, modules, moe_layer_recompute: boo
     unknown = [name for name in modules or () if name not in RECOMPUTE_MODULES]
     if unknown:
         return (f"--recompute-modules {' '.join(unknown)}: not a module megatron-core recomputes; choose from "
-                f"{', '.join(RECOMPUTE_MODULES[:-1])}")
+                f"{', '.join(name for name in RECOMPUTE_MODULES if name != 'mla_up_proj')}")
     if moe_layer_recompute and not moe_layers:
         return "--moe-layer-recompute: the model has no MoE layers (--num-experts); drop it"
     no_moe = "the model has no MoE layers (--num-experts)"
