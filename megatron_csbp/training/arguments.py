@@ -5,6 +5,7 @@ megatron-core's configs in `megatron_config`.
 """
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -250,19 +251,46 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig
             shared_expert=bool(args.moe_shared_expert_intermediate_size), bias=args.add_bias_linear,
             score_function=args.moe_router_score_function,
             pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False))))
-        import importlib.util
         _require(not args.moe_grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,
                  "--moe-grouped-gemm needs Transformer Engine (its grouped GEMM); drop it to run the experts one "
                  "by one (megatron-core's SequentialMLP)")
     _require(args.position_embedding_type in (positions.ROPE, positions.YARN),
              f"--position-embedding-type {args.position_embedding_type}: BDLM needs rope (or yarn: a token's noisy "
              f"and clean copy share one position); use --position-embedding-type rope")
+    _require(getattr(args, "add_position_embedding", True) or args.position_embedding_type == positions.ROPE,
+             f"--no-position-embedding (Megatron-LM's older switch for no learned positions) is taken beside rope "
+             f"only, as Megatron-LM takes it; with --position-embedding-type {args.position_embedding_type} drop it")
+    factor = getattr(args, "rotary_seq_len_interpolation_factor", None)
+    _require(factor in (None, 1), f"--rotary-seq-len-interpolation-factor {factor}: RoPE position interpolation is "
+                                  f"not implemented for BDLM (1, no interpolation, is taken); drop it")
+    _refuse(rules.recompute_problem(
+        recompute_granularity(args), getattr(args, "recompute_modules", None),
+        bool(getattr(args, "moe_layer_recompute", False)), moe_layers=bool(settings.shape.moe),
+        dense_layers=not settings.shape.moe or settings.shape.moe.num_moe_layers < settings.shape.num_layers,
+        shared_experts=bool(settings.shape.moe and settings.shape.moe.shared_expert_ffn_hidden_size),
+        grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
+        transformer_engine=importlib.util.find_spec("transformer_engine") is not None))
+    if getattr(args, "overlap_param_gather", False):
+        _require(args.use_distributed_optimizer and args.overlap_grad_reduce,
+                 "--overlap-param-gather gathers the distributed optimizer's updated shards bucket by bucket: it "
+                 "needs --use-distributed-optimizer and --overlap-grad-reduce (Megatron-LM's rule); add them or "
+                 "drop it")
     if args.transformer_impl == "transformer_engine":
-        import importlib.util
         _require(importlib.util.find_spec("transformer_engine") is not None,
                  "--transformer-impl transformer_engine needs Transformer Engine (pip install -e '.[gpu]' on a GPU "
                  "machine); use --transformer-impl local")
     return settings
+
+
+def position_embedding_type(args: argparse.Namespace) -> str:
+    """The position type Megatron-LM resolves: `--use-rotary-position-embeddings` (its older spelling) makes it rope
+    whatever `--position-embedding-type` says."""
+    return "rope" if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type
+
+
+def recompute_granularity(args: argparse.Namespace) -> str | None:
+    """The recompute granularity Megatron-LM resolves: `--recompute-activations` (its shorthand) is selective."""
+    return "selective" if getattr(args, "recompute_activations", False) else args.recompute_granularity
 
 
 def validate(args: argparse.Namespace, world_size: int, *, on_accelerator: bool | None = None,
@@ -279,6 +307,9 @@ def validate(args: argparse.Namespace, world_size: int, *, on_accelerator: bool 
                  "train_iters", "lr"):
         _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     check_shared_values(args)
+    # Megatron-LM's older spellings, resolved as its `validate_args` resolves them, before the run reads them
+    args.position_embedding_type = position_embedding_type(args)
+    args.recompute_granularity = recompute_granularity(args)
     settings = validate_plugin_args(args, world_size)
     settings.write_back(args)
 

@@ -186,8 +186,11 @@ def _sharded_state_dict(model, optimizer, *, is_loading: bool, with_optimizer: b
     model_state = model.sharded_state_dict()
     state = {"model": model_state}
     if with_optimizer:
+        # The distributed optimizer's state as Megatron-LM saves it by default (dp_reshardable): megatron-core's own
+        # default layout is refused by its checkpointing (`ShardedTensor.flattened_range is not supported`).
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
-                                                          metadata={"chained_optim_avoid_prefix": True})
+                                                          metadata={"chained_optim_avoid_prefix": True,
+                                                                    "distrib_optim_sharding_type": "dp_reshardable"})
     if rng is not None:
         state["rng_state"] = _rng_sharded_object(rng)
     return state

@@ -32,7 +32,8 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         bf16=args.bf16, fp16=args.fp16, params_dtype=params_dtype, pipeline_dtype=params_dtype,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
+        recompute_num_layers=args.recompute_num_layers, recompute_modules=getattr(args, "recompute_modules", None),
+        moe_layer_recompute=bool(getattr(args, "moe_layer_recompute", False)),
         calculate_per_token_loss=args.calculate_per_token_loss,
         use_cpu_initialization=bool(args.use_cpu_initialization),
         # Pipeline stages exchange this rank's CSBP rows (|owned noisy| + L/C, uneven when the blocks do not

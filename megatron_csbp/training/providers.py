@@ -248,8 +248,8 @@ class RunProviders:
             **gpt_model_kwargs(args, self.settings.positions))
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
-        """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
-        built on this rank), sized by Megatron-LM's sample counts."""
+        """(train, valid, test) datasets of clean `L`-token samples with their indices and, for SFT data, their loss
+        masks (None: empty split, or not built on this rank), sized by Megatron-LM's sample counts."""
         from megatron_csbp.training.datasets import build_datasets, build_loss_mask_datasets, split_sizes
 
         args = self.args
@@ -257,10 +257,6 @@ class RunProviders:
         on_rank = partial(is_dataset_built_on_rank, vp_stage)
         datasets = build_datasets(args, self.vocabulary, sizes=sizes, is_built_on_rank=on_rank)
         masks = build_loss_mask_datasets(args, self.vocabulary, sizes=sizes, is_built_on_rank=on_rank)
-        if masks is not None and self.settings.tensor_parallel_size > 1:
-            raise ConfigError(f"--data-path {args.data_path[-1]}: SFT loss masks are not broadcast over "
-                              f"tensor-parallel ranks yet; use --tensor-model-parallel-size 1 (or data without "
-                              f"*_loss_mask files)")
         masks = masks or (None,) * len(datasets)
         return tuple(None if dataset is None else SampleIndexed(dataset, mask)
                      for dataset, mask in zip(datasets, masks))
