@@ -35,6 +35,12 @@ ROUNDING = "yarn_correction_range_round_to_int"  # megatron-core's field; its fl
 NO_ROUNDING = "--no-yarn-correction-range-round-to-int"
 
 
+def position_embedding_type(args) -> str:
+    """The position type Megatron-LM resolves: `--use-rotary-position-embeddings` (its older spelling) makes it rope
+    whatever `--position-embedding-type` says."""
+    return ROPE if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -130,7 +136,7 @@ class RotaryPositions:
         """The RoPE of parsed arguments (either loop's, or a checkpoint's record: one saved before these flags
         existed records none of them, and is plain RoPE); `ConfigError` (one line naming the flag) where the flags
         do not make one."""
-        kind = args.position_embedding_type
+        kind = position_embedding_type(args)
         given = {field: getattr(args, dest) for dest, field in YARN_FLAGS.items()
                  if getattr(args, dest, None) is not None}
         rounded = getattr(args, ROUNDING, True)

@@ -254,12 +254,13 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig
         _require(not args.moe_grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,
                  "--moe-grouped-gemm needs Transformer Engine (its grouped GEMM); drop it to run the experts one "
                  "by one (megatron-core's SequentialMLP)")
-    _require(args.position_embedding_type in (positions.ROPE, positions.YARN),
+    kind = positions.position_embedding_type(args)
+    _require(kind in (positions.ROPE, positions.YARN),
              f"--position-embedding-type {args.position_embedding_type}: BDLM needs rope (or yarn: a token's noisy "
              f"and clean copy share one position); use --position-embedding-type rope")
-    _require(getattr(args, "add_position_embedding", True) or args.position_embedding_type == positions.ROPE,
+    _require(getattr(args, "add_position_embedding", True) or kind == positions.ROPE,
              f"--no-position-embedding (Megatron-LM's older switch for no learned positions) is taken beside rope "
-             f"only, as Megatron-LM takes it; with --position-embedding-type {args.position_embedding_type} drop it")
+             f"only, as Megatron-LM takes it; with --position-embedding-type {kind} drop it")
     factor = getattr(args, "rotary_seq_len_interpolation_factor", None)
     _require(factor in (None, 1), f"--rotary-seq-len-interpolation-factor {factor}: RoPE position interpolation is "
                                   f"not implemented for BDLM (1, no interpolation, is taken); drop it")
@@ -282,12 +283,6 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig
     return settings
 
 
-def position_embedding_type(args: argparse.Namespace) -> str:
-    """The position type Megatron-LM resolves: `--use-rotary-position-embeddings` (its older spelling) makes it rope
-    whatever `--position-embedding-type` says."""
-    return "rope" if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type
-
-
 def recompute_granularity(args: argparse.Namespace) -> str | None:
     """The recompute granularity Megatron-LM resolves: `--recompute-activations` (its shorthand) is selective."""
     return "selective" if getattr(args, "recompute_activations", False) else args.recompute_granularity
@@ -307,8 +302,8 @@ def validate(args: argparse.Namespace, world_size: int, *, on_accelerator: bool 
                  "train_iters", "lr"):
         _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     check_shared_values(args)
-    # Megatron-LM's older spellings, resolved as its `validate_args` resolves them, before the run reads them
-    args.position_embedding_type = position_embedding_type(args)
+    # Megatron-LM's older spellings, resolved as its `validate_args` resolves them
+    args.position_embedding_type = positions.position_embedding_type(args)
     args.recompute_granularity = recompute_granularity(args)
     settings = validate_plugin_args(args, world_size)
     settings.write_back(args)
