@@ -399,7 +399,7 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
                           f"safetensors file, in MiB")
     out, load = os.path.abspath(out), os.path.abspath(load)
     _check_export_target(out, overwrite, [load])
-    checkpoint = inference.read_checkpoint(load)
+    checkpoint = inference.read_checkpoint(load, log=log)
     directory, iteration, recorded = checkpoint.directory, checkpoint.iteration, checkpoint.recorded
     hf_side, found = None, {}
     if recorded.get("tokenizer_type") == "HuggingFaceTokenizer":  # its tokenizer, where it is now

@@ -33,7 +33,7 @@ class Checkpoint:
     recorded: dict
 
 
-def read_checkpoint(load: str, *, verify: bool = True) -> Checkpoint:
+def read_checkpoint(load: str, *, verify: bool = True, log=print) -> Checkpoint:
     """The checkpoint `--load` names and the arguments it recorded (its common state, through the allow-list).
     `verify`: its files checked against their manifest now (a command with one process, before any work);
     without, when they are loaded (collectively, by every rank of a launch)."""
@@ -53,7 +53,7 @@ def read_checkpoint(load: str, *, verify: bool = True) -> Checkpoint:
             raise ConfigError(f"--load {load}: {checkpointing.TRACKER} names iteration {iteration}, but {directory} "
                               f"is missing; restore it or give another --load")
     if verify:
-        checkpointing.check_complete(directory, log=lambda *_: None)
+        checkpointing.verify(directory, log=log)
     common = checkpointing.common_state(directory)
     recorded = checkpointing.saved_args(common)
     if not recorded:

@@ -492,6 +492,13 @@ def iteration_dirs(root: str) -> list[int]:
     return sorted(found, reverse=True)
 
 
+def verify(directory: str, log=print) -> None:
+    """`check_complete`, and the one line a user reads when it passes (what was checked, how long it took)."""
+    started = time.perf_counter()
+    check_complete(directory, log=log)
+    log(f" verified {directory} (sizes, {CHECKSUM}, .metadata, common state) in {time.perf_counter() - started:.3f} s")
+
+
 def find_checkpoint(root: str, *, fallback: bool, log=print) -> int:
     """The iteration to load from `root`: the tracker's, checked complete and intact (`check_complete`);
     with `fallback`, the newest older one that verifies when it is not. Raises `CheckpointError` naming the
@@ -508,10 +515,7 @@ def find_checkpoint(root: str, *, fallback: bool, log=print) -> int:
                               f"an earlier run, or drop --load to start from scratch")
     if latest in iteration_dirs(root) or not fallback:
         try:
-            started = time.perf_counter()
-            check_complete(checkpoint_dir(root, latest), log=log)
-            log(f" verified {checkpoint_dir(root, latest)} (sizes, {CHECKSUM}, .metadata, common state) in "
-                f"{time.perf_counter() - started:.3f} s")
+            verify(checkpoint_dir(root, latest), log=log)
             return latest
         except CheckpointError as error:
             if not fallback:
