@@ -89,6 +89,8 @@ SHOWN_BY = {
         "--moe-grouped-gemm",
     "tests/test_hf_moe.py::test_logits_equal_huggingface":
         "--moe-router-pre-softmax",
+    "tests/test_linear_cross_entropy.py::test_the_fusion_flags_train_and_validate_as_the_whole_head":
+        "--cross-entropy-loss-fusion --cross-entropy-fusion-impl --cross-entropy-tile-rows",
 }
 
 
