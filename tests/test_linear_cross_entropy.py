@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import test_clean_stream_training as ar
 import test_megatron_composition as diffusion
 from megatron_step import Topology, run_steps, worst_error
-from pretrain_runs import base, run, significant
+from pretrain_runs import base, run, significant, validated_args
 from spawn import on_cpu_backend, run_ranks
 
 from megatron_csbp.core.rules import ConfigError
@@ -197,11 +197,26 @@ def test_world_4_tiled_cross_entropy_step_equals_one_rank(references):
 
 # --- the trainer's flags ---------------------------------------------------------------------------------------
 
+@on_cpu_backend
+def _providers_tile_rows(rank, world_size, corpus, settings):
+    """The tile of the model the run's providers build from the trainer's validated flags `settings`."""
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.training.providers import RunProviders
+
+    parallel_state.initialize_model_parallel()
+    try:
+        return RunProviders(validated_args(corpus, **settings)).model_provider().logits_tile_rows
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
 def test_the_fusion_flags_train_and_validate_as_the_whole_head(corpus, reference_runs):
     """CSBP2 with the tiled loss (tiles of 7 rows) logs the one-rank whole-logits run's losses and validation NELBO
-    (the validation runs the same forward with labels)."""
-    fused = run(2, base(corpus, context_block_parallel=2, cross_entropy_loss_fusion=True,
-                        cross_entropy_fusion_impl="native", cross_entropy_tile_rows=7))
+    (the validation runs the same forward with labels). The flags reach the model the providers build (without
+    them it holds the logits whole)."""
+    flags = dict(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native", cross_entropy_tile_rows=7)
+    assert [run_ranks(_providers_tile_rows, 1, corpus, settings)[0] for settings in (flags, {})] == [7, None]
+    fused = run(2, base(corpus, context_block_parallel=2, **flags))
     reference = reference_runs["1 rank"]
     for field in ("losses", "validation"):
         expected = {i: significant(v) for i, v in getattr(reference, field).items()}
