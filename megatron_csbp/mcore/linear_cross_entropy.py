@@ -19,10 +19,10 @@ import torch
 
 
 def tiled_linear_cross_entropy(hidden, weight, labels, tile_rows: int, unpredictable=None, group=None):
-    """Per-row cross-entropy `[rows]` (fp32; fp64 for fp64 inputs) of the logits `hidden [rows, h] @ weight.T`, over the vocabulary
-    split by columns over `group` (this rank's `weight [V/tp, h]` holds columns `rank * V/tp ...`), against
-    `labels [rows]` (global ids), computed `tile_rows` rows at a time. `unpredictable [V/tp]` (bool): columns whose
-    logits are -inf (None: none)."""
+    """Per-row cross-entropy `[rows]` (fp32; fp64 for fp64 inputs) of the logits `hidden [rows, h] @ weight.T`, over
+    the vocabulary split by columns over `group` (this rank's `weight [V/tp, h]` holds columns `rank * V/tp ...`),
+    against `labels [rows]` (global ids), computed `tile_rows` rows at a time. `unpredictable [V/tp]` (bool):
+    columns whose logits are -inf (None: none)."""
     if tile_rows < 1:
         raise ValueError(f"tile_rows={tile_rows} must be >= 1")
     return _TiledLinearCrossEntropy.apply(hidden, weight, labels, tile_rows, unpredictable, group)

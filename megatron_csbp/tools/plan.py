@@ -907,9 +907,10 @@ def _print_logits(model: Model, cluster: Cluster, topo: Topology, out):
     """The LM head's logits per GPU in `topo`, whole and as the tiled linear cross-entropy, and the memory of each."""
     tile = model.logits_tile_rows or rules.CROSS_ENTROPY_TILE_ROWS
     whole, tiled = (predict(dataclasses.replace(model, logits_tile_rows=rows), cluster, topo) for rows in (None, tile))
-    print(f"       LM head logits per GPU: {whole.logits_bytes / GIB:.2f} GiB whole (memory {whole.memory_bytes / GIB:.1f}"
-          f" GiB), {tiled.logits_bytes / GIB:.3f} GiB in tiles of {tile} rows (--cross-entropy-loss-fusion; memory "
-          f"{tiled.memory_bytes / GIB:.1f} GiB, step {tiled.step_time_s:.3f} s)", file=out)
+    print(f"       LM head logits per GPU: {whole.logits_bytes / GIB:.2f} GiB whole (memory "
+          f"{whole.memory_bytes / GIB:.1f} GiB), {tiled.logits_bytes / GIB:.3f} GiB in tiles of {tile} rows "
+          f"(--cross-entropy-loss-fusion; memory {tiled.memory_bytes / GIB:.1f} GiB, step {tiled.step_time_s:.3f} s)",
+          file=out)
 
 
 def _print_plan(preds: list, top: int, out):

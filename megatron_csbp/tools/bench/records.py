@@ -2,10 +2,11 @@
 record per (mode, length, condition) that the tables, the plots and the JSON are made from (`RunRecord`).
 
 The JSON is each `RunRecord`'s `record()`: its fields in order, a group of keys measured only in some runs (the
-transports' peaks, the logits' peaks, the experts' per-rank figures, the comparison with CP, the planner's prediction) written only
-where measured, so the keys are the ones docs/performance.md and tests/test_bench.py read. A rank's record
-crosses the process boundary from the spawned ranks and carries no variant object (an object unpickled there
-would be a copy, not the registry's); the run it belongs to is named by the process that spawned it.
+transports' peaks, the logits' peaks, the experts' per-rank figures, the comparison with CP, the planner's
+prediction) written only where measured, so the keys are the ones docs/performance.md and tests/test_bench.py
+read. A rank's record crosses the process boundary from the spawned ranks and carries no variant object (an object
+unpickled there would be a copy, not the registry's); the run it belongs to is named by the process that spawned
+it.
 
 Standard library only.
 """
@@ -333,7 +334,8 @@ def summarise(of_ranks, mode, seq_length: int, args) -> RunRecord:
         peak_memory_bytes=max(r.peak_memory_bytes for r in of_ranks),
         saved_activation_bytes=max(r.saved_activation_bytes for r in of_ranks),
         rows_per_rank=max(r.rows for r in of_ranks), attention_pairs_per_rank=max(r.attention_pairs for r in of_ranks),
-        transport_memory=memory, logits_memory=logits, kernels="+".join(kinds), kernel_calls=sum(c.calls for c in busiest.kernel_work),
+        transport_memory=memory, logits_memory=logits, kernels="+".join(kinds),
+        kernel_calls=sum(c.calls for c in busiest.kernel_work),
         kernel_real_pairs=sum(c.real_pairs * c.calls for c in busiest.kernel_work),
         kernel_computed_pairs=busiest.kernel_computed_pairs,
         kernel_work_by_rank=tuple(r.kernel_work for r in of_ranks), exposed_share=exposed_comm_s / step_time_s,

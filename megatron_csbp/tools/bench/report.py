@@ -144,9 +144,10 @@ def print_logits_memory(records, out=None):
     for r in rows:
         memory = r.logits_memory
         saved = memory.whole_logits_step_peak_bytes - memory.tiled_logits_step_peak_bytes
-        print(f"{r.mode.name:<10} {r.seq_length:>7} {r.nproc:>5} {memory.logits_bytes / 2**20:>9.1f} "
-              f"{memory.whole_logits_step_peak_bytes / 2**20:>9.1f} {memory.tiled_logits_step_peak_bytes / 2**20:>9.1f} "
-              f"{saved / 2**20:>9.1f}", file=out)
+        mib = [value / 2**20 for value in (memory.logits_bytes, memory.whole_logits_step_peak_bytes,
+                                           memory.tiled_logits_step_peak_bytes, saved)]
+        print(f"{r.mode.name:<10} {r.seq_length:>7} {r.nproc:>5} " + " ".join(f"{value:>9.1f}" for value in mib),
+              file=out)
 
 
 def print_link_sweep(records, out=None):
