@@ -77,6 +77,7 @@ MODULE_MARKERS = {
     "test_torchrun": ("spawn", "slow"),
     "test_evaluate": ("spawn", "slow"),
     "test_harness": ("spawn", "slow"),
+    "test_linear_cross_entropy": ("spawn", "slow"),
 }
 
 

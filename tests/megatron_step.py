@@ -33,6 +33,7 @@ class Topology:
     seq: int = SEQ
     block: int = BLOCK
     megatron_rope: bool = False  # negative control
+    logits_tile_rows: int | None = None  # the loss as a tiled linear cross-entropy (None: the whole logits)
 
 
 def _config(topology, **overrides):

@@ -70,7 +70,8 @@ def _build_model(topology, config):
     from megatron_csbp.mcore.spec import get_csbp_layer_spec
 
     stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
-    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True, clean_logits=True)
+    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True, clean_logits=True,
+                  logits_tile_rows=topology.logits_tile_rows)
     if topology.mode == "reference":
         layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, clean_attention="token-causal")
         spec = get_csbp_layer_spec()

@@ -74,6 +74,9 @@ def _assert_same_numbers(ours: Run, megatron: Run, first: int = 1):
 TOPOLOGIES = {
     "csbp2": (2, {"context-block-parallel": 2}),
     "tp2xcsbp2+sp": (4, {"context-block-parallel": 2, "tensor-model-parallel-size": 2, "sequence-parallel": True}),
+    "tp2xcsbp2+sp, tiled cross-entropy": (4, {"context-block-parallel": 2, "tensor-model-parallel-size": 2,
+                                              "sequence-parallel": True, "cross-entropy-loss-fusion": True,
+                                              "cross-entropy-tile-rows": 5}),
     "pp2xcsbp2": (4, {"context-block-parallel": 2, "pipeline-model-parallel-size": 2}),
     "dp2xcsbp2": (4, {"context-block-parallel": 2}),
     "cp2": (2, {"context-block-parallel": 2, "bdlm-parallel-mode": "cp"}),

@@ -41,6 +41,9 @@ BYTE_TOKENIZER = "ByteLevelTokenizer"
 TEXT_TOKENIZERS = (BYTE_TOKENIZER, "HuggingFaceTokenizer")  # those that turn text into ids
 TOKENIZERS = TEXT_TOKENIZERS + ("NullTokenizer",)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default
+# --cross-entropy-fusion-impl: the values of Megatron-LM's that the tiled linear cross-entropy stands for, and its tile
+CROSS_ENTROPY_FUSION_IMPLS = ("native",)
+CROSS_ENTROPY_TILE_ROWS = 1024
 # Mixture of experts: what routes each token alike on every layout (see `moe_problem`).
 MOE_LOAD_BALANCING = ("aux_loss", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -72,6 +75,7 @@ class Flags:
     num_experts: str = "--num-experts"
     expert_parallel: str = "--expert-model-parallel-size"
     expert_tensor_parallel: str = "--expert-tensor-parallel-size"
+    logits_tile_rows: str = "--cross-entropy-tile-rows"
 
     def renamed(self, **names) -> "Flags":
         return dataclasses.replace(self, **names)

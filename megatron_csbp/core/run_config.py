@@ -42,6 +42,7 @@ class RunConfig:
     clean_attention: CleanAttention = BLOCK_CAUSAL
     diffusion_loss_weight: float = 1.0  # the weight of the diffusion loss on the noisy rows
     ar_loss_weight: float = 0.0  # the weight of the next-token loss on the clean rows (0: none)
+    logits_tile_rows: int | None = None  # the loss as a tiled linear cross-entropy over tiles of these rows (None: off)
     # the layout
     mode: modes.ParallelMode = modes.CSBP
     block_parallel_size: int = 1  # P, in Megatron's CP slot
@@ -104,7 +105,9 @@ class RunConfig:
                    or rules.packing_problem(self.reset_position_ids, self.reset_attention_mask, PP, flags=f)
                    or rules.loss_weighting_problem(self.objective, self.loss_weighting)
                    or rules.loss_parts_problem(self.objective, self.clean_attention, self.diffusion_loss_weight,
-                                               self.ar_loss_weight))
+                                               self.ar_loss_weight)
+                   or (rules.at_least(f.logits_tile_rows, self.logits_tile_rows)
+                       if self.logits_tile_rows is not None else None))
         if problem or self.global_batch_size is None:
             return problem
         return rules.batch_problem(self.global_batch_size, self.micro_batch_size, world // (TP * PP * P), f)
@@ -133,6 +136,7 @@ class RunConfig:
             objective=args.bdlm_objective, loss_weighting=args.bdlm_loss_weighting,
             clean_attention=args.bdlm_clean_attention, diffusion_loss_weight=args.bdlm_diffusion_loss_weight,
             ar_loss_weight=args.bdlm_ar_loss_weight,
+            logits_tile_rows=args.cross_entropy_tile_rows if args.cross_entropy_loss_fusion else None,
             noise_range=tuple(args.bdlm_noise_range), antithetic_noise=args.bdlm_noise_sampling == "antithetic",
             seed=args.seed, mode=args.bdlm_parallel_mode,
             block_parallel_size=args.context_parallel_size,  # Megatron's CP slot (`--context-block-parallel` fills it)

@@ -37,6 +37,7 @@ MEGATRON_LM_LOOP = "Megatron-LM's training loop"
 class Honoured:
     by: str = PLUGIN
     only: tuple | None = None  # the values it is honoured with (others are refused), None: all
+    why_only: str = ""  # why the other values are refused
 
     kind = "honoured"
 
@@ -125,6 +126,11 @@ _classify(Honoured(), "--overlap-grad-reduce --overlap-param-gather")  # megatro
 _classify(Honoured(only=(rules.BYTE_TOKENIZER, "NullTokenizer", "HuggingFaceTokenizer")),
           "--tokenizer-type")
 _classify(Honoured(), "--tokenizer-model --vocab-size")
+# The head and its loss as the plugin's tiled linear cross-entropy (megatron-core's fused kernels take whole logits).
+_classify(Honoured(), "--cross-entropy-loss-fusion --cross-entropy-tile-rows")
+_classify(Honoured(only=rules.CROSS_ENTROPY_FUSION_IMPLS,
+                   why_only="te names Transformer Engine's cross-entropy kernel, which takes the whole logits; native "
+                            "is the plugin's tiled linear cross-entropy"), "--cross-entropy-fusion-impl")
 _classify(Honoured(), "--data-cache-path")
 _classify(Honoured(), "--save --load --save-interval --finetune --no-load-optim --no-load-rng")
 _classify(Honoured(only=("torch_dist",)), "--ckpt-format")
@@ -276,7 +282,7 @@ _classify(Refused("is an architecture option the BDLM model does not implement",
     --apply-query-key-layer-scaling --use-fused-weighted-squared-relu --openai-gelu
     --squared-relu --quick-geglu --no-rope-freq
     --rope-type --window-size --window-attn-skip-freq --mrope-section --onnx-safe --fp16-lm-cross-entropy
-    --cross-entropy-loss-fusion --cross-entropy-fusion-impl --log-max-attention-logit --experimental-attention-variant
+    --log-max-attention-logit --experimental-attention-variant
     --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-loss-coeff
     --dsa-indexer-use-sparse-loss --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim
     --linear-num-key-heads --linear-num-value-heads --linear-attention-freq --heterogeneous-layers-config-path
@@ -350,7 +356,8 @@ def entry(flag: str) -> Honoured | Neutral | Refused:
 
 
 def _value_refusal(flag: str, value, honoured: Honoured) -> str:
-    return refusal(flag, value, Refused(f"is honoured only with {', '.join(map(str, honoured.only))}",
+    why = f" ({honoured.why_only})" if honoured.why_only else ""
+    return refusal(flag, value, Refused(f"is honoured only with {', '.join(map(str, honoured.only))}{why}",
                                         "use one of those"))
 
 

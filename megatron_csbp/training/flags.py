@@ -81,6 +81,9 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--bdlm-mask-token-id", type=int, default=None, metavar="ID",
                        help="The MASK id: a new id right after the tokenizer's (the default), or an existing id "
                             "the data never uses (e.g. what scripts/convert_hf.py import chose).")
+    group.add_argument("--cross-entropy-tile-rows", type=int, default=rules.CROSS_ENTROPY_TILE_ROWS, metavar="N",
+                       help="With --cross-entropy-loss-fusion: rows per tile of the tiled linear cross-entropy (a "
+                            "tile's logits are N x vocabulary / TP).")
     group.add_argument("--max-consecutive-bad-steps", type=int, default=3, metavar="N",
                        help="Steps with a NaN/Inf loss or grad norm are skipped; stop after N in a row.")
     group.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
@@ -221,6 +224,13 @@ def _add_model_args(parser):
                        help="A layer ModuleSpec to start from (its core attention becomes CSBP's).")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=rules.MAKE_VOCAB_SIZE_DIVISIBLE_BY,
                        help="Pad the vocabulary (data ids + MASK) to a multiple of this x TP.")
+    group.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                       help="The LM head and its loss as a tiled linear cross-entropy: the same loss, the logits "
+                            "never held whole (tiles of --cross-entropy-tile-rows rows).")
+    group.add_argument("--cross-entropy-fusion-impl", choices=rules.CROSS_ENTROPY_FUSION_IMPLS,
+                       default=rules.CROSS_ENTROPY_FUSION_IMPLS[0],
+                       help="native only: the plugin's tiled linear cross-entropy (Transformer Engine's kernel, te, "
+                            "takes the whole logits).")
 
 
 def moe_layer_freq(text):
