@@ -84,7 +84,8 @@ def window_size_problem(window_size, skip_freq, num_layers: int) -> str | None:
                 f"give {WINDOW_SIZE} LEFT,0 or drop {SKIP_FREQ}")
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
             or any(isinstance(x, bool) or not isinstance(x, int) for x in window_size)):
-        return f"{WINDOW_SIZE} {_shown(window_size)}: give two integers LEFT,RIGHT, e.g. 511,0"
+        shown = ",".join(map(str, window_size)) if isinstance(window_size, (tuple, list)) else _shown(window_size)
+        return f"{WINDOW_SIZE} {shown}: give two integers LEFT,RIGHT, e.g. 511,0"
     left, right = window_size
     if right != 0:
         return (f"{WINDOW_SIZE} {left},{right}: a right window (RIGHT != 0) would let a clean row see clean tokens "
@@ -125,5 +126,5 @@ def is_sliding(skip_freq, layer_number: int) -> bool:
 
 
 def _shown(value) -> str:
-    text = str(value).replace(" ", "")
+    text = str(list(value) if isinstance(value, tuple) else value).replace(" ", "")
     return text if len(text) <= 60 else text[:57] + "..."
