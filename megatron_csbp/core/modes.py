@@ -105,7 +105,7 @@ class ParallelMode:
         windows (`core.exchange`) the clean positions the rank's rows see."""
         L, B = seq_length, block_size
         noisy, clean = self.row_spans(L, B, parallel_size, clean_shards, rank)
-        ranges = list(_key_ranges(noisy, clean, B, clean_attention, window))
+        ranges = list(key_ranges(noisy, clean, B, clean_attention, window))
         keys = _KeyIndex(_union(ranges) if window.sliding and clean_shards > 1 and not self.shards_both_copies
                          else [(0, L)])
         real = computed = 0
@@ -138,7 +138,7 @@ class _PureBlockParallel(ParallelMode):
                 f"or use {flags.mode} csbp")
 
 
-def _key_ranges(noisy_spans, clean_spans, block_size, clean_attention=BLOCK_CAUSAL, window=GLOBAL):
+def key_ranges(noisy_spans, clean_spans, block_size, clean_attention=BLOCK_CAUSAL, window=GLOBAL):
     """`(start, limit, rows)` per run of rows sharing their clean keys, the positions `[start, limit)`: the
     clean-attention rule's limits (`core.clean_attention`), from the window's start in a sliding layer
     (`core.windows`; docs/algorithm.md §3). Noisy rows first, then clean ones, as a rank holds them."""
@@ -244,9 +244,9 @@ class _FieldContextParallel(_ContextParallel):
         (noisy,), (clean,) = self.row_spans(L, B, parallel_size, clean_shards, rank)
         rows = [(noisy, False), (clean, True)]  # (span, clean copy?) in row order
         # a noisy row sees its own block's B noisy keys besides its clean keys
-        real = (sum(rows * (max(limit - start, 0) + B) for start, limit, rows in _key_ranges([noisy], [], B,
+        real = (sum(rows * (max(limit - start, 0) + B) for start, limit, rows in key_ranges([noisy], [], B,
                                                                                             clean_attention, window))
-                + sum(rows * max(limit - start, 0) for start, limit, rows in _key_ranges([], [clean], B,
+                + sum(rows * max(limit - start, 0) for start, limit, rows in key_ranges([], [clean], B,
                                                                                          clean_attention, window)))
         n, computed = 2 * (L // clean_shards), 0
         for lo in range(0, n, t):
@@ -260,7 +260,7 @@ class _FieldContextParallel(_ContextParallel):
                 p0, p1 = start + first - offset, start + last - offset  # positions of those rows: [p0, p1)
                 spans = ([(p0, p1)], []) if not clean_copy else ([], [(p0, p1)])
                 intervals += [(L + key_start, L + limit)
-                              for key_start, limit, _ in _key_ranges(*spans, B, clean_attention, window)]
+                              for key_start, limit, _ in key_ranges(*spans, B, clean_attention, window)]
                 if not clean_copy:  # and their blocks' noisy keys
                     intervals.append((p0 // B * B, ((p1 - 1) // B + 1) * B))
             computed += (hi - lo) * _tile_span(intervals, 2 * L, t)

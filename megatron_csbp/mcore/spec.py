@@ -118,6 +118,7 @@ def layer_window(config, layer_number: int):
     config's `window_size` and `window_attn_skip_freq` (`is_layer_window_attention`), so a layer slides here
     exactly where it slides in Megatron-LM; what the kernels cannot do is refused (`core.windows`)."""
     window_size, skip_freq = config.window_size, config.window_attn_skip_freq
+    skip_freq = list(skip_freq) if isinstance(skip_freq, tuple) else skip_freq  # megatron-core takes a list
     problem = window_size_problem(tuple(window_size) if isinstance(window_size, list) else window_size, skip_freq,
                                   config.num_layers)
     if problem:
