@@ -79,10 +79,12 @@ def _csbp(world, C, lefts, transports=("collective", "streaming"), L=64, B=8, **
 CASES = {
     1: (_csbp(1, 1, (3, 8, 21)) + _csbp(1, 1, (5,), ("collective",), token_causal=True)
         + _csbp(1, 1, (5,), ("streaming",), starts=UNALIGNED)
-        + [Case(f"cp_{t}_w{left}", "cp", 64, 8, 1, t, left=left) for t in ("collective", "streaming") for left in (3, 21)]),
+        + [Case(f"cp_{t}_w{left}", "cp", 64, 8, 1, t, left=left)
+           for t in ("collective", "streaming") for left in (3, 21)]),
     2: (_csbp(2, 2, (3, 7, 8, 21, None)) + _csbp(2, 2, (5,), token_causal=True)
         + _csbp(2, 2, (5,), starts=UNALIGNED) + _csbp(2, 2, (0, 63), ("collective",))
-        + [Case(f"cp_{t}_w{left}", "cp", 64, 8, 2, t, left=left) for t in ("collective", "streaming") for left in (3, 21)]
+        + [Case(f"cp_{t}_w{left}", "cp", 64, 8, 2, t, left=left)
+           for t in ("collective", "streaming") for left in (3, 21)]
         + [Case("cp_traffic_w8", "cp-traffic", 64, 8, 2, left=8), Case("bp_w8", "bp", 64, 8, 1, left=8),
            Case("cp_token_causal_w5", "cp", 64, 8, 2, left=5, token_causal=True),
            Case("cp_packed_w5", "cp", 64, 8, 2, "streaming", left=5, starts=UNALIGNED),
@@ -328,3 +330,26 @@ def test_a_pattern_that_is_not_one_is_refused_by_the_parser(capsys):
         build_parser().parse_args(TRAINING + ["--window-size", "7,0", "--window-attn-skip-freq", "[1,2,1,1]"])
     assert stopped.value.code == 2
     assert "layer 1 is 2; each layer is 0 (global) or 1 (sliding)" in capsys.readouterr().err
+
+
+def test_continuing_a_checkpoint_under_other_windows_is_refused():
+    """A run that continues a checkpoint keeps its layers' windows (one line naming the flag); the same windows, in
+    either loop's spelling (a tuple and a list, a YAML's list), pass."""
+    import argparse
+
+    from megatron_csbp.training.checkpointing import CheckpointError, check_same_windows
+
+    saved = {"window_size": (20, 0), "window_attn_skip_freq": [1, 0, 1, 0]}
+    check_same_windows(saved, argparse.Namespace(window_size=[20, 0], window_attn_skip_freq=(1, 0, 1, 0)), "ckpt")
+    check_same_windows({}, argparse.Namespace(window_size=None, window_attn_skip_freq=None), "ckpt")
+    for ours, line in [
+        (dict(window_size=None, window_attn_skip_freq=None),
+         "checkpoint ckpt was trained with --window-size 20,0, this run has no --window-size: a run that continues "
+         "it keeps its layers' windows; give its window flags, or --finetune to train it on under new ones"),
+        (dict(window_size=(20, 0), window_attn_skip_freq=2),
+         "checkpoint ckpt was trained with --window-attn-skip-freq [1, 0, 1, 0], this run has "
+         "--window-attn-skip-freq 2: a run that continues it keeps its layers' windows; give its window flags, or "
+         "--finetune to train it on under new ones")]:
+        with pytest.raises(CheckpointError) as refused:
+            check_same_windows(saved, argparse.Namespace(**ours), "ckpt")
+        assert str(refused.value) == line

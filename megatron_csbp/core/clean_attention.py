@@ -1,12 +1,12 @@
 """Which clean keys a row of `[x_t ; x_0]` sees: the clean-attention rule, as an object (docs/algorithm.md §3).
 
-Every visible set of clean keys is a prefix of the clean sequence: a row sees the clean keys at positions
-below its limit (in a sliding layer only from its window's start on: `core.windows` reaches back from the row's
-anchor, the first position of the unit it attends as, which the rule also states). A noisy row of block `qb`
-sees the clean blocks before its own (limit `qb·B`) under every rule; what a clean row sees is the rule's: BD3-LM's block-causal clean stream sees its own block whole
-(limit `(qb+1)·B`); a token-causal clean stream (Nemotron-Labs-Diffusion's, an autoregressive model's) sees
-the clean keys up to its own position (limit `p + 1`), so its rows can carry a next-token loss. The noisy
-keys a noisy row sees (its own block) do not depend on the rule.
+Every visible set of clean keys is a prefix of the clean sequence: a row sees the clean keys at positions below its
+limit (in a sliding layer only from its window's start on: `core.windows` reaches back from the row's anchor, the
+first position of the unit it attends as, which the rule also states). A noisy row of block `qb` sees the clean
+blocks before its own (limit `qb·B`) under every rule; what a clean row sees is the rule's: BD3-LM's block-causal
+clean stream sees its own block whole (limit `(qb+1)·B`); a token-causal clean stream (Nemotron-Labs-Diffusion's,
+an autoregressive model's) sees the clean keys up to its own position (limit `p + 1`), so its rows can carry a
+next-token loss. The noisy keys a noisy row sees (its own block) do not depend on the rule.
 
 Each place that needs the mask asks the rule — the op's plans (`core.ops`), the packed documents' ranges and
 pair counts (`core.documents`), the masked kernels (`core.kernels.mask`), the modes' analytic kernel calls

@@ -21,7 +21,9 @@ The backward is exact: each part is differentiated against the final merged outp
 
 What a (layout, device) fixes once — which rows of each ring member are clean keys, in position order,
 and the kernels' plans over them — is a `RingPlan` (`ring_plan(layout, device)`), built once by the
-caller and shared by every layer and the backward; calls without one use a small cache.
+caller and shared by every layer and the backward; calls without one use a small cache. The layout carries the
+layer's window (`core.windows`): in a sliding layer every row's keys start at its window's start, and under CSBP
+the plan's `exchange` (`core.exchange`) has the ring move only the clean rows each rank's rows see.
 """
 
 from collections import OrderedDict
