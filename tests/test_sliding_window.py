@@ -148,11 +148,26 @@ def _expected_bytes(case, world_size, rank):
 
 
 def test_bytes_sent_are_the_rows_other_ranks_see(topology):
+    """The op's counters equal the count off the dense mask, and (one document) the analytic per-rank count the
+    bench and the planner use (`flops.rank_traffic_bytes`, from `ParallelMode.exchanged_rows`)."""
+    from megatron_csbp.bdlm import flops
+    from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, TOKEN_CAUSAL
+    from megatron_csbp.core.windows import GLOBAL, Sliding
+
     cases, per_rank = topology
+    world = len(per_rank)
     for case in cases:
         sent = [result[case.name][-1] for result in per_rank]
-        expected = [_expected_bytes(case, len(per_rank), rank) for rank in range(len(per_rank))]
+        expected = [_expected_bytes(case, world, rank) for rank in range(world)]
         assert sent == expected, f"{case.name}: {sent} != {expected}"
+        if case.starts == (0,):
+            window = GLOBAL if case.left is None else Sliding(case.left)
+            analytic = [case.batch * flops.rank_traffic_bytes(
+                case.mode, case.seq_length, case.block_size, world, case.layout(world, rank).clean_shards, rank,
+                case.kv_heads, case.head_dim, 4, case.transport,
+                clean_attention=TOKEN_CAUSAL if case.token_causal else BLOCK_CAUSAL, window=window)
+                for rank in range(world)]
+            assert analytic == sent, f"{case.name}: {sent} != {analytic}"
 
 
 def test_bytes_fall_with_the_window_and_equal_the_halo_formula(topology):
@@ -353,3 +368,29 @@ def test_continuing_a_checkpoint_under_other_windows_is_refused():
         with pytest.raises(CheckpointError) as refused:
             check_same_windows(saved, argparse.Namespace(**ours), "ckpt")
         assert str(refused.value) == line
+
+
+def test_flex_forward_with_a_window_matches_the_cpu_kernels():
+    """Flex attention (eager on the CPU, forward; its backward runs on GPUs: scripts/gpu_check.sh) in a sliding
+    layer: the range plan of a rank's rows against the clean keys its exchange gives it, and the field's CP's masked
+    call, equal the CPU kernels' (which equal the dense windowed mask: above)."""
+    from megatron_csbp.core import ops
+    from megatron_csbp.core.kernels import CPUKernels, FlexKernels
+    from megatron_csbp.core.layout import layout_for
+    from megatron_csbp.core.windows import Sliding
+
+    scale = 8 ** -0.5
+    for mode, left in (("csbp", 5), ("cp", 5), ("csbp", 11)):
+        layout = layout_for(mode, 64, 8, 2, 2, 1, window=Sliding(left))
+        flex, cpu = FlexKernels(compile=False, masked_tile=16), CPUKernels(tile=16, masked_tile=16)
+        plans = [ops.ring_plan(layout, "cpu", kernels) for kernels in (flex, cpu)]
+        gen = torch.Generator().manual_seed(3)
+        q = torch.randn(1, 2, 2, layout.num_rows, 8, generator=gen)
+        keys = plans[1].num_keys
+        k, v = (torch.randn(1, 2, keys, 8, generator=gen) for _ in range(2))
+        (flex_out, flex_lse), (cpu_out, cpu_lse) = (plan.remote_forward(q, k, v, plan.gathered, scale)
+                                                    for plan in plans)
+        finite = ~torch.isinf(cpu_lse)
+        assert torch.allclose(flex_out, cpu_out, atol=1e-5), mode
+        assert torch.equal(torch.isinf(flex_lse), ~finite) and torch.allclose(flex_lse[finite], cpu_lse[finite],
+                                                                               atol=1e-5), mode

@@ -188,6 +188,20 @@ def attention_traffic_bytes(mode, seq_length: int, clean_shards: int, kv_heads_p
     return forward * (2 if recompute else 1) + backward
 
 
+def rank_traffic_bytes(mode, seq_length: int, block_size: int, parallel_size: int, clean_shards: int, rank: int,
+                       kv_heads_per_tp: int, head_dim: int, bytes_per_elem: int = 2, transport=transports.COLLECTIVE,
+                       recompute: bool = False, clean_attention=BLOCK_CAUSAL, window=GLOBAL) -> int:
+    """Bytes rank `rank` sends for one attention layer of `window`, forward + backward: the rows it sends its ring
+    (`ParallelMode.exchanged_rows`) in the forward (twice with full recomputation), and in the backward the
+    gradients of the rows it received (collective), or its rows again and those gradients (streaming). In a global
+    layer this is `attention_traffic_bytes`; in a sliding layer under CSBP it depends on the rank."""
+    sent, received = modes.parallel_mode(mode).exchanged_rows(seq_length, block_size, parallel_size, clean_shards,
+                                                              rank, clean_attention, window)
+    beta = kv_bytes_per_token(kv_heads_per_tp, head_dim, bytes_per_elem)
+    again = sent if transports.transport(transport).backward_bytes_per_forward > 1 else 0
+    return (sent * (2 if recompute else 1) + again + received) * beta
+
+
 def attention_forward_bytes(mode, seq_length: int, clean_shards: int, kv_heads_per_tp: int,
                             head_dim: int, bytes_per_elem: int = 2) -> int:
     """Bytes one rank sends in one layer's forward: the `(C-1)/C` share of the gathered K/V it owns."""

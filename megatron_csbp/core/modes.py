@@ -94,6 +94,27 @@ class ParallelMode:
         noisy = [(b * B, (b + 1) * B) for b in schedule.deal(L // B, parallel_size)[rank]]
         return noisy, clean_layout.spans(L, clean_shards, rank % clean_shards)
 
+    def exchanged_rows(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int, rank: int,
+                       clean_attention=BLOCK_CAUSAL, window=GLOBAL) -> tuple[int, int]:
+        """(sent, received): the K/V rows rank `rank` sends to and receives from its ring in one layer's forward.
+        A ring moves the `(C-1)/C` of the transported copies a rank does not own; in a sliding layer under CSBP
+        (`core.exchange`) only the rows another member's rows see: with `S_j` the clean positions member `j`'s rows
+        see and `O_j` those it holds, it sends `Σ_{j≠r} |O_r ∩ S_j|` and receives `|S_r \ O_r|`."""
+        C = clean_shards
+        if C == 1 or not self.transported_copies:
+            return 0, 0
+        if not window.sliding or self.shards_both_copies:
+            rows = self.gathered_tokens(seq_length, C) // C * (C - 1)
+            return rows, rows
+        members = [rank // C * C + j for j in range(C)]
+        spans = [self.row_spans(seq_length, block_size, parallel_size, C, member) for member in members]
+        seen = [_union(key_ranges(*member_spans, block_size, clean_attention, window)) for member_spans in spans]
+        held = [sorted(clean) for _, clean in spans]
+        me = rank % C
+        sent = sum(_overlap(held[me], seen[j]) for j in range(C) if j != me)
+        received = sum(_overlap(held[j], seen[me]) for j in range(C) if j != me)
+        return sent, received
+
     def kernel_calls(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int, rank: int,
                      tile: int, clean_attention=BLOCK_CAUSAL, window=GLOBAL) -> tuple[KernelCall, ...]:
         """The attention kernel calls rank `rank` makes in one layer's forward, per head and sample, under the
@@ -158,6 +179,12 @@ def _union(ranges):
         else:
             merged.append([start, stop])
     return [tuple(interval) for interval in merged]
+
+
+def _overlap(intervals, others) -> int:
+    """Positions two lists of disjoint `(start, stop)` intervals have in common."""
+    return sum(max(0, min(stop, other_stop) - max(start, other_start))
+               for start, stop in intervals for other_start, other_stop in others)
 
 
 class _KeyIndex:
