@@ -34,7 +34,7 @@ class WindowExchange:
     `send_rows[j]`: indices into this rank's transported rows of those member `j`'s rows see, in position order;
     `receive_positions[j]`: the positions of the rows it gets from member `j`, in the order they arrive (position
     order). Its own entries are its own keys: one all-to-all over the ring then leaves every piece, its own
-    included, in ring order, and the own piece is a local copy, never sent (`sent_counts`)."""
+    included, in ring order, and the own piece is a local copy, never sent (`rows_sent`)."""
 
     send_rows: tuple
     receive_positions: tuple

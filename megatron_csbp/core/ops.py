@@ -148,10 +148,10 @@ def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
     shard_rows, shard_plans, gathered_rows, gathered_positions, gathered_clean = [], [], [], [], []
     offset = 0
     for ring_rank, (rows, positions, clean, shard_size) in enumerate(member_keys):
-        if exchange is not None:  # the member's piece: what it gives this rank, whole
+        if exchange is not None:  # the member's piece: what it gives this rank (clean rows), whole
             positions = exchange.receive_positions[ring_rank]
-            clean, shard_size = clean[:positions.numel()], positions.numel()
-            rows = torch.arange(shard_size)
+            shard_size = positions.numel()
+            rows, clean = torch.arange(shard_size), torch.ones(shard_size, dtype=torch.bool)
         shard_rows.append(_indices_or_all(rows, shard_size, device))
         shard_plans.append(plan_for(positions, clean))
         gathered_rows.append(rows + offset)
