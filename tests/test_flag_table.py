@@ -87,6 +87,8 @@ SHOWN_BY = {
         "--bdlm-clean-attention",
     "tests/test_clean_stream_training.py::test_world_4_token_causal_ar_step_equals_one_rank":
         "--bdlm-diffusion-loss-weight --bdlm-ar-loss-weight",
+    "tests/test_megatron_lm.py::test_sliding_windows_train_alike_in_both_loops":
+        "--window-size --window-attn-skip-freq",
     "tests/test_moe.py::test_world_2_moe_compositions_and_negative_control":
         "--num-experts --moe-layer-freq --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
         "--moe-router-topk --moe-router-score-function --moe-router-dtype --moe-router-load-balancing-type "

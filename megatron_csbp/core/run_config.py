@@ -18,7 +18,7 @@ Standard library only (the planner runs without torch); `layout()` builds a torc
 
 import dataclasses
 
-from megatron_csbp.core import modes, objectives, rules, transports
+from megatron_csbp.core import modes, objectives, rules, transports, windows
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS, CleanAttention
 from megatron_csbp.core.model_shape import ModelShape, MoEShape
 from megatron_csbp.core.positions import RotaryPositions
@@ -40,6 +40,9 @@ class RunConfig:
     antithetic_noise: bool = True  # noise times stratified over each global batch (else i.i.d.)
     seed: int = 1234  # the noise is drawn from (seed, sample index)
     clean_attention: CleanAttention = BLOCK_CAUSAL
+    # sliding-window layers, megatron-core's `window_size` (LEFT, 0) and `window_attn_skip_freq` (`core.windows`)
+    window_size: tuple | None = None
+    window_attn_skip_freq: int | tuple | None = None
     diffusion_loss_weight: float = 1.0  # the weight of the diffusion loss on the noisy rows
     ar_loss_weight: float = 0.0  # the weight of the next-token loss on the clean rows (0: none)
     logits_tile_rows: int | None = None  # the loss as a tiled linear cross-entropy over tiles of these rows (None: off)
@@ -74,6 +77,9 @@ class RunConfig:
         for name, (registry, flag) in variants.items():  # a library caller may name a variant
             rules.refuse(registry.problem(getattr(self, name), flag), rules.ConfigError)
             object.__setattr__(self, name, registry(getattr(self, name)))
+        for name in ("window_size", "window_attn_skip_freq"):  # a list (the flags' reading) held as a tuple
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         rules.refuse(self.problem(), rules.ConfigError)
         resolved = dict(
             loss_weighting=self.loss_weighting or self.objective.default_weighting,
@@ -107,7 +113,8 @@ class RunConfig:
                    or rules.loss_parts_problem(self.objective, self.clean_attention, self.diffusion_loss_weight,
                                                self.ar_loss_weight)
                    or (rules.at_least(f.logits_tile_rows, self.logits_tile_rows)
-                       if self.logits_tile_rows is not None else None))
+                       if self.logits_tile_rows is not None else None)
+                   or windows.window_size_problem(self.window_size, self.window_attn_skip_freq, shape.num_layers))
         if problem or self.global_batch_size is None:
             return problem
         return rules.batch_problem(self.global_batch_size, self.micro_batch_size, world // (TP * PP * P), f)
@@ -135,6 +142,8 @@ class RunConfig:
             positions=RotaryPositions.from_args(args),
             objective=args.bdlm_objective, loss_weighting=args.bdlm_loss_weighting,
             clean_attention=args.bdlm_clean_attention, diffusion_loss_weight=args.bdlm_diffusion_loss_weight,
+            window_size=getattr(args, "window_size", None),
+            window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
             ar_loss_weight=args.bdlm_ar_loss_weight,
             logits_tile_rows=args.cross_entropy_tile_rows if args.cross_entropy_loss_fusion else None,
             noise_range=tuple(args.bdlm_noise_range), antithetic_noise=args.bdlm_noise_sampling == "antithetic",
@@ -185,10 +194,16 @@ class RunConfig:
         """Whether samples hold several documents (each row's RoPE position or keys depend on its document)."""
         return self.reset_position_ids or self.reset_attention_mask
 
-    def layout(self, rank: int):
-        """The rows block-parallel rank `rank` holds."""
+    @property
+    def layer_windows(self) -> tuple:
+        """The window of each layer, first to last (`core.windows.GLOBAL` or a `Sliding`): megatron-core's reading
+        of `window_size` and `window_attn_skip_freq`."""
+        return windows.layer_windows(self.window_size, self.window_attn_skip_freq, self.shape.num_layers)
+
+    def layout(self, rank: int, window=windows.GLOBAL):
+        """The rows block-parallel rank `rank` holds (with the mask of a layer of `window`)."""
         from megatron_csbp.core.layout import layout_for
 
         return layout_for(self.mode, self.seq_length, self.block_size, self.block_parallel_size, self.clean_shards,
                           rank, schedule=self.schedule, clean_layout=self.clean_layout,
-                          clean_attention=self.clean_attention)
+                          clean_attention=self.clean_attention, window=window)

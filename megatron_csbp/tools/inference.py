@@ -119,7 +119,12 @@ def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int)
     from megatron_csbp.core.run_config import RunConfig
 
     args, vocabulary = launch_arguments(checkpoint, Launch(tensor_parallel), config=config)
-    RunConfig.from_args(args, world_size=tensor_parallel).write_back(args)  # the sizes its configs read
+    settings = RunConfig.from_args(args, world_size=tensor_parallel)
+    settings.write_back(args)  # the sizes its configs read
+    if settings.window_size is not None:
+        raise ConfigError(f"checkpoint {checkpoint.directory} has sliding-window layers (--window-size "
+                          f"{','.join(map(str, settings.window_size))}): the sampler and the harness do not decode "
+                          f"them yet; evaluate its loss with scripts/evaluate_bdlm.py")
     args = vocabulary.recorded(args)
     args.tokenizer = vocabulary.tokenizer
     return args

@@ -575,6 +575,26 @@ def check_same_positions(saved_args: dict, args: argparse.Namespace, directory: 
                                   f"train it on under new ones (e.g. to extend its context with YaRN)")
 
 
+def window_flags(args) -> dict:
+    """A model's sliding-window layers as its flags (`core.windows`), from parsed or recorded arguments."""
+    size, skip = getattr(args, "window_size", None), getattr(args, "window_attn_skip_freq", None)
+    return {"window-size": None if size is None else ",".join(map(str, size)),
+            "window-attn-skip-freq": list(skip) if isinstance(skip, (list, tuple)) else skip}
+
+
+def check_same_windows(saved_args: dict, args: argparse.Namespace, directory: str) -> None:
+    """Refuses (one line naming the first flag that differs) a run that continues a checkpoint (not --finetune)
+    with other sliding-window layers than it was trained with: the weights were trained for what each layer sees."""
+    saved, ours = window_flags(argparse.Namespace(**saved_args)), window_flags(args)
+    for key in saved:
+        if saved[key] != ours[key]:
+            def said(flags):
+                return f"no --{key}" if flags[key] is None else f"--{key} {flags[key]}"
+            raise CheckpointError(f"checkpoint {directory} was trained with {said(saved)}, this run has {said(ours)}: "
+                                  f"a run that continues it keeps its layers' windows; give its window flags, or "
+                                  f"--finetune to train it on under new ones")
+
+
 def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_optimizer=True, load_rng=True,
                     verify=True, resuming=False, log=print) -> LoopState:
     """Loads a complete checkpoint directory into the model (and optimizer, scheduler, RNG); returns the
@@ -589,6 +609,7 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
     check_compatible(saved_args(common), args, directory)
     if resuming:
         check_same_positions(saved_args(common), args, directory)
+        check_same_windows(saved_args(common), args, directory)
     scheduler_state = common.get("opt_param_scheduler", common.get("scheduler"))
     if load_optimizer and scheduler_state is None:
         raise CheckpointError(f"checkpoint {directory} holds a model only (no optimizer state, e.g. a converted "

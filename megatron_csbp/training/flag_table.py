@@ -105,6 +105,7 @@ _classify(Honoured(), """
     --rotary-base --rotary-percent --use-rope-scaling --rope-scaling-factor --init-method-std --hidden-dropout""")
 _classify(Honoured(only=("local", "transformer_engine")), "--transformer-impl")
 _classify(Honoured(), "--position-embedding-type --attention-dropout")  # rope or yarn, and 0 only
+_classify(Honoured(), "--window-size --window-attn-skip-freq")  # a left window (RIGHT 0): core.windows
 _classify(Honoured(), """
     --yarn-rotary-scaling-factor --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
     --yarn-mscale --yarn-mscale-all-dim --no-yarn-correction-range-round-to-int --llama-4-scaling-beta""")
@@ -281,7 +282,7 @@ _classify(Refused("is an architecture option the BDLM model does not implement",
     --attention-output-gate --softmax-type --embedding-init-method-std --init-method-xavier-uniform
     --apply-query-key-layer-scaling --use-fused-weighted-squared-relu --openai-gelu
     --squared-relu --quick-geglu --no-rope-freq
-    --rope-type --window-size --window-attn-skip-freq --mrope-section --onnx-safe --fp16-lm-cross-entropy
+    --rope-type --mrope-section --onnx-safe --fp16-lm-cross-entropy
     --log-max-attention-logit --experimental-attention-variant
     --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-loss-coeff
     --dsa-indexer-use-sparse-loss --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim

@@ -195,6 +195,14 @@ def _add_model_args(parser):
     group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
                        help="Megatron-LM's older switch for no learned absolute positions: nothing to do beside "
                             "rope, which has none (refused with another type, as Megatron-LM refuses it).")
+    group.add_argument("--window-size", type=window_size, default=None, metavar="LEFT,0",
+                       help="Sliding-window attention: a token sees the LEFT positions before its own and itself "
+                            "(transformers' sliding_window = LEFT + 1), a noisy block the LEFT clean positions before "
+                            "it and itself (docs/algorithm.md §3); only the clean rows a rank's rows see travel.")
+    group.add_argument("--window-attn-skip-freq", type=window_attn_skip_freq, default=None,
+                       help="Which layers keep global attention with --window-size: N (every N-th layer, counting "
+                            "from 1) or a 0 (global) / 1 (sliding) pattern per layer, e.g. '([1]*5+[0])*4'. "
+                            "Default: every layer slides.")
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--rotary-percent", type=float, default=1.0)
     group.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
@@ -231,6 +239,25 @@ def _add_model_args(parser):
                        default=rules.CROSS_ENTROPY_FUSION_IMPLS[0],
                        help="native only: the plugin's tiled linear cross-entropy (Transformer Engine's kernel, te, "
                             "takes the whole logits).")
+
+
+def window_size(text):
+    """`--window-size`'s argparse type, as Megatron-LM's `tuple_type` reads it: `LEFT,RIGHT` (parentheses allowed)."""
+    if isinstance(text, (tuple, list)):
+        return tuple(text)
+    try:
+        return tuple(int(part) for part in str(text).strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two integers LEFT,RIGHT, e.g. 511,0") from None
+
+
+def window_attn_skip_freq(text):
+    """`--window-attn-skip-freq`'s argparse type: an int N (every N-th layer global) or a list pattern of 0
+    (global) and 1 (sliding) per layer, read without running it (`layer_pattern`)."""
+    try:
+        return layer_pattern.parse(text, "--window-attn-skip-freq")
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def moe_layer_freq(text):
