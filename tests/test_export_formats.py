@@ -6,8 +6,11 @@ word-level tokenizer with exactly Qwen3's 151669 ids (SDAR) or Qwen2.5's 151665 
 Qwen's 151936 embedding rows, on a tiny random Qwen3 / Qwen2 body (nothing is downloaded). Imported as
 they are, the new MASK lands on 151669 / 151665, the ids the engines hard-code.
 * each format's config.json holds every field the engine reads, with the engine's values (the file read is
-  named beside each assertion); it loads with transformers' own Qwen3Config / Qwen2Config, and the SDAR
-  one with AutoConfig (the `configuration_sdar.py` the export writes, as SGLang's get_config loads it);
+  named beside each assertion); it loads with transformers' own Qwen3Config / Qwen2Config, and with a config
+  class of the engine's kind: the SDAR one with AutoConfig (the `configuration_sdar.py` the export writes, which
+  SGLang's get_config and SDAR's modeling_sdar.py load), the Fast-dLLM v2 one with a class built as its
+  release's `Fast_dLLM_QwenConfig` is; every attribute the engines' model code reads is checked on both;
+* the tokenizer_config.json names a class transformers 4.5x (the engines' pin) knows, as well as 5.x;
 * its weights are those of the plain export of the same checkpoint, byte for byte;
 * what a format cannot honour (another family, the other label shift, another MASK id) is one line, exit
   2, and nothing is written; a block size other than the engine's default is a note naming its flag;
@@ -36,6 +39,32 @@ DIVISIBLE_BY = 64             # QWEN_ROWS is a multiple: no padding rows
 BLOCK = 16                    # the import's block size (configs/ar_to_bdlm_fast_dllm_v2.yaml's too)
 QWEN_ROPE = {"rope_type": "default", "rope_theta": 1000000.0}  # Qwen2.5's and Qwen3's (engines fall back to 10000)
 TINY = dict(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=48)
+
+# The config attributes each engine's model code reads. SDAR's own modeling_sdar.py (JetAstra/SDAR c2041a8
+# training/model/SDAR-4B-Chat/; rope_theta through transformers 4's default RoPE init, which it calls):
+SDAR_MODELING_READS = ("hidden_size", "intermediate_size", "hidden_act", "num_attention_heads", "num_key_value_heads",
+                       "head_dim", "attention_bias", "attention_dropout", "rms_norm_eps", "sliding_window",
+                       "use_sliding_window", "max_window_layers", "rope_scaling", "rope_theta",
+                       "max_position_embeddings", "vocab_size", "pad_token_id", "initializer_range", "use_cache",
+                       "num_hidden_layers", "block_size", "mask_token_id", "fuse_cross_entropy", "tie_word_embeddings")
+# SGLang's python/sglang/srt/models/sdar.py (sgl-project/sglang 0b142c7):
+SGLANG_SDAR_READS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "attention_bias",
+                     "rms_norm_eps", "rope_theta", "rope_scaling", "max_position_embeddings", "intermediate_size",
+                     "num_hidden_layers", "vocab_size", "tie_word_embeddings")
+# Fast-dLLM v2's release modeling.py (a copy: Satgoy152/DualDiffusion 189fa7a
+# FastDLLM-inferencing/Fast_dLLM_v2_7B/modeling.py; rope_theta through transformers 4's default RoPE init):
+FAST_DLLM_V2_READS = ("hidden_size", "intermediate_size", "hidden_act", "num_attention_heads", "num_key_value_heads",
+                      "head_dim", "attention_dropout", "rms_norm_eps", "layer_types", "sliding_window", "rope_scaling",
+                      "rope_theta", "max_position_embeddings", "vocab_size", "pad_token_id", "bd_size",
+                      "num_hidden_layers", "initializer_range", "tie_word_embeddings")
+# Fast_dLLM_QwenConfig's arguments and their defaults (its release's configuration.py, read in the same copy):
+# a key config.json lacked would take these, rope_theta 10000 and bd_size 32 among them
+FAST_DLLM_V2_DEFAULTS = dict(vocab_size=151936, hidden_size=4096, intermediate_size=22016, num_hidden_layers=32,
+                             num_attention_heads=32, num_key_value_heads=32, hidden_act="silu",
+                             max_position_embeddings=32768, initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True,
+                             rope_theta=10000.0, rope_scaling=None, use_sliding_window=False, sliding_window=4096,
+                             max_window_layers=28, layer_types=None, attention_dropout=0.0, bd_size=32)
+MISSING = "<missing>"
 
 
 def _word_level_tokenizer(num_ids: int):
@@ -140,6 +169,46 @@ def _assert_same_weights(root, name, plain):
         assert ours[key].dtype == tensor.dtype and torch.equal(ours[key], tensor), key
 
 
+def _fast_dllm_v2_kind_config():
+    """A config class of Fast-dLLM v2's kind, built as its release's `Fast_dLLM_QwenConfig` is: a `PretrainedConfig`
+    that takes `FAST_DLLM_V2_DEFAULTS` as arguments and keeps each as a plain attribute (`sliding_window` only with
+    `use_sliding_window`, `layer_types` full attention when absent) before the base class takes the rest; it knows
+    no `rope_parameters`. Built on call, as transformers may be absent (the module skips then)."""
+    from transformers import PretrainedConfig
+
+    class FastDLLMV2KindConfig(PretrainedConfig):
+        model_type = "Fast_dLLM_Qwen"
+
+        def __init__(self, tie_word_embeddings=False, **kwargs):
+            for key, default in FAST_DLLM_V2_DEFAULTS.items():
+                setattr(self, key, kwargs.pop(key, default))
+            self.sliding_window = self.sliding_window if self.use_sliding_window else None
+            self.layer_types = self.layer_types or ["full_attention"] * self.num_hidden_layers
+            super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    return FastDLLMV2KindConfig
+
+
+def _assert_reads(read: dict, config: dict, fields) -> None:
+    """Each of `fields` (the attributes an engine's code reads) is an attribute of the loaded config (`read`: name ->
+    value) and a key of config.json, with config.json's value (no engine default applies), and the RoPE is Qwen's:
+    theta 1e6, default type (transformers 5 answers `rope_scaling` with its `rope_parameters`)."""
+    assert not [name for name in fields if read[name] == MISSING or name not in config], read
+    assert read["rope_theta"] == 1000000.0 and read["rope_scaling"] in (None, QWEN_ROPE), read
+    assert {name: read[name] for name in fields if name != "rope_scaling"} == \
+        {name: config[name] for name in fields if name != "rope_scaling"}
+
+
+def _assert_tokenizer_config_for_transformers_4(directory: str, tokenizer_class: str) -> None:
+    """A class transformers 4.5x resolves (its AutoTokenizer takes `Qwen2Tokenizer` as Qwen2TokenizerFast): transformers
+    5 saves the generic fast tokenizer of an import as `TokenizersBackend`, which 4.x does not have, and the export
+    names `PreTrainedTokenizerFast` (both load tokenizer.json as it is); a Qwen2 model's comes back `Qwen2Tokenizer`."""
+    with open(os.path.join(directory, "tokenizer_config.json"), encoding="utf-8") as handle:
+        tokenizer_config = json.load(handle)
+    assert tokenizer_config["tokenizer_class"] == tokenizer_class, tokenizer_config
+    assert not isinstance(tokenizer_config.get("extra_special_tokens"), list), tokenizer_config
+
+
 def test_imported_mask_lands_on_the_ids_the_engines_hard_code(exports):
     """Import puts a new MASK right after the tokenizer's ids: Qwen3's 151669 ids -> 151669 (SDAR's, in SGLang and
     lmdeploy), Qwen2.5's 151665 -> 151665 (Fast-dLLM v2's), with no new row (Qwen's unused rows make room)."""
@@ -176,29 +245,55 @@ def test_sdar_export_has_the_fields_sglang_and_lmdeploy_read(exports, tmp_path):
     assert config["layer_types"] == ["full_attention"] * 2
     assert config["torch_dtype"] == config["dtype"] == "float32"  # transformers 4's name, which the engines pin
     assert config["vocab_size"] == QWEN_ROWS  # every row of the import (its fragment keeps Qwen's unused rows)
-    # SGLang's get_config is AutoConfig.from_pretrained(trust_remote_code=...): model_type "sdar" needs auto_map.
-    assert config["auto_map"] == {"AutoConfig": "configuration_sdar.SDARConfig"}
-    assert os.path.isfile(os.path.join(root, "exports", "qwen3_sdar", "configuration_sdar.py"))
+    # SGLang's get_config is AutoConfig.from_pretrained(trust_remote_code=...): model_type "sdar" needs auto_map;
+    # SDAR's generate.py loads AutoModelForCausalLM (trust_remote_code) from the modeling_sdar.py the user adds, and
+    # SDARForCausalLM.forward reads config.fuse_cross_entropy (JetAstra/SDAR c2041a8
+    # training/model/SDAR-4B-Chat/modeling_sdar.py).
+    assert config["auto_map"] == {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+                                  "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}
+    assert config["fuse_cross_entropy"] is False
+    directory = os.path.join(root, "exports", "qwen3_sdar")
+    assert not {"modeling_sdar.py", "fused_linear_diffusion_cross_entropy.py"} & set(os.listdir(directory))
+    assert os.path.isfile(os.path.join(directory, "configuration_sdar.py"))
 
-    loaded = Qwen3Config.from_pretrained(os.path.join(root, "exports", "qwen3_sdar"))
+    loaded = Qwen3Config.from_pretrained(directory)
     assert (loaded.mask_token_id, loaded.block_size, loaded.num_hidden_layers) == (151669, BLOCK, 2)
     assert loaded.rope_parameters["rope_theta"] == 1000000.0
-    probe = ("from transformers import AutoConfig; import sys; c = AutoConfig.from_pretrained(sys.argv[1], "
+    fields = json.dumps(sorted(set(SDAR_MODELING_READS) | set(SGLANG_SDAR_READS)))
+    probe = ("from transformers import AutoConfig; import json, sys; c = AutoConfig.from_pretrained(sys.argv[1], "
              "trust_remote_code=True, local_files_only=True); "
-             "print(type(c).__name__, c.model_type, c.architectures[0], c.mask_token_id, c.rope_parameters['rope_theta'])")
-    done = subprocess.run([sys.executable, "-c", probe, os.path.join(root, "exports", "qwen3_sdar")], capture_output=True,
+             "print(json.dumps([type(c).__name__, c.model_type, c.architectures[0], "
+             "{f: getattr(c, f, '<missing>') for f in json.loads(sys.argv[2])}]))")
+    done = subprocess.run([sys.executable, "-c", probe, directory, fields], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"),
                                                        "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["SDARConfig", "sdar", "SDARForCausalLM", "151669", "1000000.0"]
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(root, "exports", "qwen3_sdar"), local_files_only=True,
+    name, model_type, architecture, read = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (name, model_type, architecture) == ("SDARConfig", "sdar", "SDARForCausalLM")
+    _assert_reads(read, config, set(SDAR_MODELING_READS) | set(SGLANG_SDAR_READS))
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True,
                                               trust_remote_code=False)  # auto_map names no tokenizer: no prompt
     assert tokenizer.mask_token_id == 151669  # SDAR's generate.py takes the MASK id from the tokenizer
+    _assert_tokenizer_config_for_transformers_4(directory, "PreTrainedTokenizerFast")
     _assert_same_weights(root, "qwen3_sdar", "qwen3_hf")
     notes = [line for line in logs["qwen3_sdar"] if "note:" in line]
-    assert len(notes) == 1 and f"blocks of {BLOCK}, the default of SGLang and lmdeploy is 4" in notes[0], notes
+    assert len(notes) == 2 and f"blocks of {BLOCK}, the default of SGLang and lmdeploy is 4" in notes[0], notes
     assert f"block_size: {BLOCK} in SGLang's --dllm-algorithm-config" in notes[0]
     assert f"--dllm-block-length {BLOCK}" in notes[0]
+    assert "copy modeling_sdar.py and fused_linear_diffusion_cross_entropy.py" in notes[1]
+
+
+def test_transformers_5s_own_qwen3_config_has_no_rope_theta_attribute(exports):
+    """Negative control of the SDAR config class: transformers 5 folds `rope_theta` into `rope_parameters`, so
+    without our `SDARConfig` SGLang's `getattr(config, "rope_theta", 10000.0)` would read 10000."""
+    import transformers
+    from transformers import Qwen3Config
+
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("transformers 4 keeps rope_theta as an attribute of Qwen3Config")
+    root, _ = exports
+    loaded = Qwen3Config.from_pretrained(os.path.join(root, "exports", "qwen3_sdar"))
+    assert getattr(loaded, "rope_theta", 10000.0) == 10000.0 and loaded.rope_parameters["rope_theta"] == 1000000.0
 
 
 def test_fast_dllm_v2_export_has_the_fields_its_code_reads(exports):
@@ -221,12 +316,18 @@ def test_fast_dllm_v2_export_has_the_fields_its_code_reads(exports):
     assert config["auto_map"]["AutoConfig"] == "configuration.Fast_dLLM_QwenConfig"
     assert not {"configuration.py", "modeling.py"} & set(os.listdir(os.path.join(root, "exports", "qwen2_fast_dllm_v2")))
 
-    loaded = Qwen2Config.from_pretrained(os.path.join(root, "exports", "qwen2_fast_dllm_v2"))
+    directory = os.path.join(root, "exports", "qwen2_fast_dllm_v2")
+    loaded = Qwen2Config.from_pretrained(directory)
     assert (loaded.bd_size, loaded.mask_token_id, loaded.layer_types) == (BLOCK, 151665, ["full_attention"] * 2)
     assert loaded.rope_parameters["rope_theta"] == 1000000.0
-    tokenizer = AutoTokenizer.from_pretrained(os.path.join(root, "exports", "qwen2_fast_dllm_v2"), local_files_only=True,
+    assert set(FAST_DLLM_V2_DEFAULTS) <= set(config)  # none of its config class's defaults applies
+    engine_kind = _fast_dllm_v2_kind_config().from_pretrained(directory)
+    _assert_reads({name: getattr(engine_kind, name, MISSING) for name in FAST_DLLM_V2_READS}, config,
+                  FAST_DLLM_V2_READS)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True,
                                               trust_remote_code=False)  # auto_map names no tokenizer: no prompt
     assert tokenizer.mask_token_id == 151665
+    _assert_tokenizer_config_for_transformers_4(directory, "Qwen2Tokenizer")
     _assert_same_weights(root, "qwen2_fast_dllm_v2", "qwen2_hf")
     notes = [line for line in logs["qwen2_fast_dllm_v2"] if "note:" in line]
     assert len(notes) == 2 and f"generate(..., block_size={BLOCK})" in notes[0], notes
@@ -293,6 +394,21 @@ def test_each_format_states_its_engines_facts():
     for engine, family, objective, mask in ((sdar, "qwen3", "bd3lm", 151669), (fast, "qwen2", "fast-dllm-v2", 151665)):
         assert "trained with --bdlm-clean-attention token-causal" in engine.problem(family, objective, mask,
                                                                                      "token-causal")
-    assert sdar.notes(4) == [] and fast.notes(32) == [fast.notes(16)[1]] and plain.notes(16) == []
+    assert sdar.notes(4) == [sdar.notes(16)[1]] and fast.notes(32) == [fast.notes(16)[1]] and plain.notes(16) == []
     with pytest.raises(ConfigError, match="--format gguf: not an export format; choose one of hf, sdar, fast-dllm-v2"):
         hf_formats.export_format("gguf")
+
+
+def test_the_tokenizer_config_names_what_transformers_4_loads():
+    """`portable_tokenizer_config` on what transformers 5 writes: its generic `TokenizersBackend` becomes
+    `PreTrainedTokenizerFast`, a list of `extra_special_tokens` becomes 4.x's `additional_special_tokens`; a
+    family's own class, 4.x's dict of named tokens and every other key stay as they are."""
+    written = {"tokenizer_class": "TokenizersBackend", "backend": "tokenizers", "mask_token": "<|mask|>",
+               "extra_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    assert convert_hf.portable_tokenizer_config(written) == {
+        "tokenizer_class": "PreTrainedTokenizerFast", "backend": "tokenizers", "mask_token": "<|mask|>",
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+    assert written["tokenizer_class"] == "TokenizersBackend"  # the argument is not changed
+    family = {"tokenizer_class": "Qwen2Tokenizer", "extra_special_tokens": {"image_token": "<|image_pad|>"}}
+    assert convert_hf.portable_tokenizer_config(family) == family
+    assert convert_hf.portable_tokenizer_config({"eos_token": "<|endoftext|>"}) == {"eos_token": "<|endoftext|>"}

@@ -351,6 +351,22 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
                                                           args.mask_token_id, clean_attention)
 
 
+# what transformers 5 writes in tokenizer_config.json that transformers 4 (the serving engines pin 4.5x) cannot load
+_TRANSFORMERS_4_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}  # both load tokenizer.json as it is
+
+
+def portable_tokenizer_config(config: dict) -> dict:
+    """`tokenizer_config.json` as transformers 5 saves it, made loadable by transformers 4.5x as well (5 reads
+    both spellings): transformers 4 knows no `TokenizersBackend` class, and takes `extra_special_tokens` as a
+    dict of named tokens, where 5 writes a list (4's `additional_special_tokens`)."""
+    config = dict(config)
+    if config.get("tokenizer_class") in _TRANSFORMERS_4_CLASSES:
+        config["tokenizer_class"] = _TRANSFORMERS_4_CLASSES[config["tokenizer_class"]]
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
+    return config
+
+
 def _export_tokenizer(hf_side: str, out: str, mask_id: int, log) -> None:
     from transformers import AutoTokenizer
 
@@ -363,6 +379,11 @@ def _export_tokenizer(hf_side: str, out: str, mask_id: int, log) -> None:
         else:
             log(f" note: MASK id {mask_id} lies beyond the tokenizer's {len(tokenizer)} ids; it has no token")
     tokenizer.save_pretrained(out)
+    path = os.path.join(out, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as handle:
+        config = portable_tokenizer_config(json.load(handle))
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(config, handle, indent=2, ensure_ascii=False)
 
 
 def _check_export_target(out: str, overwrite: bool, protected: list[str]) -> None:

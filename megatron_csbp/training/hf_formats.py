@@ -11,6 +11,8 @@ from the engines' sources (the README's "Exports for serving engines" names the 
   (and its model by the architecture), and both hard-code MASK id 151669 (Qwen3's first id past its tokenizer) and a default block of 4
   (SGLang's `--dllm-algorithm-config` YAML `block_size`, lmdeploy's `--dllm-block-length` change it).
   SDAR decodes in place (`generate.py` writes the token sampled at row p to position p): our `bd3lm`.
+  SDAR's own `modeling_sdar.py` (which the user adds; `auto_map` names it) imports our `configuration_sdar.py`
+  and reads `fuse_cross_entropy`, `block_size`, `mask_token_id` and `rope_theta` (through transformers' RoPE).
 * `fast-dllm-v2`: Fast-dLLM v2 is Qwen2.5 (QKV bias) with shifted labels (its `generate` reads position
   p's token from row p-1): our `fast-dllm-v2`. Its model code reads `bd_size` (the training mask's block)
   and `layer_types` from `config.json` and takes MASK id 151665 (Qwen2.5's first id past its tokenizer)
@@ -31,7 +33,8 @@ from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.training.hf import FAMILIES, QWEN2, QWEN3
 
 # Our own config class for model_type "sdar": transformers has none, so SGLang's get_config (AutoConfig, with
-# --trust-remote-code) needs one named by auto_map. It is Qwen3's config under SDAR's name (SDAR is Qwen3).
+# --trust-remote-code) needs one named by auto_map, and SDAR's modeling_sdar.py imports it as `.configuration_sdar`.
+# It is Qwen3's config under SDAR's name (SDAR is Qwen3), with `rope_theta` an attribute under transformers 5 too.
 SDAR_CONFIGURATION = '''"""SDAR's config: Qwen3's fields under model_type "sdar" (written by megatron_csbp's `convert_hf.py export
 --format sdar`, so that `AutoConfig.from_pretrained(DIR, trust_remote_code=True)` knows the model type)."""
 
@@ -40,9 +43,13 @@ from transformers import Qwen3Config
 
 class SDARConfig(Qwen3Config):
     model_type = "sdar"
+
+    def __post_init__(self, **kwargs):
+        """transformers 5 (the only version that calls this) folds `rope_theta` into `rope_parameters`; SGLang's and
+        SDAR's model code read `config.rope_theta` (transformers 4's Qwen3Config keeps it as an attribute itself)."""
+        super().__post_init__(**kwargs)
+        self.rope_theta = self.rope_parameters["rope_theta"]
 '''
-
-
 
 def _rope_keys(config: dict) -> dict:
     """RoPE in the v4 spelling the engines read (`rope_theta`, `rope_scaling`) beside transformers 5's
@@ -61,8 +68,11 @@ def _full_attention_keys(config: dict) -> dict:
 
 
 def _sdar_keys(config: dict, block_size: int) -> dict:
-    return {**_rope_keys(config), **_full_attention_keys(config), "attention_bias": False,
-            "torch_dtype": config["dtype"], "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig"}}
+    """`fuse_cross_entropy`: SDAR's `SDARForCausalLM.forward` reads it (false: plain logits, no fused loss)."""
+    return {**_rope_keys(config), **_full_attention_keys(config), "attention_bias": False, "fuse_cross_entropy": False,
+            "torch_dtype": config["dtype"],
+            "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
+                         "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"}}
 
 
 def _fast_dllm_v2_keys(config: dict, block_size: int) -> dict:
@@ -159,7 +169,11 @@ SDAR = ExportFormat(
     block_size=4,
     block_size_flag="serve it with block_size: {block_size} in SGLang's --dllm-algorithm-config YAML, or lmdeploy's "
                     "--dllm-block-length {block_size}",
-    keys=_sdar_keys, files={"configuration_sdar.py": SDAR_CONFIGURATION})
+    keys=_sdar_keys, files={"configuration_sdar.py": SDAR_CONFIGURATION},
+    needs="SGLang and lmdeploy run their own SDAR code; SDAR's own (its generate.py loads AutoModelForCausalLM with "
+          "trust_remote_code=True) is not included: copy modeling_sdar.py and fused_linear_diffusion_cross_entropy.py "
+          "from SDAR's release (JetAstra/SDAR training/model/SDAR-4B-Chat, or a JetLM/SDAR-*-Chat model) into the "
+          "directory; they need flash-attn, triton and the transformers SDAR pins (4.52.4)")
 FAST_DLLM_V2 = ExportFormat(
     "fast-dllm-v2", engines="Fast-dLLM v2's model code", families=(QWEN2,),
     architecture="Fast_dLLM_QwenForCausalLM", model_type="Fast_dLLM_Qwen", objective=objectives.FAST_DLLM_V2,
