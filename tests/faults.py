@@ -106,7 +106,8 @@ def _takes_megatron_lms_loop(argv: list[str]) -> bool:
 
 def _inject_crash_before_publish(iteration: int) -> None:
     """Checkpointing publishes a written checkpoint with `publish.publish_directory`: fail just before."""
-    from megatron_csbp.training import checkpointing, publish
+    from megatron_csbp.runtime import publish
+    from megatron_csbp.training import checkpointing
 
     publish_directory = publish.publish_directory
     target = os.path.basename(checkpointing.checkpoint_dir("", iteration))
@@ -124,7 +125,8 @@ def _inject_timeout(seconds: float) -> None:
 
 
 def main() -> int:
-    from megatron_csbp.training import pretrain, quiet
+    from megatron_csbp.runtime import quiet
+    from megatron_csbp.training import pretrain
 
     quiet.quiet_start_up()  # before the wrapped modules import megatron, as the command does
     if any(os.environ.get(name) for name in (NAN_ITERATIONS, INF_GRAD_ITERATIONS, FAIL)):

@@ -10,7 +10,7 @@ import subprocess
 
 import psutil
 
-from megatron_csbp.training.launch import free_port, run_ranks  # noqa: F401
+from megatron_csbp.runtime.launch import free_port, run_ranks  # noqa: F401
 
 
 def on_cpu_backend(function):

@@ -8,7 +8,7 @@ import pytest
 from megatron_csbp.core.rules import MAX_LAYERS, ConfigError
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.training.arguments import validate_args
-from megatron_csbp.training.datasets import parse_data_path
+from megatron_csbp.data.datasets import parse_data_path
 from megatron_csbp.training.flags import add_csbp_args, build_parser
 
 BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",

@@ -341,7 +341,7 @@ def test_the_metadata_allow_list_reads_real_checkpoints_and_names_only_checkpoin
 
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_csbp.training import safe_load
+    from megatron_csbp.runtime import safe_load
 
     directory = str(interrupted["save"] / "iter_0000006")
     ours, torchs = safe_load.read_metadata(directory), FileSystemReader(directory).read_metadata()
@@ -480,7 +480,7 @@ def test_objects_in_distcp_shards_are_read_weights_only_during_a_load(tmp_path):
     from megatron.core.dist_checkpointing.strategies.torch import MCoreLoadPlanner
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from megatron_csbp.training import safe_load
+    from megatron_csbp.runtime import safe_load
 
     assert MCoreLoadPlanner.load_bytes is DefaultLoadPlanner.load_bytes  # what every dist_checkpointing load uses
 

@@ -12,7 +12,7 @@ import torch
 
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.tools import prepare_data
-from megatron_csbp.training import datasets, tokenizers
+from megatron_csbp.data import datasets, tokenizers
 from megatron_csbp.training.arguments import validate_args
 from megatron_csbp.training.config import parse_args
 from spawn import run_ranks

@@ -265,7 +265,7 @@ def _with_the_trainers_noise(rank, world, argv, seed, group):
 def test_given_the_trainers_noise_it_reproduces_the_trainers_validation(training, corpus):
     """The evaluator and Trainer.evaluate compute the same thing: on the trainer's validation sequences (the
     first 8 of the split) with the trainer's noise (seed, stratified per global batch of 4), the same NELBO."""
-    from megatron_csbp.training.launch import run_ranks
+    from megatron_csbp.runtime.launch import run_ranks
 
     root, trained_run = training
     logged = trained_run.validation[TRAIN_ITERS]

@@ -1,5 +1,5 @@
 """Exports for serving engines: `scripts/convert_hf.py export --format sdar / fast-dllm-v2`
-(`megatron_csbp/training/hf_formats.py`), checked against the fields the engines' sources read.
+(`megatron_csbp/tools/hf_formats.py`), checked against the fields the engines' sources read.
 
 The engines hard-code the MASK id, so the models here are tokenizer-sized like the real ones: a local
 word-level tokenizer with exactly Qwen3's 151669 ids (SDAR) or Qwen2.5's 151665 ids (Fast-dLLM v2) and
@@ -120,7 +120,7 @@ def exports(tmp_path_factory):
     """root/<name>/{hf,ckpt}: Qwen3- and Qwen2.5-sized imports and a tiny Qwen3 (300 ids, MASK 300); the
     Qwen2 import fine-tuned one step at lr 0 with the Fast-dLLM v2 recipe (root/qwen2/finetuned); and the
     exports root/exports/<name>, with the log lines of each."""
-    from megatron_csbp.training.datasets import write_indexed_dataset
+    from megatron_csbp.data.datasets import write_indexed_dataset
 
     root = str(tmp_path_factory.mktemp("formats"))
     _qwen_sized_model("qwen3", os.path.join(root, "qwen3", "hf"))
@@ -214,7 +214,7 @@ def test_imported_mask_lands_on_the_ids_the_engines_hard_code(exports):
     lmdeploy), Qwen2.5's 151665 -> 151665 (Fast-dLLM v2's), with no new row (Qwen's unused rows make room)."""
     import yaml
 
-    from megatron_csbp.training import hf_formats
+    from megatron_csbp.tools import hf_formats
 
     root, _ = exports
     for family, fmt in (("qwen3", hf_formats.SDAR), ("qwen2", hf_formats.FAST_DLLM_V2)):
@@ -380,7 +380,7 @@ def test_what_a_format_cannot_honour_is_one_line_exit_2_and_nothing_written(expo
 def test_each_format_states_its_engines_facts():
     """The facts each format refuses or notes by, without a checkpoint: SDAR wants a BD3-LM Qwen3 at MASK 151669,
     Fast-dLLM v2 a shifted-label Qwen2 at 151665; the plain export takes anything."""
-    from megatron_csbp.training import hf_formats
+    from megatron_csbp.tools import hf_formats
     from megatron_csbp.core.rules import ConfigError
 
     sdar, fast, plain = hf_formats.SDAR, hf_formats.FAST_DLLM_V2, hf_formats.HF

@@ -331,7 +331,7 @@ def _architecture_rank(rank, world_size, cases):
 
     from megatron_csbp.mcore import cpu_backend, parallel_state
     from megatron_csbp.training import arguments, flags, megatron_lm, providers
-    from megatron_csbp.training.tokenizers import Vocabulary
+    from megatron_csbp.data.tokenizers import Vocabulary
 
     megatron_lm.import_pretrain()
     sys.path.append(os.environ["MEGATRON_LM_PATH"])
@@ -444,7 +444,7 @@ def _yarn_rank(rank, world_size, argv):
 
     from megatron_csbp.mcore import cpu_backend, parallel_state
     from megatron_csbp.training import arguments, flags, megatron_lm, providers
-    from megatron_csbp.training.tokenizers import Vocabulary
+    from megatron_csbp.data.tokenizers import Vocabulary
 
     megatron_lm.import_pretrain()
     import megatron.training.arguments as megatron_arguments

@@ -1,4 +1,4 @@
-"""Hugging Face import and export (scripts/convert_hf.py, megatron_csbp/training/hf.py) against `transformers` itself.
+"""Hugging Face import and export (scripts/convert_hf.py, megatron_csbp/tools/hf.py) against `transformers` itself.
 
 Tiny random Llama, Qwen2 (QKV bias, tied embeddings, unused padding rows) and Qwen3 (QK-norm) models are
 made locally and imported. The reference is the HF model run by `transformers` on the same `[x_t ; x_0]`
@@ -36,7 +36,7 @@ from attention_reference import bdlm_mask
 from megatron_csbp.core.positions import YARN_FLAGS
 from pretrain_runs import TORCHRUN
 from megatron_csbp.tools import convert_hf, tiny_hf_model
-from megatron_csbp.training import hf
+from megatron_csbp.tools import hf
 from spawn import kill_tree, on_cpu_backend, run_command, run_ranks, start
 
 pytest.importorskip("transformers")
@@ -149,7 +149,7 @@ def _our_logits(rank, world, root, families, tp, cp, controls):
     from megatron_csbp.training.arguments import validate_args
     from megatron_csbp.training.megatron_config import transformer_config_from_args
     from megatron_csbp.training.config import parse_args
-    from megatron_csbp.training.hf import split_qkv, Shape
+    from megatron_csbp.tools.hf import split_qkv, Shape
 
     results = {}
     for family in families:
@@ -438,7 +438,7 @@ def test_yarn_rope_parameters_read_back_as_written_and_as_transformers_reads_the
 
 def training_data(converted, name, mask_id):
     """A small dataset in the ids below `mask_id` (the tokenizer's, never MASK), beside `name`'s import."""
-    from megatron_csbp.training.datasets import write_indexed_dataset
+    from megatron_csbp.data.datasets import write_indexed_dataset
 
     generator = torch.Generator().manual_seed(5)
     documents = [torch.randint(0, mask_id, (int(n),), generator=generator).tolist()
@@ -588,7 +588,7 @@ def test_an_import_the_trainer_refuses_leaves_nothing_behind(converted, tmp_path
 def test_mask_token_id_flag_sets_mask_and_vocabulary(tmp_path):
     """`--bdlm-mask-token-id`: a new id further on grows the vocabulary; an existing id does not."""
     from megatron_csbp.core.rules import ConfigError
-    from megatron_csbp.training import datasets, tokenizers
+    from megatron_csbp.data import datasets, tokenizers
     from megatron_csbp.training.checkpointing import CheckpointError, check_compatible
     from megatron_csbp.training.config import parse_args
 
@@ -677,7 +677,8 @@ def wrap(owner, attribute, stage, before=None, after=None):
 def main(stage, argv):
     import safetensors.torch
     from megatron.core import dist_checkpointing
-    from megatron_csbp.training import checkpointing, publish
+    from megatron_csbp.runtime import publish
+    from megatron_csbp.training import checkpointing
     wrap(safetensors.torch, "save_file", stage, after="shard written")
     wrap(checkpointing, "save_checkpoint", stage, before="side files written", after="checkpoint written")
     wrap(dist_checkpointing, "save", stage, after="iteration half-written")
@@ -805,7 +806,8 @@ def test_a_killed_import_leaves_nothing_and_the_next_one_completes(converted, tm
     written) and just before publishing: `--save` holds no hf/, model.yaml or iter_* (at most the stale writer
     lock, which the next run takes over). Each run takes over the lock the previous one left; the last one
     completes, and no private directory is left beside."""
-    from megatron_csbp.training import checkpointing, save_lock
+    from megatron_csbp.runtime import save_lock
+    from megatron_csbp.training import checkpointing
 
     save = tmp_path / "ckpt"
     argv = ["import", "--hf-dir", os.path.join(converted, "llama", "hf"), "--save", str(save),

@@ -166,7 +166,7 @@ def test_import_writes_the_moe_flags(converted):
 def _expected_export(name, original):
     """The original weights in the hub's per-expert layout, with the MASK rows as documented (the unused row MASK
     takes holds the mean of the original ids' rows)."""
-    from megatron_csbp.training import hf
+    from megatron_csbp.tools import hf
 
     expected = {}
     for key, tensor in original.items():
@@ -259,7 +259,8 @@ def test_export_refuses_what_qwen3_moe_cannot_hold(converted):
     from megatron.core import dist_checkpointing
 
     from megatron_csbp.core.rules import ConfigError
-    from megatron_csbp.training import checkpointing, hf
+    from megatron_csbp.tools import hf
+    from megatron_csbp.training import checkpointing
 
     directory = os.path.join(converted, "qwen3_moe", "ckpt", "iter_0000000")
     saved = checkpointing.saved_args(dist_checkpointing.load_common_state_dict(directory))
@@ -281,7 +282,7 @@ def test_sparse_layers_and_the_expert_count_in_either_spelling():
     """transformers' sparse layers (`decoder_sparse_step`, `mlp_only_layers`) as `--moe-layer-freq`, and the expert
     count under the hub's `num_experts` or transformers 5's `num_local_experts`, both ways."""
     from megatron_csbp.core import rules
-    from megatron_csbp.training import hf
+    from megatron_csbp.tools import hf
 
     experts = hf.QWEN3_MOE.experts
     config = {"num_hidden_layers": 6, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16,

@@ -392,7 +392,7 @@ def test_megatron_lm_takes_the_save_lock(corpus, tmp_path):
     test's own process, alive on this host)."""
     import json
 
-    from megatron_csbp.training import save_lock
+    from megatron_csbp.runtime import save_lock
 
     save = tmp_path / "held"
     save.mkdir()

@@ -1,4 +1,4 @@
-"""megatron_csbp.training.publish: a directory appears whole or not at all, and replaces another whole."""
+"""megatron_csbp.runtime.publish: a directory appears whole or not at all, and replaces another whole."""
 
 import errno
 import os
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training import publish
+from megatron_csbp.runtime import publish
 
 
 def _tree(directory):

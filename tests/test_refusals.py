@@ -295,7 +295,7 @@ def test_every_familys_config_passes_the_schema(tmp_path, capsys, family):
     """The control: each family's config as transformers writes it is read past the schema, to the weights."""
     pytest.importorskip("transformers")
     from megatron_csbp.tools import convert_hf
-    from megatron_csbp.training import hf
+    from megatron_csbp.tools import hf
 
     assert family in hf.FAMILIES
     hf_dir = _config_only(tmp_path / "model", family, {})
@@ -501,7 +501,7 @@ def test_output_path_is_checked_as_lm_eval_reads_it(tmp_path, monkeypatch):
     nothing is created by the check."""
     pytest.importorskip("lm_eval")
     from megatron_csbp.tools import lm_eval_inputs
-    from megatron_csbp.training import publish
+    from megatron_csbp.runtime import publish
 
     file = tmp_path / "a_file"
     file.write_text("keep me")
@@ -578,7 +578,7 @@ def test_evaluation_bounds_noise_samples_and_its_json_before_any_work(tmp_path, 
     import psutil
 
     from megatron_csbp.tools import evaluation
-    from megatron_csbp.training import publish
+    from megatron_csbp.runtime import publish
 
     memory = namedtuple("memory", "available")
     monkeypatch.setattr(psutil, "virtual_memory", lambda: memory(2 ** 30))

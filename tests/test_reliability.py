@@ -164,7 +164,7 @@ def test_a_second_run_on_the_same_save_is_refused_naming_the_first(corpus, tmp_p
 
 
 def test_a_stale_lock_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch):
-    from megatron_csbp.training import save_lock
+    from megatron_csbp.runtime import save_lock
     from megatron_csbp.core.rules import ConfigError
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -205,7 +205,7 @@ def test_a_stale_lock_is_taken_over_and_a_live_one_refused(tmp_path, monkeypatch
 def test_a_take_over_never_removes_the_lock_another_run_just_took(tmp_path, monkeypatch):
     """Two runs find the same stale lock; the other one takes it over first and writes its own lock between our
     read and our rename. We must then refuse, naming that run, and leave its lock in place."""
-    from megatron_csbp.training import save_lock
+    from megatron_csbp.runtime import save_lock
     from megatron_csbp.core.rules import ConfigError
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
@@ -432,7 +432,7 @@ def test_a_process_that_outlives_the_test_run_fails_it_naming_the_test(tmp_path)
 _ENDING = '''
 import subprocess, sys
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training import entry
+from megatron_csbp.runtime import entry
 
 
 def work():

@@ -625,7 +625,7 @@ def _run(command, expect=0):
 @pytest.fixture(scope="module")
 def alphabet_checkpoints(tmp_path_factory):
     """A tiny BDLM trained 120 iterations on the repeated alphabet by scripts/pretrain_bdlm.py."""
-    from megatron_csbp.training.datasets import write_indexed_dataset
+    from megatron_csbp.data.datasets import write_indexed_dataset
 
     root = tmp_path_factory.mktemp("alphabet")
     documents = [list((ALPHABET * 20)[i:i + 400].encode()) for i in range(26) for _ in range(3)]

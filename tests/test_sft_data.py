@@ -52,8 +52,8 @@ def chat_data(tmp_path_factory):
 
 
 def test_only_assistant_tokens_are_supervised(chat_data):
-    from megatron_csbp.training.datasets import LOSS_MASK_SUFFIX, _open_indexed
-    from megatron_csbp.training.tokenizers import HuggingFaceTokenizer
+    from megatron_csbp.data.datasets import LOSS_MASK_SUFFIX, _open_indexed
+    from megatron_csbp.data.tokenizers import HuggingFaceTokenizer
 
     root, prefix = chat_data
     tokenizer = HuggingFaceTokenizer(str(root / "tok"))
@@ -138,7 +138,7 @@ def test_plain_and_chat_inputs_share_one_jsonl_reader(chat_data, capsys, tmp_pat
 def test_training_reads_each_samples_mask_and_trains_packed(chat_data):
     from pretrain_runs import validated_args
     from megatron_csbp.training.providers import RunProviders
-    from megatron_csbp.training.tokenizers import HuggingFaceTokenizer
+    from megatron_csbp.data.tokenizers import HuggingFaceTokenizer
 
     root, prefix = chat_data
     settings = dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(root / "tok"), split="90,10,0",
@@ -190,7 +190,7 @@ def _state(prefix):
     """What training makes of `prefix` (the checks `build_datasets` and `build_loss_mask_datasets` make, which both
     loops call): ("refused", the line), ("plain", its files' bytes) or ("chat", its and its mask's files' bytes)."""
     from megatron_csbp.core.rules import ConfigError
-    from megatron_csbp.training import datasets
+    from megatron_csbp.data import datasets
 
     try:
         datasets.check_data_prefixes([str(prefix)])
@@ -335,7 +335,7 @@ def test_training_refuses_a_mask_not_written_with_its_tokens(pairs, tmp_path):
     its record, one changed since it, an old record without the tokens' digest, and tokens changed in place. The
     digest is recomputed where the tokens' own record is gone (accepted), and prepare_data --force repairs all."""
     from megatron_csbp.core.rules import ConfigError
-    from megatron_csbp.training import datasets
+    from megatron_csbp.data import datasets
     from pretrain_runs import validated_args
 
     argv, alone = pairs
@@ -409,7 +409,7 @@ def test_chat_over_plain_data_and_plain_over_chat_data_need_force(pairs, tmp_pat
 
 
 def test_the_space_a_dataset_takes_is_known_before_it_is_written(pairs, tmp_path):
-    from megatron_csbp.training import datasets
+    from megatron_csbp.data import datasets
 
     argv, _ = pairs
     prefix = tmp_path / "data"
@@ -433,7 +433,7 @@ def test_a_disk_full_mid_write_names_the_file_and_publishes_nothing(pairs, tmp_p
     import errno
 
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-    from megatron_csbp.training import datasets
+    from megatron_csbp.data import datasets
 
     argv, alone = pairs
     prefix = tmp_path / "data"
@@ -477,7 +477,7 @@ def test_a_full_disk_is_refused_before_writing_and_named_when_it_fills_all_the_s
     naming the prefix and the space needed (was: the mask published without its dataset, "[Errno 28]" naming no
     file). With that check out of the way the disk fills mid-write: one line naming the file, exit 1, the old
     pair whole, no temporaries."""
-    from megatron_csbp.training import publish
+    from megatron_csbp.runtime import publish
 
     root, _ = chat_data
     argv, _ = pairs
@@ -593,7 +593,7 @@ def test_padding_is_bounded_before_any_work(chat_data, tmp_path, capsys):
                         rf"are free there; free space or give another --output-prefix", line), line
     assert _published(tmp_path) == []
     assert _run(_chat(root / "tok", source, out, "--pad-to-multiple", 4096), None) == 0
-    from megatron_csbp.training.datasets import _open_indexed
+    from megatron_csbp.data.datasets import _open_indexed
 
     written = _open_indexed(str(out))  # held: the lengths are a view of its mmap
     assert written.sequence_lengths.tolist() == [4096, 4096]

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from megatron_csbp.training import quiet
+from megatron_csbp.runtime import quiet
 
 pytest_plugins = ["pretrain_runs"]  # the corpus fixture
 from pretrain_runs import SCRIPT, TINY, flags  # noqa: E402

@@ -69,7 +69,7 @@ def _modules_added_by(imports: list[str], after: str | None = "torch") -> list[s
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-LAYERS = ("core", "mcore", "bdlm", "training", "tools")  # each imports only itself and the ones before it
+LAYERS = ("core", "runtime", "data", "mcore", "bdlm", "training", "tools")  # each imports only itself and the ones before it
 PACKAGE = os.path.join(REPO, "megatron_csbp")
 
 
@@ -86,6 +86,44 @@ def _imported_layers(source: str) -> set[str]:
             elif parts == ["megatron_csbp"] and isinstance(node, ast.ImportFrom):
                 found.update(alias.name for alias in node.names)
     return found
+
+
+# What the tools may use of `training`: a run's arguments, its providers and loops, its checkpoints, its progress
+# line. The rest of what entry points share lives in `runtime` and `data`, and Hugging Face's forms in `tools`.
+TRAINING_FACE = {"arguments", "checkpointing", "config", "flags", "loops", "megatron_config", "pretrain", "progress",
+                 "providers"}
+
+
+def _training_modules_imported(source: str) -> set[str]:
+    """The modules of `megatron_csbp.training` a source imports (`from megatron_csbp.training import x` or
+    `from megatron_csbp.training.x import ...`)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "megatron_csbp.training":
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("megatron_csbp.training."):
+            found.add(node.module.split(".")[2])
+        elif isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[2] for alias in node.names
+                         if alias.name.startswith("megatron_csbp.training."))
+    return found
+
+
+def test_the_tools_use_only_the_training_face():
+    """The tools (and the scripts) reach `training` through `TRAINING_FACE` only, not its other modules."""
+    used = {}
+    for folder in (os.path.join(PACKAGE, "tools"), os.path.join(REPO, "scripts")):
+        for root, _, files in os.walk(folder):
+            for name in files:
+                if name.endswith(".py"):
+                    with open(os.path.join(root, name), encoding="utf-8") as handle:
+                        for module in _training_modules_imported(handle.read()):
+                            used.setdefault(module, []).append(os.path.relpath(os.path.join(root, name), REPO))
+    assert {module: files for module, files in used.items() if module not in TRAINING_FACE} == {}
+    assert {"checkpointing", "providers"} <= set(used) <= TRAINING_FACE
+    assert _training_modules_imported("from megatron_csbp.training import loop\nimport megatron_csbp.training.flag_table"
+                                      "\nfrom megatron_csbp.training.layer_pattern import x") == \
+        {"loop", "flag_table", "layer_pattern"}  # the reader sees all three spellings
 
 
 def test_each_layer_imports_only_the_layers_below_it():
@@ -145,9 +183,9 @@ def _imported_modules(path: str) -> set[str]:
 
 def test_the_data_modules_do_not_import_the_arguments():
     """Arguments import the tokenizers and datasets (data-path parsing, the tokenizer file), never the reverse."""
-    for path in ("training/tokenizers.py", "training/datasets.py"):
+    for path in ("data/tokenizers.py", "data/datasets.py"):
         assert "megatron_csbp.training.arguments" not in _imported_modules(path), path
-    assert "megatron_csbp.training.datasets" in _imported_modules("training/arguments.py")  # the check sees imports
+    assert "megatron_csbp.data.datasets" in _imported_modules("training/arguments.py")  # the check sees imports
 
 
 def _imports_megatron(path: str) -> bool:
@@ -303,13 +341,13 @@ def _variant_registries() -> list[tuple[str, object]]:
     name at an edge (a flag, a checkpoint's record) and held as an object everywhere else."""
     from megatron_csbp.core import clean_attention, kernel_work, modes, objectives, schedule, transports
     from megatron_csbp.tools import harness, sampling
-    from megatron_csbp.training import hf, hf_formats
+    from megatron_csbp.tools import hf, hf_formats
 
     return [("core/modes.py", modes.PARALLEL_MODES), ("core/objectives.py", objectives.OBJECTIVES),
             ("core/objectives.py", objectives.LOSS_WEIGHTINGS), ("core/transports/__init__.py", transports.TRANSPORTS),
             ("core/schedule.py", schedule.SCHEDULES), ("core/schedule.py", schedule.CLEAN_LAYOUTS),
             ("core/clean_attention.py", clean_attention.CLEAN_ATTENTIONS), ("core/kernel_work.py", kernel_work.KINDS),
-            ("training/hf.py", hf.FAMILIES), ("training/hf_formats.py", hf_formats.FORMATS),
+            ("tools/hf.py", hf.FAMILIES), ("tools/hf_formats.py", hf_formats.FORMATS),
             ("tools/sampling.py", sampling.STRATEGY), ("tools/harness.py", harness.ESTIMATORS)]
 
 

@@ -107,7 +107,7 @@ def test_providers_read_megatron_lm_globals_when_given_no_args(monkeypatch, corp
     """Under `pretrain()` the providers get no `args`: they read Megatron-LM's global args and tokenizer (a
     stand-in `megatron.training` here; tests/test_megatron_lm.py runs the real one)."""
     from megatron_csbp.training import providers
-    from megatron_csbp.training.tokenizers import NullTokenizer
+    from megatron_csbp.data.tokenizers import NullTokenizer
 
     megatron_args = validated_args(corpus, 2, context_block_parallel=2, bdlm_parallel_mode="csbp")
     fake = types.ModuleType("megatron.training")
@@ -138,7 +138,8 @@ def _count_assembly(rank, world, args):
 
     from megatron_csbp.bdlm import forward_step as bdlm
     from megatron_csbp.core.run_config import RunConfig
-    from megatron_csbp.training import providers, tokenizers, loop as training
+    from megatron_csbp.data import tokenizers
+    from megatron_csbp.training import providers, loop as training
 
     counts = Counter()
 

@@ -39,7 +39,7 @@ def _make_and_import(rank, world, root):
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     """`root/<family>/{hf,ckpt}` and a dataset of tokenizer ids (never MASK) at `root/data`."""
-    from megatron_csbp.training.datasets import write_indexed_dataset
+    from megatron_csbp.data.datasets import write_indexed_dataset
 
     root = str(tmp_path_factory.mktemp("padding"))
     run_ranks(_make_and_import, 1, root, timeout=600)

@@ -185,7 +185,7 @@ class Watchdog:
                 silent.append("...")
                 break
         if not silent:
-            return f"every other rank's heartbeat is fresh (a rank waiting on another, or a slow collective)"
+            return "every other rank's heartbeat is fresh (a rank waiting on another, or a slow collective)"
         return "silent (stopped or dead): " + ", ".join(silent)
 
     def _fire(self, operation, elapsed: float) -> None:

@@ -9,7 +9,7 @@ tokenizer files; nothing is downloaded) becomes `CKPT/iter_0000000`, a model-onl
 loads with `--load CKPT --finetune` into any TP / PP / CSBP (/ EP) layout (dist_checkpointing reshards it). Beside it:
 `CKPT/hf/` (the tokenizer with the MASK token, for `--tokenizer-type HuggingFaceTokenizer`, and the HF
 config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK token is a new one,
-`<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.training.hf`), or, with `--mask-token`,
+`<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.tools.hf`), or, with `--mask-token`,
 an existing unused token. Its id is recorded as `bdlm-mask-token-id` in the fragment and in the
 checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / `--make-vocab-size-
 divisible-by` must be those training will use: they fix the padded vocabulary. Weights are read tensor
@@ -21,10 +21,10 @@ decodes: `mask_token_id`, `block_size`, `bdlm_objective`, `bdlm_label_shift`; se
 tokenizer with its MASK token. A non-empty OUT is refused unless `--overwrite`, which replaces it whole.
 `--format sdar` / `fast-dllm-v2` write the same weights under the architecture and config keys SGLang /
 lmdeploy (SDAR) and Fast-dLLM v2's code read, and refuse a checkpoint they cannot serve (see
-`megatron_csbp.training.hf_formats`).
+`megatron_csbp.tools.hf_formats`).
 
 Both write into a private directory beside the target and publish it by one rename (see
-`megatron_csbp.training.publish`): a kill at any point leaves the target as it was. import refuses a
+`megatron_csbp.runtime.publish`): a kill at any point leaves the target as it was. import refuses a
 `--save` that holds anything (a training run's checkpoints above all) and holds `--save`'s writer lock
 while it works, so a second import (or a training run) into the same `--save` is refused at once.
 
@@ -45,7 +45,7 @@ import sys
 from megatron_csbp.core import modes, objectives
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training import hf_formats
+from megatron_csbp.tools import hf_formats
 
 NEW_MASK_TOKEN = "<|mask|>"
 HF_SIDE = "hf"  # CKPT/hf: the tokenizer and HF config the checkpoint goes with
@@ -60,7 +60,7 @@ def _single_process():
 
     from megatron_csbp.mcore import cpu_backend, parallel_state
     from megatron_csbp.core.device import default_backend
-    from megatron_csbp.training.launch import free_port
+    from megatron_csbp.runtime.launch import free_port
 
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -148,7 +148,8 @@ def _check_empty_save(save: str) -> None:
     """An import publishes a whole new `--save`: a directory holding anything (above all a training run's
     checkpoints, whose tracker the import would repoint to iteration 0) is refused. A lock left by a killed
     import or run is no content: `save_lock` takes it over when its holder is gone."""
-    from megatron_csbp.training import checkpointing, save_lock
+    from megatron_csbp.runtime import save_lock
+    from megatron_csbp.training import checkpointing
 
     if os.path.exists(save) and not os.path.isdir(save):
         raise ConfigError(f"--save {save} is a file: give a new directory for the imported checkpoint")
@@ -182,7 +183,9 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
     directory holding a stale lock that the next import or run takes over), and a second import into the
     same `save` is refused at once instead of racing the first."""
     from megatron_csbp.core import rules
-    from megatron_csbp.training import checkpointing, hf, publish, save_lock
+    from megatron_csbp.runtime import publish, save_lock
+    from megatron_csbp.tools import hf
+    from megatron_csbp.training import checkpointing
 
     config = hf.read_config(hf_dir)
     flags = hf.model_flags(config, hf_dir)  # refuses what the mapping cannot express, before any work
@@ -243,10 +246,11 @@ def _write_import(hf_dir, save, private, config, flags, weights, tokenizer, mask
     import torch
     import yaml
 
-    from megatron_csbp.training import checkpointing, hf
+    from megatron_csbp.tools import hf
+    from megatron_csbp.training import checkpointing
     from megatron_csbp.training.arguments import validate_args
     from megatron_csbp.training.config import parse_args
-    from megatron_csbp.training.tokenizers import HuggingFaceTokenizer, Vocabulary
+    from megatron_csbp.data.tokenizers import HuggingFaceTokenizer, Vocabulary
 
     side = os.path.join(private, HF_SIDE)
     os.makedirs(side)
@@ -308,7 +312,7 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
     keys that say how it decodes (`hf.bdlm_config`), as `export_format` writes it (`hf_formats`; it refuses
     a checkpoint the format's engine cannot serve)."""
     from megatron_csbp.core.positions import RotaryPositions
-    from megatron_csbp.training import hf, hf_formats
+    from megatron_csbp.tools import hf, hf_formats
 
     if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear:
         raise hf.UnsupportedModel("export needs a Llama-family model (--normalization RMSNorm --swiglu "
@@ -415,7 +419,9 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
     import torch
 
     from megatron_csbp.tools import inference
-    from megatron_csbp.training import checkpointing, hf, hf_formats, publish
+    from megatron_csbp.runtime import publish
+    from megatron_csbp.tools import hf, hf_formats
+    from megatron_csbp.training import checkpointing
 
     fmt = hf_formats.export_format(export_format)
     if max_shard_bytes <= 0:
@@ -491,7 +497,7 @@ def _write_export(out, shards, parameters, names, shape, vocab, dtype, config, h
     """Writes the safetensors shards (and their index), config.json and the tokenizer into `out`."""
     from safetensors.torch import save_file
 
-    from megatron_csbp.training import hf
+    from megatron_csbp.tools import hf
 
     weight_map, total = {}, 0
     for index, shard in enumerate(shards):
@@ -520,7 +526,7 @@ def _write_export(out, shards, parameters, names, shape, vocab, dtype, config, h
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from megatron_csbp.training import hf_formats
+    from megatron_csbp.tools import hf_formats
 
     parser = argparse.ArgumentParser(description="Hugging Face <-> megatron_csbp checkpoints.", allow_abbrev=False)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -549,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_csbp.training import quiet
+    from megatron_csbp.runtime import quiet
 
     quiet.quiet_start_up()  # megatron-core's start-up warnings would bury a refusal's one line
     args = build_parser().parse_args(argv)

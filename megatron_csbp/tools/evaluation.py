@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 
 from megatron_csbp.core import rules
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training import entry
+from megatron_csbp.runtime import entry
 
 SPLITS = ("valid", "test", "train", "all")
 _SPLIT_INDEX = {"train": 0, "valid": 1, "test": 2, "all": 0}
@@ -164,7 +164,7 @@ def _check_output_json(options) -> None:
         probe = os.path.dirname(probe)
     if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
         raise ConfigError(f"--output-json {path}: {probe} is not a writable directory; give another file")
-    from megatron_csbp.training import publish
+    from megatron_csbp.runtime import publish
 
     publish.require_free_space(path, record_bytes(options.noise_samples), "--output-json")
 
@@ -188,7 +188,7 @@ def _check_options(options) -> None:
     if options.data_path.endswith((".bin", ".idx")):
         raise ConfigError(f"--data-path {options.data_path}: give the prefix without the extension "
                           f"(--data-path {options.data_path[:-4]})")
-    from megatron_csbp.training.datasets import check_data_prefixes
+    from megatron_csbp.data.datasets import check_data_prefixes
 
     check_data_prefixes([options.data_path])
     _check_output_json(options)
@@ -224,7 +224,7 @@ def run_arguments(checkpoint, options, world_size: int):
 
 
 def _check_data(args, vocabulary, split: str) -> None:
-    from megatron_csbp.training.datasets import check_split, check_vocabulary
+    from megatron_csbp.data.datasets import check_split, check_vocabulary
 
     check_vocabulary(args.data_prefixes, vocabulary.mask_token_id, vocabulary.padded_vocab_size,
                      vocabulary.tokenizer.vocab_size)
@@ -360,7 +360,7 @@ def summary_line(result: dict) -> str:
 def write_json(path: str, record: dict, overwrite: bool) -> None:
     """Writes `record` to `path` whole or not at all: into a private directory beside it (`publish`), then
     linked onto `path` (refused if something appeared there meanwhile) or, with `overwrite`, renamed over it."""
-    from megatron_csbp.training import publish
+    from megatron_csbp.runtime import publish
 
     target = os.path.abspath(path)
     with publish.private_directory(target, "--output-json") as private:
@@ -618,7 +618,7 @@ def run(prepared: Prepared) -> dict | None:
 def main(argv: list[str] | None = None, name: str = "evaluate_bdlm.py") -> int:
     """The script: refusals (one line, exit 2) before any work, then the evaluation on every rank. Exit status
     0 done, 2 refused, 130 interrupted, 1 a failure (`rank R failed: ...`)."""
-    from megatron_csbp.training import quiet
+    from megatron_csbp.runtime import quiet
 
     argv = sys.argv[1:] if argv is None else list(argv)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))

@@ -543,7 +543,7 @@ def single_rank(device):
 
     from megatron_csbp.mcore import cpu_backend, parallel_state
     from megatron_csbp.core.device import default_backend
-    from megatron_csbp.training.launch import free_port
+    from megatron_csbp.runtime.launch import free_port
 
     with cpu_backend.active():  # only on a machine without an accelerator
         created = not dist.is_initialized()

@@ -814,7 +814,7 @@ def main(argv: list | None = None) -> int:
     """lm-eval's command line, unchanged, with `--model megatron_csbp` registered; refusals are one line, exit 2
     (printed by rank 0 under TP: every rank refuses alike, and all leave at once). Under a launcher
     (`WORLD_SIZE` > 1) each rank runs it in lockstep and only rank 0 prints or writes (see the module doc)."""
-    from megatron_csbp.training import quiet
+    from megatron_csbp.runtime import quiet
 
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     quiet.quiet_start_up()
@@ -830,7 +830,7 @@ def main(argv: list | None = None) -> int:
     except ConfigError as error:
         if rank == 0:
             print(f"{COMMAND}: error: {error}", file=sys.stderr, flush=True)
-        from megatron_csbp.training.entry import leave_together
+        from megatron_csbp.runtime.entry import leave_together
 
         leave_together(world)  # under torchrun: every rank at once, or the launcher reports the late ones killed
         return 2

@@ -80,7 +80,7 @@ def launch_arguments(checkpoint: Checkpoint, launch: Launch = Launch(), *, confi
     from megatron_csbp.training.config import load_config, parse_args
     from megatron_csbp.training.flags import build_parser as training_parser
     from megatron_csbp.training.flags import null_as_byte_tokenizer
-    from megatron_csbp.training.tokenizers import Vocabulary, build_tokenizer
+    from megatron_csbp.data.tokenizers import Vocabulary, build_tokenizer
 
     recorded, TP = checkpoint.recorded, launch.tensor_parallel_size
     args = training_parser().parse_args([])

@@ -18,7 +18,7 @@ import os
 from pathlib import Path
 
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training import publish
+from megatron_csbp.runtime import publish
 
 RESULTS_BYTES = 2 ** 20  # room a results file needs (lm-eval's are tens of kB; samples files are written after it)
 

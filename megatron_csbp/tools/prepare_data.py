@@ -12,7 +12,7 @@ conversation under `--chat-key`), read by one reader (`jsonl_values`); any other
 must be UTF-8: where a bad line is fatal, every input is checked before any work. A bad line (not UTF-8, not
 JSON, without the key, or a value the command cannot use) is reported as `file:line: why` and skipped (counted)
 or fatal (one line with the fix, exit 2), per `--on-bad-line`. The dataset is read back and checked before it
-replaces anything (see `megatron_csbp.training.datasets.write_indexed_dataset`); with `--chat`, the tokens and
+replaces anything (see `megatron_csbp.data.datasets.write_indexed_dataset`); with `--chat`, the tokens and
 their loss mask are published as one pair (`write_sft_dataset`). A prefix holding the other kind of dataset (plain
 data for `--chat`, chat data for a plain build) is refused unless `--force`, which rebuilds it whole. An output
 that will not fit on its disk is refused before anything is written. Refusals are one line, exit 2; a disk that
@@ -364,7 +364,7 @@ def _already_built(prefix: str, args, tokenizer) -> str | None:
     build) is refused, as is chat data whose mask is not the one written with its tokens: --force rebuilds either
     whole (a plain build removes the mask)."""
     from megatron_csbp.core.rules import ConfigError
-    from megatron_csbp.training.datasets import LOSS_MASK_SUFFIX, check_loss_mask, dataset_stats, has_loss_mask
+    from megatron_csbp.data.datasets import LOSS_MASK_SUFFIX, check_loss_mask, dataset_stats, has_loss_mask
 
     if args.force:
         return None
@@ -395,7 +395,7 @@ def _plain_bytes(inputs: list[str], generated: list[str] | None, vocab_size: int
     """The space a plain build takes, estimated from its input before tokenizing: a token per input byte (a UTF-8
     byte is at most one token, byte-level or byte-pair) and two per document (EOD, a special token the tokenizer
     may add), a document per JSONL line or other file. JSON's own syntax makes it an overestimate."""
-    from megatron_csbp.training.datasets import indexed_dataset_bytes
+    from megatron_csbp.data.datasets import indexed_dataset_bytes
 
     if generated is not None:
         size, documents = sum(len(text.encode("utf-8")) for text in generated), len(generated)
@@ -409,8 +409,8 @@ def _write_chat(args, prefix, tokenizer, report, skipped) -> int:
     """`--chat`: the conversations' tokens at PREFIX and their assistant-token masks at PREFIX_loss_mask, published
     as one pair (`datasets.write_sft_dataset`); each conversation padded with EOD (mask 0) to a multiple of
     --pad-to-multiple tokens as it is written, so packed conversations start on block boundaries."""
-    from megatron_csbp.training.datasets import LOSS_MASK_SUFFIX, indexed_dataset_bytes, write_sft_dataset
-    from megatron_csbp.training.publish import require_free_space
+    from megatron_csbp.data.datasets import LOSS_MASK_SUFFIX, indexed_dataset_bytes, write_sft_dataset
+    from megatron_csbp.runtime.publish import require_free_space
 
     render = chat_template(args.tokenizer_model)
     check_inputs(args.input, args.on_bad_line)
@@ -436,13 +436,13 @@ def _write_chat(args, prefix, tokenizer, report, skipped) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from megatron_csbp.training import quiet
+    from megatron_csbp.runtime import quiet
 
     quiet.quiet_start_up()  # before megatron is imported
     from megatron_csbp.core.rules import ConfigError
-    from megatron_csbp.training.datasets import check_output_prefix, write_indexed_dataset
-    from megatron_csbp.training.publish import require_free_space
-    from megatron_csbp.training.tokenizers import build_tokenizer
+    from megatron_csbp.data.datasets import check_output_prefix, write_indexed_dataset
+    from megatron_csbp.runtime.publish import require_free_space
+    from megatron_csbp.data.tokenizers import build_tokenizer
 
     args = build_parser().parse_args(argv)
     args.make_vocab_size_divisible_by, args.tensor_model_parallel_size = 1, 1

@@ -55,7 +55,7 @@ def make_config(family: str, *, tokenizer_ids: int = 383, model_rows: int | None
     """The transformers config of `make_model`'s tiny `family` model (the expert settings: a Qwen3-MoE's only)."""
     import transformers
 
-    from megatron_csbp.training.hf import FAMILIES
+    from megatron_csbp.tools.hf import FAMILIES
 
     family = FAMILIES(family)
     extra = {"sliding_window": None} if family.windowed_by_default else {}
@@ -97,7 +97,7 @@ def make_model(family: str, output: str, *, tokenizer_ids: int = 383, fused_expe
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    from megatron_csbp.training.hf import FAMILIES, LLAMA
+    from megatron_csbp.tools.hf import FAMILIES, LLAMA
 
     parser.add_argument("--family", choices=FAMILIES, default=LLAMA.name)
     parser.add_argument("--output", required=True)

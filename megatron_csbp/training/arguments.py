@@ -15,8 +15,8 @@ import sys
 from megatron_csbp.core import positions, rules
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.core.rules import ConfigError, refused_features
-from megatron_csbp.training.datasets import MEGATRON_SPLIT_DEFAULT, check_data_prefixes, parse_data_path
-from megatron_csbp.training.tokenizers import tokenizer_file
+from megatron_csbp.data.datasets import MEGATRON_SPLIT_DEFAULT, check_data_prefixes, parse_data_path
+from megatron_csbp.data.tokenizers import tokenizer_file
 
 
 def _require(condition: bool, message: str) -> None:

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from megatron_csbp.core import supervision
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training import publish, safe_load
+from megatron_csbp.runtime import publish, safe_load
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MANIFEST = "csbp_manifest.json"

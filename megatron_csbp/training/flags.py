@@ -12,7 +12,7 @@ import argparse
 from megatron_csbp.core import clean_attention, modes, objectives, positions, rules, schedule, transports
 from megatron_csbp.core.rules import BYTE_TOKENIZER, PARALLEL_MODES, TOKENIZERS, ConfigError
 from megatron_csbp.training import layer_pattern
-from megatron_csbp.training.datasets import MEGATRON_SPLIT_DEFAULT
+from megatron_csbp.data.datasets import MEGATRON_SPLIT_DEFAULT
 
 TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
 # --eval-interval when not given, in both loops (Megatron-LM's own None fails counting its validation samples).

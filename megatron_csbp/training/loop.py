@@ -36,7 +36,7 @@ from megatron_csbp.training import checkpointing, providers
 from megatron_csbp.core import supervision
 from megatron_csbp.training.checkpointing import LoopState
 from megatron_csbp.core.device import default_device
-from megatron_csbp.training.entry import GuardStop
+from megatron_csbp.runtime.entry import GuardStop
 from megatron_csbp.training.progress import Progress
 
 
@@ -397,7 +397,7 @@ class Trainer:
 
 def train(args, settings=None) -> LoopState:
     """Trains with validated `args` on the initialised default process group; returns the final loop state."""
-    from megatron_csbp.training import save_lock
+    from megatron_csbp.runtime import save_lock
 
     lock = save_lock.take_for_run(args.save)
     try:

@@ -30,7 +30,7 @@ def uses_megatron_lm(loop: str) -> bool:
 def lone_process_rendezvous() -> None:
     """A command started without a launcher is one rank: it meets itself on this machine (either loop's
     process group reads MASTER_ADDR and MASTER_PORT from the environment)."""
-    from megatron_csbp.training.launch import free_port
+    from megatron_csbp.runtime.launch import free_port
 
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

@@ -31,7 +31,7 @@ from megatron_csbp.training import flag_table
 from megatron_csbp.training.arguments import (check_host_memory, check_output_paths, check_shared_values,
                                                validate_plugin_args)
 from megatron_csbp.training.config import expand_argv
-from megatron_csbp.training.datasets import check_data_prefixes, parse_data_path
+from megatron_csbp.data.datasets import check_data_prefixes, parse_data_path
 from megatron_csbp.training.flags import EVAL_INTERVAL, add_csbp_args, byte_tokenizer_as_null
 
 
@@ -142,7 +142,8 @@ def _checkpoints_under_our_rules(args: argparse.Namespace):
     from megatron.training import get_args
     from megatron.training import training as megatron_training
 
-    from megatron_csbp.training import checkpointing, safe_load, save_lock
+    from megatron_csbp.runtime import safe_load, save_lock
+    from megatron_csbp.training import checkpointing
 
     if getattr(args, "async_save", False):
         raise ConfigError("--async-save under --training-loop megatron-lm: the checkpoint manifest is recorded when "

@@ -29,7 +29,7 @@ from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.bdlm.forward_step import BDLMForwardStep, Packing
 from megatron_csbp.bdlm.objective import BDLMObjective
-from megatron_csbp.training.tokenizers import Vocabulary
+from megatron_csbp.data.tokenizers import Vocabulary
 
 if TYPE_CHECKING:
     from megatron.core.transformer import TransformerConfig
@@ -251,7 +251,7 @@ class RunProviders:
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
         """(train, valid, test) datasets of clean `L`-token samples with their indices and, for SFT data, their loss
         masks (None: empty split, or not built on this rank), sized by Megatron-LM's sample counts."""
-        from megatron_csbp.training.datasets import build_datasets, build_loss_mask_datasets, split_sizes
+        from megatron_csbp.data.datasets import build_datasets, build_loss_mask_datasets, split_sizes
 
         args = self.args
         sizes = list(train_val_test_num_samples) if train_val_test_num_samples is not None else split_sizes(args)

@@ -51,7 +51,7 @@ def _summary(failure_error) -> int:
     Every rank that ended did so with one status: a refusal (2) or a guard's stop (17), whose line the ranks
     printed, is that status alone; another one (e.g. Megatron-LM's 16, resume to check a result) is that status,
     after the lines. Otherwise (a failure, a signal, mixed statuses) the lines, and 1."""
-    from megatron_csbp.training.entry import GUARD_STOP
+    from megatron_csbp.runtime.entry import GUARD_STOP
 
     failures = failure_error.failures
     statuses = {failure.exitcode for failure in failures.values()}

@@ -43,6 +43,6 @@ def rank_interleaved(rank, world_size, args, seq_length) -> list[RankRecord]:
 
 def spawn_interleaved(args, seq_length) -> list[list[RankRecord]]:
     """Every rank's records of every mode at `seq_length` in freshly spawned ranks (by rank, then mode)."""
-    from megatron_csbp.training.launch import run_ranks
+    from megatron_csbp.runtime.launch import run_ranks
 
     return run_ranks(rank_interleaved, args.nproc, args, seq_length, timeout=args.run_timeout * len(args.modes))

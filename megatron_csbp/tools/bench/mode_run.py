@@ -190,6 +190,6 @@ def rank_run(rank, world_size, args, mode, seq_length) -> list[RankRecord]:
 
 def spawn_run(args, mode, seq_length) -> list[list[RankRecord]]:
     """Every rank's records of one (mode, length) run in freshly spawned ranks (by rank, then condition)."""
-    from megatron_csbp.training.launch import run_ranks
+    from megatron_csbp.runtime.launch import run_ranks
 
     return run_ranks(rank_run, args.nproc, args, mode, seq_length, timeout=args.run_timeout)

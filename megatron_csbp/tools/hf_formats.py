@@ -30,7 +30,7 @@ from typing import Callable
 from megatron_csbp.core import objectives
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training.hf import FAMILIES, QWEN2, QWEN3
+from megatron_csbp.tools.hf import FAMILIES, QWEN2, QWEN3
 
 # Our own config class for model_type "sdar": transformers has none, so SGLang's get_config (AutoConfig, with
 # --trust-remote-code) needs one named by auto_map, and SDAR's modeling_sdar.py imports it as `.configuration_sdar`.

@@ -13,7 +13,7 @@ import time
 import traceback
 
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training import quiet
+from megatron_csbp.runtime import quiet
 
 
 def accepted(name: str, prepare, rank: int, on_refusal=None):

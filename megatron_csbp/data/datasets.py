@@ -18,8 +18,8 @@ from typing import Callable, Iterable
 import numpy as np
 
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.training.publish import fsync_dir, out_of_space, private_directory
-from megatron_csbp.training.tokenizers import Vocabulary
+from megatron_csbp.runtime.publish import fsync_dir, out_of_space, private_directory
+from megatron_csbp.data.tokenizers import Vocabulary
 
 MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
 
