@@ -207,6 +207,7 @@ def _assert_tokenizer_config_for_transformers_4(directory: str, tokenizer_class:
         tokenizer_config = json.load(handle)
     assert tokenizer_config["tokenizer_class"] == tokenizer_class, tokenizer_config
     assert not isinstance(tokenizer_config.get("extra_special_tokens"), list), tokenizer_config
+    assert not {"local_files_only", "is_local"} & set(tokenizer_config), tokenizer_config  # how we loaded it
 
 
 def test_imported_mask_lands_on_the_ids_the_engines_hard_code(exports):
@@ -401,10 +402,10 @@ def test_each_format_states_its_engines_facts():
 
 def test_the_tokenizer_config_names_what_transformers_4_loads():
     """`portable_tokenizer_config` on what transformers 5 writes: its generic `TokenizersBackend` becomes
-    `PreTrainedTokenizerFast`, a list of `extra_special_tokens` becomes 4.x's `additional_special_tokens`; a
+    `PreTrainedTokenizerFast`, a list of `extra_special_tokens` becomes 4.x's `additional_special_tokens`, the keys of how it was loaded (`local_files_only`) go; a
     family's own class, 4.x's dict of named tokens and every other key stay as they are."""
     written = {"tokenizer_class": "TokenizersBackend", "backend": "tokenizers", "mask_token": "<|mask|>",
-               "extra_special_tokens": ["<|im_start|>", "<|im_end|>"]}
+               "extra_special_tokens": ["<|im_start|>", "<|im_end|>"], "local_files_only": True, "is_local": True}
     assert convert_hf.portable_tokenizer_config(written) == {
         "tokenizer_class": "PreTrainedTokenizerFast", "backend": "tokenizers", "mask_token": "<|mask|>",
         "additional_special_tokens": ["<|im_start|>", "<|im_end|>"]}

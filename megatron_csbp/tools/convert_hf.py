@@ -357,13 +357,16 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
 
 # what transformers 5 writes in tokenizer_config.json that transformers 4 (the serving engines pin 4.5x) cannot load
 _TRANSFORMERS_4_CLASSES = {"TokenizersBackend": "PreTrainedTokenizerFast"}  # both load tokenizer.json as it is
+# how this export loaded the tokenizer (offline), which transformers 5 saves as if it were the tokenizer's own
+_LOADING_KEYS = ("local_files_only", "is_local")
 
 
 def portable_tokenizer_config(config: dict) -> dict:
     """`tokenizer_config.json` as transformers 5 saves it, made loadable by transformers 4.5x as well (5 reads
     both spellings): transformers 4 knows no `TokenizersBackend` class, and takes `extra_special_tokens` as a
-    dict of named tokens, where 5 writes a list (4's `additional_special_tokens`)."""
-    config = dict(config)
+    dict of named tokens, where 5 writes a list (4's `additional_special_tokens`). The keys of how the export
+    loaded it (`local_files_only`) are not the tokenizer's and would follow it to a Hub upload: dropped."""
+    config = {key: value for key, value in config.items() if key not in _LOADING_KEYS}
     if config.get("tokenizer_class") in _TRANSFORMERS_4_CLASSES:
         config["tokenizer_class"] = _TRANSFORMERS_4_CLASSES[config["tokenizer_class"]]
     if isinstance(config.get("extra_special_tokens"), list):
