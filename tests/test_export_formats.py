@@ -402,8 +402,9 @@ def test_each_format_states_its_engines_facts():
 
 def test_the_tokenizer_config_names_what_transformers_4_loads():
     """`portable_tokenizer_config` on what transformers 5 writes: its generic `TokenizersBackend` becomes
-    `PreTrainedTokenizerFast`, a list of `extra_special_tokens` becomes 4.x's `additional_special_tokens`, the keys of how it was loaded (`local_files_only`) go; a
-    family's own class, 4.x's dict of named tokens and every other key stay as they are."""
+    `PreTrainedTokenizerFast`, a list of `extra_special_tokens` becomes 4.x's `additional_special_tokens`, the keys
+    of how it was loaded (`local_files_only`) go; a family's own class, 4.x's dict of named tokens and every other
+    key stay as they are."""
     written = {"tokenizer_class": "TokenizersBackend", "backend": "tokenizers", "mask_token": "<|mask|>",
                "extra_special_tokens": ["<|im_start|>", "<|im_end|>"], "local_files_only": True, "is_local": True}
     assert convert_hf.portable_tokenizer_config(written) == {
