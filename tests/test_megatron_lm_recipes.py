@@ -43,7 +43,6 @@ _RL = "reinforcement learning (Megatron-LM's train_rl.py), not BDLM training"
 _FP8 = "FP8 training: other numerics, not tested with the CSBP attention"
 NOT_THE_SAME_RUN = {
     "--apply-layernorm-1p": "zero-centred norm weights (1 + w): a parametrisation the BDLM model does not implement",
-    "--cross-entropy-loss-fusion": "Megatron-LM's fused cross-entropy over GPT logits; the BDLM loss has none yet",
     "--fp8-format": _FP8, "--fp8-amax-history-len": _FP8, "--fp8-amax-compute-algo": _FP8, "--fp8-param-gather": _FP8,
     "--te-rng-tracker": "Transformer Engine's RNG tracker: other random streams, not tested with CSBP",
     "--mock-data": "Megatron-LM's random mock dataset, which the plugin's datasets provider does not build",
