@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import numpy as np
 
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.runtime.publish import fsync_dir, out_of_space, private_directory
+from megatron_csbp.runtime.publish import fsync_path, out_of_space, private_directory
 from megatron_csbp.data.tokenizers import Vocabulary
 
 MEGATRON_SPLIT_DEFAULT = "969, 30, 1"
@@ -220,14 +220,6 @@ def _writing(path: str, output_prefix: str):
                                 f"--output-prefix") from None
 
 
-def _fsync(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _build(documents: Iterable[list[int]], private: str, vocab_size: int, target: str, output_prefix: str):
     """Writes `documents` (token id lists; empty ones are dropped) as `private`.bin/.idx, reads them back and checks
     them (documents, tokens, ids < `vocab_size`), and records their stats and digest beside them; returns the stats.
@@ -259,7 +251,7 @@ def _seal(private: str, stats: DatasetStats, target: str, output_prefix: str, **
     digest = _file_digest(private)
     with _writing(target + ".stats.json", output_prefix):
         for suffix in (".bin", ".idx"):
-            _fsync(private + suffix)
+            fsync_path(private + suffix)
         with open(private + ".stats.json", "w", encoding="utf-8") as handle:
             json.dump({**asdict(stats), "sha256": digest, **pairing, "files": _files_identity(private)}, handle)
             handle.flush()
@@ -297,7 +289,7 @@ def write_indexed_dataset(documents: Iterable[list[int]], output_prefix: str, vo
         _remove(mask + ".stats.json")
         _install(private, output_prefix)
         _remove(mask + ".idx", mask + ".bin")
-        fsync_dir(os.path.dirname(directory))
+        fsync_path(os.path.dirname(directory))
     return stats
 
 
@@ -335,7 +327,7 @@ def write_sft_dataset(tokens: Iterable[list[int]], masks: Iterable[list[int]], o
         _install(private_mask, mask, record=False)
         _install(private_tokens, output_prefix)
         os.replace(private_mask + ".stats.json", mask + ".stats.json")
-        fsync_dir(os.path.dirname(directory))
+        fsync_path(os.path.dirname(directory))
     return stats
 
 

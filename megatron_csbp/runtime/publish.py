@@ -62,8 +62,8 @@ def remove_abandoned(target: str) -> list[str]:
     return removed
 
 
-def fsync_dir(path: str) -> None:
-    """Makes a rename or a new file in `path` durable (the directory entry itself is flushed)."""
+def fsync_path(path: str) -> None:
+    """Makes what `path` holds durable: a file's contents, or a directory's entries (a rename or a new file)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -131,12 +131,12 @@ def publish_directory(private: str, target: str, *, replace: bool, flag: str) ->
     target = os.path.abspath(target)
     if replace and os.path.isdir(target) and os.listdir(target):
         if _exchange(private, target):
-            fsync_dir(os.path.dirname(target))
+            fsync_path(os.path.dirname(target))
             discard(private)  # now the old contents
             return
         aside = _set_aside(target)
         os.rename(private, target)
-        fsync_dir(os.path.dirname(target))
+        fsync_path(os.path.dirname(target))
         discard(aside)
         return
     try:
@@ -146,7 +146,7 @@ def publish_directory(private: str, target: str, *, replace: bool, flag: str) ->
             raise
         raise ConfigError(f"{flag} {target}: something else was written there meanwhile (another run?); it is "
                           f"left as it is and nothing was published: give another {flag}") from None
-    fsync_dir(os.path.dirname(target))
+    fsync_path(os.path.dirname(target))
 
 
 def out_of_space(error: BaseException) -> bool:

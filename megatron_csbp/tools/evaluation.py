@@ -375,7 +375,7 @@ def write_json(path: str, record: dict, overwrite: bool) -> None:
                 os.replace(written, target)
             else:
                 os.link(written, target)
-            publish.fsync_dir(os.path.dirname(target))
+            publish.fsync_path(os.path.dirname(target))
         except FileExistsError:
             raise ConfigError(f"--output-json {path}: a file appeared there during the evaluation; nothing was "
                               f"written: give another file, or --overwrite") from None

@@ -198,7 +198,7 @@ class StagedOutput:
                                   f"{len(published)} of the {len(written)} files were published") from None
             published.append(target)
         for folder in sorted({os.path.dirname(target) for target in published}):
-            publish.fsync_dir(folder)
+            publish.fsync_path(folder)
         publish.discard(self.private)
         self.published = True
         return published

@@ -299,7 +299,7 @@ def _write_tracker(root: str, iteration: int) -> None:
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, os.path.join(root, TRACKER))
-    publish.fsync_dir(root)
+    publish.fsync_path(root)
 
 
 def _explain_save_error(error: BaseException, root: str, directory: str) -> BaseException:
