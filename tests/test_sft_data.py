@@ -13,23 +13,15 @@ import sys
 import pytest
 import torch
 
+from chat_tokenizer import WORDS, save_chat_tokenizer
 from pretrain_runs import run
-
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-WORDS = "zebra apple river stone cloud maple ember quiet lantern orbit velvet meadow".split()
 
 
 @pytest.fixture(scope="module")
 def chat_data(tmp_path_factory):
     """A tiny BPE tokenizer with a ChatML template; 60 conversations: user turns in capitals, answers lowercase."""
-    from megatron_csbp.tools.tiny_hf_model import make_tokenizer
-
     root = tmp_path_factory.mktemp("sft")
-    tokenizer = make_tokenizer(300)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(root / "tok")
+    save_chat_tokenizer(root / "tok")
     generator = torch.Generator().manual_seed(0)
     lines = []
     for i in range(60):

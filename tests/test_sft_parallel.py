@@ -19,6 +19,7 @@ import shutil
 import pytest
 import torch
 
+from chat_tokenizer import WORDS, save_chat_tokenizer
 from conftest import megatron_lm_path
 from megatron_step import MASK, Topology, run_steps, train_step, worst_error
 from pretrain_runs import run, significant
@@ -146,22 +147,14 @@ def test_a_masked_chat_step_under_tp_sp_pp_and_csbp_equals_one_rank():
 
 # --- end to end: scripts/pretrain_bdlm.py on a tiny chat dataset ----------------------------------------------------
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-WORDS = "zebra apple river stone cloud maple ember quiet lantern orbit velvet meadow".split()
-
 
 @pytest.fixture(scope="module")
 def chat_prefixes(tmp_path_factory):
     """A chat dataset (`prepare_data --chat --pad-to-multiple 8`) and the same tokens without their mask."""
     from megatron_csbp.tools import prepare_data
-    from megatron_csbp.tools.tiny_hf_model import make_tokenizer
 
     root = tmp_path_factory.mktemp("sft_parallel")
-    tokenizer = make_tokenizer(300)
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHATML
-    tokenizer.save_pretrained(root / "tok")
+    save_chat_tokenizer(root / "tok")
     generator = torch.Generator().manual_seed(0)
     lines = []
     for i in range(48):
