@@ -178,8 +178,9 @@ def test_bytes_fall_with_the_window_and_equal_the_halo_formula(topology):
     in a global layer."""
     cases, per_rank = topology
     world = len(per_rank)
-    if world == 1:
-        pytest.skip("nothing travels on one rank")
+    if world == 1:  # nothing travels on one rank, window or not
+        assert all(result[case.name][-1] == 0 for result in per_rank for case in cases)
+        return
     by_name = {case.name: case for case in cases}
     sent = {case.name: [result[case.name][-1] for result in per_rank] for case in cases}
     checked = 0
