@@ -56,6 +56,7 @@ MODULE_MARKERS = {
     "test_megatron_composition": ("spawn", "slow"),
     "test_moe": ("spawn", "slow"),
     "test_bench": ("spawn", "slow"),
+    "test_bench_windows": ("spawn",),
     "test_recompute": ("spawn", "slow"),
     "test_ddp_overlap": ("spawn", "slow"),
     "test_gpu_check": ("spawn", "slow"),
