@@ -7,6 +7,7 @@ model (any length, any machine: they are exact).
 """
 
 from megatron_csbp.bdlm import flops
+from megatron_csbp.core import modes
 from megatron_csbp.core.windows import GLOBAL
 
 BYTES_PER_ELEMENT = 4  # the bench's model runs in fp32
@@ -44,10 +45,11 @@ def print_bytes_only(args, runs, out=None):
           f"{window_label(args)}, {args.csbp_transport} transport)", file=out)
     print(f"{'mode':<10} {'L':>7} {'P':>2} {'C':>2} {'windowed, by rank':>40} {'every layer global, by rank':>40} "
           f"{'max vs CP':>9}", file=out)
-    counts = {(run.seq_length, run.mode.name): run for run in runs}
+    baseline = next(mode for mode in modes.PARALLEL_MODES.values() if mode.is_baseline)
+    counts = {(run.seq_length, run.mode): run for run in runs}
     for run in runs:
         windowed, whole = exact_bytes_by_rank(run), exact_bytes_by_rank(run, windowed=False)
-        cp = counts.get((run.seq_length, "cp"))
+        cp = counts.get((run.seq_length, baseline))
         versus = f"{max(windowed) / max(exact_bytes_by_rank(cp)):.4f}" if cp and max(exact_bytes_by_rank(cp)) else "-"
         print(f"{run.mode.name:<10} {run.seq_length:>7} {run.block_parallel_size:>2} {run.clean_shards:>2} "
               f"{_joined(windowed):>40} {_joined(whole):>40} {versus:>9}", file=out)
