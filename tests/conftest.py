@@ -70,6 +70,7 @@ MODULE_MARKERS = {
     "test_megatron_lm_recipes": ("megatron_lm",),
     "test_sampling": ("spawn", "slow"),
     "test_hf": ("spawn", "slow"),
+    "test_hf_windows": ("spawn",),
     "test_hf_moe": ("spawn", "slow"),
     "test_export_formats": ("spawn", "slow"),
     "test_vocabulary_padding": ("spawn", "slow"),
