@@ -25,8 +25,9 @@ def measured_runs(args, seq_length, mode=None) -> list:
     else:
         records = [summarise(list(of_ranks), mode, seq_length, args) for of_ranks in zip(*spawn_run(args, mode,
                                                                                                    seq_length))]
+    recompute = args.recompute_granularity == "full"
     return [dataclasses.replace(r, exact_bytes_by_rank=traffic.exact_bytes_by_rank(
-        cli.run_config(args, r.mode, seq_length))) for r in records]
+        cli.run_config(args, r.mode, seq_length), recompute=recompute)) for r in records]
 
 
 def main(argv=None):
