@@ -170,6 +170,7 @@ def test_recompute_in_the_bench_sends_the_forward_twice(tmp_path):
     beta = 2 * 2 * (64 // 4) * 4
     assert record["recompute"] == "full"
     assert record["bytes_sent_per_rank"] == 2 * 3 * 128 // 2 * beta  # 2 layers x (gather twice + reduce-scatter)
+    assert record["exact_bytes_by_rank"] == record["bytes_sent_by_rank"] == [2 * 3 * 128 // 2 * beta] * 2
 
 
 def test_link_flags_are_checked(capsys):

@@ -523,8 +523,8 @@ def test_finetune_first_loss_is_the_huggingface_models(converted, llama_data, tm
 
 @pytest.mark.parametrize("change, message", [
     ({"architectures": ["MixtralForCausalLM"], "num_local_experts": 8}, "mixture-of-experts"),
-    ({"architectures": ["MistralForCausalLM"], "sliding_window": 4096}, "sliding-window"),
-    ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window layers"),
+    ({"sliding_window": 4096}, "sliding-window attention (sliding_window=4096) cannot be expressed for Llama"),
+    ({"layer_types": ["full_attention", "sliding_attention"]}, "Llama takes no per-layer sliding window"),
     ({"layer_types": ["linear_attention", "full_attention"]}, "linear-attention"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "factor": 4.0}},
      "rope scaling type 'longrope'"),

@@ -177,6 +177,23 @@ def test_paper_check_reports_beside_published():
     assert fourteen["predicted_cp_forward_s"] > fourteen["predicted_csbp_forward_s"]
 
 
+def test_paper_check_prints_diffusion_gemma_attention_traffic():
+    """DiffusionGemma 26B-A4B at 256K, CP8 -> CP8/BP8, bf16, full recompute (forward twice): by hand, the field's CP
+    sends `6·L·7/8·β` per layer (both copies, forward twice, backward), `β = 2·8·256·2` in the 25 sliding layers and
+    `2·2·512·2` in the 5 global ones; CSBP `3·L·7/8·β` in a global layer, and in a sliding one (chunks of 16K, window
+    512) `3·2·512·β` on a rank with two neighbour chunks (ranks 1-6, the largest)."""
+    L = 262144
+    sliding, global_ = 2 * 8 * 256 * 2, 2 * 2 * 512 * 2
+    cp = 6 * L * 7 // 8 * (25 * sliding + 5 * global_)
+    csbp = 5 * 3 * L * 7 // 8 * global_ + 25 * 3 * 2 * 512 * sliding
+    assert plan.diffusion_gemma_traffic_bytes("cp") == cp
+    assert plan.diffusion_gemma_traffic_bytes("csbp") == csbp
+    assert plan.diffusion_gemma_traffic_bytes("csbp") != csbp + 25 * 3 * 2 * sliding  # a window of 513 misses
+    _, text = run(["--paper-check"])
+    assert f"published 433 -> 28, predicted {cp / 2**30:.2f}" in text and f"-> {csbp / 2**30:.2f} GiB" in text
+    assert "not modelled" in text
+
+
 def _attention(kernel_fractions, mode, block_size=256, tile=128):
     gpu = plan.GPU("test", 1000.0, 0.5, 80.0, 100.0, 10.0, kernel_fractions=kernel_fractions, tile=tile)
     model = plan.Model(num_layers=2, hidden_size=256, num_attention_heads=4, seq_length=8192, block_size=block_size)

@@ -96,7 +96,7 @@ class ParallelMode:
 
     def exchanged_rows(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int, rank: int,
                        clean_attention=BLOCK_CAUSAL, window=GLOBAL) -> tuple[int, int]:
-        """(sent, received): the K/V rows rank `rank` sends to and receives from its ring in one layer's forward.
+        r"""(sent, received): the K/V rows rank `rank` sends to and receives from its ring in one layer's forward.
         A ring moves the `(C-1)/C` of the transported copies a rank does not own; in a sliding layer under CSBP
         (`core.exchange`) only the rows another member's rows see: with `S_j` the clean positions member `j`'s rows
         see and `O_j` those it holds, it sends `Σ_{j≠r} |O_r ∩ S_j|` and receives `|S_r \ O_r|`."""

@@ -317,12 +317,10 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
     if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear:
         raise hf.UnsupportedModel("export needs a Llama-family model (--normalization RMSNorm --swiglu "
                                   "--disable-bias-linear); this checkpoint has another shape")
-    if getattr(args, "window_size", None) is not None:
-        raise hf.UnsupportedModel(f"this checkpoint has sliding-window layers (--window-size "
-                                  f"{','.join(map(str, args.window_size))}), which the export does not write yet")
     positions = RotaryPositions.from_args(args)  # the checkpoint's record (one before YaRN: plain RoPE)
     family = hf.exported_family(args.add_qkv_bias, args.qk_layernorm, bool(getattr(args, "num_experts", None)),
                                 positions.query_scaling is not None)
+    window_keys, family = _window_keys(args, family, base, export_format)
     problem = family.experts.export_problem(args) if family.experts else None
     if problem:
         raise hf.UnsupportedModel(problem)
@@ -351,6 +349,7 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
                   vocab_size=rows, tie_word_embeddings=not args.untie_embeddings_and_output_weights,
                   dtype=str(dtype).removeprefix("torch."),
                   **hf.bdlm_config(objective, args.bdlm_block_size, args.mask_token_id, clean_attention))
+    config.update(window_keys)
     return hf_formats.export_format(export_format).config(config, family, objective, args.bdlm_block_size,
                                                           args.mask_token_id, clean_attention)
 
@@ -372,6 +371,40 @@ def portable_tokenizer_config(config: dict) -> dict:
     if isinstance(config.get("extra_special_tokens"), list):
         config["additional_special_tokens"] = config.pop("extra_special_tokens")
     return config
+
+
+def _window_keys(args, family, base: dict | None, export_format: str) -> tuple[dict, object]:
+    """The `config.json` keys of a checkpoint's sliding-window layers (`--window-size`, `--window-attn-skip-freq`)
+    as transformers reads them (`hf.hf_windows`: `sliding_window` = LEFT + 1), and the family that holds them: a
+    Llama-shaped model windowed in every layer is a Mistral. Refuses (one line) a pattern the family cannot hold."""
+    from megatron_csbp.core.windows import layer_windows
+    from megatron_csbp.tools import hf, hf_formats
+
+    layers = layer_windows(getattr(args, "window_size", None), getattr(args, "window_attn_skip_freq", None),
+                           args.num_layers)
+    pattern = [int(window.sliding) for window in layers]
+    if not any(pattern):
+        return {}, family
+    shown = ",".join(map(str, args.window_size))
+    if export_format != hf_formats.HF.name:
+        raise hf.UnsupportedModel(f"--format {export_format}: its engines run full attention in every layer, and this "
+                                  f"checkpoint has sliding-window layers (--window-size {shown}); export it with "
+                                  f"--format {hf_formats.HF.name}")
+    if family is hf.LLAMA:
+        family = hf.MISTRAL
+    if family.windows != hf.PER_LAYER and not all(pattern):
+        raise hf.UnsupportedModel(f"--window-attn-skip-freq: {family.display} windows every layer or none, and this "
+                                  f"checkpoint keeps layers {[i for i, on in enumerate(pattern) if not on]} global; "
+                                  f"only a Qwen2/Qwen3 model holds a per-layer pattern")
+    keys = {"sliding_window": layers[pattern.index(1)].hf_sliding_window}
+    if family.window_switch:
+        keys["use_sliding_window"] = True
+    if family.windows == hf.PER_LAYER:
+        default = (base or {}).get("max_window_layers", hf.QWEN_MAX_WINDOW_LAYERS)
+        keys.update(layer_types=["sliding_attention" if on else "full_attention" for on in pattern],
+                    max_window_layers=default if pattern == [int(i >= default) for i in range(len(pattern))]
+                    else pattern.index(1))
+    return keys, family
 
 
 def _export_tokenizer(hf_side: str, out: str, mask_id: int, log) -> None:

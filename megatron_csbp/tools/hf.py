@@ -152,19 +152,28 @@ class Family:
     qk_norm: bool = False  # RMSNorm of each query and key head (megatron's --qk-layernorm)
     exported: bool = True  # export writes this family (Mistral's dense weights are exported as Llama's)
     windowed_by_default: bool = False  # its transformers config has a sliding window unless told `None`
+    # Its sliding-window attention (`hf_windows`): none, `sliding_window` in every layer (EVERY_LAYER), or in the
+    # `layer_types` layers (PER_LAYER); with `window_switch`, `use_sliding_window` (false unless given, the window
+    # 4096 unless given) switches it on.
+    windows: str = ""
+    window_switch: bool = False
     experts: QwenExperts | None = None  # its sparse (mixture-of-experts) MLP layers; None: a dense model
     query_scaling: bool = False  # Llama 4's query scaling, always (its rope parameters' llama_4_scaling_beta)
 
 
+EVERY_LAYER, PER_LAYER = "every layer", "per layer"
 LLAMA = Family("llama", "Llama", "LlamaForCausalLM", "LlamaConfig")
 MISTRAL = Family("mistral", "Mistral", "MistralForCausalLM", "MistralConfig", exported=False,
-                 windowed_by_default=True)
-QWEN2 = Family("qwen2", "Qwen2 / Qwen2.5 (QKV bias)", "Qwen2ForCausalLM", "Qwen2Config", qkv_bias=True)
-QWEN3 = Family("qwen3", "Qwen3 (QK-norm)", "Qwen3ForCausalLM", "Qwen3Config", qk_norm=True)
+                 windowed_by_default=True, windows=EVERY_LAYER)
+QWEN2 = Family("qwen2", "Qwen2 / Qwen2.5 (QKV bias)", "Qwen2ForCausalLM", "Qwen2Config", qkv_bias=True,
+               windows=PER_LAYER, window_switch=True)
+QWEN3 = Family("qwen3", "Qwen3 (QK-norm)", "Qwen3ForCausalLM", "Qwen3Config", qk_norm=True,
+               windows=PER_LAYER, window_switch=True)
 QWEN3_MOE = Family("qwen3_moe", "Qwen3-MoE (QK-norm, experts)", "Qwen3MoeForCausalLM", "Qwen3MoeConfig",
-                   qk_norm=True, experts=QwenExperts())
+                   qk_norm=True, experts=QwenExperts(), windows=EVERY_LAYER, window_switch=True)
 MINISTRAL3 = Family("ministral3", "Ministral 3 (Llama 4 query scaling)", "Ministral3ForCausalLM", "Ministral3Config",
-                    query_scaling=True)
+                    query_scaling=True, windows=EVERY_LAYER)
+QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default `max_window_layers` of Qwen2 / Qwen3
 FAMILIES = Registry("model_type", LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MINISTRAL3)
 ARCHITECTURES = {family.architecture: family.name for family in FAMILIES.values()}
 # Mixture-of-experts architectures the mapping knows and refuses, and why (one line each).
@@ -412,11 +421,9 @@ def model_family(config: dict) -> str:
     _refuse(problem is not None, problem or "")
     layer_types = set(config.get("layer_types") or ["full_attention"])
     _refuse("linear_attention" in layer_types, f"{name}: linear-attention layers cannot be expressed")
-    _refuse(layer_types != {"full_attention"}, f"{name}: layer_types {sorted(layer_types)}: only full-attention "
-                                               f"layers convert (sliding-window layers have no BDLM mask)")
-    sliding = config.get("use_sliding_window", True) and config.get("sliding_window") is not None
-    _refuse(sliding, f"{name}: sliding-window attention (sliding_window={config.get('sliding_window')}) cannot be "
-                     f"expressed; only models with full attention in every layer convert")
+    _refuse(not layer_types <= {"full_attention", "sliding_attention"},
+            f"{name}: layer_types {sorted(layer_types)}: only full- and sliding-attention layers convert")
+    hf_windows(config, name, FAMILIES[family])
     kind, theta, parameters = _rope(config)
     _refuse(kind not in ("default", "llama3", YARN), f"{name}: rope scaling type '{kind}' is not implemented (plain "
                                                      f"RoPE, Llama 3's 'llama3' and 'yarn' are); convert another model")
@@ -432,6 +439,50 @@ def model_family(config: dict) -> str:
     _refuse(not FAMILIES[family].qkv_bias and bool(config.get("attention_bias")),
             f"{name}: attention_bias on q/k/v/o without an MLP bias cannot be expressed")
     return family
+
+
+def hf_windows(config: dict, name: str, family: Family) -> tuple[int | None, list[int]]:
+    """transformers' sliding window of `config` (`sliding_window`: the keys a token sees, itself included; None: no
+    window) and which layers use it (1) or attend globally (0), as transformers builds the model: a Mistral or
+    Ministral 3 windows every layer when `sliding_window` is set (Mistral's default 4096), a Qwen3-MoE too when
+    `use_sliding_window`; a Qwen2 / Qwen3 with `use_sliding_window` the `layer_types` sliding layers (by default
+    those from `max_window_layers` on). Refuses (one line) what cannot be expressed."""
+    layers = config["num_hidden_layers"]
+    window = config.get("sliding_window", 4096 if family.windowed_by_default or family.window_switch else None)
+    if family.window_switch and not config.get("use_sliding_window", False):
+        window = None
+    types = config.get("layer_types")
+    if not family.windows:
+        _refuse(window is not None and config.get("use_sliding_window", True),
+                f"{name}: sliding-window attention (sliding_window={window}) cannot be expressed for "
+                f"{family.display}; only models with full attention in every layer convert")
+        window = None
+    if family.windows == PER_LAYER:
+        types = types or ["sliding_attention" if window is not None and layer >= config.get(
+            "max_window_layers", QWEN_MAX_WINDOW_LAYERS) else "full_attention" for layer in range(layers)]
+        _refuse(len(types) != layers, f"{name}: layer_types names {len(types)} layers, num_hidden_layers is "
+                                      f"{layers}; restore the model's config.json")
+        pattern = [int(kind == "sliding_attention") for kind in types]
+        _refuse(any(pattern) and window is None,
+                f"{name}: layer_types names sliding-attention layers, but the config has no window (use_sliding_window "
+                f"false or sliding_window null); restore the model's config.json")
+    else:
+        _refuse("sliding_attention" in (types or []),
+                f"{name}: layer_types {sorted(set(types or []))}: {family.display} takes no per-layer sliding "
+                f"window (transformers ignores layer_types there); drop layer_types or convert a Qwen2/Qwen3 model")
+        pattern = [int(window is not None)] * layers
+    if not any(pattern):
+        return None, pattern
+    _refuse(window < 1, f"{name}: sliding_window {window}: a window holds at least the token itself (>= 1)")
+    return window, pattern
+
+
+def window_flags(window: int | None, pattern: list[int]) -> dict:
+    """Our `--window-size` / `--window-attn-skip-freq` (YAML keys) for transformers' `sliding_window` and layer
+    pattern: a token sees the `sliding_window - 1` positions before it (`core.windows`)."""
+    if window is None:
+        return {}
+    return {"window-size": [window - 1, 0], **({} if all(pattern) else {"window-attn-skip-freq": pattern})}
 
 
 def model_flags(config: dict, hf_dir: str = ".") -> dict:
@@ -455,6 +506,7 @@ def model_flags(config: dict, hf_dir: str = ".") -> dict:
         "untie-embeddings-and-output-weights": not config.get("tie_word_embeddings", False),
         "attention-dropout": 0.0, "hidden-dropout": 0.0,
         **(family.experts.flags(config) if family.experts else {}),
+        **window_flags(*hf_windows(config, model_name(config), family)),
     }
     return {key: value for key, value in flags.items() if value is not None}
 

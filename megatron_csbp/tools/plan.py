@@ -671,6 +671,14 @@ PAPER_BLOCK_SIZE = 256
 # world), the loss as a tiled linear cross-entropy (ASSUMED tile: 1024 rows), full activation checkpointing.
 PAPER_LOGITS_TILE_ROWS = 1024
 PAPER_TOLERANCE = 0.10
+# DiffusionGemma 26B-A4B's attention (transformers' DiffusionGemmaTextConfig; the EP plan's note there on
+# google/gemma-4-26B-A4B-it: 2 global K/V heads): 30 layers, every 6th global (the config's default pattern), the
+# sliding ones window 512 (a noisy block sees the 512 clean positions before it: LEFT 512) with 8 K/V heads of 256,
+# the global ones 2 K/V heads of `global_head_dim` 512. Turbo-dLLM's recipe (diffusiongemma-26b-sft-256k.yaml):
+# 256K, block 256, CP8 -> CP8/BP8 (EP2 moves experts, not K/V), full recompute, bf16. Published: 433 -> 28 GiB.
+PAPER_GEMMA_ATTENTION = dict(num_layers=30, global_every=6, left=512, sliding_kv=(8, 256), global_kv=(2, 512),
+                             seq_length=262144, parallel_size=8)
+PAPER_GEMMA_TRAFFIC_GIB = (433, 28)
 
 
 def paper_model(config: str, seq_length: int = 262144) -> Model:
@@ -736,7 +744,35 @@ def paper_check(gpu: GPU, out=sys.stdout):
                for mode in (baseline, modes.CSBP)}
     print(f"  14B, CP8, 256K attention traffic per GPU per step: {traffic[baseline]:.2f} -> "
           f"{traffic[modes.CSBP]:.2f} GiB (published 210 -> 105)", file=out)
+    gemma = {mode: diffusion_gemma_traffic_bytes(mode) / GIB for mode in (baseline, modes.CSBP)}
+    published = dict(zip((baseline, modes.CSBP), PAPER_GEMMA_TRAFFIC_GIB))
+    print(f"  DiffusionGemma 26B-A4B, CP8 -> CSBP (CP8/BP8), 256K attention traffic per GPU per step (largest rank, "
+          f"sliding layers' windowed exchange): published {published[baseline]} -> {published[modes.CSBP]}, "
+          f"predicted {gemma[baseline]:.2f} ({_within(gemma[baseline], published[baseline])}) -> "
+          f"{gemma[modes.CSBP]:.2f} GiB ({_within(gemma[modes.CSBP], published[modes.CSBP])})", file=out)
+    if any(abs(gemma[mode] / published[mode] - 1) > PAPER_TOLERANCE for mode in gemma):
+        print("    not modelled: DiffusionGemma's native objective (an encoder pass over the clean rows, a decoder "
+              "pass over the canvas, self-conditioning with probability 0.5: an extra detached decoder forward) and "
+              "how Turbo-dLLM counts K=V in the global layers; the rows here are one BDLM step of [x_t ; x_0], "
+              "K and V sent in every layer", file=out)
     return records
+
+
+def diffusion_gemma_traffic_bytes(mode) -> int:
+    """Attention bytes the largest rank of `mode` sends in one step of DiffusionGemma 26B-A4B at the paper's layout
+    (`PAPER_GEMMA_ATTENTION`): every layer's `flops.rank_traffic_bytes` with its own K/V heads, head size and window,
+    full recompute, bf16, collective transport."""
+    from megatron_csbp.core.windows import GLOBAL, Sliding
+
+    shape = PAPER_GEMMA_ATTENTION
+    L, P = shape["seq_length"], shape["parallel_size"]
+    layers = [(GLOBAL, shape["global_kv"]) if n % shape["global_every"] == 0 else (Sliding(shape["left"]),
+                                                                                   shape["sliding_kv"])
+              for n in range(1, shape["num_layers"] + 1)]
+    C = modes.parallel_mode(mode).clean_shards(P)
+    return max(sum(flops.rank_traffic_bytes(mode, L, PAPER_BLOCK_SIZE, P, C, rank, heads, head_dim, 2, recompute=True,
+                                            window=window) for window, (heads, head_dim) in layers)
+               for rank in range(P))
 
 
 # --- command line -------------------------------------------------------------------------------

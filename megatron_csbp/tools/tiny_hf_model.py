@@ -3,8 +3,8 @@
     python scripts/make_tiny_hf_model.py --family llama --output runs/tiny_llama_hf
 
 A byte-level BPE tokenizer trained on a slice of this Python's standard library, and a Llama / Qwen2 / Qwen3
-(or Mistral without sliding window, or Ministral 3: give it `rope_parameters` with YaRN and `llama_4_scaling_beta`)
-or a Qwen3-MoE (4 experts, top 2, by default) with random weights, norms
+(or Mistral, without sliding window unless `windows` gives one, or Ministral 3: give it `rope_parameters` with
+YaRN and `llama_4_scaling_beta`) or a Qwen3-MoE (4 experts, top 2, by default) with random weights, norms
 and biases (so none is trivially 1 or 0), saved as `config.json`, `model.safetensors` and the tokenizer files, in
 fp32. A Qwen3-MoE's experts are saved per expert, as the hub holds them, or with `fused_experts` as transformers 5
 holds them in memory (`save_pretrained(..., save_original_format=False)`).
@@ -51,8 +51,9 @@ def make_config(family: str, *, tokenizer_ids: int = 383, model_rows: int | None
                 num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                 intermediate_size: int = 96, tied: bool = False, rope_parameters: dict | None = None,
                 num_experts: int = 4, experts_per_token: int = 2, moe_intermediate_size: int = 32,
-                mlp_only_layers: tuple = (), norm_topk_prob: bool = True):
-    """The transformers config of `make_model`'s tiny `family` model (the expert settings: a Qwen3-MoE's only)."""
+                mlp_only_layers: tuple = (), norm_topk_prob: bool = True, windows: dict | None = None):
+    """The transformers config of `make_model`'s tiny `family` model (the expert settings: a Qwen3-MoE's only;
+    `windows`: transformers' sliding-window keys, e.g. `sliding_window`, `use_sliding_window`, `layer_types`)."""
     import transformers
 
     from megatron_csbp.tools.hf import FAMILIES
@@ -61,6 +62,7 @@ def make_config(family: str, *, tokenizer_ids: int = 383, model_rows: int | None
     extra = {"sliding_window": None} if family.windowed_by_default else {}
     if rope_parameters:
         extra["rope_parameters"] = rope_parameters
+    extra.update(windows or {})
     if family.experts:
         extra.update(num_experts=num_experts, num_experts_per_tok=experts_per_token,
                      moe_intermediate_size=moe_intermediate_size, mlp_only_layers=list(mlp_only_layers),

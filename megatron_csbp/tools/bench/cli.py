@@ -54,6 +54,8 @@ CALIBRATION_FLAGS = FLAGS.renamed(seq_length="--predict's calibration: half of -
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from megatron_csbp.training.flags import window_attn_skip_freq, window_size
+
     parser = argparse.ArgumentParser(prog="python -m megatron_csbp.bench", description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--modes", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
@@ -73,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="time the steps with the LM head and its loss as a tiled linear cross-entropy")
     add("--cross-entropy-tile-rows", type=int, default=rules.CROSS_ENTROPY_TILE_ROWS,
         help="rows per tile of the tiled linear cross-entropy")
+    add("--window-size", type=window_size, default=None, metavar="LEFT,0",
+        help="sliding-window attention, as the trainer's flag: bytes per rank fall in the sliding layers under CSBP")
+    add("--window-attn-skip-freq", type=window_attn_skip_freq, default=None,
+        help="which layers keep global attention with --window-size, as the trainer's flag")
+    add("--bytes-only", action="store_true",
+        help="print each rank's bytes of one step of every mode and length, counted off the plans, with the windows "
+             "and with every layer global, without running the model (exact at any length)")
     add("--num-layers", type=int, default=2)
     add("--hidden-size", type=int, default=128)
     add("--num-attention-heads", type=int, default=4)
@@ -135,6 +144,7 @@ def run_config(args, mode, seq_length) -> RunConfig:
     """The trainer's run of `mode` (its name or itself) at `seq_length` on `--nproc` ranks, as the bench runs it."""
     return RunConfig(model_shape(args), seq_length, args.block_size, mode=mode, block_parallel_size=args.nproc,
                      transport=args.csbp_transport, clean_attention=args.bdlm_clean_attention,
+                     window_size=args.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
                      micro_batch_size=args.micro_batch_size,
                      logits_tile_rows=args.cross_entropy_tile_rows if args.cross_entropy_loss_fusion else None,
                      expert_parallel_size=args.expert_model_parallel_size,
@@ -201,6 +211,8 @@ def parse_args(argv=None):
                                       ("--transport-memory", args.transport_memory),
                                       ("--logits-memory", args.logits_memory), ("--predict", args.predict),
                                       ("--calibrate-from", args.calibrate_from)) if given]
+    if args.bytes_only and (apart or args.interleave or args.kernel_check or args.document_balance):
+        parser.error("--bytes-only counts bytes without running the model; drop the flags that measure a run")
     if args.interleave and apart:
         parser.error(f"--interleave measures the backend's own link only; run {', '.join(apart)} without it")
     args.ffn_hidden_size = model_shape(args).ffn_hidden_size

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 
-from megatron_csbp.tools.bench import calibration, cli, document_balance, kernel_check, plots, report
+from megatron_csbp.tools.bench import calibration, cli, document_balance, kernel_check, plots, report, traffic
 from megatron_csbp.tools.bench.experts import print_experts
 from megatron_csbp.tools.bench.interleaved import spawn_interleaved
 from megatron_csbp.tools.bench.mode_run import spawn_run
@@ -21,8 +21,13 @@ def measured_runs(args, seq_length, mode=None) -> list:
     """The `RunRecord`s of `mode` at `seq_length` (one per condition), or of every mode interleaved (`mode` None)."""
     if mode is None:
         per_rank = spawn_interleaved(args, seq_length)
-        return [summarise(list(of_ranks), name, seq_length, args) for name, of_ranks in zip(args.modes, zip(*per_rank))]
-    return [summarise(list(of_ranks), mode, seq_length, args) for of_ranks in zip(*spawn_run(args, mode, seq_length))]
+        records = [summarise(list(of_ranks), name, seq_length, args) for name, of_ranks in zip(args.modes, zip(*per_rank))]
+    else:
+        records = [summarise(list(of_ranks), mode, seq_length, args) for of_ranks in zip(*spawn_run(args, mode,
+                                                                                                   seq_length))]
+    recompute = args.recompute_granularity == "full"
+    return [dataclasses.replace(r, exact_bytes_by_rank=traffic.exact_bytes_by_rank(
+        cli.run_config(args, r.mode, seq_length), recompute=recompute)) for r in records]
 
 
 def main(argv=None):
@@ -33,6 +38,9 @@ def main(argv=None):
         if args.json:
             write_json(args.json, records)
         return [record.record() for record in records]
+    if args.bytes_only:
+        traffic.print_bytes_only(args, list(cli.runs(args)))
+        return []
     records = []
     runs = [(seq_length, None) for seq_length in args.seq_lengths] if args.interleave else \
         [(seq_length, mode) for seq_length in args.seq_lengths for mode in args.modes]
@@ -53,6 +61,7 @@ def main(argv=None):
     main_records = [r for r in records if r.condition.is_main]
     report.print_table(main_records)
     report.print_versus_cp(main_records, args.seq_lengths)
+    traffic.print_rank_bytes(main_records)
     report.print_scaling(main_records)
     print_experts(args, main_records)
     report.print_transport_memory(main_records)

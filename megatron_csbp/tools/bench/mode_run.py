@@ -73,6 +73,7 @@ class ModeRun:
             num_query_groups=args.num_query_groups, ffn_hidden_size=args.ffn_hidden_size,
             context_parallel_size=P, normalization="RMSNorm", use_cpu_initialization=True,
             calculate_per_token_loss=True, hidden_dropout=0.0, attention_dropout=0.0, **recompute,
+            window_size=run.window_size, window_attn_skip_freq=args.window_attn_skip_freq,
             **moe_config(args))
         mask_token = args.vocab_size - 1
 

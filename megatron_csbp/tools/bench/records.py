@@ -279,6 +279,7 @@ class RunRecord:
     step_times_s: tuple  # round by round, the slowest rank's
     cpu_times_s: tuple
     bytes_sent_per_rank: int
+    bytes_sent_by_rank: tuple
     step_time_s: float
     cpu_time_s: float
     exposed_comm_s: float
@@ -305,6 +306,7 @@ class RunRecord:
     load_average: float | None = None  # the 1-minute load average, the larger of before and after the run
     versus_cp: CPComparison | None = dataclasses.field(default=None, metadata=INLINE)
     predicted: PlannerStep | None = dataclasses.field(default=None, metadata=INLINE)
+    exact_bytes_by_rank: tuple = ()  # counted off the plans (`traffic.exact_bytes`)
 
     def record(self) -> dict:
         return record_of(self)
@@ -327,7 +329,8 @@ def summarise(of_ranks, mode, seq_length: int, args) -> RunRecord:
         condition=first.condition,
         step_times_s=tuple(max(times) for times in zip(*(r.step_times_s for r in of_ranks))),
         cpu_times_s=tuple(max(times) for times in zip(*(r.cpu_times_s for r in of_ranks))),
-        bytes_sent_per_rank=max(r.bytes_sent for r in of_ranks), step_time_s=step_time_s,
+        bytes_sent_per_rank=max(r.bytes_sent for r in of_ranks), bytes_sent_by_rank=tuple(r.bytes_sent for r in of_ranks),
+        step_time_s=step_time_s,
         cpu_time_s=max(r.cpu_time_s for r in of_ranks), exposed_comm_s=exposed_comm_s,
         best_step_time_s=max(r.step_times_s[r.best] for r in of_ranks),
         best_exposed_comm_s=max(r.waits_s[r.best] for r in of_ranks),
