@@ -42,6 +42,7 @@ MODULE_MARKERS = {
     "test_attention": ("spawn",),
     "test_documents": ("spawn",),
     "test_clean_stream": ("spawn",),
+    "test_gated_delta": ("spawn",),
     "test_clean_stream_training": ("spawn", "slow"),
     "test_packing": ("spawn", "slow"),
     "test_sft_data": ("spawn", "slow"),

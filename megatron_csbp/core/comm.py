@@ -189,6 +189,18 @@ def reduce_scatter_start(full: torch.Tensor, group) -> tuple[torch.Tensor, _Work
     return shard, _issued(work, (size - 1) * _nbytes(full) // size)
 
 
+def all_to_all_start(rows: torch.Tensor, send_counts: list[int], receive_counts: list[int],
+                     group) -> tuple[torch.Tensor, _Work]:
+    """Starts sending `send_counts[m]` consecutive rows of `rows` (dim 0) to group member `m`, in member order,
+    and receiving `receive_counts[m]` from each; counts the rows that leave this rank."""
+    me = dist.get_rank(group)
+    received = rows.new_empty((sum(receive_counts),) + tuple(rows.shape[1:]))
+    work = dist.all_to_all_single(received, rows.contiguous(), receive_counts, send_counts, group=group,
+                                  async_op=True)
+    row_bytes = _nbytes(rows[:1]) if rows.shape[0] else 0
+    return received, _issued(work, (sum(send_counts) - send_counts[me]) * row_bytes)
+
+
 def ring_shift_start(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:
     """Starts sending `tensor` to the next rank of the ring and receiving the previous rank's."""
     size, me = dist.get_world_size(group), dist.get_rank(group)
