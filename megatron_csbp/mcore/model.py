@@ -229,12 +229,15 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
     if context is None:
         context = csbp_spec.AttentionContext(layout=layout, group=group, transport=transport)
     layout = context.layout
-    if config.num_moe_experts and base_spec is None:  # megatron-core's MoE and dense layers, per --moe-layer-freq
+    if config.experimental_attention_variant is not None and base_spec is None:  # Gated DeltaNet hybrid
+        from megatron_csbp.mcore.gated_delta_net import get_csbp_hybrid_block_spec
+        layer_spec = get_csbp_hybrid_block_spec(config, context, vp_stage=vp_stage)
+    elif config.num_moe_experts and base_spec is None:  # megatron-core's MoE and dense layers, per --moe-layer-freq
         layer_spec = csbp_spec.get_csbp_block_spec(config, use_transformer_engine, context, vp_stage=vp_stage)
     else:
         layer_spec = csbp_spec.get_csbp_layer_spec(use_transformer_engine=use_transformer_engine, context=context,
                                                    base_spec=base_spec, qk_layernorm=config.qk_layernorm)
-    if not use_transformer_engine and not config.num_moe_experts:  # the final norm too must accept SP
+    if not use_transformer_engine and not isinstance(layer_spec, TransformerBlockSubmodules):  # final norm: SP too
         layer_spec = TransformerBlockSubmodules(
             layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
             layer_norm=csbp_spec.SequenceParallelTorchNorm)
