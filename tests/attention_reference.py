@@ -20,6 +20,25 @@ def bdlm_mask(seq_length: int, block_size: int, token_causal: bool = False) -> t
     return torch.cat([torch.cat([noisy_to_noisy, noisy_to_clean], 1), torch.cat([clean_to_noisy, clean_to_clean], 1)], 0)
 
 
+def windowed_bdlm_mask(seq_length: int, block_size: int, left: int, token_causal: bool = False) -> torch.Tensor:
+    """`[2L, 2L]` bool: the BDLM mask of a sliding layer that reaches `left` positions back. A unit (a token-causal
+    clean row, or a bidirectional block: a noisy block, a block-causal clean block) sees the clean keys of the `left`
+    positions before its first one, and itself: a token-causal clean row at `p` the clean keys `p - left .. p`
+    (transformers' `sliding_window = left + 1`, Megatron's `window_size (left, 0)`); a noisy row of block `b` the
+    clean keys `bB - left .. bB - 1` (DiffusionGemma's canvas reads the `sliding_window - 1` states the cache keeps);
+    a block-causal clean row of block `b` the clean keys `bB - left .. (b+1)B - 1`. Noisy keys as in `bdlm_mask`."""
+    L = seq_length
+    position = torch.arange(L)
+    block_start = position // block_size * block_size
+    key = position.view(1, -1)
+    noisy_unit = block_start.view(-1, 1)
+    clean_unit = position.view(-1, 1) if token_causal else block_start.view(-1, 1)
+    inside = torch.ones(2 * L, 2 * L, dtype=torch.bool)
+    inside[:L, L:] = key >= noisy_unit - left
+    inside[L:, L:] = key >= clean_unit - left
+    return bdlm_mask(L, block_size, token_causal) & inside
+
+
 def dense_attention(query, key, value, seq_length, block_size, scale=None, mask=None):
     """`[2L, b, heads, d]` and `[2L, b, kv_heads, d]` -> `[2L, b, heads·d]`, fp64, K/V repeated for GQA, under
     `mask` (`[2L, 2L]` bool; default: `bdlm_mask`)."""

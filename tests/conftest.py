@@ -43,9 +43,12 @@ MODULE_MARKERS = {
     "test_documents": ("spawn",),
     "test_clean_stream": ("spawn",),
     "test_gated_delta": ("spawn",),
+    "test_sliding_window": ("spawn",),
     "test_clean_stream_training": ("spawn", "slow"),
+    "test_sliding_window_training": ("spawn", "slow"),
     "test_packing": ("spawn", "slow"),
     "test_sft_data": ("spawn", "slow"),
+    "test_sft_parallel": ("spawn", "slow"),
     "test_transport_memory": ("spawn",),
     "test_bdlm_forward_step": ("spawn",),
     "test_data": ("spawn",),
@@ -55,6 +58,7 @@ MODULE_MARKERS = {
     "test_moe": ("spawn", "slow"),
     "test_bench": ("spawn", "slow"),
     "test_recompute": ("spawn", "slow"),
+    "test_ddp_overlap": ("spawn", "slow"),
     "test_gpu_check": ("spawn", "slow"),
     "test_training": ("spawn", "slow"),
     "test_checkpointing": ("spawn", "slow"),
@@ -63,6 +67,7 @@ MODULE_MARKERS = {
     "test_megatron_lm": ("spawn", "slow", "megatron_lm"),
     "test_flag_table": (),
     "test_flag_table_megatron_lm": ("spawn", "slow", "megatron_lm"),
+    "test_megatron_lm_recipes": ("megatron_lm",),
     "test_sampling": ("spawn", "slow"),
     "test_hf": ("spawn", "slow"),
     "test_hf_moe": ("spawn", "slow"),
@@ -75,6 +80,7 @@ MODULE_MARKERS = {
     "test_torchrun": ("spawn", "slow"),
     "test_evaluate": ("spawn", "slow"),
     "test_harness": ("spawn", "slow"),
+    "test_linear_cross_entropy": ("spawn", "slow"),
 }
 
 

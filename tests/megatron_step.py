@@ -33,6 +33,7 @@ class Topology:
     seq: int = SEQ
     block: int = BLOCK
     megatron_rope: bool = False  # negative control
+    logits_tile_rows: int | None = None  # the loss as a tiled linear cross-entropy (None: the whole logits)
 
 
 def _config(topology, **overrides):
@@ -103,22 +104,25 @@ def _load(model, weights):
 
 
 def train_step(topology, weights, build_model, forward_step, batches, micro_batch_size, make_config=_config,
-               before_step=None, after_step=None):
+               before_step=None, after_step=None, ddp_options=None, iterations=1):
     """One Megatron training step under `topology` from `weights` (full tensors by global name; None: Megatron's
     initialisation perturbed, returned as "initial"). `make_config(topology)`: its TransformerConfig,
     `build_model(topology, config) -> (model, layout)`, `forward_step(layout)`: the step's forward-step function,
     `batches(dp_rank, dp_size)`: this rank's micro-batches; `before_step(ddp)` runs before the forward and
-    `after_step(num_microbatches) -> dict` after the backward, its entries joining the result. Returns the loss
+    `after_step(num_microbatches) -> dict` after the backward, its entries joining the result; `ddp_options`: our
+    loop's `data_parallel` options (overlap, the distributed optimizer), which wrap the model as the loop does;
+    `iterations`: steps taken on the same batches, the last one's results returned. Returns the loss
     (on the last pipeline stage, else None), the gathered grads and the parameters after the step by global name,
     the initial weights and the grad norm."""
     from megatron.core import parallel_state as mpu
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_csbp.mcore import parallel_state
     from megatron_csbp.mcore.model import pipeline_seq_length
+    from megatron_csbp.training.loop import data_parallel, synced_parameters
 
     parallel_state.initialize_model_parallel(
         topology.tp, topology.pp, context_block_parallel_size=topology.block_parallel,
@@ -137,37 +141,40 @@ def train_step(topology, weights, build_model, forward_step, batches, micro_batc
         else:
             _load(model, weights)
             initial = None
-        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+        ddp_options = ddp_options or {}
+        ddp = data_parallel(model, config, **ddp_options)
         config.finalize_model_grads_func = finalize_model_grads
-        config.no_sync_func = ddp.no_sync
         # adam_eps well above rounding noise: grads that are zero in exact arithmetic (the key bias's)
         # come out ~1e-10, and Adam with eps=1e-8 would turn that noise into lr-sized updates.
         optimizer = get_megatron_optimizer(
             OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.01, adam_eps=1e-4, clip_grad=1.0,
-                            params_dtype=torch.float32), [ddp])
-        ddp.zero_grad_buffer()
-        optimizer.zero_grad()
+                            params_dtype=torch.float32,
+                            use_distributed_optimizer=ddp_options.get("use_distributed_optimizer", False)), [ddp])
         if before_step:
             before_step(ddp)
-        rank_batches = batches(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
-        reports = get_forward_backward_func()(
-            forward_step_func=forward_step(layout), data_iterator=iter(rank_batches), model=[ddp],
-            # Under pipeline parallelism the clean length L stands here, as Megatron-LM's pretrain() passes
-            # it: the shapes travel with the messages (variable_seq_lengths), so it must not matter.
-            num_microbatches=len(rank_batches),
-            seq_length=topology.seq if topology.pp > 1 else pipeline_seq_length(layout, config),
-            micro_batch_size=micro_batch_size, forward_only=False)
-        loss, losses = None, {}
-        if mpu.is_pipeline_last_stage():  # each reported loss (the lm loss, and its parts where it has two)
-            for name in sorted(reports[0]):
-                total = torch.stack([r[name] for r in reports]).sum(0)
-                torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
-                losses[name] = (total[0] / total[1]).item()
-            loss = losses["lm loss"]
-        observed = after_step(len(rank_batches)) if after_step else {}
-        grads = {_global_name(model, n): _full(p, p.main_grad) for n, p in model.named_parameters()}
-        success, grad_norm, _ = optimizer.step()
-        assert success
+        for _ in range(iterations):
+            ddp.zero_grad_buffer()
+            optimizer.zero_grad()
+            rank_batches = batches(mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+            reports = get_forward_backward_func()(
+                forward_step_func=forward_step(layout), data_iterator=iter(rank_batches), model=[ddp],
+                # Under pipeline parallelism the clean length L stands here, as Megatron-LM's pretrain() passes
+                # it: the shapes travel with the messages (variable_seq_lengths), so it must not matter.
+                num_microbatches=len(rank_batches),
+                seq_length=topology.seq if topology.pp > 1 else pipeline_seq_length(layout, config),
+                micro_batch_size=micro_batch_size, forward_only=False)
+            loss, losses = None, {}
+            if mpu.is_pipeline_last_stage():  # each reported loss (the lm loss, and its parts where it has two)
+                for name in sorted(reports[0]):
+                    total = torch.stack([r[name] for r in reports]).sum(0)
+                    torch.distributed.all_reduce(total, group=mpu.get_data_parallel_group(with_context_parallel=True))
+                    losses[name] = (total[0] / total[1]).item()
+                loss = losses["lm loss"]
+            observed = after_step(len(rank_batches)) if after_step else {}
+            grads = {_global_name(model, n): _full(p, p.main_grad) for n, p in model.named_parameters()}
+            success, grad_norm, _ = optimizer.step()
+            assert success
+        synced_parameters(ddp)  # --overlap-param-gather leaves the gather of the updated parameters to the next forward
         after = {_global_name(model, n): _full(p, p) for n, p in model.named_parameters()}
         return dict(loss=loss, losses=losses, grads=grads, after=after, initial=initial, grad_norm=grad_norm,
                     **observed)

@@ -195,6 +195,24 @@ def test_transport_memory_reports_both_transports(tmp_path, capsys):
     assert "collective" in table and "streaming" in table
 
 
+def test_logits_memory_at_vocabulary_151936_falls_by_more_than_the_logits(tmp_path, capsys):
+    """CSBP2 on 2 ranks, hidden 64, L = 512, vocabulary 151,936, fp32: a step's exact peak tensor bytes with the LM
+    head's logits whole and as the tiled linear cross-entropy (tiles of 64 of the rank's 256 noisy rows). The whole
+    head holds the logits and their masked copy (MASK's column is on the rank); the tiled one a tile."""
+    out_json = tmp_path / "bench.json"
+    command.main(["--modes", "csbp", "--seq-lengths", "512", "--nproc", "2", "--hidden-size", "64", "--vocab-size",
+                  "151936", "--steps", "1", "--warmup", "0", "--logits-memory", "--cross-entropy-tile-rows", "64",
+                  "--json", str(out_json)])
+    (record,) = json.loads(out_json.read_text())
+    logits, whole, tiled = (record[key] for key in ("logits_bytes", "whole_logits_step_peak_bytes",
+                                                    "tiled_logits_step_peak_bytes"))
+    print(f"logits {logits:,} B; a step's peak: whole {whole:,} B, tiled {tiled:,} B, saved {whole - tiled:,} B")
+    assert logits == 256 * 151936 * 4
+    assert whole - tiled >= logits
+    table = capsys.readouterr().out.split("logits memory")[1]
+    assert f"{logits / 2 ** 20:.1f}" in table and f"{(whole - tiled) / 2 ** 20:.1f}" in table
+
+
 def test_the_planner_gets_the_least_disturbed_of_two_calibrations():
     before = RankCalibration(linear_gflops=80.0, attention_gflops=30.0, gather_bytes=4096, gather_s=0.02,
                              latency_s=2e-4)

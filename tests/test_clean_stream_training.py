@@ -7,6 +7,7 @@
 * One Megatron training step under CSBP2, CP2, BP2 (both transports), P=4 C=2 (clean rows on two rings, each
   target counted once), TP2xCSBP2, PP2xCSBP2 and DP2 equals one rank: the loss, both parts and every gradient
   and updated parameter, <= 1e-5 relative. Control: counting the clean targets on every ring misses.
+* The training script with the recipe prints both parts on one rank and CSBP2 alike, and resumes bit-exact.
 """
 
 import pytest
@@ -14,6 +15,8 @@ import torch
 
 from megatron_step import BLOCK, MASK, SEQ, VOCAB, Topology, run_steps, train_step, worst_error
 from spawn import on_cpu_backend, run_ranks
+
+pytest_plugins = ["pretrain_runs"]  # the corpus fixture
 
 MICRO_BATCH, NUM_MICRO = 2, 4
 TOLERANCE = 1e-5
@@ -67,7 +70,8 @@ def _build_model(topology, config):
     from megatron_csbp.mcore.spec import get_csbp_layer_spec
 
     stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
-    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True, clean_logits=True)
+    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True, clean_logits=True,
+                  logits_tile_rows=topology.logits_tile_rows)
     if topology.mode == "reference":
         layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, clean_attention="token-causal")
         spec = get_csbp_layer_spec()
@@ -228,3 +232,41 @@ def test_the_ar_part_is_a_causal_lms_next_token_loss():
         print(f"ar loss {ours:.6f}, causal LM {plain:.6f}, targets {count} / {expected_count}")
         assert count == expected_count and abs(ours - plain) / plain <= TOLERANCE, (ours, plain, count)
     assert single[2] == 2 * (SEQ - 1) and packed[2] == 2 * (SEQ - 1) - 2  # the packed sample: two ends less
+
+
+AR_RECIPE = dict(bdlm_clean_attention="token-causal", bdlm_ar_loss_weight=1.0, bdlm_diffusion_loss_weight=0.3)
+LOSS_LINE = r"iteration\s+(\d+)/.*?lm loss:\s*(\S+) \| ar loss:\s*(\S+) \| diffusion loss:\s*(\S+) \|.*?grad norm:\s*(\S+) \|"
+
+
+def _printed(run) -> dict:
+    """{iteration: (lm loss, ar loss, diffusion loss, grad norm)} as the training line prints them."""
+    import re
+
+    return {int(m.group(1)): m.groups()[1:] for m in re.finditer(LOSS_LINE, run.output)}
+
+
+def _close(printed: dict, reference: dict) -> bool:
+    """Every printed number within 1e-5 relative of the reference's (ranks sum their parts in another order)."""
+    return printed.keys() == reference.keys() and all(
+        abs(float(a) - float(b)) <= TOLERANCE * abs(float(b)) for i in printed for a, b in zip(printed[i], reference[i]))
+
+
+def test_the_training_script_prints_both_parts_alike_on_every_layout_and_resumes_bit_exact(corpus, tmp_path):
+    """The recipe from the command line (our loop): every printed lm loss, ar loss, diffusion loss and grad norm of
+    CSBP2 equals one rank's (<= 1e-5: the ranks' partial sums add in another order); CSBP2 saved at iteration 2
+    and resumed prints iterations 3-4 digit for digit as the uninterrupted CSBP2 run, and one rank resuming that
+    checkpoint prints one rank's. Control: another AR weight leaves the parts of the first step and moves lm loss."""
+    from pretrain_runs import copy_checkpoint, run
+
+    settings = dict(data_path=corpus, train_iters=4, eval_iters=0, lr_warmup_iters=1, save_interval=2, **AR_RECIPE)
+    csbp2 = {**settings, "context_block_parallel": 2}
+    one = _printed(run(1, settings))
+    assert sorted(one) == [1, 2, 3, 4] and all(float(ar) > 0 for _, ar, _, _ in one.values()), one
+    whole = _printed(run(2, {**csbp2, "save": tmp_path / "csbp"}))
+    assert _close(whole, one), (whole, one)
+    resumed = _printed(run(2, {**csbp2, "load": copy_checkpoint(tmp_path / "csbp", 2, tmp_path / "csbp@2")}))
+    assert resumed == {i: whole[i] for i in (3, 4)}, (resumed, whole)
+    back = _printed(run(1, {**settings, "load": copy_checkpoint(tmp_path / "csbp", 2, tmp_path / "csbp@2b")}))
+    assert _close(back, {i: one[i] for i in (3, 4)}), (back, one)
+    other = _printed(run(1, {**settings, "train_iters": 1, "lr_warmup_iters": 0, "bdlm_ar_loss_weight": 0.5}))
+    assert other[1][1:3] == one[1][1:3] and other[1][0] != one[1][0], (other, one)

@@ -54,10 +54,11 @@ def trained(training):
 
 @pytest.fixture(scope="module")
 def evaluations(trained, corpus):
-    """{name: (output, JSON record)}: the same sequences at seed 7 on 1 rank and CSBP2 (K=4), at K=16, and at
-    seed 8 (K=4)."""
+    """{name: (output, JSON record)}: the same sequences at seed 7 on 1 rank and CSBP2 (K=4; CSBP2 with the loss as
+    a tiled linear cross-entropy), at K=16, and at seed 8 (K=4)."""
     runs = {"1 rank": (1, 7, 4, ["--tensorboard-dir", trained / "tb"]),
-            "csbp2": (2, 7, 4, ["--context-block-parallel", "2"]),
+            "csbp2": (2, 7, 4, ["--context-block-parallel", "2", "--cross-entropy-loss-fusion",
+                                "--cross-entropy-tile-rows", "5"]),
             "K=16": (1, 7, 16, []),
             "seed 8": (1, 8, 4, [])}
     results = {}
@@ -78,6 +79,7 @@ def _relative(a: float, b: float) -> float:
 def test_one_rank_and_csbp2_give_the_same_nelbo(evaluations):
     one, csbp = evaluations["1 rank"][1], evaluations["csbp2"][1]
     assert one["layout"]["context_block_parallel"] == 1 and csbp["layout"]["context_block_parallel"] == 2
+    assert one["layout"]["logits_tile_rows"] is None and csbp["layout"]["logits_tile_rows"] == 5
     assert csbp["layout"]["world_size"] == 2 and csbp["sequences"] == one["sequences"] == SEQUENCES
     print(f"NELBO 1 rank {one['nelbo']!r}, CSBP2 {csbp['nelbo']!r}, relative difference "
           f"{_relative(csbp['nelbo'], one['nelbo']):.1e}")

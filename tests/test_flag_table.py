@@ -41,7 +41,8 @@ SHOWN_BY = {
         "--group-query-attention --num-query-groups --normalization --norm-epsilon --swiglu "
         "--disable-bias-linear --add-qkv-bias --qk-layernorm --untie-embeddings-and-output-weights "
         "--max-position-embeddings --rotary-base --rotary-percent --use-rope-scaling --rope-scaling-factor "
-        "--init-method-std --hidden-dropout --transformer-impl",
+        "--init-method-std --hidden-dropout --transformer-impl --use-rotary-position-embeddings "
+        "--no-position-embedding --rotary-seq-len-interpolation-factor",
     "tests/test_megatron_lm.py::test_the_plugins_refusals_fire_under_megatron_lm":
         "--position-embedding-type --attention-dropout",
     "tests/test_spec_model.py::test_a_given_layer_spec_is_honoured_with_csbp_core_attention":
@@ -59,6 +60,12 @@ SHOWN_BY = {
         "--bf16 --fp16 --use-distributed-optimizer",
     "tests/test_recompute.py::test_recompute_equals_no_recompute_and_sends_the_forward_twice":
         "--recompute-granularity --recompute-method --recompute-num-layers",
+    "tests/test_recompute.py::test_recompute_modules_equal_no_recompute_and_rerun_the_named_modules":
+        "--recompute-modules --moe-layer-recompute",
+    "tests/test_recompute.py::test_recompute_flags_reach_the_config_as_megatron_lm_resolves_them":
+        "--recompute-activations",
+    "tests/test_ddp_overlap.py::test_overlapped_reductions_and_gathers_give_the_plain_step":
+        "--overlap-grad-reduce --overlap-param-gather",
     "tests/test_megatron_lm.py::test_a_hugging_face_tokenizer_gives_the_same_numbers_in_both_loops":
         "--tokenizer-type --tokenizer-model --vocab-size",
     "tests/test_data.py::test_gpt_dataset_samples_are_clean_sequences_of_length_L":
@@ -80,6 +87,8 @@ SHOWN_BY = {
         "--bdlm-clean-attention",
     "tests/test_clean_stream_training.py::test_world_4_token_causal_ar_step_equals_one_rank":
         "--bdlm-diffusion-loss-weight --bdlm-ar-loss-weight",
+    "tests/test_megatron_lm.py::test_sliding_windows_train_alike_in_both_loops":
+        "--window-size --window-attn-skip-freq",
     "tests/test_moe.py::test_world_2_moe_compositions_and_negative_control":
         "--num-experts --moe-layer-freq --moe-ffn-hidden-size --moe-shared-expert-intermediate-size "
         "--moe-router-topk --moe-router-score-function --moe-router-dtype --moe-router-load-balancing-type "
@@ -92,6 +101,8 @@ SHOWN_BY = {
     "tests/test_hf.py::test_logits_equal_huggingface":
         "--yarn-rotary-scaling-factor --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow "
         "--yarn-mscale --yarn-mscale-all-dim --no-yarn-correction-range-round-to-int --llama-4-scaling-beta",
+    "tests/test_linear_cross_entropy.py::test_the_fusion_flags_train_and_validate_as_the_whole_head":
+        "--cross-entropy-loss-fusion --cross-entropy-fusion-impl --cross-entropy-tile-rows",
 }
 
 
@@ -166,3 +177,24 @@ def test_bad_values_megatron_lm_asserts_on_are_refused_by_our_loop(extra, messag
     with pytest.raises(ConfigError) as refused:
         _ours(*extra)
     assert str(refused.value).startswith(message), refused.value
+
+
+def test_megatron_lms_older_spellings_are_taken_with_its_meanings():
+    """As Megatron-LM's `validate_args` reads them: --use-rotary-position-embeddings makes the position type rope
+    (whatever --position-embedding-type says), --no-position-embedding is nothing beside rope (refused with another
+    type), --recompute-activations is --recompute-granularity selective, and --rotary-seq-len-interpolation-factor 1
+    is no interpolation (other factors are refused)."""
+    args = _ours("--position-embedding-type", "learned_absolute", "--use-rotary-position-embeddings",
+                 "--no-position-embedding", "--recompute-activations", "--rotary-seq-len-interpolation-factor", "1")
+    assert (args.position_embedding_type, args.add_position_embedding, args.recompute_granularity) == (
+        "rope", False, "selective")
+    assert _ours().position_embedding_type == "rope" and _ours().recompute_granularity is None  # the controls
+    for extra, line in (
+            (["--position-embedding-type", "learned_absolute", "--no-position-embedding"],
+             "--position-embedding-type learned_absolute: BDLM needs rope"),
+            (["--position-embedding-type", "none"], "--position-embedding-type none: BDLM needs rope"),
+            (["--rotary-seq-len-interpolation-factor", "4"], "--rotary-seq-len-interpolation-factor 4: RoPE position "
+                                                             "interpolation is not implemented for BDLM")):
+        with pytest.raises(ConfigError) as refused:
+            _ours(*extra)
+        assert str(refused.value).startswith(line) and "\n" not in str(refused.value), refused.value

@@ -171,6 +171,17 @@ def test_every_flag_set_away_from_its_default_is_honoured_neutral_or_refused_in_
     (["--lr", "inf"], "--lr must be a finite number >= 0; got inf"),
     (["--lr-warmup-iters", "4"], "--lr-warmup-iters 4 must be below --lr-decay-iters 4 (default: --train-iters)"),
     (["--train-iters", "0"], "--train-iters (or --lr-decay-iters) must be >= 1 for the lr schedule"),
+    # Megatron-LM's older spellings, where their meaning is not BDLM's; the modules a selective recompute names
+    (["--position-embedding-type", "learned_absolute", "--no-position-embedding"],
+     "--position-embedding-type learned_absolute: BDLM needs rope"),
+    (["--rotary-seq-len-interpolation-factor", "4"], "--rotary-seq-len-interpolation-factor 4: RoPE position "
+                                                     "interpolation is not implemented for BDLM"),
+    (["--recompute-granularity", "selective", "--recompute-modules", "mla_up_proj"],
+     "--recompute-modules mla_up_proj: mla_up_proj: the model has no multi-latent attention"),
+    (["--recompute-activations", "--recompute-modules", "moe"], "--recompute-modules moe: moe: the model has no MoE "
+                                                                "layers (--num-experts); drop it"),
+    (["--moe-layer-recompute"], "--moe-layer-recompute: the model has no MoE layers (--num-experts); drop it"),
+    (["--overlap-param-gather"], "--overlap-param-gather gathers the distributed optimizer's updated shards"),
 ])
 def test_bad_values_and_refused_flags_stop_megatron_lm_before_its_asserts(megatron, extra, message):
     from megatron_csbp.core.rules import ConfigError
@@ -297,6 +308,9 @@ ARCHITECTURES = {
     "--use-rope-scaling": ["--use-rope-scaling"],
     "--max-position-embeddings 256": ["--max-position-embeddings", "256"],
     "--init-method-std 0.05 --hidden-dropout 0.2": ["--init-method-std", "0.05", "--hidden-dropout", "0.2"],
+    "Megatron-LM's older RoPE spellings": ["--position-embedding-type", "learned_absolute",
+                                           "--use-rotary-position-embeddings", "--no-position-embedding",
+                                           "--rotary-seq-len-interpolation-factor", "1"],
     "Qwen3-like": ["--normalization", "RMSNorm", "--swiglu", "--qk-layernorm", "--disable-bias-linear",
                    "--untie-embeddings-and-output-weights", "--group-query-attention", "--num-query-groups", "2",
                    "--kv-channels", "32", "--rotary-base", "1000000"],

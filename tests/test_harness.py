@@ -243,12 +243,21 @@ def _in_process(rank, world_size, load):
     except ConfigError as error:
         refusals["fast-dllm-v2"] = str(error)
     assert torch.isfinite(torch.stack(lone)).all()
-    return summary, padding, control, refusals, same_rows
+    # The loss as a tiled linear cross-entropy (config= a YAML turning it on) scores the same (a second model: the
+    # first one's parallel state is replaced, so this comes last).
+    tiled_config = os.path.join(os.path.dirname(load), "tiled_cross_entropy.yaml")
+    with open(tiled_config, "w", encoding="utf-8") as handle:
+        handle.write("cross-entropy-loss-fusion: true\ncross-entropy-tile-rows: 7\n")
+    tiled_lm = MegatronCSBPLM(load=load, batch_size=3, config=tiled_config)
+    tiled = (tiled_lm.model.logits_tile_rows,
+             max(float((score - tiled_lm.nelbo_samples([pair], samples=16)[0]).abs().max() / score.abs().max())
+                 for score, pair in zip(lone, pairs)))
+    return summary, padding, control, refusals, same_rows, tiled
 
 
 def test_estimators_agree_scores_do_not_depend_on_padding_and_rows_are_the_objectives(harness_runs):
-    summary, padding, control, refusals, same_rows = run_ranks(_in_process, 1, str(harness_runs / "trained"),
-                                                               timeout=300)[0]
+    summary, padding, control, refusals, same_rows, tiled = run_ranks(_in_process, 1, str(harness_runs / "trained"),
+                                                                      timeout=300)[0]
     for index in range(3):
         (a, sa), (b, sb), (u, su) = (summary[name][index] for name in ("inverse-t", "count", "unweighted"))
         gap, unweighted = abs(a - b) / (sa ** 2 + sb ** 2) ** 0.5, abs(a - u) / (sa ** 2 + su ** 2) ** 0.5
@@ -256,8 +265,10 @@ def test_estimators_agree_scores_do_not_depend_on_padding_and_rows_are_the_objec
               f" unweighted (biased control) {u:.3f} ({unweighted:.1f} s.e. away)")
         assert gap <= 4, summary
         assert unweighted > 4, summary
-    print(f"padding/batching: largest relative difference {padding:.1e}; a different context: {control:.1e}")
+    print(f"padding/batching: largest relative difference {padding:.1e}; a different context: {control:.1e}; the "
+          f"tiled cross-entropy (tiles of {tiled[0]} rows): {tiled[1]:.1e}")
     assert padding <= 1e-5 and control > 1e-2
+    assert tiled[0] == 7 and tiled[1] <= 1e-5
     assert same_rows, "the harness's [x_t ; x_0] rows differ from BDLMObjective.rows under the same noise"
     messages = {"{'tensor_parallel_size': 2}": "this launch has 1 rank:", "{'estimator': 'median'}": "inverse-t, count",
                 "{'mc_sample': 4}": "did you mean mc_samples", "{'strategy': 'best'}": "strategy",

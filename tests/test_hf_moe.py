@@ -268,8 +268,8 @@ def test_export_refuses_what_qwen3_moe_cannot_hold(converted):
         (["Qwen3MoeForCausalLM"], [1], 1)
     for change, message in [({"moe_router_score_function": "sigmoid"}, "--moe-router-score-function sigmoid"),
                             ({"moe_shared_expert_intermediate_size": 32}, "Qwen3-MoE has no shared expert"),
-                            ({"qk_layernorm": False}, "with --num-experts has no Hugging Face family"),
-                            ({"add_qkv_bias": True}, "with --num-experts has no Hugging Face family")]:
+                            ({"qk_layernorm": False}, "with --num-experts and without --llama-4-scaling-beta has no Hugging Face family"),
+                            ({"add_qkv_bias": True}, "with --num-experts and without --llama-4-scaling-beta has no Hugging Face family")]:
         with pytest.raises(hf.UnsupportedModel) as raised:
             convert_hf.export_config(argparse.Namespace(**{**saved, **change}), None, 384, torch.float32)
         assert message in str(raised.value) and "\n" not in str(raised.value), str(raised.value)

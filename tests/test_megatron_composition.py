@@ -80,7 +80,8 @@ def _build_model(topology, config):
     from megatron_csbp.mcore.spec import get_csbp_block_spec, get_csbp_layer_spec
 
     stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
-    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True)
+    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True,
+                  logits_tile_rows=topology.logits_tile_rows)
     if topology.mode == "reference":
         layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, schedule="contiguous", clean_layout="contiguous")
         dense = ModuleSpec(module=dense_bdlm_attention_class(), params={"layout": layout})

@@ -74,6 +74,9 @@ def _assert_same_numbers(ours: Run, megatron: Run, first: int = 1):
 TOPOLOGIES = {
     "csbp2": (2, {"context-block-parallel": 2}),
     "tp2xcsbp2+sp": (4, {"context-block-parallel": 2, "tensor-model-parallel-size": 2, "sequence-parallel": True}),
+    "tp2xcsbp2+sp, tiled cross-entropy": (4, {"context-block-parallel": 2, "tensor-model-parallel-size": 2,
+                                              "sequence-parallel": True, "cross-entropy-loss-fusion": True,
+                                              "cross-entropy-tile-rows": 5}),
     "pp2xcsbp2": (4, {"context-block-parallel": 2, "pipeline-model-parallel-size": 2}),
     "dp2xcsbp2": (4, {"context-block-parallel": 2}),
     "cp2": (2, {"context-block-parallel": 2, "bdlm-parallel-mode": "cp"}),
@@ -265,6 +268,33 @@ def test_yarn_and_the_query_scaling_train_alike_in_both_loops_and_a_resume_witho
             f"its RoPE flags, or --finetune to train it on under new ones (e.g. to extend its context with YaRN)"], (
             loop, done.returncode, done.stderr[-3000:])
         assert not ITERATION.search(done.stdout), loop
+
+
+def test_sliding_windows_train_alike_in_both_loops(corpus):
+    """`--window-size 20,0 --window-attn-skip-freq 2` (layers 1 and 3 of 4 slide; megatron-core reads the flags in
+    both loops) under CSBP2 with the windowed exchange: the same losses, grad norms and validation in both loops,
+    and other losses than the same run with every layer global (a window masks; it adds no parameter: both runs
+    load the same initial weights by the same seed)."""
+    windows = {"context-block-parallel": 2, "window-size": "20,0", "window-attn-skip-freq": 2}
+    ours = _launch("megatron-core", 2, _overrides(corpus, **windows))
+    megatron = _launch("megatron-lm", 2, _overrides(corpus, **windows))
+    _assert_same_numbers(ours, megatron)
+    plain = _launch("megatron-core", 2, _overrides(corpus, **{"context-block-parallel": 2}))
+    assert _logged(plain)[0][1][0] != _logged(ours)[0][1][0]
+
+
+@pytest.mark.parametrize("loop", ["megatron-core", "megatron-lm"])
+def test_a_right_window_is_refused_in_one_line_before_any_work(corpus, loop):
+    done = subprocess.run([sys.executable, SCRIPT, "--config", CONFIG, "--training-loop", loop,
+                           *_overrides(corpus, context_block_parallel=1), "--window-size", "20,4"], cwd=REPO,
+                          timeout=300, capture_output=True, text=True,
+                          env=environment({"MEGATRON_LM_PATH": MEGATRON_LM}))
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower() and "warn" not in line.lower()]
+    assert done.returncode == 2 and errors == [
+        "pretrain_bdlm.py: error: --window-size 20,4: a right window (RIGHT != 0) would let a clean row see clean "
+        "tokens after its own, whose noisy copies later blocks must predict; the kernels take a left window only: "
+        "give --window-size 20,0"], (loop, done.returncode, done.stderr[-3000:])
+    assert not ITERATION.search(done.stdout), loop
 
 
 def test_a_hugging_face_tokenizer_gives_the_same_numbers_in_both_loops(corpus, tmp_path):

@@ -47,7 +47,8 @@ RECORD_FIELDS = {"mode", "tp", "pp", "p", "c", "dp", "noisy_rows", "clean_rows",
                  "bytes_inter_node", "activation_bytes", "state_bytes", "memory_bytes", "memory_limit_bytes",
                  "fits", "compute_s", "forward_s", "exposed_attention_s", "exposed_other_comm_s", "bubble_s", "step_time_s",
                  "tokens_per_s", "reason", "requested", "ep", "etp", "dense_params_per_rank", "expert_params_per_rank",
-                 "parameter_bytes", "gradient_bytes", "optimizer_bytes", "all_to_all_bytes", "exposed_all_to_all_s"}
+                 "parameter_bytes", "gradient_bytes", "optimizer_bytes", "all_to_all_bytes", "exposed_all_to_all_s",
+                 "logits_bytes"}
 
 
 def test_records_fields_and_halving():
@@ -64,6 +65,34 @@ def test_records_fields_and_halving():
         assert 2 * csbp["attention_bytes"] == same_cp["attention_bytes"]
         assert csbp["step_time_s"] <= same_cp["step_time_s"] and csbp["memory_bytes"] <= same_cp["memory_bytes"]
     assert all(r["attention_bytes"] == 0 for r in records if r["mode"] == "bp")
+
+
+QWEN3_8B_256K = ["--num-layers", "36", "--hidden-size", "4096", "--ffn-hidden-size", "12288", "--num-attention-heads",
+                 "32", "--group-query-attention", "--num-query-groups", "8", "--kv-channels", "128", "--swiglu",
+                 "--untie-embeddings-and-output-weights", "--vocab-size", "151934", "--seq-length", "262144",
+                 "--bdlm-block-size", "256", "--recompute-granularity", "full", "--bf16", "--gpu", "h200"]
+
+
+def test_the_tiled_cross_entropy_holds_one_tile_of_logits_and_runs_the_head_twice():
+    """Qwen3-8B's shape at 256K on CSBP 8, vocabulary 151,936: the head's logits per GPU are the rank's 32K noisy rows
+    x 151,936 columns in bf16 and their fp32 copy, whole; one tile of 1024 rows in tiles (the trainer's default). The
+    memory falls by what the logits held above the recomputed layer's working set, and the head's forward runs again
+    in the backward. The CLI prints both."""
+    model = plan._model(plan.parse_args(QWEN3_8B_256K))
+    cluster, topo = plan.Cluster(8, 8, plan.GPU_PRESETS["h200"]), plan.Topology("csbp", 1, 1, 8, 8, 1)
+    whole, tiled = (plan.predict(dataclasses.replace(model, logits_tile_rows=rows), cluster, topo)
+                    for rows in (None, 1024))
+    assert whole.logits_bytes == 32768 * 151936 * 6 and tiled.logits_bytes == 1024 * 151936 * 6
+    assert 0 < whole.memory_bytes - tiled.memory_bytes <= whole.logits_bytes - tiled.logits_bytes
+    head_forward_s = 32768 * 2 * 4096 * 151936 / cluster.gpu.linear_rate
+    assert math.isclose(tiled.compute_s - whole.compute_s, head_forward_s)
+    records, text = run(QWEN3_8B_256K + ["--context-block-parallel", "8", "--cross-entropy-loss-fusion"])
+    assert "tiled linear cross-entropy (1024 rows a tile)" in text
+    assert (f"LM head logits per GPU: {whole.logits_bytes / plan.GIB:.2f} GiB whole (memory "
+            f"{whole.memory_bytes / plan.GIB:.1f} GiB), {tiled.logits_bytes / plan.GIB:.3f} GiB in tiles of 1024 rows"
+            ) in text
+    requested = next(r for r in records if r["requested"] and r["mode"] == "csbp")
+    assert requested["logits_bytes"] == tiled.logits_bytes and requested["memory_bytes"] == tiled.memory_bytes
 
 
 def test_invalid_topologies_excluded():

@@ -125,7 +125,7 @@ def test_providers_read_megatron_lm_globals_when_given_no_args(monkeypatch, corp
     assert sample["tokens"].shape == (64,) and int(sample["sample_index"]) == 5
     assert isinstance(run_providers.vocabulary.tokenizer, NullTokenizer)  # Megatron-LM's, not one of ours
     assert int(sample["tokens"].max()) < run_providers.vocabulary.mask_token_id == 257
-    objective = providers.objective_for(run_providers.settings, megatron_args, run_providers.vocabulary.mask_token_id)
+    objective = providers.objective_for(run_providers.settings, run_providers.vocabulary.mask_token_id)
     assert (objective.block_size, objective.mask_token_id, objective.antithetic_group) == (8, 257, 4)
     # Megatron-LM's args are what its checkpoints save: they record the model's vocabulary.
     assert (megatron_args.mask_token_id, megatron_args.padded_vocab_size) == (257, 384)

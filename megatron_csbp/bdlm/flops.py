@@ -16,6 +16,7 @@ Plain Python integers throughout, so every count is exact. No torch, no Megatron
 
 from megatron_csbp.core import modes, rules, transports
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
+from megatron_csbp.core.windows import GLOBAL
 from megatron_csbp.core.model_shape import ModelShape, MoEShape  # noqa: F401  (the shapes these counts take)
 
 
@@ -24,7 +25,7 @@ def _check_blocks(seq_length: int, block_size: int) -> int:
     return seq_length // block_size
 
 
-def bdlm_attention_pair_parts(seq_length: int, block_size: int, clean_attention=BLOCK_CAUSAL) -> dict:
+def bdlm_attention_pair_parts(seq_length: int, block_size: int, clean_attention=BLOCK_CAUSAL, window=GLOBAL) -> dict:
     """Allowed (query, key) pairs per head per layer, split by the three parts of the BDLM mask.
 
     With `NB = L / B` blocks of `B` tokens:
@@ -32,10 +33,17 @@ def bdlm_attention_pair_parts(seq_length: int, block_size: int, clean_attention=
     * noisy → clean: noisy block `b` sees clean blocks `< b`: `Σ_b b · B² = B² · NB(NB-1)/2`;
     * clean → clean: the clean-attention rule's (`clean_attention.clean_pairs`); BD3-LM's clean block `b`
       sees clean blocks `<= b`: `Σ_b (b+1) · B² = B² · NB(NB+1)/2`, with the noisy → clean pairs `L²`.
-    Clean queries never see noisy keys.
+    Clean queries never see noisy keys. In a sliding layer (`window`, `core.windows`) each row's clean keys start at
+    its window's start: counted run by run (`modes.key_ranges`).
     """
     num_blocks = _check_blocks(seq_length, block_size)
     block_pairs = block_size * block_size
+    if window.sliding:
+        every = [(0, seq_length)]
+        return {"noisy_noisy": num_blocks * block_pairs,
+                **{part: sum(rows * (limit - start) for start, limit, rows in modes.key_ranges(
+                    *spans, block_size, clean_attention, window) if limit > start)
+                   for part, spans in (("noisy_clean", (every, [])), ("clean_clean", ([], every)))}}
     return {
         "noisy_noisy": num_blocks * block_pairs,
         "noisy_clean": block_pairs * num_blocks * (num_blocks - 1) // 2,
@@ -43,9 +51,10 @@ def bdlm_attention_pair_parts(seq_length: int, block_size: int, clean_attention=
     }
 
 
-def bdlm_attention_pairs(seq_length: int, block_size: int, clean_attention=BLOCK_CAUSAL) -> int:
-    """All allowed pairs per head per layer: `L·B + L²` under BD3-LM's rule (a quarter of the `2L × 2L` grid)."""
-    return sum(bdlm_attention_pair_parts(seq_length, block_size, clean_attention).values())
+def bdlm_attention_pairs(seq_length: int, block_size: int, clean_attention=BLOCK_CAUSAL, window=GLOBAL) -> int:
+    """All allowed pairs per head per layer: `L·B + L²` under BD3-LM's rule (a quarter of the `2L × 2L` grid) in a
+    global layer."""
+    return sum(bdlm_attention_pair_parts(seq_length, block_size, clean_attention, window).values())
 
 
 def attention_flops_per_pair(num_attention_heads: int, kv_channels: int) -> int:
@@ -108,7 +117,7 @@ def lm_head_flops_per_row(hidden_size: int, padded_vocab_size: int) -> int:
 
 def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: int, block_size: int,
                     batch_size: int = 1, recompute: bool = False, clean_attention=BLOCK_CAUSAL,
-                    clean_logits: bool = False) -> int:
+                    clean_logits: bool = False, layer_windows: tuple = ()) -> int:
     """Exact FLOPs of one BDLM training step (forward + backward) over `batch_size` samples of model `shape`.
 
     `seq_length` is the clean length `L` (the model sees `2L` rows), `block_size` the diffusion block `B`,
@@ -117,12 +126,14 @@ def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: in
     logger's TFLOP/s count); `recompute=True` adds the transformer layers' second forward of full activation
     recomputation (hardware FLOPs). With `shape.moe`, its MoE layers' MLP FLOPs per row are
     `moe_mlp_flops_per_row`'s, and every row, noisy and clean, is routed (`2L` per sample). `clean_logits`: the
-    LM head runs over the clean rows too (an autoregressive co-loss), `2L` rows instead of `L`.
+    LM head runs over the clean rows too (an autoregressive co-loss), `2L` rows instead of `L`. `layer_windows`: each
+    layer's window (`core.windows`; empty: every layer global).
     """
-    layer_forward = (2 * seq_length * linear_flops_per_row(shape)
-                     + bdlm_attention_pairs(seq_length, block_size, clean_attention)
-                     * attention_flops_per_pair(shape.num_attention_heads, shape.kv_channels))
-    layers_forward = shape.num_layers * layer_forward
+    per_pair = attention_flops_per_pair(shape.num_attention_heads, shape.kv_channels)
+    pairs = {window: bdlm_attention_pairs(seq_length, block_size, clean_attention, window)
+             for window in set(layer_windows or (GLOBAL,))}
+    layers_forward = sum(2 * seq_length * linear_flops_per_row(shape) + pairs[window] * per_pair
+                         for window in layer_windows or (GLOBAL,) * shape.num_layers)
     if shape.moe is not None:  # the MoE layers' MLP replaced by the router, the top-k experts and the shared expert
         layers_forward += shape.num_moe_layers * 2 * seq_length * (
             moe_layer_linear_flops_per_row(shape) - linear_flops_per_row(shape))
@@ -136,7 +147,8 @@ def run_step_flops(settings, padded_vocab_size: int, recompute: bool = False) ->
     return bdlm_step_flops(settings.shape, padded_vocab_size=padded_vocab_size, seq_length=settings.seq_length,
                            block_size=settings.block_size, recompute=recompute,
                            batch_size=settings.global_batch_size * settings.objective.views_per_sample,
-                           clean_attention=settings.clean_attention, clean_logits=settings.clean_logits)
+                           clean_attention=settings.clean_attention, clean_logits=settings.clean_logits,
+                           layer_windows=settings.layer_windows)
 
 
 def megatron_causal_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: int, batch_size: int = 1) -> int:
@@ -174,6 +186,20 @@ def attention_traffic_bytes(mode, seq_length: int, clean_shards: int, kv_heads_p
     forward = attention_forward_bytes(mode, seq_length, clean_shards, kv_heads_per_tp, head_dim, bytes_per_elem)
     backward = forward * transports.transport(transport).backward_bytes_per_forward
     return forward * (2 if recompute else 1) + backward
+
+
+def rank_traffic_bytes(mode, seq_length: int, block_size: int, parallel_size: int, clean_shards: int, rank: int,
+                       kv_heads_per_tp: int, head_dim: int, bytes_per_elem: int = 2, transport=transports.COLLECTIVE,
+                       recompute: bool = False, clean_attention=BLOCK_CAUSAL, window=GLOBAL) -> int:
+    """Bytes rank `rank` sends for one attention layer of `window`, forward + backward: the rows it sends its ring
+    (`ParallelMode.exchanged_rows`) in the forward (twice with full recomputation), and in the backward the
+    gradients of the rows it received (collective), or its rows again and those gradients (streaming). In a global
+    layer this is `attention_traffic_bytes`; in a sliding layer under CSBP it depends on the rank."""
+    sent, received = modes.parallel_mode(mode).exchanged_rows(seq_length, block_size, parallel_size, clean_shards,
+                                                              rank, clean_attention, window)
+    beta = kv_bytes_per_token(kv_heads_per_tp, head_dim, bytes_per_elem)
+    again = sent if transports.transport(transport).backward_bytes_per_forward > 1 else 0
+    return (sent * (2 if recompute else 1) + again + received) * beta
 
 
 def attention_forward_bytes(mode, seq_length: int, clean_shards: int, kv_heads_per_tp: int,

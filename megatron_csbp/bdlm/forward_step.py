@@ -82,9 +82,11 @@ def checked_loss_func(loss_weights, num_tokens, output_tensor, *, parts=None, ch
 
 
 def batch_on_this_rank(data_iterator):
-    """This micro-batch's `tokens` and `sample_index`: read at TP rank 0, broadcast to the other TP ranks (as
-    `pretrain_gpt.py`'s `get_batch_on_this_tp_rank`: only TP rank 0 builds the datasets). Without tensor
-    parallelism (or Megatron's groups) the rank reads its own."""
+    """This micro-batch's `tokens`, `sample_index` and `loss_mask` (where the data has one, SFT): read at TP rank 0,
+    broadcast to the other TP ranks in one `broadcast_data` (as `pretrain_gpt.py`'s `get_batch_on_this_tp_rank`:
+    only TP rank 0 builds the datasets). A batch without a mask sends a one-element stand-in in its place, so the
+    other ranks learn from its shape that there is none. Without tensor parallelism (or Megatron's groups) the rank
+    reads its own."""
     import torch.distributed as dist
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import broadcast_data
@@ -92,14 +94,23 @@ def batch_on_this_rank(data_iterator):
     tp_group = mpu.get_tensor_model_parallel_group(check_initialized=False)
     if tp_group is None or dist.get_world_size(tp_group) == 1:
         return next(data_iterator)
+    keys = ("tokens", "sample_index", "loss_mask")
     batch = None
     if dist.get_rank(tp_group) == 0:
         batch = next(data_iterator)
-        _sample_index(batch)
-        _require("loss_mask" not in batch, "a batch 'loss_mask' is not broadcast over tensor-parallel ranks; "
-                                           "drop it or use --tensor-model-parallel-size 1")
-        batch = {key: torch.as_tensor(batch[key]).long() for key in ("tokens", "sample_index")}
-    return broadcast_data(["tokens", "sample_index"], batch, torch.int64, tp_group=tp_group)
+        tokens, sample_index, loss_mask = (torch.as_tensor(batch["tokens"]).long(),
+                                           torch.as_tensor(_sample_index(batch)).long(), batch.get("loss_mask"))
+        if loss_mask is not None:
+            loss_mask = torch.as_tensor(loss_mask).long()
+            _require(loss_mask.shape == tokens.shape, f"loss_mask {tuple(loss_mask.shape)} must match tokens "
+                                                      f"{tuple(tokens.shape)}")
+        batch = dict(tokens=tokens, sample_index=sample_index,
+                     loss_mask=torch.zeros(1, dtype=torch.long) if loss_mask is None else loss_mask)
+    received = broadcast_data(list(keys), batch, torch.int64, tp_group=tp_group)
+    loss_mask = received.pop("loss_mask")
+    if loss_mask.dim() == 2:  # [b, L]: the data's mask; the stand-in is 1-D
+        received["loss_mask"] = loss_mask.bool()
+    return received
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,12 @@
 """Which clean keys a row of `[x_t ; x_0]` sees: the clean-attention rule, as an object (docs/algorithm.md §3).
 
-Every visible set of clean keys is a prefix of the clean sequence: a row sees the clean keys at positions
-below its limit. A noisy row of block `qb` sees the clean blocks before its own (limit `qb·B`) under every
-rule; what a clean row sees is the rule's: BD3-LM's block-causal clean stream sees its own block whole
-(limit `(qb+1)·B`); a token-causal clean stream (Nemotron-Labs-Diffusion's, an autoregressive model's) sees
-the clean keys up to its own position (limit `p + 1`), so its rows can carry a next-token loss. The noisy
-keys a noisy row sees (its own block) do not depend on the rule.
+Every visible set of clean keys is a prefix of the clean sequence: a row sees the clean keys at positions below its
+limit (in a sliding layer only from its window's start on: `core.windows` reaches back from the row's anchor, the
+first position of the unit it attends as, which the rule also states). A noisy row of block `qb` sees the clean
+blocks before its own (limit `qb·B`) under every rule; what a clean row sees is the rule's: BD3-LM's block-causal
+clean stream sees its own block whole (limit `(qb+1)·B`); a token-causal clean stream (Nemotron-Labs-Diffusion's,
+an autoregressive model's) sees the clean keys up to its own position (limit `p + 1`), so its rows can carry a
+next-token loss. The noisy keys a noisy row sees (its own block) do not depend on the rule.
 
 Each place that needs the mask asks the rule — the op's plans (`core.ops`), the packed documents' ranges and
 pair counts (`core.documents`), the masked kernels (`core.kernels.mask`), the modes' analytic kernel calls
@@ -37,12 +38,24 @@ class CleanAttention:
         noisy = positions // block_size * block_size
         return noisy + clean * (self.clean_row_limit(positions, block_size) - noisy)
 
-    def limit_runs(self, spans, clean: bool, block_size: int):
-        """`(limit, rows)` for each run of the rows at position `spans` (`[(start, stop)]`) sharing a limit."""
+    def clean_row_anchor(self, positions, block_size):
+        """First position of the unit a clean row attends as (a sliding window reaches back from it): its block,
+        which it sees whole."""
+        return positions // block_size * block_size
+
+    def row_anchors(self, positions, clean, block_size):
+        """Each row's anchor (`core.windows`): a noisy row's block's first position; a clean row's, the rule's."""
+        noisy = positions // block_size * block_size
+        return noisy + clean * (self.clean_row_anchor(positions, block_size) - noisy)
+
+    def key_runs(self, spans, clean: bool, block_size: int):
+        """`(anchor, limit, rows)` for each run of the rows at position `spans` (`[(start, stop)]`) sharing their
+        anchor and limit: a run sees the clean keys below `limit` (in a sliding layer, from its window's start on,
+        which `core.windows` reaches back from `anchor`)."""
         B = block_size
         for start, stop in spans:
             for block in range(start // B, (stop - 1) // B + 1 if stop > start else start // B):
-                yield (block + int(clean)) * B, min(stop, (block + 1) * B) - max(start, block * B)
+                yield block * B, (block + int(clean)) * B, min(stop, (block + 1) * B) - max(start, block * B)
 
     def clean_pairs(self, seq_length: int, block_size: int) -> int:
         """Clean-to-clean pairs per head and layer: clean block `b` sees clean blocks `<= b`."""
@@ -63,13 +76,16 @@ class _TokenCausal(CleanAttention):
     def clean_row_limit(self, positions, block_size):
         return positions + 1
 
-    def limit_runs(self, spans, clean, block_size):
+    def clean_row_anchor(self, positions, block_size):
+        return positions
+
+    def key_runs(self, spans, clean, block_size):
         if not clean:
-            yield from super().limit_runs(spans, clean, block_size)
+            yield from super().key_runs(spans, clean, block_size)
             return
         for start, stop in spans:
             for position in range(start, stop):
-                yield position + 1, 1
+                yield position, position + 1, 1
 
     def clean_pairs(self, seq_length, block_size):
         return seq_length * (seq_length + 1) // 2

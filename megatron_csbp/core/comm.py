@@ -3,7 +3,8 @@ compute path waits for it.
 
 Counts follow the bandwidth-optimal ring algorithms every backend uses for these collectives, so they
 do not depend on the backend: an all-gather of `n` bytes per rank sends `(C-1)·n`, a reduce-scatter
-of `n` bytes in total sends `(C-1)/C·n`, a point-to-point send sends its tensor. Benchmarks and tests
+of `n` bytes in total sends `(C-1)/C·n`, an all-to-all the rows it sends to other ranks, a point-to-point send
+its tensor. Benchmarks and tests
 read them with `count_bytes()`, beside `wait_s`: the seconds spent blocked in the handles' `wait()`,
 i.e. the communication the compute did not hide (exposed communication).
 
@@ -59,6 +60,9 @@ class _Settings:
 
 _settings = _Settings()
 _clock, _sleep = time.perf_counter, time.sleep  # one place, so tests can drive a fake clock
+# the function itself, held here: `count_all_to_all` wraps the module's attribute to count what megatron-core's
+# MoE dispatcher sends, and the attention's exchanges (counted by `count_bytes`) are not that
+_all_to_all_single = dist.all_to_all_single
 
 
 _active: list[TrafficCounter] = []
@@ -189,16 +193,33 @@ def reduce_scatter_start(full: torch.Tensor, group) -> tuple[torch.Tensor, _Work
     return shard, _issued(work, (size - 1) * _nbytes(full) // size)
 
 
-def all_to_all_start(rows: torch.Tensor, send_counts: list[int], receive_counts: list[int],
-                     group) -> tuple[torch.Tensor, _Work]:
-    """Starts sending `send_counts[m]` consecutive rows of `rows` (dim 0) to group member `m`, in member order,
-    and receiving `receive_counts[m]` from each; counts the rows that leave this rank."""
+def _row_bytes(tensor: torch.Tensor) -> int:
+    return tensor[0].numel() * tensor.element_size() if tensor.shape[0] else 0
+
+
+def all_to_all_start(pieces: torch.Tensor, send_counts, receive_counts, group) -> tuple[torch.Tensor, _Work]:
+    """Starts sending rank `j` of the group the `send_counts[j]` rows of `pieces` (dim 0, member by member) and
+    receiving `receive_counts[j]` rows from it, in group order; a rank's own rows are copied, not sent (uncounted)."""
     me = dist.get_rank(group)
-    received = rows.new_empty((sum(receive_counts),) + tuple(rows.shape[1:]))
-    work = dist.all_to_all_single(received, rows.contiguous(), receive_counts, send_counts, group=group,
-                                  async_op=True)
-    row_bytes = _nbytes(rows[:1]) if rows.shape[0] else 0
-    return received, _issued(work, (sum(send_counts) - send_counts[me]) * row_bytes)
+    received = pieces.new_empty((sum(receive_counts),) + tuple(pieces.shape[1:]))
+    work = _all_to_all_single(received, pieces.contiguous(), list(receive_counts), list(send_counts), group=group,
+                              async_op=True)
+    return received, _issued(work, (sum(send_counts) - send_counts[me]) * _row_bytes(pieces))
+
+
+def pair_exchange_start(outgoing: torch.Tensor, to: int, incoming_rows: int, source: int,
+                        group) -> tuple[torch.Tensor, list]:
+    """Starts sending `outgoing` to group rank `to` and receiving `incoming_rows` rows (of `outgoing`'s row shape)
+    from group rank `source`; an empty side is not posted."""
+    received = outgoing.new_empty((incoming_rows,) + tuple(outgoing.shape[1:]))
+    operations = []
+    if outgoing.shape[0]:
+        operations.append(dist.P2POp(dist.isend, outgoing.contiguous(), dist.get_global_rank(group, to), group))
+    if incoming_rows:
+        operations.append(dist.P2POp(dist.irecv, received, dist.get_global_rank(group, source), group))
+    if not operations:
+        return received, []
+    return received, [_issued(dist.batch_isend_irecv(operations), _nbytes(outgoing))]
 
 
 def ring_shift_start(tensor: torch.Tensor, group) -> tuple[torch.Tensor, list]:

@@ -96,12 +96,13 @@ def document_ids(tokens, eod: int) -> torch.Tensor:
 def clean_key_ranges(layout, documents):
     """`(starts, limits)` per row of `layout`: the clean keys a row sees are those with position in `[start, limit)`.
 
-    Without documents `start` is 0 and `limit` the layout's clean-attention limit (`layout.row_limits`); with
-    documents the range is cut to the row's own document."""
-    positions, limits = layout.row_positions, layout.row_limits
+    `limit` is the layout's clean-attention limit (`layout.row_limits`) and `start` its window's (`layout.row_starts`:
+    0 in a global layer); with documents the range is cut to the row's own document."""
+    positions, starts, limits = layout.row_positions, layout.row_starts, layout.row_limits
     if documents is None or documents.is_single:
-        return torch.zeros_like(limits), limits
-    return documents.start_of(positions), torch.minimum(limits, documents.end_of(positions))
+        return starts, limits
+    return (torch.maximum(starts, documents.start_of(positions)),
+            torch.minimum(limits, documents.end_of(positions)))
 
 
 def noisy_document_ids(layout, documents):
@@ -133,15 +134,15 @@ class NoisyDocuments:
 
 def row_pairs(layout, documents) -> torch.Tensor:
     """Real query-key pairs of each of `layout`'s rows under the block mask cut to documents (per head and sample):
-    a row sees its document's clean keys below its limit (the layout's clean-attention rule), and a noisy row
-    also its block's noisy keys in its document."""
+    a row sees its document's clean keys in its range (`clean_key_ranges`: below its limit, from its window's start
+    on), and a noisy row also its block's noisy keys in its document."""
     positions, clean, block = layout.row_positions, layout.row_is_clean, layout.block_size
-    limits = layout.clean_attention.row_limits(positions, clean, block)
     documents = documents or Documents(layout.seq_length)
+    starts, limits = clean_key_ranges(layout, documents if not documents.is_single else None)
     start, end = documents.start_of(positions), documents.end_of(positions)
     block_start = torch.div(positions, block, rounding_mode="floor") * block
     own_block = torch.minimum(block_start + block, end) - torch.maximum(block_start, start)
-    return (torch.minimum(limits, end) - start).clamp(min=0) + torch.where(clean, 0, own_block)
+    return (torch.minimum(limits, end) - torch.maximum(starts, start)).clamp(min=0) + torch.where(clean, 0, own_block)
 
 
 def rank_pairs(layouts, documents) -> list[int]:
@@ -165,12 +166,21 @@ class _AllNoisy:
     def row_is_clean(self):
         return torch.zeros(self.seq_length, dtype=torch.bool)
 
+    @property
+    def row_limits(self):
+        return self.clean_attention.row_limits(self.row_positions, self.row_is_clean, self.block_size)
+
+    @property
+    def row_starts(self):  # a global layer's: the rows are dealt once for every layer
+        return torch.zeros(self.seq_length, dtype=torch.long)
+
 
 def document_balanced_schedule(layout, documents) -> tuple:
     """Owned blocks of every rank, balancing the real attention pairs of packed `documents`: a noisy block costs
     its document's prefix before it (not its global position) plus its own block; each rank keeps as many blocks
     as the layout's schedule gives it (so its row count, and every tensor shape, stays). Heaviest block first,
-    to the least loaded rank with room, counting each rank's clean rows' pairs, which the schedule cannot move."""
+    to the least loaded rank with room, counting each rank's clean rows' pairs, which the schedule cannot move.
+    The pairs are a global layer's whatever `layout.window`: the rows are the same in every layer."""
     ranks = range(layout.block_parallel_size)
     room = [len(blocks) for blocks in layout.schedule_table]
     bounds = documents.bounds()

@@ -18,6 +18,7 @@ import torch
 from megatron_csbp.core import modes, rules
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS
 from megatron_csbp.core.schedule import CLEAN_LAYOUTS, DUAL_END, SCHEDULES, ZIGZAG
+from megatron_csbp.core.windows import GLOBAL, Window
 
 
 def _span(start: int, stop: int) -> torch.Tensor:
@@ -73,6 +74,22 @@ class _Rows:
         """Exclusive limit of the clean keys each row sees, by the layout's clean-attention rule."""
         return self.clean_attention.row_limits(self.row_positions, self.row_is_clean, self.block_size)
 
+    @cached_property
+    def row_starts(self) -> torch.Tensor:
+        """First clean position each row sees: its window's start in a sliding layer (`core.windows`), else 0."""
+        anchors = self.clean_attention.row_anchors(self.row_positions, self.row_is_clean, self.block_size)
+        return self.window.starts(anchors)
+
+    @property
+    def exchanges_windows(self) -> bool:
+        """Whether the ring carries to each rank only the clean rows its rows see (a sliding layer under CSBP)
+        rather than every transported row (a global layer; the field's CP, which gathers both copies whole)."""
+        return self.window.sliding and not self.transports_noisy_rows
+
+    def windowed(self, window: Window):
+        """This rank's layout in a layer of `window` (`core.windows`): the same rows, the window's mask."""
+        return self if window == self.window else dataclasses.replace(self, window=window)
+
     def _coerce_variants(self, **registries):
         """Variant fields given by name become their objects (a library caller may write `schedule="dual_end"`)."""
         for field, registry in registries.items():
@@ -96,6 +113,7 @@ class CSBPLayout(_Rows):
     clean_layout: object = ZIGZAG  # core.schedule.CleanLayout
     owned_table: tuple | None = None  # owned blocks of every rank, given (a packed sample's balanced deal)
     clean_attention: object = BLOCK_CAUSAL  # core.clean_attention.CleanAttention
+    window: Window = GLOBAL  # the layer's window (core.windows): the mask's, never the rows'
 
     def __post_init__(self):
         self._coerce_variants(schedule=SCHEDULES, clean_layout=CLEAN_LAYOUTS, clean_attention=CLEAN_ATTENTIONS)
@@ -178,6 +196,7 @@ class CPLayout(_Rows):
     # CSBP's block-diagonal and prefix calls on the same rows and traffic (mode `cp-traffic`).
     masked_attention: bool = True
     clean_attention: object = BLOCK_CAUSAL  # core.clean_attention.CleanAttention
+    window: Window = GLOBAL  # the layer's window (core.windows)
 
     def __post_init__(self):
         self._coerce_variants(clean_attention=CLEAN_ATTENTIONS)
@@ -231,13 +250,14 @@ class CPLayout(_Rows):
 
 
 def layout_for(mode, seq_length: int, block_size: int, parallel_size: int, clean_shards: int | None = None,
-               rank: int = 0, *, schedule=DUAL_END, clean_layout=ZIGZAG,
-               clean_attention=BLOCK_CAUSAL) -> CSBPLayout | CPLayout:
+               rank: int = 0, *, schedule=DUAL_END, clean_layout=ZIGZAG, clean_attention=BLOCK_CAUSAL,
+               window: Window = GLOBAL) -> CSBPLayout | CPLayout:
     """The rows rank `rank` holds under `mode` (a `modes.ParallelMode`, or its `--bdlm-parallel-mode` name), so
     one model can be compared across the modes: conventional CP's zigzag chunks of both copies (CSBP's schedule
-    and clean layout do not apply), else whole noisy blocks and a clean shard of the mode's `C`."""
+    and clean layout do not apply), else whole noisy blocks and a clean shard of the mode's `C`. `window`: the
+    layer's (`core.windows`)."""
     mode = modes.parallel_mode(mode)
     if mode.shards_both_copies:
-        return CPLayout(seq_length, block_size, parallel_size, rank, mode.masked_attention, clean_attention)
+        return CPLayout(seq_length, block_size, parallel_size, rank, mode.masked_attention, clean_attention, window)
     return CSBPLayout(seq_length, block_size, parallel_size, mode.clean_shards(parallel_size, clean_shards), rank,
-                      schedule, clean_layout, clean_attention=clean_attention)
+                      schedule, clean_layout, clean_attention=clean_attention, window=window)

@@ -19,6 +19,7 @@ from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
 from megatron_csbp.core.kernel_work import KernelCall
 from megatron_csbp.core.schedule import DUAL_END, ZIGZAG
 from megatron_csbp.core.variants import Registry, named
+from megatron_csbp.core.windows import GLOBAL
 
 
 @named
@@ -93,19 +94,47 @@ class ParallelMode:
         noisy = [(b * B, (b + 1) * B) for b in schedule.deal(L // B, parallel_size)[rank]]
         return noisy, clean_layout.spans(L, clean_shards, rank % clean_shards)
 
+    def exchanged_rows(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int, rank: int,
+                       clean_attention=BLOCK_CAUSAL, window=GLOBAL) -> tuple[int, int]:
+        """(sent, received): the K/V rows rank `rank` sends to and receives from its ring in one layer's forward.
+        A ring moves the `(C-1)/C` of the transported copies a rank does not own; in a sliding layer under CSBP
+        (`core.exchange`) only the rows another member's rows see: with `S_j` the clean positions member `j`'s rows
+        see and `O_j` those it holds, it sends `Σ_{j≠r} |O_r ∩ S_j|` and receives `|S_r \ O_r|`."""
+        C = clean_shards
+        if C == 1 or not self.transported_copies:
+            return 0, 0
+        if not window.sliding or self.shards_both_copies:
+            rows = self.gathered_tokens(seq_length, C) // C * (C - 1)
+            return rows, rows
+        members = [rank // C * C + j for j in range(C)]
+        spans = [self.row_spans(seq_length, block_size, parallel_size, C, member) for member in members]
+        seen = [_union(key_ranges(*member_spans, block_size, clean_attention, window)) for member_spans in spans]
+        held = [sorted(clean) for _, clean in spans]
+        me = rank % C
+        sent = sum(_overlap(held[me], seen[j]) for j in range(C) if j != me)
+        received = sum(_overlap(held[j], seen[me]) for j in range(C) if j != me)
+        return sent, received
+
     def kernel_calls(self, seq_length: int, block_size: int, parallel_size: int, clean_shards: int, rank: int,
-                     tile: int, clean_attention=BLOCK_CAUSAL) -> tuple[KernelCall, ...]:
+                     tile: int, clean_attention=BLOCK_CAUSAL, window=GLOBAL) -> tuple[KernelCall, ...]:
         """The attention kernel calls rank `rank` makes in one layer's forward, per head and sample, under the
         collective transport (streaming makes the remote call once per ring step, over the same rows): the
         block-diagonal call of its noisy blocks ("dense": whole `B×B` blocks, no padding) and the call of every
-        row against the gathered clean keys sorted by position ("prefix"), which computes each row's keys up
-        to the end of the `tile`-wide key tile holding its last visible key (the CPU prefix kernel's plan)."""
+        row against its clean keys sorted by position ("prefix"), which computes each row's keys from the start of
+        the `tile`-wide key tile holding its first visible key to the end of the one holding its last (the CPU
+        prefix and range plans). The keys are the whole clean copy, or in a sliding layer whose ring exchanges
+        windows (`core.exchange`) the clean positions the rank's rows see."""
         L, B = seq_length, block_size
         noisy, clean = self.row_spans(L, B, parallel_size, clean_shards, rank)
+        ranges = list(key_ranges(noisy, clean, B, clean_attention, window))
+        keys = _KeyIndex(_union(ranges) if window.sliding and clean_shards > 1 and not self.shards_both_copies
+                         else [(0, L)])
         real = computed = 0
-        for limit, rows in _limits(noisy, clean, B, clean_attention):
-            real += rows * limit
-            computed += rows * min(-(-limit // tile) * tile, L)
+        for start, limit, rows in ranges:
+            first, stop = keys.index(start), keys.index(limit)
+            if stop > first:
+                real += rows * (stop - first)
+                computed += rows * (min(-(-stop // tile) * tile, keys.size) - first // tile * tile)
         noisy_pairs = sum(stop - start for start, stop in noisy) * B
         calls = [KernelCall(kernel_work.DENSE, noisy_pairs, noisy_pairs)] if noisy_pairs else []
         return tuple(calls + [KernelCall(kernel_work.PREFIX, real, computed)])
@@ -130,11 +159,51 @@ class _PureBlockParallel(ParallelMode):
                 f"or use {flags.mode} csbp")
 
 
-def _limits(noisy_spans, clean_spans, block_size, clean_attention=BLOCK_CAUSAL):
-    """(limit, rows) per run of rows sharing a limit: clean keys below `limit` are visible (the clean-attention
-    rule's limits, `core.clean_attention`; docs/algorithm.md §3)."""
-    yield from clean_attention.limit_runs(noisy_spans, False, block_size)
-    yield from clean_attention.limit_runs(clean_spans, True, block_size)
+def key_ranges(noisy_spans, clean_spans, block_size, clean_attention=BLOCK_CAUSAL, window=GLOBAL):
+    """`(start, limit, rows)` per run of rows sharing their clean keys, the positions `[start, limit)`: the
+    clean-attention rule's limits (`core.clean_attention`), from the window's start in a sliding layer
+    (`core.windows`; docs/algorithm.md §3). Noisy rows first, then clean ones, as a rank holds them."""
+    for spans, clean in ((noisy_spans, False), (clean_spans, True)):
+        for anchor, limit, rows in clean_attention.key_runs(spans, clean, block_size):
+            yield max(window.starts(anchor), 0), limit, rows
+
+
+def _union(ranges):
+    """The positions some of `ranges` covers, as sorted disjoint `(start, stop)` intervals."""
+    merged = []
+    for start, stop, _ in sorted(ranges):
+        if stop <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], stop)
+        else:
+            merged.append([start, stop])
+    return [tuple(interval) for interval in merged]
+
+
+def _overlap(intervals, others) -> int:
+    """Positions two lists of disjoint `(start, stop)` intervals have in common."""
+    return sum(max(0, min(stop, other_stop) - max(start, other_start))
+               for start, stop in intervals for other_start, other_stop in others)
+
+
+class _KeyIndex:
+    """The keys of a call, sorted intervals of positions: `index(p)` is how many keys lie below position `p`."""
+
+    def __init__(self, intervals):
+        self.intervals, self.before, total = intervals, [], 0
+        for start, stop in intervals:
+            self.before.append(total)
+            total += stop - start
+        self.size = total
+
+    def index(self, position) -> int:
+        count = 0
+        for (start, stop), before in zip(self.intervals, self.before):
+            if position <= start:
+                break
+            count = before + min(position, stop) - start
+        return count
 
 
 class _ContextParallel(ParallelMode):
@@ -194,16 +263,18 @@ class _FieldContextParallel(_ContextParallel):
         return ["no sequence sharding, one masked attention call"]
 
     def kernel_calls(self, seq_length, block_size, parallel_size, clean_shards, rank, tile,
-                     clean_attention=BLOCK_CAUSAL):
+                     clean_attention=BLOCK_CAUSAL, window=GLOBAL):
         """One "masked" call: the rank's `2L/C` rows (its noisy chunk, then its clean chunk) against the `2L`
         keys in position order (noisy copy, then clean), both cut into `tile`-sized tiles as flex cuts them;
         a key tile is computed for a query tile when any of its pairs is visible (`core.kernels.MaskedPlan`)."""
         L, B, t = seq_length, block_size, tile
         (noisy,), (clean,) = self.row_spans(L, B, parallel_size, clean_shards, rank)
         rows = [(noisy, False), (clean, True)]  # (span, clean copy?) in row order
-        # a noisy row sees its own block's B noisy keys besides the clean keys below its limit
-        real = (sum(count * (limit + B) for limit, count in _limits([noisy], [], B, clean_attention))
-                + sum(count * limit for limit, count in _limits([], [clean], B, clean_attention)))
+        # a noisy row sees its own block's B noisy keys besides its clean keys
+        real = (sum(rows * (max(limit - start, 0) + B) for start, limit, rows in key_ranges([noisy], [], B,
+                                                                                            clean_attention, window))
+                + sum(rows * max(limit - start, 0) for start, limit, rows in key_ranges([], [clean], B,
+                                                                                         clean_attention, window)))
         n, computed = 2 * (L // clean_shards), 0
         for lo in range(0, n, t):
             hi = min(lo + t, n)
@@ -214,9 +285,10 @@ class _FieldContextParallel(_ContextParallel):
                 if first >= last:
                     continue
                 p0, p1 = start + first - offset, start + last - offset  # positions of those rows: [p0, p1)
-                # clean keys up to the last row's limit (limits rise with position); noisy rows: their blocks too
-                intervals.append((L, L + clean_attention.row_limits(p1 - 1, clean_copy, B)))
-                if not clean_copy:
+                spans = ([(p0, p1)], []) if not clean_copy else ([], [(p0, p1)])
+                intervals += [(L + key_start, L + limit)
+                              for key_start, limit, _ in key_ranges(*spans, B, clean_attention, window)]
+                if not clean_copy:  # and their blocks' noisy keys
                     intervals.append((p0 // B * B, ((p1 - 1) // B + 1) * B))
             computed += (hi - lo) * _tile_span(intervals, 2 * L, t)
         return (KernelCall(kernel_work.MASKED, real, computed),)

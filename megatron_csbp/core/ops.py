@@ -21,7 +21,9 @@ The backward is exact: each part is differentiated against the final merged outp
 
 What a (layout, device) fixes once — which rows of each ring member are clean keys, in position order,
 and the kernels' plans over them — is a `RingPlan` (`ring_plan(layout, device)`), built once by the
-caller and shared by every layer and the backward; calls without one use a small cache.
+caller and shared by every layer and the backward; calls without one use a small cache. The layout carries the
+layer's window (`core.windows`): in a sliding layer every row's keys start at its window's start, and under CSBP
+the plan's `exchange` (`core.exchange`) has the ring move only the clean rows each rank's rows see.
 """
 
 from collections import OrderedDict
@@ -31,6 +33,7 @@ import torch
 
 from megatron_csbp.core import transports
 from megatron_csbp.core.documents import NoisyDocuments, clean_key_ranges, noisy_document_ids
+from megatron_csbp.core.exchange import window_exchange
 from megatron_csbp.core.kernel_work import DENSE, MASKED, PREFIX
 from megatron_csbp.core.kernels import default_kernels, default_scale
 from megatron_csbp.core.process_groups import ring_group_of
@@ -64,6 +67,10 @@ class RingPlan:
     remote_backward: object
     documents: object = None           # core.documents.Documents of a packed sample (None: one document)
     noisy_documents: object = None     # NoisyDocuments where an owned block straddles documents, else None
+    # A sliding layer's exchange (core.exchange.WindowExchange) where the ring moves only what each rank sees: a
+    # member's shard is then the piece it gives this rank (its own piece: its own keys), and the gathered buffer
+    # the pieces in ring order. None: every transported row travels.
+    exchange: object = None
 
     def kernel_calls(self, per_member: bool = False) -> tuple:
         """The kernel calls of one layer's forward, per head and sample, counted from the plans' own masks and
@@ -105,14 +112,14 @@ def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
             rows = (layout.row_positions.to(device), layout.row_is_clean.to(device), positions.to(device),
                     clean.to(device), block)
             if documents is None:
-                return kernels.masked_plan(*rows, clean_attention=layout.clean_attention)
+                return kernels.masked_plan(*rows, clean_attention=layout.clean_attention, window=layout.window)
             # packed: a token's two copies share its position, hence its document
             return kernels.masked_plan(*rows, query_documents=documents.index_of(layout.row_positions).to(device),
                                        key_documents=documents.index_of(positions).to(device),
-                                       clean_attention=layout.clean_attention)
-    else:  # clean keys only, in position order; packed: each row's keys cut to its document, [start, limit)
+                                       clean_attention=layout.clean_attention, window=layout.window)
+    else:  # clean keys only, in position order; each row's keys `[start, limit)`: its window's, cut to its document
         kind, remote_forward, remote_backward = PREFIX, kernels.prefix_forward, kernels.prefix_backward
-        if documents is None:
+        if documents is None and not layout.window.sliding:
             starts, limits = None, layout.row_limits
         else:
             starts, limits = clean_key_ranges(layout, documents)
@@ -126,20 +133,31 @@ def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
             if starts is None:
                 return kernels.plan(limits, positions.to(device))
             return kernels.plan(limits, positions.to(device), query_starts=starts)
-    shard_rows, shard_plans, gathered_rows, gathered_positions, gathered_clean = [], [], [], [], []
-    offset = 0
+    member_keys = []  # per ring member: its transported rows that are keys, in key order, and their positions
     for ring_rank in range(layout.clean_shards):
         member = layout.for_rank(layout.ring_index * layout.clean_shards + ring_rank)
         first = member.first_transported_row
         positions, clean = member.row_positions[first:], member.row_is_clean[first:]
         rows = torch.arange(positions.numel()) if masked else torch.nonzero(clean).flatten()
         rows = rows[torch.argsort(key_order(positions[rows], clean[rows]), stable=True)]
-        shard_rows.append(_indices_or_all(rows, positions.numel(), device))
-        shard_plans.append(plan_for(positions[rows], clean[rows]))
+        member_keys.append((rows, positions[rows], clean[rows], positions.numel()))
+    exchange = None
+    if layout.exchanges_windows and layout.clean_shards > 1:
+        exchange = window_exchange(layout, documents, [(rows, positions) for rows, positions, *_ in member_keys],
+                                   device)
+    shard_rows, shard_plans, gathered_rows, gathered_positions, gathered_clean = [], [], [], [], []
+    offset = 0
+    for ring_rank, (rows, positions, clean, shard_size) in enumerate(member_keys):
+        if exchange is not None:  # the member's piece: what it gives this rank (clean rows), whole
+            positions = exchange.receive_positions[ring_rank]
+            shard_size = positions.numel()
+            rows, clean = torch.arange(shard_size), torch.ones(shard_size, dtype=torch.bool)
+        shard_rows.append(_indices_or_all(rows, shard_size, device))
+        shard_plans.append(plan_for(positions, clean))
         gathered_rows.append(rows + offset)
-        gathered_positions.append(positions[rows])
-        gathered_clean.append(clean[rows])
-        offset += positions.numel()
+        gathered_positions.append(positions)
+        gathered_clean.append(clean)
+        offset += shard_size
     gathered_rows, gathered_positions = torch.cat(gathered_rows), torch.cat(gathered_positions)
     gathered_clean = torch.cat(gathered_clean)
     order = torch.argsort(key_order(gathered_positions, gathered_clean), stable=True)
@@ -147,7 +165,7 @@ def ring_plan(layout, device, kernels=None, documents=None) -> RingPlan:
                     plan_for(gathered_positions[order], gathered_clean[order]), tuple(shard_plans),
                     block_diagonal=not masked, kind=kind, num_keys=int(order.numel()), remote_forward=remote_forward,
                     remote_backward=remote_backward, documents=documents,
-                    noisy_documents=_noisy_documents(layout, documents, masked, device))
+                    noisy_documents=_noisy_documents(layout, documents, masked, device), exchange=exchange)
 
 
 def _noisy_documents(layout, documents, masked, device):

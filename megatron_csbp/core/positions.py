@@ -15,8 +15,8 @@ the sampler, whose position is the row index, takes them at the same positions.
   row's RoPE position (the one RoPE turns it by, as transformers takes it from `position_ids`) and `L0` YaRN's
   original length: queries past the original context sharpen their attention, logarithmically.
 
-`RotaryPositions.from_args` is the one reader of these flags (training's model, the sampler's, validation);
-each refusal is one line naming the flag. Standard library only (`QueryScaling.scales` takes torch tensors).
+`RotaryPositions.from_args` reads these flags: a run's, once, into its `RunConfig`; a checkpoint's record, for
+the sampler and the export. Each refusal is one line naming the flag. Standard library only (`QueryScaling.scales` takes torch tensors).
 """
 
 import dataclasses
@@ -33,6 +33,12 @@ YARN_FLAGS = {"yarn_rotary_scaling_factor": "factor",
               "yarn_mscale_all_dim": "mscale_all_dim"}
 ROUNDING = "yarn_correction_range_round_to_int"  # megatron-core's field; its flag turns it off
 NO_ROUNDING = "--no-yarn-correction-range-round-to-int"
+
+
+def position_embedding_type(args) -> str:
+    """The position type Megatron-LM resolves: `--use-rotary-position-embeddings` (its older spelling) makes it rope
+    whatever `--position-embedding-type` says."""
+    return ROPE if getattr(args, "use_rotary_position_embeddings", False) else args.position_embedding_type
 
 
 def _flag(name: str) -> str:
@@ -130,7 +136,7 @@ class RotaryPositions:
         """The RoPE of parsed arguments (either loop's, or a checkpoint's record: one saved before these flags
         existed records none of them, and is plain RoPE); `ConfigError` (one line naming the flag) where the flags
         do not make one."""
-        kind = args.position_embedding_type
+        kind = position_embedding_type(args)
         given = {field: getattr(args, dest) for dest, field in YARN_FLAGS.items()
                  if getattr(args, dest, None) is not None}
         rounded = getattr(args, ROUNDING, True)

@@ -34,10 +34,16 @@ OBJECTIVES = objectives.OBJECTIVES  # each an `objectives.ObjectiveKind`
 LOSS_WEIGHTINGS = objectives.LOSS_WEIGHTINGS
 NOISE_SAMPLINGS = ("antithetic", "iid")
 RECOMPUTE_GRANULARITIES = ("full", "selective")
+# megatron-core's selective-recompute submodules (`TransformerConfig.recompute_modules`; see `recompute_problem`).
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "shared_experts", "moe_act", "mla_up_proj")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 BYTE_TOKENIZER = "ByteLevelTokenizer"
 TEXT_TOKENIZERS = (BYTE_TOKENIZER, "HuggingFaceTokenizer")  # those that turn text into ids
 TOKENIZERS = TEXT_TOKENIZERS + ("NullTokenizer",)
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default
+# --cross-entropy-fusion-impl: the values of Megatron-LM's that the tiled linear cross-entropy stands for, and its tile
+CROSS_ENTROPY_FUSION_IMPLS = ("native",)
+CROSS_ENTROPY_TILE_ROWS = 1024
 # Mixture of experts: what routes each token alike on every layout (see `moe_problem`).
 MOE_LOAD_BALANCING = ("aux_loss", "none")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -69,6 +75,7 @@ class Flags:
     num_experts: str = "--num-experts"
     expert_parallel: str = "--expert-model-parallel-size"
     expert_tensor_parallel: str = "--expert-tensor-parallel-size"
+    logits_tile_rows: str = "--cross-entropy-tile-rows"
 
     def renamed(self, **names) -> "Flags":
         return dataclasses.replace(self, **names)
@@ -383,6 +390,60 @@ def noise_range_problem(t_min: float, t_max: float) -> str | None:
     if 0 < t_min <= t_max <= 1:
         return None
     return f"--bdlm-noise-range {t_min} {t_max} must satisfy 0 < T_MIN <= T_MAX <= 1 (default 0.001 1)"
+
+
+def recompute_modules(granularity: str | None, modules, moe_layer_recompute: bool = False) -> tuple | None:
+    """The submodules selective recompute redoes, as megatron-core resolves them (None: no selective recompute):
+    `--recompute-modules` (default core_attn), with moe added by the older `--moe-layer-recompute`, which selects
+    selective recompute by itself. `granularity`: `--recompute-granularity` (Megatron-LM's `--recompute-activations`
+    already read as selective)."""
+    if moe_layer_recompute and granularity is None:
+        granularity = "selective"
+    if granularity != "selective":
+        return None
+    chosen = tuple(modules) if modules else DEFAULT_RECOMPUTE_MODULES
+    return chosen + (("moe",) if moe_layer_recompute and "moe" not in chosen else ())
+
+
+def recompute_problem(granularity: str | None, modules, moe_layer_recompute: bool, *, dense_layers: bool,
+                      moe_layers: bool, shared_experts: bool, grouped_gemm: bool,
+                      transformer_engine: bool) -> str | None:
+    """Selective recompute of submodules the model has: megatron-core skips a named module a layer lacks (an MLP
+    where every layer is a mixture of experts), so the memory the user asked to free would silently stay. A BDLM
+    layer has the core attention (CSBP's), its norms (fused into the linear layers under Transformer Engine, where
+    megatron-core has nothing to redo, as in Megatron-LM), a dense MLP where a layer is not a MoE layer, the MoE
+    layer and its shared experts where configured, and the experts' activation in their grouped GEMM; never
+    multi-latent attention's up-projection (MLA is refused). The norms' recompute discards its output, and
+    megatron-core's output-discarding checkpoint reads Transformer Engine's FP8 state: it needs Transformer Engine
+    installed (`transformer_engine`). The same line under both loops."""
+    if moe_layer_recompute and granularity == "full":
+        return ("--moe-layer-recompute selects selective recompute of the MoE layers, not beside --recompute-"
+                "granularity full (megatron-core refuses the pair); drop one")
+    if modules and recompute_modules(granularity, modules, moe_layer_recompute) is None:
+        return (f"--recompute-modules {' '.join(modules)} needs --recompute-granularity selective (megatron-core "
+                f"reads the modules only then); add it, or drop --recompute-modules")
+    unknown = [name for name in modules or () if name not in RECOMPUTE_MODULES]
+    if unknown:
+        return (f"--recompute-modules {' '.join(unknown)}: not a module megatron-core recomputes; choose from "
+                f"{', '.join(name for name in RECOMPUTE_MODULES if name != 'mla_up_proj')}")
+    if moe_layer_recompute and not moe_layers:
+        return "--moe-layer-recompute: the model has no MoE layers (--num-experts); drop it"
+    no_moe = "the model has no MoE layers (--num-experts)"
+    lacking = {"mlp": None if dense_layers else "every layer is a MoE layer, none has a dense MLP (--moe-layer-freq)",
+               "moe": None if moe_layers else no_moe,
+               "shared_experts": None if shared_experts else "the model has no shared experts "
+                                                             "(--moe-shared-expert-intermediate-size)",
+               "moe_act": None if moe_layers and grouped_gemm else no_moe if not moe_layers else
+               "megatron-core recomputes the experts' activation only in their grouped GEMM (--moe-grouped-gemm)",
+               "mla_up_proj": "the model has no multi-latent attention (refused with CSBP)"}
+    if not transformer_engine:
+        lacking["layernorm"] = ("megatron-core's output-discarding recompute of the norms needs Transformer Engine, "
+                                "not installed here")
+    missing = [name for name in modules or () if lacking.get(name)]
+    if missing:
+        return (f"--recompute-modules {' '.join(missing)}: {'; '.join(f'{name}: {lacking[name]}' for name in missing)}"
+                f"; drop {'them' if len(missing) > 1 else 'it'}")
+    return None
 
 
 # --- the FLOP convention ---------------------------------------------------------------------------

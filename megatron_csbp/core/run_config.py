@@ -5,8 +5,8 @@ parsed arguments (`RunConfig.from_args`, the one place the plugin reads its flag
 candidate layout — and checked in `__post_init__` by the rules (`core.rules`), in one order, so a layout the
 planner proposes is one the trainer accepts and a refusal reads the same wherever it is met. It holds the
 variants themselves (the parallel mode, the objective, the transport, the block schedule, the clean layout,
-the clean-attention rule: objects stating their own facts, `core.variants`) and the model's shape
-(`core.model_shape.ModelShape`). What the flags leave to defaults (the clean shards `C`, the loss weighting,
+the clean-attention rule: objects stating their own facts, `core.variants`), the model's shape
+(`core.model_shape.ModelShape`) and its RoPE variant (`core.positions.RotaryPositions`). What the flags leave to defaults (the clean shards `C`, the loss weighting,
 the sizes, the ETP, the global batch) it resolves once; nothing downstream re-derives them. The block-parallel
 size `P` and `C` live here; a rank's rows are `layout(rank)`.
 
@@ -18,9 +18,10 @@ Standard library only (the planner runs without torch); `layout()` builds a torc
 
 import dataclasses
 
-from megatron_csbp.core import modes, objectives, rules, transports
+from megatron_csbp.core import modes, objectives, rules, transports, windows
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS, CleanAttention
 from megatron_csbp.core.model_shape import ModelShape, MoEShape
+from megatron_csbp.core.positions import RotaryPositions
 from megatron_csbp.core.schedule import CLEAN_LAYOUTS, DUAL_END, SCHEDULES, ZIGZAG, BlockSchedule, CleanLayout
 
 
@@ -31,6 +32,7 @@ class RunConfig:
     shape: ModelShape
     seq_length: int  # L, clean tokens per sample
     block_size: int  # B, the diffusion block
+    positions: RotaryPositions = RotaryPositions()  # YaRN and the query scaling (plain RoPE: neither)
     # the objective
     objective: objectives.ObjectiveKind = objectives.BD3LM
     loss_weighting: str | None = None  # None: the objective's default
@@ -38,8 +40,12 @@ class RunConfig:
     antithetic_noise: bool = True  # noise times stratified over each global batch (else i.i.d.)
     seed: int = 1234  # the noise is drawn from (seed, sample index)
     clean_attention: CleanAttention = BLOCK_CAUSAL
+    # sliding-window layers, megatron-core's `window_size` (LEFT, 0) and `window_attn_skip_freq` (`core.windows`)
+    window_size: tuple | None = None
+    window_attn_skip_freq: int | tuple | None = None
     diffusion_loss_weight: float = 1.0  # the weight of the diffusion loss on the noisy rows
     ar_loss_weight: float = 0.0  # the weight of the next-token loss on the clean rows (0: none)
+    logits_tile_rows: int | None = None  # the loss as a tiled linear cross-entropy over tiles of these rows (None: off)
     # the layout
     mode: modes.ParallelMode = modes.CSBP
     block_parallel_size: int = 1  # P, in Megatron's CP slot
@@ -71,6 +77,9 @@ class RunConfig:
         for name, (registry, flag) in variants.items():  # a library caller may name a variant
             rules.refuse(registry.problem(getattr(self, name), flag), rules.ConfigError)
             object.__setattr__(self, name, registry(getattr(self, name)))
+        for name in ("window_size", "window_attn_skip_freq"):  # a list (the flags' reading) held as a tuple
+            if isinstance(getattr(self, name), list):
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         rules.refuse(self.problem(), rules.ConfigError)
         resolved = dict(
             loss_weighting=self.loss_weighting or self.objective.default_weighting,
@@ -102,7 +111,10 @@ class RunConfig:
                    or rules.packing_problem(self.reset_position_ids, self.reset_attention_mask, PP, flags=f)
                    or rules.loss_weighting_problem(self.objective, self.loss_weighting)
                    or rules.loss_parts_problem(self.objective, self.clean_attention, self.diffusion_loss_weight,
-                                               self.ar_loss_weight))
+                                               self.ar_loss_weight)
+                   or (rules.at_least(f.logits_tile_rows, self.logits_tile_rows)
+                       if self.logits_tile_rows is not None else None)
+                   or windows.window_size_problem(self.window_size, self.window_attn_skip_freq, shape.num_layers))
         if problem or self.global_batch_size is None:
             return problem
         return rules.batch_problem(self.global_batch_size, self.micro_batch_size, world // (TP * PP * P), f)
@@ -127,9 +139,13 @@ class RunConfig:
             moe=moe)
         return cls(
             shape=shape, seq_length=args.seq_length, block_size=args.bdlm_block_size,
+            positions=RotaryPositions.from_args(args),
             objective=args.bdlm_objective, loss_weighting=args.bdlm_loss_weighting,
             clean_attention=args.bdlm_clean_attention, diffusion_loss_weight=args.bdlm_diffusion_loss_weight,
+            window_size=getattr(args, "window_size", None),
+            window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
             ar_loss_weight=args.bdlm_ar_loss_weight,
+            logits_tile_rows=args.cross_entropy_tile_rows if args.cross_entropy_loss_fusion else None,
             noise_range=tuple(args.bdlm_noise_range), antithetic_noise=args.bdlm_noise_sampling == "antithetic",
             seed=args.seed, mode=args.bdlm_parallel_mode,
             block_parallel_size=args.context_parallel_size,  # Megatron's CP slot (`--context-block-parallel` fills it)
@@ -178,10 +194,16 @@ class RunConfig:
         """Whether samples hold several documents (each row's RoPE position or keys depend on its document)."""
         return self.reset_position_ids or self.reset_attention_mask
 
-    def layout(self, rank: int):
-        """The rows block-parallel rank `rank` holds."""
+    @property
+    def layer_windows(self) -> tuple:
+        """The window of each layer, first to last (`core.windows.GLOBAL` or a `Sliding`): megatron-core's reading
+        of `window_size` and `window_attn_skip_freq`."""
+        return windows.layer_windows(self.window_size, self.window_attn_skip_freq, self.shape.num_layers)
+
+    def layout(self, rank: int, window=windows.GLOBAL):
+        """The rows block-parallel rank `rank` holds (with the mask of a layer of `window`)."""
         from megatron_csbp.core.layout import layout_for
 
         return layout_for(self.mode, self.seq_length, self.block_size, self.block_parallel_size, self.clean_shards,
                           rank, schedule=self.schedule, clean_layout=self.clean_layout,
-                          clean_attention=self.clean_attention)
+                          clean_attention=self.clean_attention, window=window)

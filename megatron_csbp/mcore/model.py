@@ -14,6 +14,9 @@ What differs from a plain `GPTModel`, and why:
   -inf on whichever TP rank holds them. Megatron-LM leaves the padding columns in the softmax; an imported
   model's zero padding rows then give logit 0 and take probability from every real token (2-7% of the
   first loss of a tiny import), and a model trained that way learns to push them down instead.
+* With `logits_tile_rows` (`--cross-entropy-loss-fusion`) the head and its loss run as a tiled linear
+  cross-entropy (`linear_cross_entropy`) whenever labels are given: the same per-token loss, with no
+  `[rows x vocab]` logits held whole; without labels the head returns the logits as before.
 * Under sequence parallelism the row count is padded to a multiple of TP; padded rows have position
   0, see no attention and never reach the head.
 
@@ -36,6 +39,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_csbp.core import transports
 from megatron_csbp.core.positions import ROUNDING, YARN_FLAGS, RotaryPositions
 from megatron_csbp.mcore import spec as csbp_spec
+from megatron_csbp.mcore.linear_cross_entropy import tiled_linear_cross_entropy
 from megatron_csbp.core.rules import ConfigError, refused_features
 
 
@@ -124,7 +128,7 @@ class BDLMGPTModel(GPTModel):
 
     def __init__(self, config, transformer_layer_spec, vocab_size, *args, layout, mask_token_id=None, vocab_ids=None,
                  per_sample_positions=False, clean_logits=False, positions: RotaryPositions | None = None,
-                 **kwargs):
+                 logits_tile_rows=None, **kwargs):
         validate_config(config, layout, vocab_size, mask_token_id)  # before any weight is allocated
         vocab_ids = vocab_size if vocab_ids is None else vocab_ids
         if not 0 < vocab_ids <= vocab_size:
@@ -143,7 +147,8 @@ class BDLMGPTModel(GPTModel):
         self.vocab_ids = vocab_ids
         self.per_sample_positions = per_sample_positions  # packed samples, positions restarted per document
         self.clean_logits = clean_logits  # the LM head runs over the clean rows too (their next-token loss)
-        self._predictable = None  # this TP rank's predictable columns, made on the first forward
+        self.logits_tile_rows = logits_tile_rows  # the loss as a tiled linear cross-entropy (None: whole logits)
+        self._predictable = None  # this TP rank's unpredictable columns, made on the first forward
         self.padded_rows = padded_row_count(layout, self.config)
         if self.position_embedding_type == positions.embedding_type:
             self.rotary_pos_emb = PositionTableRotaryEmbedding(self.rotary_pos_emb, layout.seq_length)
@@ -194,6 +199,8 @@ class BDLMGPTModel(GPTModel):
         head_rows = self.layout.num_rows if self.clean_logits else self.layout.num_noisy_rows
         noisy_hidden = hidden_states[:head_rows]
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        if labels is not None and self.logits_tile_rows is not None:
+            return self._tiled_loss(noisy_hidden, output_layer.weight if weight is None else weight, labels)
         sequence_parallel, output_layer.sequence_parallel = output_layer.sequence_parallel, False
         try:
             logits, _ = output_layer(noisy_hidden, weight=weight)
@@ -204,15 +211,28 @@ class BDLMGPTModel(GPTModel):
             return logits.transpose(0, 1).contiguous()
         return self.compute_language_model_loss(labels, logits)
 
-    def _exclude_unpredictable_logits(self, logits):
-        """MASK's and the padding's logits to -inf (this TP rank's columns: see `predictable_columns`)."""
-        columns = logits.shape[-1]
-        if self._predictable is None or self._predictable[0].device != logits.device:
+    def _tiled_loss(self, hidden, weight, labels):
+        """Per-token cross-entropy `[b, rows]` of the head's rows `hidden [rows, b, h]` as a tiled linear
+        cross-entropy (`linear_cross_entropy`): the same loss, no whole `[rows x vocab]` logits."""
+        rows, batch = hidden.shape[:2]
+        loss = tiled_linear_cross_entropy(hidden.reshape(rows * batch, -1), weight, labels.t().reshape(-1),
+                                          self.logits_tile_rows, self._unpredictable(weight.shape[0], hidden.device),
+                                          self.pg_collection.tp)
+        return loss.view(rows, batch).t().contiguous()
+
+    def _unpredictable(self, columns, device):
+        """This TP rank's columns whose logits are -inf (MASK, the padding: see `predictable_columns`), or None."""
+        if self._predictable is None or self._predictable[0].device != device:
             allowed = predictable_columns(self.pg_collection.tp.rank() * columns, columns, self.vocab_ids,
-                                          self.mask_token_id, device=logits.device)
+                                          self.mask_token_id, device=device)
             self._predictable = (~allowed, bool(allowed.all()))  # one device sync, here only
         hidden, none_hidden = self._predictable
-        return logits if none_hidden else logits.masked_fill(hidden, float("-inf"))
+        return None if none_hidden else hidden
+
+    def _exclude_unpredictable_logits(self, logits):
+        """MASK's and the padding's logits to -inf."""
+        unpredictable = self._unpredictable(logits.shape[-1], logits.device)
+        return logits if unpredictable is None else logits.masked_fill(unpredictable, float("-inf"))
 
 
 def model_provider(pre_process=True, post_process=True, *, config, vocab_size, layout=None, mask_token_id=None,

@@ -25,12 +25,14 @@ from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.utils import is_layer_window_attention
 
 from megatron_csbp.core import transports
 from megatron_csbp.core.device import default_device
 from megatron_csbp.core.documents import Documents, balanced_layout
 from megatron_csbp.core.ops import context_sharded_block_attention, ring_plan
 from megatron_csbp.core.rules import refused_features
+from megatron_csbp.core.windows import GLOBAL, Sliding, window_size_problem
 
 
 DOCUMENT_PLANS = 8  # packed samples' plans kept (a micro-batch's are held apart, for all its layers, until the next)
@@ -54,9 +56,10 @@ class AttentionContext:
     """What the core attention needs beyond Megatron's config: this rank's rows and where K/V travel.
 
     `group`: the block-parallel `ProcessGroup`, a `process_groups.BlockParallelGroups`, or None on one rank.
-    Its `plan`, the op's `ops.RingPlan` of the layout on the run's device, is made on first use (a model
-    built only to load or export weights never pays for it) and then shared by every layer, forward and
-    backward: the run owns it; no cache is consulted.
+    Its plans, the op's `ops.RingPlan` of the layout on the run's device in a layer of each window (`plan_for`;
+    `plan`: a global layer's), are made on first use (a model built only to load or export weights never pays for
+    them) and then shared by every layer of that window, forward and backward: the run owns them; no cache is
+    consulted.
     """
 
     layout: Any
@@ -64,20 +67,31 @@ class AttentionContext:
     transport: transports.Transport = transports.COLLECTIVE
 
     @functools.cached_property
+    def _plans(self):
+        return {}
+
+    def plan_for(self, window=GLOBAL):
+        """The plan of a layer of `window` (`core.windows`): the layout's rows with that window's mask."""
+        if window not in self._plans:
+            self._plans[window] = ring_plan(self.layout.windowed(window), default_device())
+        return self._plans[window]
+
+    @property
     def plan(self):
-        return ring_plan(self.layout, default_device())
+        return self.plan_for(GLOBAL)
 
     @functools.cached_property
     def _document_plans(self):
-        return {"last": None, "plans": collections.OrderedDict()}
+        return {"last": {}, "plans": collections.OrderedDict()}
 
-    def document_plans(self, document_ids) -> list:
+    def document_plans(self, document_ids, window=GLOBAL) -> list:
         """`(documents, plan)` per sample of a packed micro-batch (`document_ids [b, L]`, the attention mask the
-        forward step passes): worked out once per micro-batch (every layer and the backward get the same
-        tensor) and kept for the last `DOCUMENT_PLANS` packings seen. Each plan is of the sample's deal of the
-        layout's blocks (`documents.balanced_layout`, as the forward step's rows)."""
+        forward step passes) in a layer of `window`: worked out once per micro-batch and window (every such layer
+        and the backward get the same tensor) and kept for the last `DOCUMENT_PLANS` packings seen. Each plan is of
+        the sample's deal of the layout's blocks (`documents.balanced_layout`, as the forward step's rows: the same
+        in every layer)."""
         memo = self._document_plans
-        last = memo["last"]
+        last = memo["last"].get(window)
         if last is not None and last[0] is document_ids:
             return last[1]
         plans = memo["plans"]
@@ -87,19 +101,39 @@ class AttentionContext:
             if documents.seq_length != self.layout.seq_length:
                 raise ValueError(f"document ids cover {documents.seq_length} positions, not --seq-length="
                                  f"{self.layout.seq_length}")
-            if documents not in plans:
-                plans[documents] = ring_plan(balanced_layout(self.layout, documents), default_device(),
-                                             documents=documents)
-            plans.move_to_end(documents)
-            per_sample.append((documents, plans[documents]))
+            key = (documents, window)
+            if key not in plans:
+                layout = balanced_layout(self.layout, documents).windowed(window)
+                plans[key] = ring_plan(layout, default_device(), documents=documents)
+            plans.move_to_end(key)
+            per_sample.append((documents, plans[key]))
         while len(plans) > DOCUMENT_PLANS:
             plans.popitem(last=False)
-        memo["last"] = (document_ids, per_sample)
+        memo["last"][window] = (document_ids, per_sample)
         return per_sample
+
+
+def layer_window(config, layer_number: int):
+    """The window of layer `layer_number` (1-based, over the whole model): megatron-core's own reading of the
+    config's `window_size` and `window_attn_skip_freq` (`is_layer_window_attention`), so a layer slides here
+    exactly where it slides in Megatron-LM; what the kernels cannot do is refused (`core.windows`)."""
+    window_size, skip_freq = config.window_size, config.window_attn_skip_freq
+    skip_freq = list(skip_freq) if isinstance(skip_freq, tuple) else skip_freq  # megatron-core takes a list
+    problem = window_size_problem(tuple(window_size) if isinstance(window_size, list) else window_size, skip_freq,
+                                  config.num_layers)
+    if problem:
+        raise ValueError(problem)
+    if not is_layer_window_attention(window_size, skip_freq, layer_number) or window_size[0] == -1:
+        return GLOBAL
+    return Sliding(window_size[0])
 
 
 class CSBPCoreAttention(MegatronModule):
     """Block-diffusion attention over this rank's `[noisy ; clean]` rows through the CSBP op.
+
+    The layer's window (`layer_window`: the config's `window_size` and `window_attn_skip_freq`, megatron-core's
+    reading by the layer number it is built with) chooses its plan: a sliding layer's mask and exchange
+    (`core.windows`, `core.exchange`), or a global one's.
 
     `attention_bias`, megatron-core's one per-micro-batch input to the core attention besides the mask, carries
     each row's query scale `[rows, b or 1, 1, 1]` (Llama 4's query scaling, from the row's RoPE position:
@@ -121,14 +155,12 @@ class CSBPCoreAttention(MegatronModule):
         if config.softmax_type != "vanilla":
             raise ValueError(f"softmax_type={config.softmax_type!r} is not supported by the CSBP attention; "
                              "use --softmax-type vanilla")
-        if config.window_size is not None:
-            raise ValueError("window_size (sliding-window attention) is not supported with the BDLM mask; "
-                             "unset --window-size")
         if context is None:
             raise RuntimeError("CSBPCoreAttention has no attention context (layout, groups): build the layer spec "
                                "with get_csbp_layer_spec(context=AttentionContext(...)), as megatron_csbp's model "
                                "provider does")
         self.layer_number = layer_number
+        self.window = layer_window(config, layer_number)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
         self.context = context
 
@@ -146,12 +178,14 @@ class CSBPCoreAttention(MegatronModule):
             out = torch.cat([context_sharded_block_attention(
                 query[:rows, i:i + 1], key[:rows, i:i + 1], value[:rows, i:i + 1], plan.layout,
                 group=context.group, softmax_scale=self.softmax_scale, transport=context.transport, plan=plan,
-                documents=documents) for i, (documents, plan) in enumerate(context.document_plans(attention_mask))],
+                documents=documents) for i, (documents, plan) in enumerate(context.document_plans(attention_mask,
+                                                                                                   self.window))],
                 dim=1)
         else:
-            out = context_sharded_block_attention(query[:rows], key[:rows], value[:rows], context.layout,
+            plan = context.plan_for(self.window)
+            out = context_sharded_block_attention(query[:rows], key[:rows], value[:rows], plan.layout,
                                                   group=context.group, softmax_scale=self.softmax_scale,
-                                                  transport=context.transport, plan=context.plan)
+                                                  transport=context.transport, plan=plan)
         if padded_rows > rows:  # rows added to make the row count a multiple of TP (sequence parallel)
             out = torch.cat([out, out.new_zeros(padded_rows - rows, *out.shape[1:])])
         return out

@@ -313,6 +313,9 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
     if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear:
         raise hf.UnsupportedModel("export needs a Llama-family model (--normalization RMSNorm --swiglu "
                                   "--disable-bias-linear); this checkpoint has another shape")
+    if getattr(args, "window_size", None) is not None:
+        raise hf.UnsupportedModel(f"this checkpoint has sliding-window layers (--window-size "
+                                  f"{','.join(map(str, args.window_size))}), which the export does not write yet")
     positions = RotaryPositions.from_args(args)  # the checkpoint's record (one before YaRN: plain RoPE)
     family = hf.exported_family(args.add_qkv_bias, args.qk_layernorm, bool(getattr(args, "num_experts", None)),
                                 positions.query_scaling is not None)
@@ -399,7 +402,7 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
                           f"safetensors file, in MiB")
     out, load = os.path.abspath(out), os.path.abspath(load)
     _check_export_target(out, overwrite, [load])
-    checkpoint = inference.read_checkpoint(load)
+    checkpoint = inference.read_checkpoint(load, log=log)
     directory, iteration, recorded = checkpoint.directory, checkpoint.iteration, checkpoint.recorded
     hf_side, found = None, {}
     if recorded.get("tokenizer_type") == "HuggingFaceTokenizer":  # its tokenizer, where it is now

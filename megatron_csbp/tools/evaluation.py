@@ -108,6 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--csbp-transport", choices=rules.TRANSPORTS, default=None,
                        help="Default: the checkpoint's.")
     group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                       help="The loss as a tiled linear cross-entropy (the same numbers; the logits never whole). "
+                            "Default: the checkpoint's.")
+    group.add_argument("--cross-entropy-tile-rows", type=int, default=None, metavar="N",
+                       help="Its rows per tile. Default: the checkpoint's.")
     group.add_argument("--distributed-timeout-minutes", type=int, default=None, help="Default: the checkpoint's.")
     return parser
 
@@ -199,8 +204,11 @@ def run_arguments(checkpoint, options, world_size: int):
                     options.context_block_parallel, options.context_block_parallel_clean_shards,
                     options.sequence_parallel)
     chosen = {flag: getattr(options, flag) for flag in ("bdlm_parallel_mode", "csbp_transport",
-                                                        "distributed_timeout_minutes")
+                                                        "distributed_timeout_minutes",
+                                                        "cross_entropy_tile_rows")
               if getattr(options, flag) is not None}
+    if options.cross_entropy_loss_fusion:
+        chosen["cross_entropy_loss_fusion"] = True
     # One sequence per micro-batch (each report is one sequence's); nothing is saved or resumed; the validation
     # share may be empty for --split all/train.
     args, vocabulary = launch_arguments(
@@ -554,7 +562,8 @@ class Evaluator:
                        "pipeline_model_parallel_size": args.pipeline_model_parallel_size,
                        "context_block_parallel": args.context_parallel_size,
                        "context_block_parallel_clean_shards": settings.clean_shards,
-                       "bdlm_parallel_mode": settings.mode.name, "data_parallel_size": settings.data_parallel_size},
+                       "bdlm_parallel_mode": settings.mode.name, "data_parallel_size": settings.data_parallel_size,
+                       "logits_tile_rows": settings.logits_tile_rows},
         }
 
     def report(self, record: dict | None) -> None:

@@ -370,7 +370,8 @@ class MegatronCSBPLM(LM):
         model = model_provider(config=providers.for_bdlm(transformer_config_from_args(args)),
                                vocab_size=args.padded_vocab_size, layout=self.layout,
                                mask_token_id=args.mask_token_id, vocab_ids=vocab_ids,
-                               group=parallel_state.get_block_parallel_groups(), **providers.gpt_model_kwargs(args))
+                               group=parallel_state.get_block_parallel_groups(),
+                               logits_tile_rows=self.run_config.logits_tile_rows, **providers.gpt_model_kwargs(args))
         model.load_state_dict(self.sampler.state_dict(), strict=True, assign=True)  # shares the tensors
         return model.to(default_device())
 

@@ -33,7 +33,7 @@ class Checkpoint:
     recorded: dict
 
 
-def read_checkpoint(load: str, *, verify: bool = True) -> Checkpoint:
+def read_checkpoint(load: str, *, verify: bool = True, log=print) -> Checkpoint:
     """The checkpoint `--load` names and the arguments it recorded (its common state, through the allow-list).
     `verify`: its files checked against their manifest now (a command with one process, before any work);
     without, when they are loaded (collectively, by every rank of a launch)."""
@@ -53,7 +53,7 @@ def read_checkpoint(load: str, *, verify: bool = True) -> Checkpoint:
             raise ConfigError(f"--load {load}: {checkpointing.TRACKER} names iteration {iteration}, but {directory} "
                               f"is missing; restore it or give another --load")
     if verify:
-        checkpointing.check_complete(directory, log=lambda *_: None)
+        checkpointing.verify(directory, log=log)
     common = checkpointing.common_state(directory)
     recorded = checkpointing.saved_args(common)
     if not recorded:
@@ -119,7 +119,12 @@ def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int)
     from megatron_csbp.core.run_config import RunConfig
 
     args, vocabulary = launch_arguments(checkpoint, Launch(tensor_parallel), config=config)
-    RunConfig.from_args(args, world_size=tensor_parallel).write_back(args)  # the sizes its configs read
+    settings = RunConfig.from_args(args, world_size=tensor_parallel)
+    settings.write_back(args)  # the sizes its configs read
+    if settings.window_size is not None:
+        raise ConfigError(f"checkpoint {checkpoint.directory} has sliding-window layers (--window-size "
+                          f"{','.join(map(str, settings.window_size))}): the sampler and the harness do not decode "
+                          f"them yet; evaluate its loss with scripts/evaluate_bdlm.py")
     args = vocabulary.recorded(args)
     args.tokenizer = vocabulary.tokenizer
     return args

@@ -27,8 +27,9 @@ The model, in one place so it can be argued with:
   kernels keep no `L²` scores), or each layer's input plus the larger of one layer's backward working set
   (its recomputed saved tensors and their gradients) and the noisy rows' logits with their fp32 copy
   (full recompute; the loss's backward frees the logits before any layer's backward runs); with
-  `logits_tile_rows` the loss runs over the noisy rows in tiles of that many rows (a tiled linear
-  cross-entropy), so only one tile's logits live;
+  `logits_tile_rows` (`--cross-entropy-loss-fusion`) the loss runs over the noisy rows in tiles of that many rows
+  (the trainer's tiled linear cross-entropy), so only one tile's logits live, and the head's forward runs again in
+  the backward (each tile's logits are recomputed there);
 * mixture of experts (`--num-experts` ...): every EP dividing the experts (ETP = TP, or 1 under TP), EP x ETP x
   expert-DP carved from each stage's TP x P x DP ranks as megatron-core does (the trainer's rules decide). Per
   rank: the MoE layers' linear FLOPs are the router's, the top-k experts' and the shared expert's
@@ -171,7 +172,7 @@ class Model:
     clean_attention: CleanAttention = BLOCK_CAUSAL  # or its name: what a clean row sees of the clean copy
     clean_logits: bool = False  # the LM head runs over the clean rows too (an autoregressive co-loss)
     sharded_gradients: bool = False  # fp32 gradients sharded over DP×P (ZeRO-2 / FSDP), not whole on every rank
-    logits_tile_rows: int = None     # the loss over the noisy rows in tiles of this many rows (None: all at once)
+    logits_tile_rows: int = None     # the loss in tiles of this many rows of the micro-batch (None: all at once)
     # mixture of experts (the trainer's flags; num_experts None: a dense model)
     num_experts: int = None
     moe_router_topk: int = 2
@@ -389,6 +390,7 @@ class Prediction:
     gradient_bytes: float = 0.0
     optimizer_bytes: float = 0.0
     all_to_all_bytes: float = 0.0      # MoE token dispatcher bytes this rank sends per step (uniform routing)
+    logits_bytes: float = 0.0          # the LM head's logits (and their fp32 copy) live at once, one micro-batch
     exposed_all_to_all_s: float = 0.0
     reason: str = ""
 
@@ -449,7 +451,7 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     layers = model.num_layers // pp
     passes = rules.step_passes(model.full_recompute)
     attention_passes = rules.step_passes(model.recompute)  # selective recompute redoes the core attention
-    head_passes = rules.step_passes()
+    head_passes = rules.step_passes(model.logits_tile_rows is not None)  # the tiled loss recomputes the logits
 
     per_pair = flops.attention_flops_per_pair(heads_tp, model.kv_channels)
     forward_attention_s, backward_attention_s = attention_seconds(mode, model, topo, gpu, per_pair)
@@ -534,8 +536,7 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     recompute_working = 2 * working_layer if model.full_recompute else 0.0
     # The CE keeps an fp32 copy of the logits until its backward, which runs before any layer's (one tile's
     # logits when the loss runs in tiles of rows).
-    logit_rows = min(head_rows, model.logits_tile_rows or head_rows)
-    logits = mbs * logit_rows * vocab / tp * (e + 4)
+    logits = min(mbs * head_rows, model.logits_tile_rows or mbs * head_rows) * vocab / tp * (e + 4)
     last_stage = layer_stored * layers + max(logits, recompute_working)
     first_stage = layer_stored * layers * min(pp, microbatches) + recompute_working
     activation_bytes = max(last_stage, first_stage) if pp > 1 else last_stage
@@ -557,7 +558,8 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
         step_time_s=step_time_s, tokens_per_s=global_batch * L / step_time_s,
         dense_params_per_rank=dense_params, expert_params_per_rank=expert_params, parameter_bytes=parameter_bytes,
         gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
-        all_to_all_bytes=microbatches * moe_layers * a2a_layer, exposed_all_to_all_s=microbatches * a2a_s)
+        all_to_all_bytes=microbatches * moe_layers * a2a_layer, exposed_all_to_all_s=microbatches * a2a_s,
+        logits_bytes=logits)
 
 
 def _stage_parameters(model: Model, topo: Topology, layers: int, moe_layers: int, vocab: int,
@@ -766,6 +768,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="what a clean row sees of the clean copy: its block (block-causal) or the tokens up to its own")
     add("--bdlm-ar-loss-weight", type=float, default=0.0,
         help="> 0: an autoregressive co-loss on the clean rows (the LM head runs over them too)")
+    add("--cross-entropy-loss-fusion", action="store_true",
+        help="the loss as the trainer's tiled linear cross-entropy (one tile's logits live, the head's forward twice)")
+    add("--cross-entropy-tile-rows", type=int, default=rules.CROSS_ENTROPY_TILE_ROWS, help="rows per tile")
     add("--num-experts", type=int, help="experts per MoE layer (default: a dense model)")
     add("--moe-router-topk", type=int, default=2)
     add("--moe-ffn-hidden-size", type=int, help="each expert's FFN size (default: --ffn-hidden-size)")
@@ -851,6 +856,7 @@ def _model(args) -> Model:
                  micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
                  transport=args.csbp_transport, clean_attention=args.bdlm_clean_attention,
                  clean_logits=args.bdlm_ar_loss_weight > 0,
+                 logits_tile_rows=args.cross_entropy_tile_rows if args.cross_entropy_loss_fusion else None,
                  num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
                  moe_ffn_hidden_size=args.moe_ffn_hidden_size,
                  moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
@@ -865,6 +871,7 @@ def _print_setting(model: Model, cluster: Cluster, out):
           f"recompute {model.recompute or 'none'}, {'bf16' if model.bytes_per_elem == 2 else 'fp32'}, "
           f"micro-batch {model.micro_batch_size}, {model.transport} transport, {model.clean_attention} clean rows"
           f"{', LM head over the clean rows too (AR co-loss)' if model.clean_logits else ''}"
+          f"{f', tiled linear cross-entropy ({model.logits_tile_rows} rows a tile)' if model.logits_tile_rows else ''}"
           f"{'' if model.bytes_per_elem == 2 else ' (FLOP rate is still the bf16 peak)'}", file=out)
     if model.moe:
         moe = model.moe
@@ -892,7 +899,19 @@ def _print_requested(model: Model, cluster: Cluster, tp: int, pp: int, p: int, c
         print(f"  {topo.mode.name:<4} {pred.attention_gib:8.2f} GiB   step {pred.step_time_s:8.3f} s   "
               f"{pred.tokens_per_s:9.0f} tok/s   {pred.reason}", file=out)
         records.append({**pred.record(), "requested": True})
+        if topo.mode is modes.CSBP:
+            _print_logits(model, cluster, topo, out)
     return records
+
+
+def _print_logits(model: Model, cluster: Cluster, topo: Topology, out):
+    """The LM head's logits per GPU in `topo`, whole and as the tiled linear cross-entropy, and the memory of each."""
+    tile = model.logits_tile_rows or rules.CROSS_ENTROPY_TILE_ROWS
+    whole, tiled = (predict(dataclasses.replace(model, logits_tile_rows=rows), cluster, topo) for rows in (None, tile))
+    print(f"       LM head logits per GPU: {whole.logits_bytes / GIB:.2f} GiB whole (memory "
+          f"{whole.memory_bytes / GIB:.1f} GiB), {tiled.logits_bytes / GIB:.3f} GiB in tiles of {tile} rows "
+          f"(--cross-entropy-loss-fusion; memory {tiled.memory_bytes / GIB:.1f} GiB, step {tiled.step_time_s:.3f} s)",
+          file=out)
 
 
 def _print_plan(preds: list, top: int, out):

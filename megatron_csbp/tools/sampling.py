@@ -363,6 +363,7 @@ def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLO
              "sampling runs one pipeline stage without context/block parallelism: use "
              "--tensor-model-parallel-size only")
     _require(not config.sequence_parallel, "sampling does not use sequence parallelism: drop --sequence-parallel")
+    _require(config.window_size is None, "sampling does not decode sliding-window layers yet: drop --window-size")
     attention = ModuleSpec(module=SamplingAttention,
                            params={"block_size": block_size, "clean_attention": clean_attention,
                                    "query_scaling": positions.query_scaling})

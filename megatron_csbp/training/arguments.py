@@ -5,6 +5,7 @@ megatron-core's configs in `megatron_config`.
 """
 
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -217,9 +218,9 @@ def check_output_paths(args: argparse.Namespace, settings: RunConfig | None = No
 
 def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     """The plugin's rules, on our loop's arguments and on Megatron-LM's alike (one line: flag and fix): the run
-    (`RunConfig.from_args`: the model's sizes, block size, layout geometry, world size, noise range, loss
-    weighting), which it returns, then the simulated link, the refused ring-CP features, the experts, RoPE (YaRN
-    and the query scaling: `positions.RotaryPositions`) and the transformer implementation. The block-parallel
+    (`RunConfig.from_args`: the model's sizes and RoPE variant, block size, layout geometry, world size, noise
+    range, loss weighting), which it returns, then the simulated link, the refused ring-CP features, the experts,
+    the position embedding type and the transformer implementation. The block-parallel
     size P lives in Megatron's CP slot alone (`--context-block-parallel` fills it); the defaults the run leaves
     are the `RunConfig`'s, resolved there.
     Writes nothing to `args`.
@@ -250,20 +251,41 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig
             shared_expert=bool(args.moe_shared_expert_intermediate_size), bias=args.add_bias_linear,
             score_function=args.moe_router_score_function,
             pre_softmax=bool(getattr(args, "moe_router_pre_softmax", False))))
-        import importlib.util
         _require(not args.moe_grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,
                  "--moe-grouped-gemm needs Transformer Engine (its grouped GEMM); drop it to run the experts one "
                  "by one (megatron-core's SequentialMLP)")
-    _require(args.position_embedding_type in (positions.ROPE, positions.YARN),
+    kind = positions.position_embedding_type(args)
+    _require(kind in (positions.ROPE, positions.YARN),
              f"--position-embedding-type {args.position_embedding_type}: BDLM needs rope (or yarn: a token's noisy "
              f"and clean copy share one position); use --position-embedding-type rope")
-    positions.RotaryPositions.from_args(args)
+    _require(getattr(args, "add_position_embedding", True) or kind == positions.ROPE,
+             f"--no-position-embedding (Megatron-LM's older switch for no learned positions) is taken beside rope "
+             f"only, as Megatron-LM takes it; with --position-embedding-type {kind} drop it")
+    factor = getattr(args, "rotary_seq_len_interpolation_factor", None)
+    _require(factor in (None, 1), f"--rotary-seq-len-interpolation-factor {factor}: RoPE position interpolation is "
+                                  f"not implemented for BDLM (1, no interpolation, is taken); drop it")
+    _refuse(rules.recompute_problem(
+        recompute_granularity(args), getattr(args, "recompute_modules", None),
+        bool(getattr(args, "moe_layer_recompute", False)), moe_layers=bool(settings.shape.moe),
+        dense_layers=not settings.shape.moe or settings.shape.moe.num_moe_layers < settings.shape.num_layers,
+        shared_experts=bool(settings.shape.moe and settings.shape.moe.shared_expert_ffn_hidden_size),
+        grouped_gemm=bool(getattr(args, "moe_grouped_gemm", False)),
+        transformer_engine=importlib.util.find_spec("transformer_engine") is not None))
+    if getattr(args, "overlap_param_gather", False):
+        _require(args.use_distributed_optimizer and args.overlap_grad_reduce,
+                 "--overlap-param-gather gathers the distributed optimizer's updated shards bucket by bucket: it "
+                 "needs --use-distributed-optimizer and --overlap-grad-reduce (Megatron-LM's rule); add them or "
+                 "drop it")
     if args.transformer_impl == "transformer_engine":
-        import importlib.util
         _require(importlib.util.find_spec("transformer_engine") is not None,
                  "--transformer-impl transformer_engine needs Transformer Engine (pip install -e '.[gpu]' on a GPU "
                  "machine); use --transformer-impl local")
     return settings
+
+
+def recompute_granularity(args: argparse.Namespace) -> str | None:
+    """The recompute granularity Megatron-LM resolves: `--recompute-activations` (its shorthand) is selective."""
+    return "selective" if getattr(args, "recompute_activations", False) else args.recompute_granularity
 
 
 def validate(args: argparse.Namespace, world_size: int, *, on_accelerator: bool | None = None,
@@ -280,6 +302,9 @@ def validate(args: argparse.Namespace, world_size: int, *, on_accelerator: bool 
                  "train_iters", "lr"):
         _require(getattr(args, flag) is not None, f"--{flag.replace('_', '-')} is required")
     check_shared_values(args)
+    # Megatron-LM's older spellings, resolved as its `validate_args` resolves them
+    args.position_embedding_type = positions.position_embedding_type(args)
+    args.recompute_granularity = recompute_granularity(args)
     settings = validate_plugin_args(args, world_size)
     settings.write_back(args)
 

@@ -186,8 +186,11 @@ def _sharded_state_dict(model, optimizer, *, is_loading: bool, with_optimizer: b
     model_state = model.sharded_state_dict()
     state = {"model": model_state}
     if with_optimizer:
+        # The distributed optimizer's state as Megatron-LM saves it by default (dp_reshardable): megatron-core's own
+        # default layout is refused by its checkpointing (`ShardedTensor.flattened_range is not supported`).
         state["optimizer"] = optimizer.sharded_state_dict(model_state, is_loading=is_loading,
-                                                          metadata={"chained_optim_avoid_prefix": True})
+                                                          metadata={"chained_optim_avoid_prefix": True,
+                                                                    "distrib_optim_sharding_type": "dp_reshardable"})
     if rng is not None:
         state["rng_state"] = _rng_sharded_object(rng)
     return state
@@ -489,6 +492,13 @@ def iteration_dirs(root: str) -> list[int]:
     return sorted(found, reverse=True)
 
 
+def verify(directory: str, log=print) -> None:
+    """`check_complete`, and the one line a user reads when it passes (what was checked, how long it took)."""
+    started = time.perf_counter()
+    check_complete(directory, log=log)
+    log(f" verified {directory} (sizes, {CHECKSUM}, .metadata, common state) in {time.perf_counter() - started:.3f} s")
+
+
 def find_checkpoint(root: str, *, fallback: bool, log=print) -> int:
     """The iteration to load from `root`: the tracker's, checked complete and intact (`check_complete`);
     with `fallback`, the newest older one that verifies when it is not. Raises `CheckpointError` naming the
@@ -505,10 +515,7 @@ def find_checkpoint(root: str, *, fallback: bool, log=print) -> int:
                               f"an earlier run, or drop --load to start from scratch")
     if latest in iteration_dirs(root) or not fallback:
         try:
-            started = time.perf_counter()
-            check_complete(checkpoint_dir(root, latest), log=log)
-            log(f" verified {checkpoint_dir(root, latest)} (sizes, {CHECKSUM}, .metadata, common state) in "
-                f"{time.perf_counter() - started:.3f} s")
+            verify(checkpoint_dir(root, latest), log=log)
             return latest
         except CheckpointError as error:
             if not fallback:
@@ -568,6 +575,26 @@ def check_same_positions(saved_args: dict, args: argparse.Namespace, directory: 
                                   f"train it on under new ones (e.g. to extend its context with YaRN)")
 
 
+def window_flags(args) -> dict:
+    """A model's sliding-window layers as its flags (`core.windows`), from parsed or recorded arguments."""
+    size, skip = getattr(args, "window_size", None), getattr(args, "window_attn_skip_freq", None)
+    return {"window-size": None if size is None else ",".join(map(str, size)),
+            "window-attn-skip-freq": list(skip) if isinstance(skip, (list, tuple)) else skip}
+
+
+def check_same_windows(saved_args: dict, args: argparse.Namespace, directory: str) -> None:
+    """Refuses (one line naming the first flag that differs) a run that continues a checkpoint (not --finetune)
+    with other sliding-window layers than it was trained with: the weights were trained for what each layer sees."""
+    saved, ours = window_flags(argparse.Namespace(**saved_args)), window_flags(args)
+    for key in saved:
+        if saved[key] != ours[key]:
+            def said(flags):
+                return f"no --{key}" if flags[key] is None else f"--{key} {flags[key]}"
+            raise CheckpointError(f"checkpoint {directory} was trained with {said(saved)}, this run has {said(ours)}: "
+                                  f"a run that continues it keeps its layers' windows; give its window flags, or "
+                                  f"--finetune to train it on under new ones")
+
+
 def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_optimizer=True, load_rng=True,
                     verify=True, resuming=False, log=print) -> LoopState:
     """Loads a complete checkpoint directory into the model (and optimizer, scheduler, RNG); returns the
@@ -582,6 +609,7 @@ def load_checkpoint(directory: str, model, optimizer, scheduler, args, *, load_o
     check_compatible(saved_args(common), args, directory)
     if resuming:
         check_same_positions(saved_args(common), args, directory)
+        check_same_windows(saved_args(common), args, directory)
     scheduler_state = common.get("opt_param_scheduler", common.get("scheduler"))
     if load_optimizer and scheduler_state is None:
         raise CheckpointError(f"checkpoint {directory} holds a model only (no optimizer state, e.g. a converted "

@@ -25,7 +25,9 @@ from megatron_csbp.training.flags import build_parser
 
 # The types of the per-layer pattern flags, ours and Megatron-LM's (which run the text as Python): their values
 # are read here first, by `layer_pattern`, and handed on as a plain list or int.
-LAYER_PATTERN_TYPES = ("moe_layer_freq", "moe_freq_type", "no_rope_freq_type", "la_freq_type")
+LAYER_PATTERN_TYPES = ("moe_layer_freq", "window_attn_skip_freq", "moe_freq_type", "no_rope_freq_type",
+                       "la_freq_type")
+WINDOW_TYPES = ("window_size", "tuple_type")  # `--window-size`'s type, ours and Megatron-LM's: LEFT,RIGHT
 # A section holds the plugin's flags of the prefixes it lists and is named by the first, less its dash: `csbp:`
 # holds --csbp-* and --context-block-parallel-*, `bdlm:` holds --bdlm-*.
 SECTION_PREFIXES = {prefixes[0][:-1]: prefixes for prefixes in (("csbp-", "context-block-parallel-"), ("bdlm-",))}
@@ -81,6 +83,8 @@ def _type_name(action: argparse.Action) -> str:
 def _convert(name: str, value, action: argparse.Action, where: str) -> str:
     """One scalar as argparse would receive it, refused here (with the file) if its type or choice is wrong."""
     wanted = _type_name(action)
+    if wanted in WINDOW_TYPES and isinstance(value, list) and all(isinstance(x, int) for x in value):
+        value = ",".join(map(str, value))  # YAML's [511, 0]
     if wanted in LAYER_PATTERN_TYPES:  # an int or a 0/1 list (YAML's, or a text)
         try:
             value = layer_pattern.canonical(layer_pattern.parse(value if isinstance(value, int) else str(value),

@@ -37,6 +37,7 @@ MEGATRON_LM_LOOP = "Megatron-LM's training loop"
 class Honoured:
     by: str = PLUGIN
     only: tuple | None = None  # the values it is honoured with (others are refused), None: all
+    why_only: str = ""  # why the other values are refused
 
     kind = "honoured"
 
@@ -104,9 +105,12 @@ _classify(Honoured(), """
     --rotary-base --rotary-percent --use-rope-scaling --rope-scaling-factor --init-method-std --hidden-dropout""")
 _classify(Honoured(only=("local", "transformer_engine")), "--transformer-impl")
 _classify(Honoured(), "--position-embedding-type --attention-dropout")  # rope or yarn, and 0 only
+_classify(Honoured(), "--window-size --window-attn-skip-freq")  # a left window (RIGHT 0): core.windows
 _classify(Honoured(), """
     --yarn-rotary-scaling-factor --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
     --yarn-mscale --yarn-mscale-all-dim --no-yarn-correction-range-round-to-int --llama-4-scaling-beta""")
+# Megatron-LM's older spellings, with its meanings: rope; no learned positions (none beside rope); 1 (no interpolation)
+_classify(Honoured(), "--use-rotary-position-embeddings --no-position-embedding --rotary-seq-len-interpolation-factor")
 _classify(Honoured(), "--spec")
 _classify(Honoured(), """
     --seq-length --micro-batch-size --global-batch-size --train-iters --lr --min-lr --lr-decay-style --lr-decay-iters
@@ -118,9 +122,16 @@ _classify(Honoured(only=("adam", "sgd")), "--optimizer")
 _classify(Honoured(), "--use-cpu-initialization")
 _classify(Honoured(), "--bf16 --fp16 --use-distributed-optimizer")
 _classify(Honoured(), "--recompute-granularity --recompute-method --recompute-num-layers")
+_classify(Honoured(), "--recompute-modules --recompute-activations --moe-layer-recompute")
+_classify(Honoured(), "--overlap-grad-reduce --overlap-param-gather")  # megatron-core's DDP, in both loops
 _classify(Honoured(only=(rules.BYTE_TOKENIZER, "NullTokenizer", "HuggingFaceTokenizer")),
           "--tokenizer-type")
 _classify(Honoured(), "--tokenizer-model --vocab-size")
+# The head and its loss as the plugin's tiled linear cross-entropy (megatron-core's fused kernels take whole logits).
+_classify(Honoured(), "--cross-entropy-loss-fusion --cross-entropy-tile-rows")
+_classify(Honoured(only=rules.CROSS_ENTROPY_FUSION_IMPLS,
+                   why_only="te names Transformer Engine's cross-entropy kernel, which takes the whole logits; native "
+                            "is the plugin's tiled linear cross-entropy"), "--cross-entropy-fusion-impl")
 _classify(Honoured(), "--data-cache-path")
 _classify(Honoured(), "--save --load --save-interval --finetune --no-load-optim --no-load-rng")
 _classify(Honoured(only=("torch_dist",)), "--ckpt-format")
@@ -145,9 +156,9 @@ _classify(Honoured(by=MEGATRON_LM_LOOP), """
     --rerun-mode --no-save-optim --no-save-rng --save-retain-interval --load-main-params-from-ckpt
     --pretrained-checkpoint --ckpt-step --no-initialization
     --grad-reduce-in-bf16 --loss-scale --initial-loss-scale --min-loss-scale --loss-scale-window --hysteresis
-    --accumulate-allreduce-grads-in-fp32 --overlap-grad-reduce --no-align-grad-reduce --ddp-num-buckets
+    --accumulate-allreduce-grads-in-fp32 --no-align-grad-reduce --ddp-num-buckets
     --ddp-bucket-size --ddp-pad-buckets-for-high-nccl-busbw --ddp-reduce-scatter-with-fp32-accumulation
-    --ddp-average-in-collective --overlap-param-gather --overlap-param-gather-with-optimizer-step
+    --ddp-average-in-collective --overlap-param-gather-with-optimizer-step
     --no-align-param-gather --num-distributed-optimizer-instances --distributed-backend
     --use-precision-aware-optimizer --main-grads-dtype --main-params-dtype --exp-avg-dtype --exp-avg-sq-dtype""")
 
@@ -177,6 +188,12 @@ _classify(Neutral("kernel, fusion, memory or communication choice: the same math
     --disable-symmetric-registration --local-rank --distributed-timeout-seconds-after-init
     --exit-signal-handler-for-dataloader --dataloader-fast-cache-load --dataloader-defer-npy-index-mmap
     --no-mmap-bin-files --num-dataset-builder-threads --no-create-attention-mask-in-dataloader --use-mcore-models""")
+_classify(Neutral("selects Transformer Engine's core-attention kernel (flash, fused, unfused); the core attention "
+                  "is CSBP's"), "--attention-backend")
+_classify(Neutral("the softmax precision of megatron-core's own core attention; CSBP's kernels accumulate the softmax "
+                  "in fp32 (at least) always"), "--attention-softmax-in-fp32")
+_classify(Neutral("read only by --tokenizer-type TikTokenizer, which is refused"),
+          "--tiktoken-pattern --tiktoken-num-special-tokens")
 _classify(Neutral("checkpoint format or save/load parallelism"), """
     --no-ckpt-fully-parallel-save --ckpt-fully-parallel-load --ckpt-assume-constant-structure --ckpt-fully-parallel-save
     --dist-ckpt-save-pre-mcore-014 --dist-ckpt-optim-fully-reshardable --distrib-optim-fully-reshardable-mem-efficient
@@ -221,7 +238,7 @@ _classify(Refused("is a mixture-of-experts option not supported with the BDLM mo
     --moe-router-topk-scaling-factor --moe-router-enable-expert-bias
     --moe-router-bias-update-rate --moe-router-force-load-balancing --moe-use-legacy-grouped-gemm --moe-z-loss-coeff
     --moe-input-jitter-eps --moe-enable-deepep --moe-flex-dispatcher-backend --moe-per-layer-logging
-    --moe-layer-recompute --moe-permute-fusion --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size
+    --moe-permute-fusion --moe-router-fusion --moe-apply-probs-on-input --moe-latent-size
     --moe-deepep-num-sms --moe-hybridep-num-sms --ep-overlap-early-attn-memory-release
     --overlap-moe-expert-parallel-comm""")
 _classify(Honoured(), "--reset-position-ids --reset-attention-mask --eod-mask-loss")
@@ -263,10 +280,10 @@ _classify(Refused("is an architecture option the BDLM model does not implement",
     --fp32-residual-connection --apply-residual-connection-post-layernorm --apply-layernorm-1p --glu-linear-offset
     --activation-func-clamp-value --rotary-interleaved --qk-l2-norm --qk-clip --qk-clip-alpha --qk-clip-threshold
     --attention-output-gate --softmax-type --embedding-init-method-std --init-method-xavier-uniform
-    --apply-query-key-layer-scaling --attention-softmax-in-fp32 --use-fused-weighted-squared-relu --openai-gelu
-    --squared-relu --quick-geglu --rotary-seq-len-interpolation-factor --no-rope-freq --no-position-embedding
-    --rope-type --window-size --window-attn-skip-freq --mrope-section --onnx-safe --fp16-lm-cross-entropy
-    --cross-entropy-loss-fusion --cross-entropy-fusion-impl --log-max-attention-logit --experimental-attention-variant
+    --apply-query-key-layer-scaling --use-fused-weighted-squared-relu --openai-gelu
+    --squared-relu --quick-geglu --no-rope-freq
+    --rope-type --mrope-section --onnx-safe --fp16-lm-cross-entropy
+    --log-max-attention-logit --experimental-attention-variant
     --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-loss-coeff
     --dsa-indexer-use-sparse-loss --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim
     --linear-num-key-heads --linear-num-value-heads --linear-attention-freq --heterogeneous-layers-config-path
@@ -278,7 +295,7 @@ _classify(Refused("is a multi-latent-attention option (MLA is not supported with
     --q-lora-rank --kv-lora-rank --qk-head-dim --qk-pos-emb-head-dim --v-head-dim --rotary-scaling-factor --mscale
     --mscale-all-dim --cache-mla-latents --multi-latent-attention""")
 _classify(Refused("selects a core attention, and the core attention is CSBP's", "drop it"), """
-    --attention-backend --use-flash-attn --flash-decode --use-kitchen-attention --kitchen-attention-backend""")
+    --use-flash-attn --flash-decode --use-kitchen-attention --kitchen-attention-backend""")
 _classify(Refused("is a low-precision (FP8/FP4) or Transformer Engine feature not tested with CSBP attention",
                   "train in --bf16 (or fp32)"), """
     --fp8-format --fp8-recipe --fp8-quantizer-factory --fp8-margin --fp8-interval --fp8-amax-history-len
@@ -294,7 +311,7 @@ _classify(Refused("is a performance feature (overlap, offload, CUDA graphs, FSDP
     --defer-embedding-wgrad-compute --wgrad-deferral-limit --cpu-offloading-num-layers --enable-cuda-graph
     --cuda-graph-warmup-steps --external-cuda-graph --cuda-graph-impl --cuda-graph-scope
     --fine-grained-activation-offloading --offload-modules --min-offloaded-tensor-size --distribute-saved-activations
-    --recompute-modules --init-model-with-meta-device --optimizer-cpu-offload --optimizer-offload-fraction
+    --init-model-with-meta-device --optimizer-cpu-offload --optimizer-offload-fraction
     --use-torch-optimizer-for-cpu-offload --overlap-cpu-optimizer-d2h-h2d --use-megatron-fsdp
     --data-parallel-sharding-strategy --outer-dp-sharding-strategy --no-gradient-reduce-div-fusion --fsdp-double-buffer
     --suggested-communication-unit-size --enable-full-sharding-in-hsdp --use-torch-fsdp2
@@ -315,12 +332,12 @@ _classify(Refused("selects a tokenizer the plugin does not support",
                   f"use --tokenizer-type {rules.BYTE_TOKENIZER}, NullTokenizer or HuggingFaceTokenizer "
                   f"--tokenizer-model DIR"), """
     --vocab-file --merge-file --vocab-extra-ids --tokenizer-metadata --tokenizer-special-tokens --legacy-tokenizer
-    --tiktoken-pattern --tiktoken-num-special-tokens --tiktoken-special-tokens --tokenizer-sentencepiece-legacy
+    --tiktoken-special-tokens --tokenizer-sentencepiece-legacy
     --tokenizer-hf-use-fast --tokenizer-hf-include-special-tokens""")
 _classify(Refused("would run code from the tokenizer's directory", "drop it: loading never runs code"),
           "--trust-remote-code")
 _classify(Refused("is deprecated in Megatron-LM", "use its replacement (see Megatron-LM's --help)"), """
-    --use-rotary-position-embeddings --batch-size --checkpoint-activations --recompute-activations --warmup --model-parallel-size --use-dist-ckpt
+    --batch-size --checkpoint-activations --warmup --model-parallel-size --use-dist-ckpt
     --dist-ckpt-format --test-mode""")
 _classify(Refused("replaces the parsed arguments after the plugin has checked them", "use --config FILE.yaml"),
           "--yaml-cfg")
@@ -340,7 +357,8 @@ def entry(flag: str) -> Honoured | Neutral | Refused:
 
 
 def _value_refusal(flag: str, value, honoured: Honoured) -> str:
-    return refusal(flag, value, Refused(f"is honoured only with {', '.join(map(str, honoured.only))}",
+    why = f" ({honoured.why_only})" if honoured.why_only else ""
+    return refusal(flag, value, Refused(f"is honoured only with {', '.join(map(str, honoured.only))}{why}",
                                         "use one of those"))
 
 

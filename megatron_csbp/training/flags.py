@@ -18,6 +18,9 @@ TRAINING_LOOPS = ("auto", "megatron-lm", "megatron-core")
 # --eval-interval when not given, in both loops (Megatron-LM's own None fails counting its validation samples).
 EVAL_INTERVAL = 1000
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
+# Megatron-LM's position types: only rope is taken (validation refuses the others with the reason).
+# Megatron-LM's position types (its parser's choices), and YaRN's (ours: megatron-core builds it)
+POSITION_EMBEDDING_TYPES = ("learned_absolute", positions.ROPE, "mrope", "relative", "none", positions.YARN)
 
 
 class _ContextBlockParallel(argparse.Action):
@@ -78,6 +81,9 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--bdlm-mask-token-id", type=int, default=None, metavar="ID",
                        help="The MASK id: a new id right after the tokenizer's (the default), or an existing id "
                             "the data never uses (e.g. what scripts/convert_hf.py import chose).")
+    group.add_argument("--cross-entropy-tile-rows", type=int, default=rules.CROSS_ENTROPY_TILE_ROWS, metavar="N",
+                       help="With --cross-entropy-loss-fusion: rows per tile of the tiled linear cross-entropy (a "
+                            "tile's logits are N x vocabulary / TP).")
     group.add_argument("--max-consecutive-bad-steps", type=int, default=3, metavar="N",
                        help="Steps with a NaN/Inf loss or grad norm are skipped; stop after N in a row.")
     group.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
@@ -180,12 +186,28 @@ def _add_model_args(parser):
     group.add_argument("--num-query-groups", type=int, default=1)
     group.add_argument("--kv-channels", type=int, default=None, help="Default: hidden-size / num-attention-heads.")
     group.add_argument("--max-position-embeddings", type=int, default=None, help="Default: --seq-length.")
-    group.add_argument("--position-embedding-type", choices=[positions.ROPE, positions.YARN], default="rope",
+    group.add_argument("--position-embedding-type", choices=POSITION_EMBEDDING_TYPES, default="rope",
                        help="rope, or yarn (RoPE with YaRN's frequencies: the --yarn-* flags): a token's noisy and "
-                            "clean copy share its position. (Megatron-LM's default, learned_absolute, is not "
-                            "supported.)")
+                            "clean copy share its position. (Megatron-LM's default, learned_absolute, and its other "
+                            "types are refused.)")
+    group.add_argument("--use-rotary-position-embeddings", action="store_true",
+                       help="Megatron-LM's older spelling of --position-embedding-type rope (it wins over the type).")
+    group.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                       help="Megatron-LM's older switch for no learned absolute positions: nothing to do beside "
+                            "rope, which has none (refused with another type, as Megatron-LM refuses it).")
+    group.add_argument("--window-size", type=window_size, default=None, metavar="LEFT,0",
+                       help="Sliding-window attention: a token sees the LEFT positions before its own and itself "
+                            "(transformers' sliding_window = LEFT + 1), a noisy block the LEFT clean positions before "
+                            "it and itself (docs/algorithm.md §3); only the clean rows a rank's rows see travel.")
+    group.add_argument("--window-attn-skip-freq", type=window_attn_skip_freq, default=None,
+                       help="Which layers keep global attention with --window-size: N (every N-th layer, counting "
+                            "from 1) or a 0 (global) / 1 (sliding) pattern per layer, e.g. '([1]*5+[0])*4'. "
+                            "Default: every layer slides.")
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--rotary-percent", type=float, default=1.0)
+    group.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
+                       help="Only 1, no interpolation (as Megatron-LM's Qwen3 recipes write it); other values are "
+                            "refused.")
     group.add_argument("--use-rope-scaling", action="store_true",
                        help="Llama 3.x RoPE frequency scaling (megatron-core's: low/high frequency factors 1/4, "
                             "original context 8192).")
@@ -210,6 +232,32 @@ def _add_model_args(parser):
                        help="A layer ModuleSpec to start from (its core attention becomes CSBP's).")
     group.add_argument("--make-vocab-size-divisible-by", type=int, default=rules.MAKE_VOCAB_SIZE_DIVISIBLE_BY,
                        help="Pad the vocabulary (data ids + MASK) to a multiple of this x TP.")
+    group.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                       help="The LM head and its loss as a tiled linear cross-entropy: the same loss, the logits "
+                            "never held whole (tiles of --cross-entropy-tile-rows rows).")
+    group.add_argument("--cross-entropy-fusion-impl", choices=rules.CROSS_ENTROPY_FUSION_IMPLS,
+                       default=rules.CROSS_ENTROPY_FUSION_IMPLS[0],
+                       help="native only: the plugin's tiled linear cross-entropy (Transformer Engine's kernel, te, "
+                            "takes the whole logits).")
+
+
+def window_size(text):
+    """`--window-size`'s argparse type, as Megatron-LM's `tuple_type` reads it: `LEFT,RIGHT` (parentheses allowed)."""
+    if isinstance(text, (tuple, list)):
+        return tuple(text)
+    try:
+        return tuple(int(part) for part in str(text).strip("()").split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give two integers LEFT,RIGHT, e.g. 511,0") from None
+
+
+def window_attn_skip_freq(text):
+    """`--window-attn-skip-freq`'s argparse type: an int N (every N-th layer global) or a list pattern of 0
+    (global) and 1 (sliding) per layer, read without running it (`layer_pattern`)."""
+    try:
+        return layer_pattern.parse(text, "--window-attn-skip-freq")
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def moe_layer_freq(text):
@@ -247,6 +295,9 @@ def add_moe_args(parser):
                        help="How tokens reach their experts' ranks (alltoall scales with EP; flex is refused).")
     group.add_argument("--moe-grouped-gemm", action="store_true",
                        help="All local experts in one grouped GEMM (Transformer Engine); else one by one.")
+    group.add_argument("--moe-layer-recompute", action="store_true",
+                       help="Megatron-LM's older spelling of selective recompute of the MoE layers: "
+                            "--recompute-granularity selective, moe added to --recompute-modules.")
     group.add_argument("--expert-model-parallel-size", type=int, default=1,
                        help="EP: ranks the experts are spread over, carved from each stage's TP x CSBP x DP ranks.")
     group.add_argument("--expert-tensor-parallel-size", type=int, default=None,
@@ -286,6 +337,12 @@ def _add_training_args(parser):
                             "the global batch, which sharded rows only reproduce with per-token normalisation.")
     group.add_argument("--use-cpu-initialization", action="store_true", default=None)
     group.add_argument("--recompute-granularity", choices=rules.RECOMPUTE_GRANULARITIES, default=None)
+    group.add_argument("--recompute-activations", action="store_true",
+                       help="Megatron-LM's shorthand for --recompute-granularity selective.")
+    group.add_argument("--recompute-modules", nargs="+", type=str, default=None, metavar="MODULE",
+                       help="With --recompute-granularity selective: the submodules recomputed in the backward, by "
+                            "megatron-core's names: core_attn (the default), mlp, layernorm, moe, shared_experts, "
+                            "moe_act (with --moe-grouped-gemm); those the model lacks are refused.")
     group.add_argument("--recompute-method", choices=("uniform", "block"), default=None)
     group.add_argument("--recompute-num-layers", type=int, default=None)
     group.add_argument("--exit-duration-in-mins", type=int, default=None)
@@ -301,6 +358,12 @@ def _add_parallel_args(parser):
     group.add_argument("--context-parallel-size", type=int, default=1,
                        help="Megatron's CP slot; holds the block-parallel size (prefer --context-block-parallel).")
     group.add_argument("--sequence-parallel", action="store_true")
+    group.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="Reduce each gradient bucket as soon as its gradients are ready, overlapping the "
+                            "backward (megatron-core's DDP).")
+    group.add_argument("--overlap-param-gather", action="store_true",
+                       help="With --use-distributed-optimizer and --overlap-grad-reduce: gather each bucket's "
+                            "updated parameters as the next forward reaches them (megatron-core's DDP).")
     group.add_argument("--distributed-timeout-minutes", type=int, default=10,
                        help="Timeout minutes for torch.distributed: a dead rank stops the others within it.")
 

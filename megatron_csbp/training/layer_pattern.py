@@ -1,4 +1,5 @@
-"""A per-layer pattern flag (`--moe-layer-freq`) read as Megatron-LM reads it, without running it.
+"""A per-layer pattern flag (`--moe-layer-freq`, `--window-attn-skip-freq`) read as Megatron-LM reads it, without
+running it.
 
 Megatron-LM's `moe_freq_type` takes an integer, or evaluates the text as Python once it holds nothing but
 digits, `,`, `[`, `]`, `(`, `)`, `+` and `*`: a malformed text is a SyntaxError there, and `[1]*10**12` takes
@@ -19,6 +20,7 @@ import re
 from megatron_csbp.core.rules import MAX_LAYERS, ConfigError
 
 HINT = "give an int N or a list of one 0 or 1 per layer, e.g. [0,1,1,1] or ([0]+[1]*3)*2"
+MEANINGS = {"window-attn-skip-freq": "0 (global) or 1 (sliding)"}  # what 0 and 1 mean, by flag (default: MoE's)
 MAX_NESTING = 32  # brackets and powers inside one another (each level is a few frames of the parser's stack)
 _TOKEN = re.compile(r"\s*(\d+|\*\*|[][()+*,])")
 
@@ -177,7 +179,8 @@ def parse(text, flag: str = "--moe-layer-freq") -> int | list[int]:
             raise _Refused("it is a number, not a list")
         wrong = next((index for index, item in enumerate(value) if item not in (0, 1)), None)
         if wrong is not None:
-            raise _Refused(f"layer {wrong} is {value[wrong]}; each layer is 0 (dense) or 1 (MoE)")
+            raise _Refused(f"layer {wrong} is {value[wrong]}; each layer is "
+                           f"{MEANINGS.get(flag.strip(chr(39) + '-'), '0 (dense) or 1 (MoE)')}")
         return value
     except _Refused as why:
         raise ConfigError(f"{flag} {shown!r}: {why}; {HINT}") from None

@@ -81,8 +81,9 @@ def _per_token(totals: dict) -> dict[str, float]:
 
 def micro_batches(dataset, first_sample: int, args, dp_rank: int, dp_size: int):
     """Endless micro-batches from global sample `first_sample` on, in Megatron's order: each global batch
-    of `G` samples is cut into micro-batch rounds of `micro x DP`, DP rank `r` taking slice `r` of each.
-    None where the dataset is not built on this rank (the forward step then receives its batches)."""
+    of `G` samples is cut into micro-batch rounds of `micro x DP`, DP rank `r` taking slice `r` of each; each
+    micro-batch holds what the samples hold (tokens, sample index, and the loss mask of SFT data). None where the
+    dataset is not built on this rank (the forward step then receives its batches)."""
     if dataset is None:
         return None
     return _micro_batches(dataset, first_sample, args, dp_rank, dp_size)
@@ -95,9 +96,34 @@ def _micro_batches(dataset, first_sample: int, args, dp_rank: int, dp_size: int)
         for start in range(sample, sample + args.global_batch_size, micro * dp_size):
             indices = [(start + dp_rank * micro + i) % len(dataset) for i in range(micro)]
             items = [dataset[i] for i in indices]
-            yield {"tokens": torch.stack([item["tokens"] for item in items]),
-                   "sample_index": torch.stack([item["sample_index"] for item in items])}
+            yield {key: torch.stack([item[key] for item in items]) for key in items[0]}
         sample += args.global_batch_size
+
+
+def data_parallel(model, config, *, use_distributed_optimizer: bool = False, overlap_grad_reduce: bool = False,
+                  overlap_param_gather: bool = False, bucket_size: int | None = None):
+    """megatron-core's DDP around `model` (gradients reduced in fp32), wired into `config` for the schedule as
+    Megatron-LM's `train()` wires it. `overlap_grad_reduce`: each bucket (megatron-core's default size, at least 40M
+    parameters, unless `bucket_size`) is reduced as soon as its gradients are ready, during the backward of the last
+    micro-batch, and the schedule starts the rest; `overlap_param_gather` (with the distributed optimizer): the
+    schedule starts gathering the updated parameters and each module's forward waits for its bucket only."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer,
+        overlap_grad_reduce=overlap_grad_reduce, overlap_param_gather=overlap_param_gather,
+        align_param_gather=overlap_param_gather, bucket_size=bucket_size), model)
+    config.no_sync_func = ddp.no_sync
+    config.grad_sync_func = ddp.start_grad_sync if overlap_grad_reduce else None
+    config.param_sync_func = ddp.start_param_sync if overlap_param_gather else None
+    return ddp
+
+
+def synced_parameters(ddp) -> None:
+    """Completes the gather of the updated parameters that `--overlap-param-gather` leaves to the next forward, so
+    the model holds them before a checkpoint is written (a no-op without it)."""
+    if ddp.ddp_config.overlap_param_gather:
+        ddp.start_param_sync(force_sync=True)
 
 
 class Trainer:
@@ -107,8 +133,7 @@ class Trainer:
 
     def __init__(self, run_providers: providers.RunProviders):
         from megatron.core import parallel_state as mpu
-        from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                               finalize_model_grads)
+        from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import get_megatron_optimizer
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
@@ -124,10 +149,9 @@ class Trainer:
         self.config = run.config
         self.model = run_providers.model_provider(mpu.is_pipeline_first_stage(),
                                                   mpu.is_pipeline_last_stage()).to(default_device())
-        self.ddp = DistributedDataParallel(
-            self.config, DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                       use_distributed_optimizer=args.use_distributed_optimizer),
-            self.model)
+        self.ddp = data_parallel(self.model, self.config, use_distributed_optimizer=args.use_distributed_optimizer,
+                                 overlap_grad_reduce=args.overlap_grad_reduce,
+                                 overlap_param_gather=args.overlap_param_gather)
         self.optimizer = get_megatron_optimizer(optimizer_config_from_args(args), [self.ddp])
         samples = args.global_batch_size
         warmup_steps, decay_steps = lr_schedule_steps(args)
@@ -139,7 +163,6 @@ class Trainer:
             lr_wsd_decay_style=getattr(args, "lr_wsd_decay_style", None),
             wd_incr_steps=args.train_iters * samples, wd_incr_style="constant")
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.no_sync_func = self.ddp.no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.forward_step = run.forward_step
         self.layout = run.layout
@@ -201,6 +224,7 @@ class Trainer:
             return
         os.makedirs(self.args.save, exist_ok=True)
         with supervision.watch(f"saving the checkpoint of iteration {self.state.iteration}"):
+            synced_parameters(self.ddp)
             checkpointing.save_checkpoint(self.args.save, self.state, self.model, self.optimizer, self.scheduler,
                                           self.args, log=self.progress.print)
         self.last_saved = self.state.iteration

@@ -29,10 +29,14 @@ def transformer_config_kwargs(args: argparse.Namespace) -> dict:
         gated_linear_unit=args.swiglu, activation_func=F.silu if args.swiglu else F.gelu,
         add_bias_linear=args.add_bias_linear, add_qkv_bias=getattr(args, "add_qkv_bias", False),
         qk_layernorm=getattr(args, "qk_layernorm", False), init_method_std=args.init_method_std,
+        # sliding-window layers, read by the core attention as megatron-core reads them (spec.layer_window)
+        window_size=getattr(args, "window_size", None),
+        window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
         attention_dropout=args.attention_dropout, hidden_dropout=args.hidden_dropout,
         bf16=args.bf16, fp16=args.fp16, params_dtype=params_dtype, pipeline_dtype=params_dtype,
         recompute_granularity=args.recompute_granularity, recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
+        recompute_num_layers=args.recompute_num_layers, recompute_modules=getattr(args, "recompute_modules", None),
+        moe_layer_recompute=bool(getattr(args, "moe_layer_recompute", False)),
         calculate_per_token_loss=args.calculate_per_token_loss,
         use_cpu_initialization=bool(args.use_cpu_initialization),
         # Pipeline stages exchange this rank's CSBP rows (|owned noisy| + L/C, uneven when the blocks do not

@@ -129,7 +129,8 @@ def _checkpoints_under_our_rules(args: argparse.Namespace):
       `--use-checkpoint-args`) reads a torch_dist directory, it is verified as our loop verifies one
       (`checkpointing.check_complete`: the manifest's sizes and SHA-256 where there is one, `.metadata` through
       `safe_load`'s allow-list, the common state), and it then reads under `safe_load.restricted()`; a run that
-      continues it (not --finetune) must have its RoPE (`checkpointing.check_same_positions`), as in our loop;
+      continues it (not --finetune) must have its RoPE and its windows (`checkpointing.check_same_positions`,
+      `check_same_windows`), as in our loop;
     * save: after Megatron-LM's `save_checkpoint` returns, the manifest is recorded (Megatron-LM writes into
       `iter_XXXXXXX` and its tracker directly, so a crash between its tracker and our manifest leaves a
       checkpoint that loads as Megatron-LM's own, verified without checksums, and says so);
@@ -167,6 +168,7 @@ def _checkpoints_under_our_rules(args: argparse.Namespace):
         if directory is not None and isinstance(state_dict, dict) and "args" in state_dict and \
                 not getattr(run_args, "finetune", False):
             checkpointing.check_same_positions(checkpointing.saved_args(state_dict), run_args, directory)
+            checkpointing.check_same_windows(checkpointing.saved_args(state_dict), run_args, directory)
         return loaded
 
     def save_checkpoint(iteration, *rest, **options):

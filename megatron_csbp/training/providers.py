@@ -78,10 +78,11 @@ def layer_spec_from_args(args: argparse.Namespace):
     return None
 
 
-def gpt_model_kwargs(args: argparse.Namespace) -> dict:
+def gpt_model_kwargs(args: argparse.Namespace, positions: RotaryPositions | None = None) -> dict:
     """The `GPTModel` keywords the flags decide (embeddings, RoPE): training's model and the sampler's alike;
-    `positions` (YaRN, the query scaling) is ours, which both models take."""
-    positions = RotaryPositions.from_args(args)
+    `positions` (YaRN, the query scaling: the run's, else read off `args`, a checkpoint's record) is ours, which
+    both models take."""
+    positions = positions or RotaryPositions.from_args(args)
     return dict(share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                 max_sequence_length=args.max_position_embeddings, rotary_base=args.rotary_base,
                 rotary_percent=args.rotary_percent, rope_scaling=args.use_rope_scaling,
@@ -244,11 +245,12 @@ class RunProviders:
             use_transformer_engine=args.transformer_impl == "transformer_engine",
             base_spec=layer_spec_from_args(args), pg_collection=pg_collection,
             per_sample_positions=self.settings.packed, clean_logits=self.settings.clean_logits,
-            **gpt_model_kwargs(args))
+            logits_tile_rows=self.settings.logits_tile_rows,
+            **gpt_model_kwargs(args, self.settings.positions))
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
-        """(train, valid, test) datasets of clean `L`-token samples with their indices (None: empty split, or not
-        built on this rank), sized by Megatron-LM's sample counts."""
+        """(train, valid, test) datasets of clean `L`-token samples with their indices and, for SFT data, their loss
+        masks (None: empty split, or not built on this rank), sized by Megatron-LM's sample counts."""
         from megatron_csbp.training.datasets import build_datasets, build_loss_mask_datasets, split_sizes
 
         args = self.args
@@ -256,10 +258,6 @@ class RunProviders:
         on_rank = partial(is_dataset_built_on_rank, vp_stage)
         datasets = build_datasets(args, self.vocabulary, sizes=sizes, is_built_on_rank=on_rank)
         masks = build_loss_mask_datasets(args, self.vocabulary, sizes=sizes, is_built_on_rank=on_rank)
-        if masks is not None and self.settings.tensor_parallel_size > 1:
-            raise ConfigError(f"--data-path {args.data_path[-1]}: SFT loss masks are not broadcast over "
-                              f"tensor-parallel ranks yet; use --tensor-model-parallel-size 1 (or data without "
-                              f"*_loss_mask files)")
         masks = masks or (None,) * len(datasets)
         return tuple(None if dataset is None else SampleIndexed(dataset, mask)
                      for dataset, mask in zip(datasets, masks))

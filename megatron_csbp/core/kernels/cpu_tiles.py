@@ -20,6 +20,7 @@ The block-diagonal part runs every block as a separate batch entry of one kernel
 import torch
 
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
+from megatron_csbp.core.windows import GLOBAL
 from megatron_csbp.core.kernels.mask import bdlm_visible
 from megatron_csbp.core.kernels.merge import accumulation_dtype, finite_lse, merge_into, running_merge
 
@@ -174,16 +175,16 @@ class MaskedPlan(_TilePlan):
     tiles the mask hides entirely are skipped, wholly visible ones are computed unmasked (contiguous runs of
     them, one kernel call each) and partly visible ones are computed together with their mask.
 
-    Built once per (rows, keys) from the BDLM mask (`mask.bdlm_visible`), one query tile at a time, so no
-    `[rows, keys]` table is ever held; it keeps only the partial tiles' masks. Packed documents (each row's
-    and key's document index): the mask is intersected with "same document". Every query tile is a group
+    Built once per (rows, keys) from the BDLM mask (`mask.bdlm_visible`, in the layer's `window`), one query tile at
+    a time, so no `[rows, keys]` table is ever held; it keeps only the partial tiles' masks. Packed documents (each
+    row's and key's document index): the mask is intersected with "same document". Every query tile is a group
     (its row groups, as `PrefixPlan` calls them), those that see nothing with no span.
     """
 
     blind_rows = True  # a partial span's keys may all be hidden from some rows of the query tile
 
     def __init__(self, query_positions, query_clean, key_positions, key_clean, block_size, tile,
-                 query_documents=None, key_documents=None, clean_attention=BLOCK_CAUSAL):
+                 query_documents=None, key_documents=None, clean_attention=BLOCK_CAUSAL, window=GLOBAL):
         n, m = query_positions.numel(), key_positions.numel()
         starts = torch.arange(0, m, tile)
         widths, key_tile = torch.clamp(m - starts, max=tile), torch.arange(m) // tile
@@ -191,7 +192,7 @@ class MaskedPlan(_TilePlan):
         for lo in range(0, n, tile):
             hi = min(lo + tile, n)
             visible = bdlm_visible(query_positions[lo:hi, None], query_clean[lo:hi, None],
-                                   key_positions[None], key_clean[None], block_size, clean_attention)
+                                   key_positions[None], key_clean[None], block_size, clean_attention, window)
             if query_documents is not None:
                 visible = visible & (query_documents[lo:hi, None] == key_documents[None])
             per_tile = torch.zeros(starts.numel(), dtype=torch.long).index_add_(0, key_tile, visible.sum(0).cpu())
@@ -290,9 +291,9 @@ class CPUKernels:
         return PrefixPlan(query_limits, key_positions, self.tile)
 
     def masked_plan(self, query_positions, query_clean, key_positions, key_clean, block_size,
-                    query_documents=None, key_documents=None, clean_attention=BLOCK_CAUSAL):
+                    query_documents=None, key_documents=None, clean_attention=BLOCK_CAUSAL, window=GLOBAL):
         return MaskedPlan(query_positions, query_clean, key_positions, key_clean, block_size, self.masked_tile,
-                          query_documents, key_documents, clean_attention)
+                          query_documents, key_documents, clean_attention, window)
 
     def masked_forward(self, q, k, v, plan, scale):
         return _tiles_forward(q, k, v, plan, scale)

@@ -5,6 +5,7 @@ part, the blocks as a batch of dense problems, takes none: the decomposition lea
 import torch
 
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
+from megatron_csbp.core.windows import GLOBAL
 from megatron_csbp.core.kernels.mask import bdlm_visible
 from megatron_csbp.core.kernels.merge import accumulation_dtype, finite_lse
 
@@ -81,19 +82,19 @@ class FlexKernels:
         return plan.block_mask
 
     def masked_plan(self, query_positions, query_clean, key_positions, key_clean, block_size,
-                    query_documents=None, key_documents=None, clean_attention=BLOCK_CAUSAL):
+                    query_documents=None, key_documents=None, clean_attention=BLOCK_CAUSAL, window=GLOBAL):
         return FlexMaskedPlan(query_positions, query_clean, key_positions, key_clean, block_size, self.masked_tile,
-                              query_documents, key_documents, clean_attention)
+                              query_documents, key_documents, clean_attention, window)
 
     def _bdlm_mask(self, q, k, plan):
         """The BDLM mask of the plan's rows and keys as a block mask of `plan.tile` tiles: flex skips the tiles
         it hides, computes the others and masks the partly hidden ones element by element."""
         if plan.block_mask is None:
             qp, qc, block, rule = plan.query_positions, plan.query_clean, plan.block_size, plan.clean_attention
-            kp, kc = plan.key_positions, plan.key_clean
+            kp, kc, window = plan.key_positions, plan.key_clean, plan.window
 
             def bdlm(b, h, q_idx, kv_idx):
-                return bdlm_visible(qp[q_idx], qc[q_idx], kp[kv_idx], kc[kv_idx], block, rule)
+                return bdlm_visible(qp[q_idx], qc[q_idx], kp[kv_idx], kc[kv_idx], block, rule, window)
 
             mask_mod = bdlm
             if plan.query_documents is not None:  # packed documents: and the same document
@@ -179,9 +180,9 @@ class FlexMaskedPlan:
     once built for them."""
 
     def __init__(self, query_positions, query_clean, key_positions, key_clean, block_size, tile,
-                 query_documents=None, key_documents=None, clean_attention=BLOCK_CAUSAL):
+                 query_documents=None, key_documents=None, clean_attention=BLOCK_CAUSAL, window=GLOBAL):
         self.query_positions, self.query_clean = query_positions, query_clean
         self.query_documents, self.key_documents = query_documents, key_documents
         self.key_positions, self.key_clean = key_positions, key_clean
         self.block_size, self.tile, self.block_mask = block_size, tile, None
-        self.clean_attention = clean_attention
+        self.clean_attention, self.window = clean_attention, window

@@ -1,7 +1,8 @@
 """What both transports share: packing the transported K/V rows, the local noisy part, and the final gradients.
 
 A rank's rows are `[noisy ; clean]` (heads-first `[b, kv_heads, s, d]` for K and V); the rows from
-`layout.first_transported_row` on are those that travel (CSBP: its clean rows; conventional CP: all). The
+`layout.first_transported_row` on are those that travel (CSBP: its clean rows; conventional CP: all; in a
+sliding layer under CSBP only those another rank sees: `core.exchange`). The
 local part is the noisy rows' block-diagonal attention, except under the field's CP, whose one masked call
 (the plan's remote part) covers it.
 """
@@ -29,6 +30,12 @@ def repack(dk, dv, rows, total):
     if rows is None:
         return stacked
     return stacked.new_zeros((total,) + stacked.shape[1:]).index_copy_(0, rows, stacked)
+
+
+def returned_grads(returned, rows, total):
+    """The gradients of this rank's `total` transported rows from what the members returned for the rows it gave
+    them (`rows`, the exchange's `outgoing`: a row given to several members sums their gradients)."""
+    return returned.new_zeros((total,) + returned.shape[1:]).index_add_(0, rows, returned)
 
 
 def ring_order(layout):

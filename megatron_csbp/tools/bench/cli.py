@@ -27,7 +27,10 @@ under the same load, keeping the faster of the two) and prints its prediction be
 kernels of CSBP and CP on that rank's own rows and plan in one process, paired (does one layout's plan cost more
 per pair than the other's?). `--transport-memory` also measures, in the same ranks, the peak tensor memory of a
 step and of the attention op alone under each transport (collective, streaming): exact tensor bytes (torch's
-profiler on the CPU, the allocator's peak on accelerators), for the modes with a ring.
+profiler on the CPU, the allocator's peak on accelerators), for the modes with a ring. `--logits-memory` measures
+the same way the peak tensor memory of a step with the LM head's logits whole and as the tiled linear
+cross-entropy (`--cross-entropy-tile-rows`), beside the logits' bytes; `--cross-entropy-loss-fusion` times the
+steps with the tiled one.
 
 This module is the command line and its checks: every run the bench will make is the trainer's `RunConfig`
 (`runs`), so a refusal is the trainer's own, in its order, naming the bench's flags.
@@ -63,6 +66,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--transport-memory", action="store_true",
         help="also measure, in the same ranks, the peak tensor memory of a step and of the attention op alone under "
              "each transport (collective, streaming), for the modes with a ring")
+    add("--logits-memory", action="store_true",
+        help="also measure, in the same ranks, the peak tensor memory of a step with the LM head's logits whole and "
+             "as a tiled linear cross-entropy, and the logits' bytes")
+    add("--cross-entropy-loss-fusion", action="store_true",
+        help="time the steps with the LM head and its loss as a tiled linear cross-entropy")
+    add("--cross-entropy-tile-rows", type=int, default=rules.CROSS_ENTROPY_TILE_ROWS,
+        help="rows per tile of the tiled linear cross-entropy")
     add("--num-layers", type=int, default=2)
     add("--hidden-size", type=int, default=128)
     add("--num-attention-heads", type=int, default=4)
@@ -126,6 +136,7 @@ def run_config(args, mode, seq_length) -> RunConfig:
     return RunConfig(model_shape(args), seq_length, args.block_size, mode=mode, block_parallel_size=args.nproc,
                      transport=args.csbp_transport, clean_attention=args.bdlm_clean_attention,
                      micro_batch_size=args.micro_batch_size,
+                     logits_tile_rows=args.cross_entropy_tile_rows if args.cross_entropy_loss_fusion else None,
                      expert_parallel_size=args.expert_model_parallel_size,
                      expert_tensor_parallel_size=args.expert_tensor_parallel_size, flags=FLAGS)
 
@@ -173,7 +184,7 @@ def parse_args(argv=None):
     unknown = set(args.modes) - set(MODES)
     if unknown:
         parser.error(f"--modes: {sorted(unknown)} unknown; choose from {','.join(MODES)}")
-    try:  # the trainer's order: the MoE layer pattern, the runs, the experts' routing
+    try:  # the trainer's order: the MoE layer pattern, the runs, the experts' routing, the tile
         if args.num_experts:
             rules.refuse(rules.moe_layer_freq_problem(args.moe_layer_freq, args.num_layers), rules.ConfigError)
         for _ in runs(args):
@@ -183,10 +194,12 @@ def parse_args(argv=None):
                 args.num_experts, args.moe_router_topk, args.moe_router_load_balancing_type,
                 args.moe_token_dispatcher_type, 1, args.expert_model_parallel_size, False, 1,
                 shared_expert=bool(args.moe_shared_expert_intermediate_size), bias=False), rules.ConfigError)
+        rules.refuse(rules.at_least(FLAGS.logits_tile_rows, args.cross_entropy_tile_rows), rules.ConfigError)
     except rules.ConfigError as error:
         parser.error(str(error))
     apart = [flag for flag, given in (("--link-gbps", args.link_gbps), ("--overlap-check", args.overlap_check),
-                                      ("--transport-memory", args.transport_memory), ("--predict", args.predict),
+                                      ("--transport-memory", args.transport_memory),
+                                      ("--logits-memory", args.logits_memory), ("--predict", args.predict),
                                       ("--calibrate-from", args.calibrate_from)) if given]
     if args.interleave and apart:
         parser.error(f"--interleave measures the backend's own link only; run {', '.join(apart)} without it")

@@ -56,6 +56,7 @@ def main(argv=None):
     report.print_scaling(main_records)
     print_experts(args, main_records)
     report.print_transport_memory(main_records)
+    report.print_logits_memory(main_records)
     report.print_link_sweep(records)
     report.print_overlap(records)
     if args.predict or args.calibrate_from:

@@ -1,5 +1,6 @@
 """How the bench measures memory: the bytes autograd saves for backward, a run's peak memory, the exact peak
-tensor bytes of a block of code, and each transport's peaks (`--transport-memory`)."""
+tensor bytes of a block of code, each transport's peaks (`--transport-memory`) and a step's peak with the LM
+head's logits whole and tiled (`--logits-memory`)."""
 
 import contextlib
 import dataclasses
@@ -8,7 +9,7 @@ import resource
 import torch
 
 from megatron_csbp.core import transports
-from megatron_csbp.tools.bench.records import TransportMemory, TransportPeaks
+from megatron_csbp.tools.bench.records import LogitsMemory, TransportMemory, TransportPeaks
 
 
 def saved_bytes_hooks(store):
@@ -88,25 +89,50 @@ def transport_memory(build_model, forward_step, batch, layout, group, config, mi
     for transport in transports.TRANSPORTS.values():
         model = build_model(transport)
 
-        def train_step():
-            output, loss_func = forward_step(iter([batch]), model)
-            loss_sum, num_tokens, _ = loss_func(output)
-            (loss_sum / num_tokens.clamp(min=1)).backward()
-            model.zero_grad(set_to_none=True)
-
         def attention(backward):
             out = context_sharded_block_attention(q, k, v, layout, group, transport=transport, plan=plan)
             if backward:
                 out.sum().backward()
                 q.grad = k.grad = v.grad = None
 
-        measured = []
-        for run in (train_step, lambda: attention(False), lambda: attention(True)):  # records.PEAK_PARTS
-            run()  # warm-up: plans, masks, first-call allocations
-            torch.distributed.barrier()
-            with peak_tensor_memory(device) as peak:
-                run()
-            measured.append(peak.bytes)
-        peaks.append(TransportPeaks(transport.name, *measured))
+        parts = (lambda: train_step(model, forward_step, batch), lambda: attention(False), lambda: attention(True))
+        peaks.append(TransportPeaks(transport.name, *(measured_peak(run, device) for run in parts)))  # PEAK_PARTS
         del model
     return TransportMemory(tuple(peaks))
+
+
+def train_step(model, forward_step, batch) -> None:
+    """One forward and backward of `model` on `batch`, its gradients then dropped."""
+    output, loss_func = forward_step(iter([batch]), model)
+    loss_sum, num_tokens, _ = loss_func(output)
+    (loss_sum / num_tokens.clamp(min=1)).backward()
+    model.zero_grad(set_to_none=True)
+
+
+def measured_peak(run, device) -> int:
+    """Peak tensor bytes of `run()` in this rank, after a warm-up call (plans, masks, first-call allocations)."""
+    run()
+    torch.distributed.barrier()
+    with peak_tensor_memory(device) as peak:
+        run()
+    return peak.bytes
+
+
+def head_logits_bytes(model, micro_batch_size: int) -> int:
+    """Bytes of the fp32 logits the LM head makes of this rank's rows whole: head rows x micro-batch x this TP
+    rank's vocabulary columns x 4."""
+    layout = model.layout
+    rows = layout.num_rows if model.clean_logits else layout.num_noisy_rows
+    return rows * micro_batch_size * model.shared_embedding_or_output_weight().shape[0] * 4
+
+
+def logits_memory(build_model, forward_step, batch, micro_batch_size, device, tile_rows: int) -> LogitsMemory:
+    """A training step's peak tensor bytes in this rank with the head's logits whole and as a tiled linear
+    cross-entropy of `tile_rows` rows (`build_model(logits_tile_rows)`: the model, None for whole logits)."""
+    peaks = []
+    for tile in (None, tile_rows):
+        model = build_model(tile)
+        peaks.append(measured_peak(lambda: train_step(model, forward_step, batch), device))
+        logits = head_logits_bytes(model, micro_batch_size)
+        del model
+    return LogitsMemory(logits, *peaks)

@@ -76,14 +76,16 @@ class ModeRun:
             **moe_config(args))
         mask_token = args.vocab_size - 1
 
-        def build_model(transport):
+        def build_model(transport, logits_tile_rows=run.logits_tile_rows):
             torch.manual_seed(1234)
             model_parallel_cuda_manual_seed(1234)
             return model_provider(config=config, layout=layout, vocab_size=args.vocab_size,
-                                  mask_token_id=mask_token, group=self.group, transport=transport).to(device)
+                                  mask_token_id=mask_token, group=self.group, transport=transport,
+                                  logits_tile_rows=logits_tile_rows).to(device)
 
         self.build_model = build_model
         self.model = build_model(run.transport)
+        self.transport = run.transport
         self.routing = MoERouting(self.model, args) if args.num_experts else None
         self.forward_step = BDLMForwardStep(BDLMObjective(block_size=args.block_size, mask_token_id=mask_token,
                                                           seed=7), layout)
@@ -165,6 +167,11 @@ def measure(rank, args, mode, seq_length) -> list[RankRecord]:
         peaks = memory.transport_memory(run.build_model, run.forward_step, run.batch, run.layout, run.group,
                                         run.config, args.micro_batch_size, run.device)
         records = [dataclasses.replace(record, transport_memory=peaks) for record in records]
+    if args.logits_memory:
+        run.model = None
+        logits = memory.logits_memory(lambda tile: run.build_model(run.transport, tile), run.forward_step, run.batch,
+                                      args.micro_batch_size, run.device, args.cross_entropy_tile_rows)
+        records = [dataclasses.replace(record, logits_memory=logits) for record in records]
     parallel_state.destroy_model_parallel()
     return records
 

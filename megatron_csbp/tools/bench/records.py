@@ -2,10 +2,11 @@
 record per (mode, length, condition) that the tables, the plots and the JSON are made from (`RunRecord`).
 
 The JSON is each `RunRecord`'s `record()`: its fields in order, a group of keys measured only in some runs (the
-transports' peaks, the experts' per-rank figures, the comparison with CP, the planner's prediction) written only
-where measured, so the keys are the ones docs/performance.md and tests/test_bench.py read. A rank's record
-crosses the process boundary from the spawned ranks and carries no variant object (an object unpickled there
-would be a copy, not the registry's); the run it belongs to is named by the process that spawned it.
+transports' peaks, the logits' peaks, the experts' per-rank figures, the comparison with CP, the planner's
+prediction) written only where measured, so the keys are the ones docs/performance.md and tests/test_bench.py
+read. A rank's record crosses the process boundary from the spawned ranks and carries no variant object (an object
+unpickled there would be a copy, not the registry's); the run it belongs to is named by the process that spawned
+it.
 
 Standard library only.
 """
@@ -148,6 +149,23 @@ class TransportMemory:
 
 
 @dataclasses.dataclass(frozen=True)
+class LogitsMemory:
+    """Peak tensor bytes of one rank's training step with the LM head's logits whole and as a tiled linear
+    cross-entropy (`--logits-memory`), beside the bytes of the head's fp32 logits `[rows x vocab / TP]`."""
+
+    logits_bytes: int
+    whole_logits_step_peak_bytes: int
+    tiled_logits_step_peak_bytes: int
+
+    @classmethod
+    def largest(cls, per_rank) -> "LogitsMemory":
+        return cls(*(max(getattr(memory, field.name) for memory in per_rank) for field in dataclasses.fields(cls)))
+
+    def record(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
 class Routing:
     """What one rank of a MoE run routes in a step and holds (`experts.MoERouting`; kept per rank, as the routing
     differs from rank to rank): its expert-parallel rank and group, the rows each router call routed and the
@@ -204,6 +222,7 @@ class RankRecord:
     routing: Routing | None = None  # a MoE model's
     optimizer_state: OptimizerState | None = None
     transport_memory: TransportMemory | None = None
+    logits_memory: LogitsMemory | None = None
     calibration: RankCalibration | None = None
 
     @property
@@ -270,6 +289,7 @@ class RunRecord:
     rows_per_rank: int
     attention_pairs_per_rank: int
     transport_memory: TransportMemory | None = dataclasses.field(metadata=INLINE)
+    logits_memory: LogitsMemory | None = dataclasses.field(metadata=INLINE)
     kernels: str  # the kernel families of the rank computing most, e.g. "dense+prefix"
     kernel_calls: int
     kernel_real_pairs: int
@@ -299,6 +319,7 @@ def summarise(of_ranks, mode, seq_length: int, args) -> RunRecord:
     exposed_comm_s = max(r.exposed_comm_s for r in of_ranks)
     experts = ExpertRanks(*zip(*((r.routing, r.optimizer_state) for r in of_ranks))) if first.routing else None
     memory = TransportMemory.largest([r.transport_memory for r in of_ranks]) if first.transport_memory else None
+    logits = LogitsMemory.largest([r.logits_memory for r in of_ranks]) if first.logits_memory else None
     calibration = Calibration.of_ranks([r.calibration for r in of_ranks]) if first.calibration else None
     return RunRecord(
         mode=modes.parallel_mode(mode), seq_length=seq_length, block_size=args.block_size, nproc=args.nproc,
@@ -313,7 +334,8 @@ def summarise(of_ranks, mode, seq_length: int, args) -> RunRecord:
         peak_memory_bytes=max(r.peak_memory_bytes for r in of_ranks),
         saved_activation_bytes=max(r.saved_activation_bytes for r in of_ranks),
         rows_per_rank=max(r.rows for r in of_ranks), attention_pairs_per_rank=max(r.attention_pairs for r in of_ranks),
-        transport_memory=memory, kernels="+".join(kinds), kernel_calls=sum(c.calls for c in busiest.kernel_work),
+        transport_memory=memory, logits_memory=logits, kernels="+".join(kinds),
+        kernel_calls=sum(c.calls for c in busiest.kernel_work),
         kernel_real_pairs=sum(c.real_pairs * c.calls for c in busiest.kernel_work),
         kernel_computed_pairs=busiest.kernel_computed_pairs,
         kernel_work_by_rank=tuple(r.kernel_work for r in of_ranks), exposed_share=exposed_comm_s / step_time_s,

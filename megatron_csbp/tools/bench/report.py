@@ -1,5 +1,5 @@
 """The bench's tables: every mode beside CP, the CSBP / CP summary per length, how each mode grows with the length,
-the transports' memory, the simulated link sweep and the overlap check."""
+the transports' memory, the logits' memory, the simulated link sweep and the overlap check."""
 
 import dataclasses
 import os
@@ -127,6 +127,27 @@ def print_transport_memory(records, out=None):
             print(f"{r.mode.name:<10} {r.seq_length:>7} {r.nproc:>5} {r.mode.clean_shards(r.nproc):>3} "
                   f"{peaks.transport:<10} {peaks.step / 2**20:>9.1f} {peaks.attention_forward / 2**20:>13.1f} "
                   f"{peaks.attention / 2**20:>17.1f}", file=out)
+
+
+def print_logits_memory(records, out=None):
+    """Peak tensor memory of a step per rank with the LM head's logits whole and tiled (`--logits-memory`), the
+    largest rank's, beside the logits' bytes."""
+    out = out or sys.stdout
+    rows = [r for r in records if r.logits_memory]
+    if not rows:
+        return
+    print("\nlogits memory: peak tensor MiB of a step per rank (largest rank), the LM head's logits whole / as a "
+          "tiled linear cross-entropy", file=out)
+    header = f"{'mode':<10} {'L':>7} {'ranks':>5} {'logits':>9} {'whole':>9} {'tiled':>9} {'saved':>9}"
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    for r in rows:
+        memory = r.logits_memory
+        saved = memory.whole_logits_step_peak_bytes - memory.tiled_logits_step_peak_bytes
+        mib = [value / 2**20 for value in (memory.logits_bytes, memory.whole_logits_step_peak_bytes,
+                                           memory.tiled_logits_step_peak_bytes, saved)]
+        print(f"{r.mode.name:<10} {r.seq_length:>7} {r.nproc:>5} " + " ".join(f"{value:>9.1f}" for value in mib),
+              file=out)
 
 
 def print_link_sweep(records, out=None):

@@ -1,0 +1,94 @@
+"""The LM head and its per-token cross-entropy in tiles of rows (`--cross-entropy-loss-fusion`): no `[rows x vocab]`
+logits tensor is ever held whole, in the forward or the backward.
+
+The head's logits are the larger part of a long-context step's activations (a 151,936-id vocabulary makes each row's
+logits 600 KB in fp32), and the loss needs only three numbers of each row: its max, its sum of exponentials and its
+target's logit. So the forward computes the logits one tile of rows at a time (this TP rank's vocabulary columns,
+the unpredictable ones -inf as the model's head sets them), reduces them over the TP group as megatron-core's
+vocab-parallel cross-entropy does (the max, then the sum of exponentials and the target logit, which one rank
+holds), and keeps only each row's log-sum-exp. The backward recomputes each tile's logits, turns them into
+`softmax - onehot(target)` scaled by the row's gradient, and from that tile gives the rows' input gradient (summed
+over TP, as the head's column-parallel linear does) and adds the tile's share of the weight gradient (in fp32,
+then the weight's dtype). The price is the head's forward matmul once more in the backward.
+
+The maths is the unfused head's (logits in the input's dtype, the loss in fp32), so the loss and gradients match it
+to rounding.
+"""
+
+import torch
+
+
+def tiled_linear_cross_entropy(hidden, weight, labels, tile_rows: int, unpredictable=None, group=None):
+    """Per-row cross-entropy `[rows]` (fp32; fp64 for fp64 inputs) of the logits `hidden [rows, h] @ weight.T`, over
+    the vocabulary split by columns over `group` (this rank's `weight [V/tp, h]` holds columns `rank * V/tp ...`),
+    against `labels [rows]` (global ids), computed `tile_rows` rows at a time. `unpredictable [V/tp]` (bool):
+    columns whose logits are -inf (None: none)."""
+    if tile_rows < 1:
+        raise ValueError(f"tile_rows={tile_rows} must be >= 1")
+    return _TiledLinearCrossEntropy.apply(hidden, weight, labels, tile_rows, unpredictable, group)
+
+
+def _tiles(rows: int, tile_rows: int):
+    for start in range(0, rows, tile_rows):
+        yield slice(start, min(start + tile_rows, rows))
+
+
+def _loss_dtype(dtype):
+    """The dtype of the logits' reductions and the loss: fp32, or the input's where wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _logits(hidden, weight, unpredictable):
+    """One tile's logits in `_loss_dtype` (the matmul in the input's dtype, as the unfused head runs it)."""
+    logits = (hidden @ weight.t()).to(_loss_dtype(hidden.dtype))
+    return logits if unpredictable is None else logits.masked_fill_(unpredictable, float("-inf"))
+
+
+def _all_reduce(tensor, op, group):
+    if group is not None and group.size() > 1:
+        torch.distributed.all_reduce(tensor, op=op, group=group)
+    return tensor
+
+
+class _TiledLinearCrossEntropy(torch.autograd.Function):
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, tile_rows, unpredictable, group):
+        columns = weight.shape[0]
+        first = 0 if group is None else group.rank() * columns
+        local = labels - first
+        held = (local >= 0) & (local < columns)  # the target's column is on this rank
+        local = torch.where(held, local, 0)
+        lse = torch.empty(hidden.shape[0], dtype=_loss_dtype(hidden.dtype), device=hidden.device)
+        target = torch.empty_like(lse)
+        for rows in _tiles(hidden.shape[0], tile_rows):
+            logits = _logits(hidden[rows], weight, unpredictable)
+            picked = logits.gather(1, local[rows, None]).squeeze(1)
+            row_max = _all_reduce(logits.max(dim=1).values, torch.distributed.ReduceOp.MAX, group)
+            sums = torch.stack([logits.sub_(row_max[:, None]).exp_().sum(dim=1),
+                                torch.where(held[rows], picked, 0.0)])
+            del logits
+            sums = _all_reduce(sums, torch.distributed.ReduceOp.SUM, group)
+            lse[rows] = sums[0].log() + row_max
+            target[rows] = sums[1]
+        ctx.save_for_backward(hidden, weight, local, held, lse)
+        ctx.tile_rows, ctx.unpredictable, ctx.group = tile_rows, unpredictable, group
+        return lse - target
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, local, held, lse = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=_loss_dtype(weight.dtype), device=weight.device)
+        for rows in _tiles(hidden.shape[0], ctx.tile_rows):
+            grad_logits = _logits(hidden[rows], weight, ctx.unpredictable).sub_(lse[rows, None]).exp_()
+            grad_logits.scatter_add_(1, local[rows, None], -held[rows, None].to(grad_logits.dtype))
+            grad_logits = grad_logits.mul_(grad_loss[rows, None]).to(hidden.dtype)
+            torch.matmul(grad_logits, weight, out=grad_hidden[rows])
+            if grad_weight.dtype == grad_logits.dtype:
+                grad_weight.addmm_(grad_logits.t(), hidden[rows])
+            else:
+                grad_weight += grad_logits.t() @ hidden[rows]
+            del grad_logits
+        _all_reduce(grad_hidden, torch.distributed.ReduceOp.SUM, ctx.group)
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
