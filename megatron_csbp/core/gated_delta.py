@@ -29,7 +29,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from megatron_csbp.core import comm
+from megatron_csbp.core import comm, rules
 from megatron_csbp.core.kernels.gated_delta import chunk_rule, l2norm
 
 STATE_BYTES = 4  # states, and the chunks' maps, travel in fp32
@@ -84,9 +84,9 @@ class GatedDeltaPlan:
 def plan_problem(layout, conv_width: int) -> str | None:
     """Why `layout` cannot run a Gated DeltaNet layer of convolution width `conv_width` (one line), or None."""
     B = layout.block_size
-    if conv_width - 1 > B:
-        return (f"--bdlm-block-size {B} is shorter than the convolution's history (--linear-conv-kernel-dim "
-                f"{conv_width} reads {conv_width - 1} earlier tokens): use a block of at least {conv_width - 1}")
+    problem = rules.conv_history_problem(B, conv_width)
+    if problem:
+        return problem
     start, stop = layout.clean_spans[0]
     if (stop - start) % B:
         return (f"a clean chunk of {stop - start} tokens does not hold whole --bdlm-block-size {B} blocks, which "

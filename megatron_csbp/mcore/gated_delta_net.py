@@ -70,7 +70,7 @@ class BDLMGatedDeltaNet(mcore_gated_delta_net.GatedDeltaNet):
         self.in_proj.weight.tensor_parallel_sections = (qk, qk, v, v, heads, heads)
         for param in self.conv1d.parameters():
             param.tensor_parallel_sections = (qk, qk, v)
-        gated_delta_plan(context.layout, self.conv_kernel_dim)  # refuses a layout it cannot run, before any work
+        self.plan = gated_delta_plan(context.layout, self.conv_kernel_dim)  # refuses a layout it cannot run
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None, **unused):
         if attention_mask is not None or packed_seq_params is not None:
@@ -89,7 +89,7 @@ class BDLMGatedDeltaNet(mcore_gated_delta_net.GatedDeltaNet):
         g = -self.A_log.float().exp() * F.softplus(alpha.float() + self.dt_bias)
         core = gated_delta_block_diffusion(
             pre_conv, g, beta.sigmoid(), self.conv1d.weight.squeeze(1), self.conv1d.bias, self.act_fn,
-            self.num_key_heads // tp, self.key_head_dim, layout, ring_group_of(context.group, layout))
+            self.num_key_heads // tp, self.key_head_dim, layout, ring_group_of(context.group, layout), self.plan)
         core = core.to(hidden_states.dtype)
         out = self.out_norm(core, gate.reshape(*core.shape)).reshape(batch, rows, -1).transpose(0, 1)
         if padded_rows > rows:  # rows added to make the row count a multiple of TP (sequence parallel)
