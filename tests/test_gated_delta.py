@@ -206,3 +206,22 @@ def test_two_ranks_equal_one():
 
 def test_four_ranks_equal_one():
     _check(4, CASES_4)
+
+
+def test_bytes_per_rank_equal_the_hand_count_on_csbp2():
+    """CSBP P=C=2, zigzag, L=32, B=4 (blocks 0..7): rank 0 holds clean blocks 0,1 and 6,7 and noisy blocks 0,1,6,7;
+    rank 1 clean blocks 2..5 and noisy 2..5. Rank 0's noisy block 6 (and its chunk starting at block 6) needs clean
+    block 5 (rank 1's): one state and one convolution history from rank 1; rank 1's noisy block 2 (and its chunk
+    starting at 2) needs block 1 (rank 0's): one of each from rank 0. Each also sends its two chunks' maps. So each
+    rank sends, forward and backward alike, one history `b (W-1) channels`, one state `b Hv dk dv` and two maps
+    `b Hv dk (dk+dv)`, fp32; the op's counters equal the plan's count (`_check`), which equals this."""
+    from megatron_csbp.core.gated_delta import gated_delta_plan
+
+    history, state, chunk_map = BATCH * (WIDTH - 1) * CHANNELS * 4, BATCH * VALUE_HEADS * DK * DV * 4, \
+        BATCH * VALUE_HEADS * DK * (DK + DV) * 4
+    by_hand = history + state + 2 * chunk_map
+    assert by_hand == 1344 + 1536 + 2 * 3584 == 10048
+    for rank in range(2):
+        layout = _layout("csbp", 2, 2, "zigzag", rank)
+        assert gated_delta_plan(layout, WIDTH).bytes_sent(rank, BATCH, VALUE_HEADS, DK, DV, CHANNELS, 4) == (
+            by_hand, by_hand)

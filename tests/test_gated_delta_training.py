@@ -179,3 +179,16 @@ def test_the_flags_reach_the_run_and_the_models_config():
     set_shape_config(config, plain)  # control: without the flags, no hybrid
     assert plain.linear is None and config.experimental_attention_variant is None
     assert not config.attention_output_gate and not config.layernorm_zero_centered_gamma
+
+
+def test_heads_tp_cannot_split_are_refused_in_one_line():
+    from megatron_csbp.core.model_shape import LinearAttentionShape
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.core.run_config import RunConfig
+
+    shape = dataclasses.replace(_shape(), linear=LinearAttentionShape((1, 1, 1, 0), 4, 8, 6, 1, 2))
+    with pytest.raises(ConfigError) as refused:
+        RunConfig(shape=shape, seq_length=32, block_size=4, tensor_parallel_size=2)
+    assert str(refused.value) == ("--tensor-model-parallel-size 2 does not divide --linear-num-key-heads 1: each TP "
+                                  "rank holds whole Gated DeltaNet heads; use a TP size dividing 1")
+    RunConfig(shape=shape, seq_length=32, block_size=4)  # control: one TP rank takes it
