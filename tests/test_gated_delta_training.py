@@ -192,3 +192,18 @@ def test_heads_tp_cannot_split_are_refused_in_one_line():
     assert str(refused.value) == ("--tensor-model-parallel-size 2 does not divide --linear-num-key-heads 1: each TP "
                                   "rank holds whole Gated DeltaNet heads; use a TP size dividing 1")
     RunConfig(shape=shape, seq_length=32, block_size=4)  # control: one TP rank takes it
+
+
+def test_the_hf_export_refuses_a_hybrid_checkpoint_in_one_line():
+    import argparse
+
+    from megatron_csbp.tools.convert_hf import export_config
+    from megatron_csbp.training.hf import UnsupportedModel
+
+    recorded = argparse.Namespace(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                                  experimental_attention_variant="gated_delta_net", attention_output_gate=True,
+                                  apply_layernorm_1p=True)
+    with pytest.raises(UnsupportedModel) as refused:
+        export_config(recorded, None, 64, torch.float32)
+    assert str(refused.value) == ("this checkpoint is a Gated DeltaNet hybrid (--experimental-attention-variant, "
+                                  "--attention-output-gate, --apply-layernorm-1p), which the export does not write yet")

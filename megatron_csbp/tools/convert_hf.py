@@ -316,6 +316,12 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
     if getattr(args, "window_size", None) is not None:
         raise hf.UnsupportedModel(f"this checkpoint has sliding-window layers (--window-size "
                                   f"{','.join(map(str, args.window_size))}), which the export does not write yet")
+    hybrid = [flag for flag, name in (("--experimental-attention-variant", "experimental_attention_variant"),
+                                      ("--attention-output-gate", "attention_output_gate"),
+                                      ("--apply-layernorm-1p", "apply_layernorm_1p")) if getattr(args, name, None)]
+    if hybrid:
+        raise hf.UnsupportedModel(f"this checkpoint is a Gated DeltaNet hybrid ({', '.join(hybrid)}), which the "
+                                  f"export does not write yet")
     positions = RotaryPositions.from_args(args)  # the checkpoint's record (one before YaRN: plain RoPE)
     family = hf.exported_family(args.add_qkv_bias, args.qk_layernorm, bool(getattr(args, "num_experts", None)),
                                 positions.query_scaling is not None)
