@@ -42,6 +42,8 @@ MODULE_MARKERS = {
     "test_attention": ("spawn",),
     "test_documents": ("spawn",),
     "test_clean_stream": ("spawn",),
+    "test_gated_delta": ("spawn",),
+    "test_gated_delta_training": ("spawn", "slow"),
     "test_sliding_window": ("spawn",),
     "test_clean_stream_training": ("spawn", "slow"),
     "test_sliding_window_training": ("spawn", "slow"),

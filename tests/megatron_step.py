@@ -86,7 +86,11 @@ def _full(param, tensor):
         return tensor.detach().clone()
     shards = [torch.empty_like(tensor) for _ in range(group.size())]
     torch.distributed.all_gather(shards, tensor.detach().contiguous(), group=group)
-    stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+    sections = getattr(param, "tensor_parallel_sections", None)
+    if sections is not None:  # each rank holds its slice of every section (Gated DeltaNet's in_proj, conv1d)
+        pieces = [shard.split([size // group.size() for size in sections]) for shard in shards]
+        return torch.cat([pieces[rank][part] for part in range(len(sections)) for rank in range(group.size())])
+    stride, dim = getattr(param, "partition_stride", 1), getattr(param, "partition_dim", 0)
     pieces = [shard.chunk(stride, dim=dim) for shard in shards]
     return torch.cat([pieces[rank][part] for part in range(stride) for rank in range(group.size())], dim=dim)
 
@@ -96,8 +100,11 @@ def _load(model, weights):
     for name, param in model.named_parameters():
         full = weights[_global_name(model, name)]
         group = _tp_group(param)
-        if getattr(param, "tensor_model_parallel", False) and group.size() > 1:
-            stride, dim = getattr(param, "partition_stride", 1), param.partition_dim
+        sections = getattr(param, "tensor_parallel_sections", None)
+        if getattr(param, "tensor_model_parallel", False) and group.size() > 1 and sections is not None:
+            full = torch.cat([section.chunk(group.size())[group.rank()] for section in full.split(list(sections))])
+        elif getattr(param, "tensor_model_parallel", False) and group.size() > 1:
+            stride, dim = getattr(param, "partition_stride", 1), getattr(param, "partition_dim", 0)
             chunks = full.chunk(group.size() * stride, dim=dim)
             full = torch.cat(chunks[group.rank()::group.size()], dim=dim)
         param.data.copy_(full)

@@ -101,6 +101,10 @@ SHOWN_BY = {
     "tests/test_hf.py::test_logits_equal_huggingface":
         "--yarn-rotary-scaling-factor --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow "
         "--yarn-mscale --yarn-mscale-all-dim --no-yarn-correction-range-round-to-int --llama-4-scaling-beta",
+    "tests/test_gated_delta_training.py::test_the_flags_reach_the_run_and_the_models_config":
+        "--experimental-attention-variant --linear-attention-freq --linear-conv-kernel-dim --linear-key-head-dim "
+        "--linear-value-head-dim --linear-num-key-heads --linear-num-value-heads --attention-output-gate "
+        "--apply-layernorm-1p",
     "tests/test_linear_cross_entropy.py::test_the_fusion_flags_train_and_validate_as_the_whole_head":
         "--cross-entropy-loss-fusion --cross-entropy-fusion-impl --cross-entropy-tile-rows",
 }

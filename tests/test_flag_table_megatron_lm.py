@@ -516,3 +516,18 @@ def test_yarn_and_the_query_scaling_build_the_same_model_under_both_loops():
     expected = 1 + 0.5 * torch.log(1 + torch.floor(positions / 16))
     assert torch.equal(lm["scales"], core["scales"]) and torch.allclose(core["scales"], expected, rtol=0, atol=1e-6)
     assert not torch.equal(core["scales"], torch.ones_like(core["scales"]))  # positions past 16 are scaled
+
+
+def test_gated_delta_net_under_block_parallelism_is_our_loops_only(megatron):
+    """megatron-core's TransformerConfig asserts context_parallel_size == 1 beside Gated DeltaNet, and Megatron-LM's
+    loop builds it from its flags: refused in one line before it; one block-parallel rank is taken."""
+    from megatron_csbp.core.rules import ConfigError
+
+    hybrid = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2",
+              "--normalization", "RMSNorm"]
+    with pytest.raises(ConfigError) as refused:
+        megatron.parse_args(BASE + hybrid + ["--context-parallel-size", "2"], 2)
+    assert str(refused.value).startswith("--experimental-attention-variant gated_delta_net with "
+                                         "--context-parallel-size 2: megatron-core's TransformerConfig")
+    _, args = megatron.parse_args(BASE + hybrid, 1)
+    assert args.experimental_attention_variant == "gated_delta_net" and args.linear_attention_freq == 2

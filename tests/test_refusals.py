@@ -18,6 +18,7 @@ BASE = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"
         "--micro-batch-size", "1", "--train-iters", "10", "--lr", "1e-3", "--bdlm-block-size", "8",
         "--eval-iters", "0", "--attention-dropout", "0"]
 
+GDN = ["--experimental-attention-variant", "gated_delta_net", "--linear-attention-freq", "2"]
 # (extra flags, the refusal's exact text). `{prefix}`, `{file}` and `{tmp}` are filled in per test.
 REFUSALS = [
     (["--kv-channels", "0"], "--kv-channels must be >= 1; got 0"),
@@ -114,6 +115,27 @@ REFUSALS = [
      "--moe-layer-freq [1, 0, 1] names 3 layers, but --num-layers is 2: give one 0 (dense) or 1 (MoE) per layer, or "
      "an int N (every N-th layer MoE)"),
     (["--num-experts", "4", "--moe-layer-freq", "0"], "--moe-layer-freq must be >= 1; got 0"),
+    # Gated DeltaNet hybrids: the shapes the layer cannot take, and what it cannot do yet
+    (["--linear-attention-freq", "2"], "--linear-attention-freq picks the Gated DeltaNet layers, but there is no "
+     "--experimental-attention-variant: give --experimental-attention-variant gated_delta_net or drop "
+     "--linear-attention-freq"),
+    (["--experimental-attention-variant", "gated_delta_net"], "--experimental-attention-variant gated_delta_net "
+     "needs --linear-attention-freq: N (every N-th layer full attention, e.g. 4 for Qwen3.5) or one 1 (Gated "
+     "DeltaNet) or 0 per layer"),
+    (GDN + ["--linear-attention-freq", "[1,0,1]"], "--linear-attention-freq names 3 layers, but --num-layers is 2: "
+     "give one 1 (Gated DeltaNet) or 0 (full attention) per layer, or an int N"),
+    (GDN + ["--linear-attention-freq", "[1,2]"], "--linear-attention-freq '[1,2]': layer 1 is 2; each layer is 1 "
+     f"(Gated DeltaNet) or 0 (full attention); {PATTERN_HINT}"),
+    (GDN + ["--linear-num-key-heads", "3", "--linear-num-value-heads", "4"], "--linear-num-value-heads 4 is not a "
+     "multiple of --linear-num-key-heads 3: each key head serves the same number of value heads"),
+    (GDN + ["--linear-key-head-dim", "0"], "--linear-key-head-dim must be >= 1; got 0"),
+    (GDN + ["--linear-conv-kernel-dim", "10"], "--bdlm-block-size 8 is shorter than the convolution's history "
+     "(--linear-conv-kernel-dim 10 reads 9 earlier tokens): use a block of at least 9"),
+    (GDN + ["--reset-attention-mask"], "--reset-attention-mask: Gated DeltaNet layers carry their state across a "
+     "packed sample's documents (it is not reset per document yet); drop --reset-attention-mask, or train without "
+     "--experimental-attention-variant"),
+    (["--apply-layernorm-1p"], "--apply-layernorm-1p is taken with --normalization RMSNorm only (the zero-centred "
+     "RMSNorm of Qwen3.5): give --normalization RMSNorm, or drop --apply-layernorm-1p"),
 ]
 
 

@@ -159,10 +159,15 @@ class CSBPLayout(_Rows):
     def noisy_positions(self) -> torch.Tensor:
         return _blocks_to_positions(self.owned_blocks, self.block_size)
 
+    @property
+    def clean_spans(self) -> list[tuple[int, int]]:
+        """The `(start, stop)` position chunks of this rank's clean rows, in row order (every ring member holds as
+        many, of one length)."""
+        return self.clean_layout.spans(self.seq_length, self.clean_shards, self.ring_rank)
+
     @cached_property
     def clean_positions(self) -> torch.Tensor:
-        spans = self.clean_layout.spans(self.seq_length, self.clean_shards, self.ring_rank)
-        return torch.cat([_span(start, stop) for start, stop in spans])
+        return torch.cat([_span(start, stop) for start, stop in self.clean_spans])
 
     def for_rank(self, rank: int) -> "CSBPLayout":
         return dataclasses.replace(self, rank=rank)
@@ -217,6 +222,10 @@ class CPLayout(_Rows):
         return 0
 
     @property
+    def ring_ranks(self) -> list[int]:
+        return list(range(self.context_parallel_size))
+
+    @property
     def owned_blocks(self) -> tuple[int, ...]:
         per_rank = self.num_blocks // self.context_parallel_size
         return tuple(range(self.rank * per_rank, (self.rank + 1) * per_rank))
@@ -226,11 +235,15 @@ class CPLayout(_Rows):
         chunk = self.seq_length // self.context_parallel_size
         return _span(self.rank * chunk, (self.rank + 1) * chunk)
 
-    @cached_property
-    def clean_positions(self) -> torch.Tensor:
+    @property
+    def clean_spans(self) -> list[tuple[int, int]]:
         chunk = self.seq_length // self.context_parallel_size
         mirror = self.context_parallel_size - 1 - self.rank
-        return _span(mirror * chunk, (mirror + 1) * chunk)
+        return [(mirror * chunk, (mirror + 1) * chunk)]
+
+    @cached_property
+    def clean_positions(self) -> torch.Tensor:
+        return _span(*self.clean_spans[0])
 
     def for_rank(self, rank: int) -> "CPLayout":
         return dataclasses.replace(self, rank=rank)

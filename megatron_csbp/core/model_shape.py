@@ -27,6 +27,78 @@ class MoEShape:
     shared_expert_ffn_hidden_size: int = 0
 
 
+GATED_DELTA_NET = "gated_delta_net"  # megatron-core's --experimental-attention-variant of Gated DeltaNet layers
+VARIANT_FLAG, FREQ_FLAG = "--experimental-attention-variant", "--linear-attention-freq"
+
+
+def linear_attention_pattern(freq, num_layers: int) -> tuple:
+    """`--linear-attention-freq` as one 1 (Gated DeltaNet) or 0 (full attention) per layer, megatron-core's
+    reading (`get_linear_attention_pattern`): an int N makes every N-th layer, counting from 1, full attention;
+    a list is the pattern itself."""
+    if isinstance(freq, int):
+        return tuple(0 if (layer + 1) % freq == 0 else 1 for layer in range(num_layers))
+    return tuple(int(value) for value in freq)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionShape:
+    """The Gated DeltaNet layers of a hybrid model (megatron-core's `--experimental-attention-variant
+    gated_delta_net`): `pattern` one 1 (Gated DeltaNet) or 0 (full attention) per layer, and the `--linear-*`
+    sizes (megatron-core's defaults). Each layer's state is `num_value_heads x key_head_dim x value_head_dim`."""
+
+    pattern: tuple
+    conv_kernel_dim: int = 4
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    num_key_heads: int = 16
+    num_value_heads: int = 32
+
+    @classmethod
+    def from_flags(cls, variant, freq, num_layers: int, **sizes) -> "LinearAttentionShape | None":
+        """The shape the flags give (None: no linear layers); `ConfigError` naming the flag where they cannot."""
+        if variant is None:
+            if freq is not None:
+                raise rules.ConfigError(f"{FREQ_FLAG} picks the Gated DeltaNet layers, but there is no {VARIANT_FLAG}: "
+                                        f"give {VARIANT_FLAG} {GATED_DELTA_NET} or drop {FREQ_FLAG}")
+            return None
+        rules.refuse(rules.choice_problem(VARIANT_FLAG, variant, (GATED_DELTA_NET,)), rules.ConfigError)
+        if freq is None:
+            raise rules.ConfigError(f"{VARIANT_FLAG} {GATED_DELTA_NET} needs {FREQ_FLAG}: N (every N-th layer full "
+                                    f"attention, e.g. 4 for Qwen3.5) or one 1 (Gated DeltaNet) or 0 per layer")
+        if isinstance(freq, int) and freq < 1:
+            raise rules.ConfigError(f"{FREQ_FLAG} {freq}: give N >= 1 (every N-th layer full attention) or a list")
+        if not isinstance(freq, int) and len(freq) != num_layers:
+            raise rules.ConfigError(f"{FREQ_FLAG} names {len(freq)} layers, but --num-layers is {num_layers}: give "
+                                    f"one 1 (Gated DeltaNet) or 0 (full attention) per layer, or an int N")
+        shape = cls(linear_attention_pattern(freq, num_layers), **sizes)
+        rules.refuse(shape.problem(), rules.ConfigError)
+        return shape
+
+    def problem(self, tensor_parallel: int = 1, tensor_parallel_flag: str = rules.FLAGS.tensor_parallel) -> str | None:
+        """The first size the layer cannot take (one line naming the flag), or None."""
+        for name in ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"):
+            problem = rules.at_least("--linear-" + name.replace("_", "-"), getattr(self, name))
+            if problem:
+                return problem
+        if self.num_value_heads % self.num_key_heads:
+            return (f"--linear-num-value-heads {self.num_value_heads} is not a multiple of --linear-num-key-heads "
+                    f"{self.num_key_heads}: each key head serves the same number of value heads")
+        for flag, heads in (("--linear-num-key-heads", self.num_key_heads),
+                            ("--linear-num-value-heads", self.num_value_heads)):
+            if heads % tensor_parallel:
+                return (f"{tensor_parallel_flag} {tensor_parallel} does not divide {flag} {heads}: each TP rank "
+                        f"holds whole Gated DeltaNet heads; use a TP size dividing {heads}")
+        return None
+
+    @property
+    def num_linear_layers(self) -> int:
+        return sum(self.pattern)
+
+    def state_bytes(self, element_bytes: int = 4) -> int:
+        """One sample's state of one layer (all value heads, whole model): `Hv x dk x dv` elements."""
+        return self.num_value_heads * self.key_head_dim * self.value_head_dim * element_bytes
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
     """A GPT model's sizes. Left to defaults (None), as Megatron-LM fills them: `num_query_groups` one per
@@ -45,6 +117,9 @@ class ModelShape:
     layernorm_bias: bool = True  # LayerNorm has a bias, RMSNorm none
     untied_output: bool = False  # an output layer of its own, not the word embeddings
     moe: MoEShape | None = None
+    linear: LinearAttentionShape | None = None  # Gated DeltaNet layers (a hybrid model), None: none
+    attention_output_gate: bool = False  # a sigmoid gate on each full-attention layer's output (Qwen3.5's)
+    layernorm_1p: bool = False  # every norm's weight scales by 1 + w (--apply-layernorm-1p; RMSNorm only)
     flags: rules.Flags = dataclasses.field(default=rules.FLAGS, compare=False, repr=False)  # names in messages
 
     def __post_init__(self):
@@ -68,6 +143,9 @@ class ModelShape:
             if value < 1:
                 return rules.at_least(flag, value)
         heads, groups = self.num_attention_heads, self.num_query_groups or self.num_attention_heads
+        if self.layernorm_1p and self.layernorm_bias:
+            return ("--apply-layernorm-1p is taken with --normalization RMSNorm only (the zero-centred RMSNorm of "
+                    "Qwen3.5): give --normalization RMSNorm, or drop --apply-layernorm-1p")
         return (rules.query_groups_problem(heads, groups, f)
                 or (None if self.kv_channels else rules.kv_channels_problem(self.hidden_size, heads, f)))
 

@@ -261,6 +261,14 @@ def moe_layer_pattern(layer_freq, num_layers: int) -> list[int]:
     return [int(bool(value)) for value in layer_freq]
 
 
+def conv_history_problem(block_size: int, conv_width: int, flags: Flags = FLAGS) -> str | None:
+    """A Gated DeltaNet layer's convolution reads the `W - 1` tokens before each block from the block before it."""
+    if conv_width - 1 <= block_size:
+        return None
+    return (f"{flags.block_size} {block_size} is shorter than the convolution's history (--linear-conv-kernel-dim "
+            f"{conv_width} reads {conv_width - 1} earlier tokens): use a block of at least {conv_width - 1}")
+
+
 def query_groups_problem(heads: int, query_groups: int, flags: Flags = FLAGS) -> str | None:
     """GQA: every K/V head serves the same number of query heads."""
     if query_groups >= 1 and heads % query_groups == 0:

@@ -20,9 +20,12 @@ import dataclasses
 
 from megatron_csbp.core import modes, objectives, rules, transports, windows
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS, CleanAttention
-from megatron_csbp.core.model_shape import ModelShape, MoEShape
+from megatron_csbp.core.model_shape import LinearAttentionShape, ModelShape, MoEShape
 from megatron_csbp.core.positions import RotaryPositions
 from megatron_csbp.core.schedule import CLEAN_LAYOUTS, DUAL_END, SCHEDULES, ZIGZAG, BlockSchedule, CleanLayout
+
+
+LINEAR_SIZES = ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,10 +117,23 @@ class RunConfig:
                                                self.ar_loss_weight)
                    or (rules.at_least(f.logits_tile_rows, self.logits_tile_rows)
                        if self.logits_tile_rows is not None else None)
-                   or windows.window_size_problem(self.window_size, self.window_attn_skip_freq, shape.num_layers))
+                   or windows.window_size_problem(self.window_size, self.window_attn_skip_freq, shape.num_layers)
+                   or self._linear_attention_problem())
         if problem or self.global_batch_size is None:
             return problem
         return rules.batch_problem(self.global_batch_size, self.micro_batch_size, world // (TP * PP * P), f)
+
+    def _linear_attention_problem(self) -> str | None:
+        """What Gated DeltaNet layers cannot do of this run (one line), or None."""
+        linear = self.shape.linear
+        if linear is None:
+            return None
+        if self.packed:
+            flag = "--reset-attention-mask" if self.reset_attention_mask else "--reset-position-ids"
+            return (f"{flag}: Gated DeltaNet layers carry their state across a packed sample's documents (it is not "
+                    f"reset per document yet); drop {flag}, or train without --experimental-attention-variant")
+        return (linear.problem(self.tensor_parallel_size, self.flags.tensor_parallel)
+                or rules.conv_history_problem(self.block_size, linear.conv_kernel_dim, self.flags))
 
     @classmethod
     def from_args(cls, args, world_size: int | None = None) -> "RunConfig":
@@ -131,12 +147,17 @@ class RunConfig:
             experts, args.moe_router_topk, args.moe_ffn_hidden_size,
             sum(rules.moe_layer_pattern(args.moe_layer_freq, args.num_layers)),
             args.moe_shared_expert_intermediate_size or 0)
+        linear = LinearAttentionShape.from_flags(  # checkpoints recorded before these flags hold none of them
+            getattr(args, "experimental_attention_variant", None), getattr(args, "linear_attention_freq", None),
+            args.num_layers, **{name: getattr(args, "linear_" + name) for name in LINEAR_SIZES
+                                if getattr(args, "linear_" + name, None) is not None})
         shape = ModelShape(
             num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
             num_query_groups=groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
             swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
             layernorm_bias=args.normalization == "LayerNorm", untied_output=args.untie_embeddings_and_output_weights,
-            moe=moe)
+            moe=moe, linear=linear, attention_output_gate=bool(getattr(args, "attention_output_gate", False)),
+            layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)))
         return cls(
             shape=shape, seq_length=args.seq_length, block_size=args.bdlm_block_size,
             positions=RotaryPositions.from_args(args),

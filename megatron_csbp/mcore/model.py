@@ -37,6 +37,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_csbp.core import transports
+from megatron_csbp.core.model_shape import GATED_DELTA_NET
 from megatron_csbp.core.positions import ROUNDING, YARN_FLAGS, RotaryPositions
 from megatron_csbp.mcore import spec as csbp_spec
 from megatron_csbp.mcore.linear_cross_entropy import tiled_linear_cross_entropy
@@ -94,6 +95,22 @@ def set_rotary_config(config, positions: RotaryPositions) -> None:
             setattr(config, name, fields[name])
         elif name in vars(config):
             delattr(config, name)
+
+
+def set_shape_config(config, shape) -> None:
+    """The fields of the run's `ModelShape` (`core.model_shape`) megatron-core reads off the `TransformerConfig`
+    beside the sizes: Gated DeltaNet layers (`shape.linear`), the attention output gate, the `1 + w` norms. Our
+    loop's config gets them here, from the `RunConfig`; Megatron-LM's holds them already. Set after the config is
+    made: its `__post_init__` refuses Gated DeltaNet beside `context_parallel_size > 1`, which here is the block
+    parallel size `P`, under which the layer runs (`mcore.gated_delta_net`)."""
+    linear = shape.linear
+    config.attention_output_gate = shape.attention_output_gate
+    config.layernorm_zero_centered_gamma = shape.layernorm_1p
+    config.experimental_attention_variant = None if linear is None else GATED_DELTA_NET
+    config.linear_attention_freq = None if linear is None else list(linear.pattern)
+    if linear is not None:
+        for name in ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"):
+            setattr(config, "linear_" + name, getattr(linear, name))
 
 
 def query_scales(positions: RotaryPositions, position_ids):
@@ -249,12 +266,19 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
     if context is None:
         context = csbp_spec.AttentionContext(layout=layout, group=group, transport=transport)
     layout = context.layout
-    if config.num_moe_experts and base_spec is None:  # megatron-core's MoE and dense layers, per --moe-layer-freq
+    if config.experimental_attention_variant is not None:  # Gated DeltaNet hybrid
+        from megatron_csbp.mcore.gated_delta_net import get_csbp_hybrid_block_spec
+
+        if base_spec is not None or use_transformer_engine:
+            raise ConfigError("--experimental-attention-variant gated_delta_net builds its layers from megatron-core's "
+                              "local modules: drop --spec and use --transformer-impl local")
+        layer_spec = get_csbp_hybrid_block_spec(config, context, vp_stage=vp_stage)
+    elif config.num_moe_experts and base_spec is None:  # megatron-core's MoE and dense layers, per --moe-layer-freq
         layer_spec = csbp_spec.get_csbp_block_spec(config, use_transformer_engine, context, vp_stage=vp_stage)
     else:
         layer_spec = csbp_spec.get_csbp_layer_spec(use_transformer_engine=use_transformer_engine, context=context,
                                                    base_spec=base_spec, qk_layernorm=config.qk_layernorm)
-    if not use_transformer_engine and not config.num_moe_experts:  # the final norm too must accept SP
+    if not use_transformer_engine and not isinstance(layer_spec, TransformerBlockSubmodules):  # final norm: SP too
         layer_spec = TransformerBlockSubmodules(
             layer_specs=[layer_spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
             layer_norm=csbp_spec.SequenceParallelTorchNorm)

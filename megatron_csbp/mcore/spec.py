@@ -234,6 +234,22 @@ class LayoutInvariantSequentialMLP(SequentialMLP):
             SequentialMLP(1, config, submodules, pg_collection)
 
 
+class ZeroCenteredRMSNorm(torch.nn.Module):
+    """RMSNorm whose weight `w` scales by `1 + w` (megatron's `--apply-layernorm-1p`, Qwen3.5's norms): the
+    weight starts at zero. Normalised and scaled in fp32, as transformers' Qwen3.5 does."""
+
+    def __init__(self, config, hidden_size, eps=1e-5):
+        super().__init__()
+        if config.normalization != "RMSNorm":
+            raise ValueError("--apply-layernorm-1p is supported with --normalization RMSNorm only")
+        self.weight = torch.nn.Parameter(torch.zeros(hidden_size, dtype=config.params_dtype))
+        self.eps = eps
+
+    def forward(self, x):
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class SequenceParallelTorchNorm:
     """Megatron's torch LayerNorm/RMSNorm, allowed under sequence parallelism.
 
@@ -246,7 +262,10 @@ class SequenceParallelTorchNorm:
         norms = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}
         if config.normalization not in norms:
             raise ValueError(f"normalization={config.normalization!r}: choose LayerNorm or RMSNorm")
-        norm = norms[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
+        if config.layernorm_zero_centered_gamma:  # --apply-layernorm-1p
+            norm = ZeroCenteredRMSNorm(config, hidden_size, eps)
+        else:
+            norm = norms[config.normalization](hidden_size, eps=eps, dtype=config.params_dtype)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm

@@ -317,6 +317,12 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
     if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear:
         raise hf.UnsupportedModel("export needs a Llama-family model (--normalization RMSNorm --swiglu "
                                   "--disable-bias-linear); this checkpoint has another shape")
+    hybrid = [flag for flag, name in (("--experimental-attention-variant", "experimental_attention_variant"),
+                                      ("--attention-output-gate", "attention_output_gate"),
+                                      ("--apply-layernorm-1p", "apply_layernorm_1p")) if getattr(args, name, None)]
+    if hybrid:
+        raise hf.UnsupportedModel(f"this checkpoint is a Gated DeltaNet hybrid ({', '.join(hybrid)}), which the "
+                                  f"export does not write yet")
     positions = RotaryPositions.from_args(args)  # the checkpoint's record (one before YaRN: plain RoPE)
     family = hf.exported_family(args.add_qkv_bias, args.qk_layernorm, bool(getattr(args, "num_experts", None)),
                                 positions.query_scaling is not None)

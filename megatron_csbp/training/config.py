@@ -25,8 +25,8 @@ from megatron_csbp.training.flags import build_parser
 
 # The types of the per-layer pattern flags, ours and Megatron-LM's (which run the text as Python): their values
 # are read here first, by `layer_pattern`, and handed on as a plain list or int.
-LAYER_PATTERN_TYPES = ("moe_layer_freq", "window_attn_skip_freq", "moe_freq_type", "no_rope_freq_type",
-                       "la_freq_type")
+LAYER_PATTERN_TYPES = ("moe_layer_freq", "window_attn_skip_freq", "linear_attention_freq", "moe_freq_type",
+                       "no_rope_freq_type", "la_freq_type")
 WINDOW_TYPES = ("window_size", "tuple_type")  # `--window-size`'s type, ours and Megatron-LM's: LEFT,RIGHT
 # A section holds the plugin's flags of the prefixes it lists and is named by the first, less its dash: `csbp:`
 # holds --csbp-* and --context-block-parallel-*, `bdlm:` holds --bdlm-*.

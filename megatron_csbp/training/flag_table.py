@@ -106,6 +106,13 @@ _classify(Honoured(), """
 _classify(Honoured(only=("local", "transformer_engine")), "--transformer-impl")
 _classify(Honoured(), "--position-embedding-type --attention-dropout")  # rope or yarn, and 0 only
 _classify(Honoured(), "--window-size --window-attn-skip-freq")  # a left window (RIGHT 0): core.windows
+# Gated DeltaNet hybrids (Qwen3.5): mcore.gated_delta_net; block parallelism under our loop only (megatron-core's
+# TransformerConfig refuses CP > 1 for them, and Megatron-LM's loop builds it from its flags)
+_classify(Honoured(only=("gated_delta_net",), why_only="dsa (DeepSeek sparse attention) is not implemented under "
+                   "block diffusion"), "--experimental-attention-variant")
+_classify(Honoured(), """
+    --linear-attention-freq --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim
+    --linear-num-key-heads --linear-num-value-heads --attention-output-gate --apply-layernorm-1p""")
 _classify(Honoured(), """
     --yarn-rotary-scaling-factor --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow
     --yarn-mscale --yarn-mscale-all-dim --no-yarn-correction-range-round-to-int --llama-4-scaling-beta""")
@@ -277,16 +284,15 @@ _classify(Refused("reinforcement learning (train_rl.py) is not part of BDLM pret
 _ARCHITECTURE_INSTEAD = ("drop it (the model's options: --normalization, --swiglu, --qk-layernorm, --add-qkv-bias, "
                          "--num-query-groups, --kv-channels, --ffn-hidden-size, the RoPE flags)")
 _classify(Refused("is an architecture option the BDLM model does not implement", _ARCHITECTURE_INSTEAD), """
-    --fp32-residual-connection --apply-residual-connection-post-layernorm --apply-layernorm-1p --glu-linear-offset
+    --fp32-residual-connection --apply-residual-connection-post-layernorm --glu-linear-offset
     --activation-func-clamp-value --rotary-interleaved --qk-l2-norm --qk-clip --qk-clip-alpha --qk-clip-threshold
-    --attention-output-gate --softmax-type --embedding-init-method-std --init-method-xavier-uniform
+    --softmax-type --embedding-init-method-std --init-method-xavier-uniform
     --apply-query-key-layer-scaling --use-fused-weighted-squared-relu --openai-gelu
     --squared-relu --quick-geglu --no-rope-freq
     --rope-type --mrope-section --onnx-safe --fp16-lm-cross-entropy
-    --log-max-attention-logit --experimental-attention-variant
+    --log-max-attention-logit
     --dsa-indexer-n-heads --dsa-indexer-head-dim --dsa-indexer-topk --dsa-indexer-loss-coeff
-    --dsa-indexer-use-sparse-loss --linear-conv-kernel-dim --linear-key-head-dim --linear-value-head-dim
-    --linear-num-key-heads --linear-num-value-heads --linear-attention-freq --heterogeneous-layers-config-path
+    --dsa-indexer-use-sparse-loss --heterogeneous-layers-config-path
     --heterogeneous-layers-config-encoded-json --is-hybrid-model --mamba-state-dim --mamba-head-dim --mamba-num-groups
     --mamba-num-heads --disable-mamba-mem-eff-path --hybrid-attention-ratio --hybrid-mlp-ratio
     --hybrid-override-pattern --enable-experimental --padded-vocab-size --data-parallel-random-init""")

@@ -203,6 +203,21 @@ def _add_model_args(parser):
                        help="Which layers keep global attention with --window-size: N (every N-th layer, counting "
                             "from 1) or a 0 (global) / 1 (sliding) pattern per layer, e.g. '([1]*5+[0])*4'. "
                             "Default: every layer slides.")
+    group.add_argument("--experimental-attention-variant", choices=("gated_delta_net",), default=None,
+                       help="gated_delta_net: a hybrid of Gated DeltaNet layers (megatron-core's GatedDeltaNet) and "
+                            "full-attention layers (--linear-attention-freq); under block diffusion each noisy block "
+                            "starts from the clean stream's state at its start (docs/algorithm.md).")
+    group.add_argument("--linear-attention-freq", type=linear_attention_freq, default=None,
+                       help="With --experimental-attention-variant: N (every N-th layer, counting from 1, full "
+                            "attention, the others Gated DeltaNet) or a 1 (Gated DeltaNet) / 0 pattern per layer.")
+    for name, default in (("conv-kernel-dim", 4), ("key-head-dim", 128), ("value-head-dim", 128),
+                          ("num-key-heads", 16), ("num-value-heads", 32)):
+        group.add_argument(f"--linear-{name}", type=int, default=default,
+                           help=f"Gated DeltaNet's {name.replace('-', ' ')} (megatron-core's default {default}).")
+    group.add_argument("--attention-output-gate", action="store_true",
+                       help="A sigmoid gate on each full-attention layer's output (megatron-core's, Qwen3.5's).")
+    group.add_argument("--apply-layernorm-1p", action="store_true",
+                       help="Every norm's weight scales by 1 + w (starting at zero): Qwen3.5's RMSNorm.")
     group.add_argument("--rotary-base", type=int, default=10000)
     group.add_argument("--rotary-percent", type=float, default=1.0)
     group.add_argument("--rotary-seq-len-interpolation-factor", type=int, default=None,
@@ -256,6 +271,15 @@ def window_attn_skip_freq(text):
     (global) and 1 (sliding) per layer, read without running it (`layer_pattern`)."""
     try:
         return layer_pattern.parse(text, "--window-attn-skip-freq")
+    except ConfigError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def linear_attention_freq(text):
+    """`--linear-attention-freq`'s argparse type: an int N (every N-th layer full attention) or a list pattern of 1
+    (Gated DeltaNet) and 0 (full attention) per layer, read without running it (`layer_pattern`)."""
+    try:
+        return layer_pattern.parse(text, "--linear-attention-freq")
     except ConfigError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 

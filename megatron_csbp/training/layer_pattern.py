@@ -20,7 +20,9 @@ import re
 from megatron_csbp.core.rules import MAX_LAYERS, ConfigError
 
 HINT = "give an int N or a list of one 0 or 1 per layer, e.g. [0,1,1,1] or ([0]+[1]*3)*2"
-MEANINGS = {"window-attn-skip-freq": "0 (global) or 1 (sliding)"}  # what 0 and 1 mean, by flag (default: MoE's)
+# what 0 and 1 mean, by flag (default: MoE's)
+MEANINGS = {"window-attn-skip-freq": "0 (global) or 1 (sliding)",
+            "linear-attention-freq": "1 (Gated DeltaNet) or 0 (full attention)"}
 MAX_NESTING = 32  # brackets and powers inside one another (each level is a few frames of the parser's stack)
 _TOKEN = re.compile(r"\s*(\d+|\*\*|[][()+*,])")
 

@@ -75,6 +75,11 @@ def parse_args(argv: list[str], world_size: int) -> tuple[list[str], argparse.Na
     flag_table.check_parsed(parser, args)
     check_shared_values(args)
     settings = validate_plugin_args(args, world_size)
+    if settings.shape.linear is not None and settings.block_parallel_size > 1:
+        raise ConfigError("--experimental-attention-variant gated_delta_net with --context-parallel-size "
+                          f"{settings.block_parallel_size}: megatron-core's TransformerConfig, which Megatron-LM's "
+                          "loop builds from its flags, refuses Gated DeltaNet beside context parallelism; use "
+                          "--training-loop megatron-core, which runs it block-parallel")
     if args.data_path:
         check_data_prefixes(parse_data_path(args.data_path)[0])
     check_host_memory(settings, args)

@@ -146,6 +146,7 @@ def build_run(settings: RunConfig, vocabulary: Vocabulary, config: "TransformerC
     """This rank's run, once Megatron's parallel state (with the CSBP sub-groups) exists: `settings` says what
     the run is; `check_results` and `check_spiky_loss` (Megatron-LM's flags) what its forward step checks."""
     from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.mcore.model import set_shape_config
     from megatron_csbp.mcore.spec import AttentionContext
 
     layout = settings.layout(parallel_state.get_block_parallel_rank())
@@ -155,7 +156,9 @@ def build_run(settings: RunConfig, vocabulary: Vocabulary, config: "TransformerC
                                            settings.reset_attention_mask, settings.eod_mask_loss))
     attention = AttentionContext(layout=layout, group=parallel_state.get_block_parallel_groups(),
                                  transport=settings.transport)
-    return BDLMRun(settings, vocabulary, attention, for_bdlm(config), step)
+    config = for_bdlm(config)
+    set_shape_config(config, settings.shape)
+    return BDLMRun(settings, vocabulary, attention, config, step)
 
 
 class RunProviders:
