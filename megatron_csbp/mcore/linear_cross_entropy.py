@@ -92,3 +92,28 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
             del grad_logits
         _all_reduce(grad_hidden, torch.distributed.ReduceOp.SUM, ctx.group)
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+
+
+@torch.no_grad()
+def tiled_soft_embeddings(hidden, weight, embedding, tile_rows: int, unpredictable=None, group=None,
+                          logit_map=None):
+    """`softmax(hidden @ weight.T) @ embedding` per row `[rows, h]`: the expected input embedding under the head's
+    predicted distribution (a self-conditioning signal), `tile_rows` rows at a time and never differentiated.
+    `weight [V/tp, h]` (the head) and `embedding [V/tp, h]` (the input embedding) hold this TP rank's columns of
+    the vocabulary split over `group`; `unpredictable [V/tp]` (bool): columns whose logits are -inf; `logit_map`: a
+    map of the logits before the softmax (a softcap), None: none. The softmax runs in fp32 (or wider), its
+    probabilities then in the embedding's dtype, as the reference's self-conditioning takes them."""
+    if tile_rows < 1:
+        raise ValueError(f"tile_rows={tile_rows} must be >= 1")
+    out = torch.empty(hidden.shape[0], embedding.shape[1], dtype=embedding.dtype, device=hidden.device)
+    for rows in _tiles(hidden.shape[0], tile_rows):
+        logits = _logits(hidden[rows], weight, unpredictable)
+        if logit_map is not None:
+            logits = logit_map(logits)
+        row_max = _all_reduce(logits.max(dim=1).values, torch.distributed.ReduceOp.MAX, group)
+        probabilities = logits.sub_(row_max[:, None]).exp_()
+        total = _all_reduce(probabilities.sum(dim=1), torch.distributed.ReduceOp.SUM, group)
+        probabilities = probabilities.div_(total[:, None]).to(embedding.dtype)
+        out[rows] = _all_reduce(probabilities @ embedding, torch.distributed.ReduceOp.SUM, group)
+        del logits, probabilities
+    return out

@@ -39,8 +39,12 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_csbp.core import transports
 from megatron_csbp.core.positions import ROUNDING, YARN_FLAGS, RotaryPositions
 from megatron_csbp.mcore import spec as csbp_spec
-from megatron_csbp.mcore.linear_cross_entropy import tiled_linear_cross_entropy
+from megatron_csbp.mcore.linear_cross_entropy import tiled_linear_cross_entropy, tiled_soft_embeddings
+from megatron_csbp.mcore.self_conditioning import SelfConditioning
 from megatron_csbp.core.rules import ConfigError, refused_features
+
+
+SIGNAL_TILE_ROWS = 1024  # rows per tile of the self-conditioning signal without --cross-entropy-loss-fusion's tiles
 
 
 def padded_row_count(layout, config) -> int:
@@ -128,7 +132,7 @@ class BDLMGPTModel(GPTModel):
 
     def __init__(self, config, transformer_layer_spec, vocab_size, *args, layout, mask_token_id=None, vocab_ids=None,
                  per_sample_positions=False, clean_logits=False, positions: RotaryPositions | None = None,
-                 logits_tile_rows=None, **kwargs):
+                 logits_tile_rows=None, self_conditioning=False, **kwargs):
         validate_config(config, layout, vocab_size, mask_token_id)  # before any weight is allocated
         vocab_ids = vocab_size if vocab_ids is None else vocab_ids
         if not 0 < vocab_ids <= vocab_size:
@@ -148,6 +152,9 @@ class BDLMGPTModel(GPTModel):
         self.per_sample_positions = per_sample_positions  # packed samples, positions restarted per document
         self.clean_logits = clean_logits  # the LM head runs over the clean rows too (their next-token loss)
         self.logits_tile_rows = logits_tile_rows  # the loss as a tiled linear cross-entropy (None: whole logits)
+        # the canvas rows' self-conditioning block (DiffusionGemma's), on the stage that embeds
+        self.self_conditioning = SelfConditioning(self.config) if self_conditioning and self.pre_process else None
+        self._signal_pass = False  # the self-conditioning's first pass: the head returns the signal, not logits
         self._predictable = None  # this TP rank's unpredictable columns, made on the first forward
         self.padded_rows = padded_row_count(layout, self.config)
         if self.position_embedding_type == positions.embedding_type:
@@ -161,7 +168,7 @@ class BDLMGPTModel(GPTModel):
         return torch.nn.functional.pad(ids, (0, self.padded_rows - ids.shape[1]))
 
     def forward(self, input_ids, position_ids, attention_mask=None, decoder_input=None, labels=None,
-                packed_seq_params=None, **kwargs):
+                packed_seq_params=None, self_conditioned=None, **kwargs):
         if packed_seq_params is not None:
             raise ValueError("packed_seq_params (THD packed sequences) cannot be used with BDLM/CSBP rows: "
                              "give one sample per row set")
@@ -172,8 +179,60 @@ class BDLMGPTModel(GPTModel):
         scales = query_scales(self.positions, position_ids if self.per_sample_positions else position_ids[:1])
         if scales is not None:
             kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), "attention_bias": scales}
-        return super().forward(self._pad_rows(input_ids), position_ids, attention_mask,
+        input_ids = self._pad_rows(input_ids)
+        if self.self_conditioning is not None and decoder_input is None:
+            signal = None
+            if self_conditioned is not None and bool(self_conditioned.any()):
+                signal = self._self_conditioning_signal(input_ids, position_ids, attention_mask, self_conditioned,
+                                                        **kwargs)
+            decoder_input = self._canvas_input(input_ids, position_ids, signal)
+        elif self_conditioned is not None:
+            raise ValueError("self_conditioned samples were given to a model built without self_conditioning "
+                             "(or not on its first pipeline stage)")
+        return super().forward(input_ids, position_ids, attention_mask,
                                decoder_input=decoder_input, labels=labels, **kwargs)
+
+    def _canvas_input(self, input_ids, position_ids, signal):
+        """The decoder's input: the embeddings, the canvas (noisy) rows through the self-conditioning block with
+        `signal [n_noisy, b, h]` (None: zero). Under sequence parallelism this TP rank's rows of both."""
+        embedded = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        rows, first = embedded.shape[0], 0
+        if self.config.sequence_parallel:
+            first = self.pg_collection.tp.rank() * rows
+        full = torch.zeros((self.padded_rows, *embedded.shape[1:]), dtype=embedded.dtype, device=embedded.device)
+        if signal is not None:
+            full[:signal.shape[0]] = signal.to(embedded.dtype)
+        canvas = torch.arange(first, first + rows, device=embedded.device) < self.layout.num_noisy_rows
+        return self.self_conditioning(embedded, full[first:first + rows], canvas)
+
+    def _self_conditioning_signal(self, input_ids, position_ids, attention_mask, self_conditioned, **kwargs):
+        """The first, detached pass over the self-conditioned samples: their canvas rows' expected embedding under
+        the predicted distribution `[n_noisy, b, h]` (zero for the other samples), computed by tiles of rows
+        (`linear_cross_entropy.tiled_soft_embeddings`), the logits never whole."""
+        chosen = self_conditioned.nonzero().squeeze(1)
+        pick = (lambda t: None if t is None else t.index_select(0, chosen.to(t.device)))
+        with torch.no_grad():
+            self._signal_pass = True
+            try:
+                ids, positions = pick(input_ids), pick(position_ids)
+                signal = super().forward(ids, positions, pick(attention_mask),
+                                         decoder_input=self._canvas_input(ids, positions, None), labels=None, **kwargs)
+            finally:
+                self._signal_pass = False
+            full = signal.new_zeros((signal.shape[0], input_ids.shape[0], signal.shape[2]))
+            full[:, chosen.to(full.device)] = signal
+        return full
+
+    def _signal(self, hidden):
+        """The self-conditioning signal of the canvas rows' final hidden states `[n_noisy, b, h]`: softmax of the
+        head's logits (MASK and padding excluded) times the input embedding."""
+        rows, batch = hidden.shape[:2]
+        head = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        head = self.output_layer.weight if head is None else head
+        signal = tiled_soft_embeddings(hidden.reshape(rows * batch, -1), head, self.embedding.word_embeddings.weight,
+                                       self.logits_tile_rows or SIGNAL_TILE_ROWS,
+                                       self._unpredictable(head.shape[0], hidden.device), self.pg_collection.tp)
+        return signal.view(rows, batch, -1)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         """Megatron's preprocessing, with RoPE at the batch's positions (first sample: see the module doc)."""
@@ -196,6 +255,8 @@ class BDLMGPTModel(GPTModel):
             # input-gradient all-reduce (sequence_parallel switched off below) already sums over TP.
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp)
+        if self._signal_pass:
+            return self._signal(hidden_states[:self.layout.num_noisy_rows])
         head_rows = self.layout.num_rows if self.clean_logits else self.layout.num_noisy_rows
         noisy_hidden = hidden_states[:head_rows]
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
