@@ -1,0 +1,250 @@
+"""DiffusionGemma's objective (`--bdlm-objective diffusion-gemma`): uniform-state corruption, every canvas token
+scored with unit weights, the clean encoder's next-token co-loss, and self-conditioning.
+
+* The corruption is uniform-state: a corrupted token becomes a random real id (never MASK, every other id alike),
+  exactly at the positions the per-block noise picks, at the rate of its block's noise time; the noise times and
+  positions are BD3-LM's draw from `(seed, sample)`, and a sample's draws (and its self-conditioning draw) do not
+  depend on the micro-batch it is cut into.
+* The self-conditioning block equals transformers' `DiffusionGemmaSelfConditioning` with the same weights, and the
+  tiled signal (softmax of the head's logits times the input embedding, by tiles of rows) equals the whole one.
+* One Megatron training step with self-conditioning (probability 0.5, the draw choosing some samples of the batch)
+  under CSBP2, P=4 C=2 and TP2xCSBP2+SP equals one rank whose core attention is a dense mask written from the
+  definition: the loss, both parts and every gradient and updated parameter, <= 1e-5 relative. PP2xCSBP2 (where
+  self-conditioning is refused: its first pass needs the whole model) equals one rank without it. Control: the
+  same CSBP2 step with self-conditioning dropped misses the self-conditioned reference.
+"""
+
+import dataclasses
+
+import pytest
+import torch
+
+from megatron_step import BLOCK, MASK, SEQ, VOCAB, Topology, run_steps, train_step, worst_error
+from spawn import run_ranks
+from test_clean_stream_training import _dense_token_causal_attention
+
+from megatron_csbp.core import objectives
+
+MICRO_BATCH, NUM_MICRO = 2, 4
+TOLERANCE = 1e-5
+CHANCE = 0.5  # the references' self-conditioning probability
+
+
+@dataclasses.dataclass(frozen=True)
+class Run(Topology):
+    self_conditioning: float = CHANCE
+
+
+REFERENCE = Run("reference", mode="reference")
+REFERENCE_WITHOUT = Run("reference without self-conditioning", mode="reference", self_conditioning=0.0)
+WORLD_2 = [Run("csbp P=C=2", block_parallel=2, clean_shards=2),
+           Run("control: self-conditioning dropped", block_parallel=2, clean_shards=2, self_conditioning=0.0)]
+WORLD_4 = [Run("csbp P=4 C=2", block_parallel=4, clean_shards=2),
+           Run("tp2 x csbp2 + sp", tp=2, block_parallel=2, clean_shards=2, sequence_parallel=True),
+           Run("pp2 x csbp2 (1f1b), without self-conditioning", pp=2, block_parallel=2, clean_shards=2,
+               self_conditioning=0.0)]
+
+
+def _objective(probability=CHANCE, seed=99):
+    from megatron_csbp.bdlm.objective import BDLMObjective
+
+    return BDLMObjective(block_size=BLOCK, mask_token_id=MASK, objective=objectives.DIFFUSION_GEMMA, vocab_ids=VOCAB,
+                         seed=seed, ar_loss_weight=1.0, self_conditioning_probability=probability)
+
+
+# --- the corruption ---------------------------------------------------------------------------------------------
+
+def test_corruption_is_uniform_state_at_the_blocks_noise():
+    from megatron_csbp.bdlm.objective import BDLMObjective
+    from megatron_csbp.core.layout import CSBPLayout
+
+    length, block, samples = 64, 8, 400
+    objective = BDLMObjective(block_size=block, mask_token_id=MASK, objective=objectives.DIFFUSION_GEMMA,
+                              vocab_ids=VOCAB, seed=5, ar_loss_weight=1.0)
+    tokens = torch.randint(0, MASK, (samples, length), generator=torch.Generator().manual_seed(1))
+    index = torch.arange(samples) + 1000
+    noise = objective.noise(index, length)
+    layout = CSBPLayout(length, block, 1, 1, 0, clean_attention="token-causal")
+    rows = objective.rows(tokens, index, layout)
+    noisy = torch.empty_like(tokens)
+    noisy[:, layout.noisy_positions] = rows.input_ids[:, :length]  # P = 1: every noisy row, in the layout's order
+    assert not bool((noisy == MASK).any()), "a uniform-state corruption never writes MASK"
+    replaced = noise.masked
+    assert torch.equal(noisy[replaced], noise.replacement[replaced]) and torch.equal(noisy[~replaced], tokens[~replaced])
+    counts = torch.bincount(noise.replacement[replaced], minlength=VOCAB)
+    assert counts[MASK] == 0 and bool((counts[:MASK] > 0).all()), "every real id but MASK is a replacement"
+    expected = replaced.sum().item() / MASK  # uniform over the 63 real ids: a chi-square test at 63 - 1 dof
+    chi2 = ((counts[:MASK] - expected) ** 2 / expected).sum().item()
+    assert chi2 < 110, f"replacement ids not uniform (chi2 {chi2:.1f} on 62 dof)"
+    rate = replaced.view(samples, -1, block).float().mean(-1)  # [samples, blocks] against each block's time
+    fitted = torch.linalg.lstsq(noise.t.float().reshape(-1, 1), rate.reshape(-1, 1)).solution.item()
+    assert abs(fitted - 1) < 0.03, f"per-block corruption rate = {fitted:.3f} t, expected t"
+    assert bool((rows.loss_weights == 1).all()) and rows.num_tokens.item() == samples * length  # every token, unit
+    bd3lm = BDLMObjective(block_size=block, mask_token_id=MASK, seed=5).noise(index, length)
+    assert torch.equal(bd3lm.t, noise.t) and torch.equal(bd3lm.masked, noise.masked)  # the same draw as BD3-LM's
+
+
+def test_draws_follow_the_sample_not_the_micro_batch():
+    objective = _objective()
+    whole = objective.noise(torch.arange(8) + 100, SEQ)
+    halves = [objective.noise(torch.arange(4) + 100 + 4 * h, SEQ) for h in range(2)]
+    for field in ("t", "masked", "replacement", "self_conditioned"):
+        assert torch.equal(getattr(whole, field), torch.cat([getattr(h, field) for h in halves]))
+    chosen = objective.noise(torch.arange(4000), SEQ).self_conditioned.float().mean().item()
+    assert abs(chosen - CHANCE) < 0.03, chosen
+
+
+def test_the_objective_states_its_facts_and_refuses():
+    from megatron_csbp.core import rules
+    from megatron_csbp.core.clean_attention import CLEAN_ATTENTIONS
+
+    kind = objectives.DIFFUSION_GEMMA
+    assert (kind.label_shift, kind.corruption, kind.default_weighting, kind.self_conditioning_probability) == (
+        0, objectives.UNIFORM_STATE, objectives.UNIT, 0.5)
+    assert "token-causal" in rules.causal_encoder_problem(kind, CLEAN_ATTENTIONS("block-causal"))
+    assert "--bdlm-self-conditioning-probability" in rules.self_conditioning_problem(objectives.BD3LM, 0.5)
+    assert "--pipeline-model-parallel-size" in rules.self_conditioning_problem(kind, 0.5, 2)
+    assert rules.self_conditioning_problem(kind, 0.0, 2) is None
+
+
+# --- the model's pieces -----------------------------------------------------------------------------------------
+
+def _tiny_text_config():
+    from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
+
+    return DiffusionGemmaTextConfig(hidden_size=32, intermediate_size=48, rms_norm_eps=1e-6)
+
+
+def test_self_conditioning_block_equals_transformers():
+    from megatron.core.transformer import TransformerConfig
+    from transformers.models.diffusion_gemma.modeling_diffusion_gemma import DiffusionGemmaSelfConditioning
+
+    from megatron_csbp.mcore.self_conditioning import SelfConditioning
+
+    theirs = DiffusionGemmaSelfConditioning(_tiny_text_config()).double()
+    config = TransformerConfig(num_layers=1, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
+                               layernorm_epsilon=1e-6, use_cpu_initialization=True)
+    ours = SelfConditioning(config).double()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in (("pre_norm_weight", theirs.pre_norm.weight), ("gate", theirs.gate_proj.weight),
+                            ("up", theirs.up_proj.weight), ("down", theirs.down_proj.weight)):
+            param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64))
+            getattr(ours, name).copy_(param)
+    x = torch.randn(6, 2, 32, generator=generator, dtype=torch.float64)
+    signal = torch.randn(6, 2, 32, generator=generator, dtype=torch.float64)
+    canvas = torch.tensor([True] * 4 + [False] * 2)
+    out = ours(x, signal, canvas)
+    expected = theirs(x.transpose(0, 1), signal.transpose(0, 1)).transpose(0, 1)
+    assert torch.allclose(out[:4], expected[:4], rtol=1e-12, atol=1e-12)
+    assert torch.equal(out[4:], x[4:]), "the clean (encoder) rows keep their embedding"
+    zero = ours(x, torch.zeros_like(x), canvas)  # no signal: the last norm alone, as transformers' zeros
+    assert torch.allclose(zero[:4], theirs(x.transpose(0, 1), torch.zeros_like(x).transpose(0, 1)).transpose(0, 1)[:4])
+
+
+def test_tiled_signal_equals_the_whole_one():
+    from megatron_csbp.mcore.linear_cross_entropy import tiled_soft_embeddings
+
+    generator = torch.Generator().manual_seed(4)
+    hidden, head, embedding = (torch.randn(shape, generator=generator, dtype=torch.float64)
+                               for shape in ((13, 8), (20, 8), (20, 8)))
+    unpredictable = torch.zeros(20, dtype=torch.bool)
+    unpredictable[[5, 19]] = True
+    logits = (hidden @ head.t()).masked_fill(unpredictable, float("-inf"))
+    whole = logits.softmax(-1) @ embedding
+    for tile in (1, 4, 13, 64):
+        assert torch.allclose(tiled_soft_embeddings(hidden, head, embedding, tile, unpredictable), whole,
+                              rtol=1e-12, atol=1e-12)
+
+
+# --- one training step on every layout ---------------------------------------------------------------------------
+
+def _build_model(topology, config):
+    from megatron.core import parallel_state as mpu
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_csbp.core.layout import CSBPLayout, layout_for
+    from megatron_csbp.mcore import parallel_state
+    from megatron_csbp.mcore.model import BDLMGPTModel, model_provider
+    from megatron_csbp.mcore.spec import get_csbp_layer_spec
+
+    stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
+    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True, clean_logits=True,
+                  self_conditioning=True, logits_tile_rows=topology.logits_tile_rows)
+    if topology.mode == "reference":
+        layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, clean_attention="token-causal")
+        spec = get_csbp_layer_spec()
+        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
+            module=_dense_token_causal_attention(), params={"layout": layout})
+        model = BDLMGPTModel(config=config, transformer_layer_spec=spec, max_sequence_length=topology.seq,
+                             position_embedding_type="rope", layout=layout, **stages, **common)
+        return model, layout
+    layout = layout_for(topology.mode, topology.seq, topology.block, topology.block_parallel, topology.clean_shards,
+                        rank=mpu.get_context_parallel_rank(), clean_attention="token-causal")
+    model = model_provider(config=config, layout=layout, group=parallel_state.get_block_parallel_groups(),
+                           transport=topology.transport, **stages, **common)
+    return model, layout
+
+
+def _batches(dp_rank, dp_size):
+    generator = torch.Generator().manual_seed(2024)
+    tokens = torch.randint(0, MASK, (MICRO_BATCH * NUM_MICRO, SEQ), generator=generator)
+    sample_index = torch.arange(MICRO_BATCH * NUM_MICRO) + 100
+    per_rank = NUM_MICRO // dp_size
+    return [{"tokens": tokens[m * MICRO_BATCH:(m + 1) * MICRO_BATCH],
+             "sample_index": sample_index[m * MICRO_BATCH:(m + 1) * MICRO_BATCH]}
+            for m in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
+
+
+def _train_step(topology, weights):
+    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+
+    objective = _objective(topology.self_conditioning)
+    return train_step(topology, weights, _build_model, lambda layout: BDLMForwardStep(objective, layout),
+                      _batches, MICRO_BATCH)
+
+
+def test_the_draw_self_conditions_some_samples_of_each_step():
+    chosen = _objective().noise(torch.arange(MICRO_BATCH * NUM_MICRO) + 100, SEQ).self_conditioned
+    assert 0 < chosen.sum() < chosen.numel(), chosen  # the step runs both kinds of sample
+
+
+@pytest.fixture(scope="module")
+def references():
+    with_it = run_ranks(run_steps, 1, _train_step, [REFERENCE], None, timeout=300)[0][0]
+    without = run_ranks(run_steps, 1, _train_step, [REFERENCE_WITHOUT], with_it["initial"], timeout=300)[0][0]
+    return {CHANCE: with_it, 0.0: without}
+
+
+def _check_world(world_size, topologies, references, timeout):
+    initial = references[CHANCE]["initial"]
+    results = run_ranks(run_steps, world_size, _train_step, topologies, initial, timeout=timeout)
+    for index, topology in enumerate(topologies):
+        control = topology.name.startswith("control")
+        reference = references[CHANCE if control else topology.self_conditioning]
+        assert set(reference["losses"]) == {"lm loss", "diffusion loss", "ar loss"}, reference["losses"]
+        per_rank = [results[rank][index] for rank in range(world_size)]
+        parts = [r["losses"] for r in per_rank if r["losses"]]
+        part_error = max(abs(losses[name] - value) / abs(value)
+                         for losses in parts for name, value in reference["losses"].items())
+        error = max(worst_error(per_rank, reference), part_error)
+        print(f"{topology.name}: worst relative error {error:.2e} (loss parts {part_error:.2e})")
+        if control:
+            assert part_error > 1e-3, f"{topology.name} should not match the reference ({part_error:.2e})"
+        else:
+            assert error <= TOLERANCE, f"{topology.name}: relative error {error:.2e}"
+
+
+def test_self_conditioning_changes_the_step(references):
+    with_it, without = references[CHANCE], references[0.0]
+    assert abs(with_it["losses"]["diffusion loss"] - without["losses"]["diffusion loss"]) > 1e-4
+    grads = with_it["grads"]
+    assert float(torch.as_tensor(grads["self_conditioning.gate"]).abs().sum()) > 0, "the block takes gradients"
+
+
+def test_world_2_diffusion_gemma_step_equals_one_rank(references):
+    _check_world(2, WORLD_2, references, timeout=600)
+
+
+def test_world_4_diffusion_gemma_step_equals_one_rank(references):
+    _check_world(4, WORLD_4, references, timeout=900)
