@@ -290,8 +290,13 @@ def test_the_trainer_refuses_in_one_line_exit_2(tmp_path, capsys):
         assert pretrain.main(TRAINER + ["--data-path", str(prefix)] + extra) == 2, extra
         captured = capsys.readouterr()
         assert captured.err.strip().splitlines() == [f"pretrain_bdlm.py: error: {message}"], extra
-    args = validate_args(build_parser().parse_args(TRAINER + CAUSAL + ["--data-path", str(prefix)]), 1,
-                         on_accelerator=False)  # control: the recipe passes, the chance resolved to the objective's
     from megatron_csbp.core.run_config import RunConfig
+    from megatron_csbp.training.providers import objective_for
 
-    assert RunConfig.from_args(args).self_conditioning_probability == 0.5
+    for given, resolved in (([], 0.5), (["--bdlm-self-conditioning-probability", "0.25"], 0.25)):
+        args = validate_args(build_parser().parse_args(TRAINER + CAUSAL + given + ["--data-path", str(prefix)]), 1,
+                             on_accelerator=False)  # control: the recipe passes, the chance read once
+        settings = RunConfig.from_args(args)
+        assert settings.self_conditioning_probability == resolved and settings.self_conditioning
+        objective = objective_for(settings, MASK, VOCAB)
+        assert (objective.objective, objective.self_conditioning_probability) == (objectives.DIFFUSION_GEMMA, resolved)
