@@ -3,10 +3,12 @@ megatron-core forward step built on it is `forward_step`.
 
 API (what the model, the training loop and the tests use)::
 
-    objective = BDLMObjective(block_size=B, mask_token_id=V, objective="bd3lm" | "fast-dllm-v2",
+    objective = BDLMObjective(block_size=B, mask_token_id=V, objective=objectives.BD3LM (or its name, ...),
                               loss_weighting=None | "inverse-t" | "unit", noise_range=(1e-3, 1.0),
-                              antithetic=True, antithetic_group=1, seed=1234)
-    noise = objective.noise(sample_index [b], seq_length)      -> Noise(t [b, NB], masked [b, L])  (CPU)
+                              antithetic=True, antithetic_group=1, seed=1234, vocab_ids=None,
+                              self_conditioning_probability=0.0)
+    noise = objective.noise(sample_index [b], seq_length)      -> Noise(t [b, NB], masked [b, L],
+                                                                  replacement, self_conditioned)  (CPU)
     rows = objective.rows(tokens [b, L], sample_index [b], layout, loss_mask=None,
                           documents=None, reset_positions=False, separate_documents=True, sample_layouts=None)
         -> Rows(input_ids [m, rows], position_ids [m, rows], labels [m, n_noisy],
@@ -27,7 +29,10 @@ samples `[g·G, (g+1)·G)` (`G = antithetic_group`) share one `u` drawn from `(s
 (sample, block) pairs take `t_i = (u + i/N) mod 1` with `i = (s mod G)·NB + block`, mapped into
 `[t_min, t_max]`. This is the batch-level stratification of docs/algorithm.md §2 when `G` is the global
 batch size, yet a sample's noise never depends on how the batch is cut into micro-batches or DP shards.
-Each token of block `b` is then replaced by MASK with probability `t_b`.
+Each token of block `b` is then corrupted with probability `t_b`: replaced by MASK, or (a uniform-state objective,
+DiffusionGemma) by a random real id other than MASK (`vocab_ids`: the model's ids), drawn from `(seed, sample)`.
+Self-conditioning (`self_conditioning_probability`): sample `s` is self-conditioned when a uniform draw of
+`(seed, s)` falls below it (`Rows.self_conditioned`; the model runs its first, detached pass for those).
 
 Normaliser. A rank counts the valid tokens at its own noisy positions; the noisy blocks of a layout
 partition `[0, L)` over the block-parallel ranks, so Megatron's sum over dp×cp is the global count.

@@ -17,6 +17,10 @@ What differs from a plain `GPTModel`, and why:
 * With `logits_tile_rows` (`--cross-entropy-loss-fusion`) the head and its loss run as a tiled linear
   cross-entropy (`linear_cross_entropy`) whenever labels are given: the same per-token loss, with no
   `[rows x vocab]` logits held whole; without labels the head returns the logits as before.
+* With `self_conditioning` (DiffusionGemma's) the canvas (noisy) rows' embeddings pass its block
+  (`self_conditioning`); `forward(..., self_conditioned=[b] bool)` first runs the chosen samples once without
+  gradient and feeds their canvas rows' expected embedding (`linear_cross_entropy.tiled_soft_embeddings`) to the
+  block in the pass that is trained (docs/algorithm.md §2).
 * Under sequence parallelism the row count is padded to a multiple of TP; padded rows have position
   0, see no attention and never reach the head.
 
