@@ -300,3 +300,37 @@ def test_the_trainer_refuses_in_one_line_exit_2(tmp_path, capsys):
         assert settings.self_conditioning_probability == resolved and settings.self_conditioning
         objective = objective_for(settings, MASK, VOCAB)
         assert (objective.objective, objective.self_conditioning_probability) == (objectives.DIFFUSION_GEMMA, resolved)
+
+
+# --- with a mixture of experts ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MoERun(Run):
+    dispatcher: str = "alltoall"
+
+
+MOE_REFERENCE = MoERun("moe, one rank", block_parallel=1, clean_shards=1)
+MOE_WORLD_2 = [MoERun("moe ep2 x csbp2", ep=2, block_parallel=2, clean_shards=2)]
+
+
+def _moe_train_step(topology, weights):
+    import test_moe
+    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+
+    objective = _objective(topology.self_conditioning)
+    return train_step(topology, weights, _build_model, lambda layout: BDLMForwardStep(objective, layout),
+                      _batches, MICRO_BATCH, make_config=test_moe._config)
+
+
+def test_moe_ep2_diffusion_gemma_step_equals_one_rank():
+    """The same step on test_moe's mixture of experts (4 experts, top-2, a shared expert, the load-balancing loss),
+    our model on one rank against EP2 x CSBP2, self-conditioning on."""
+    reference = run_ranks(run_steps, 1, _moe_train_step, [MOE_REFERENCE], None, timeout=300)[0][0]
+    references = {CHANCE: reference}
+    results = run_ranks(run_steps, 2, _moe_train_step, MOE_WORLD_2, reference["initial"], timeout=600)
+    per_rank = [results[rank][0] for rank in range(2)]
+    part_error = max(abs(r["losses"][name] - value) / abs(value)
+                     for r in per_rank if r["losses"] for name, value in references[CHANCE]["losses"].items())
+    error = max(worst_error(per_rank, reference), part_error)
+    print(f"{MOE_WORLD_2[0].name}: worst relative error {error:.2e} (loss parts {part_error:.2e})")
+    assert error <= TOLERANCE, error
