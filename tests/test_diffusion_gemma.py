@@ -70,7 +70,8 @@ def test_corruption_is_uniform_state_at_the_blocks_noise():
     noisy[:, layout.noisy_positions] = rows.input_ids[:, :length]  # P = 1: every noisy row, in the layout's order
     assert not bool((noisy == MASK).any()), "a uniform-state corruption never writes MASK"
     replaced = noise.masked
-    assert torch.equal(noisy[replaced], noise.replacement[replaced]) and torch.equal(noisy[~replaced], tokens[~replaced])
+    assert torch.equal(noisy[replaced], noise.replacement[replaced])
+    assert torch.equal(noisy[~replaced], tokens[~replaced])
     counts = torch.bincount(noise.replacement[replaced], minlength=VOCAB)
     assert counts[MASK] == 0 and bool((counts[:MASK] > 0).all()), "every real id but MASK is a replacement"
     expected = replaced.sum().item() / MASK  # uniform over the 63 real ids: a chi-square test at 63 - 1 dof

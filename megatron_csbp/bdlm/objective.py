@@ -265,7 +265,8 @@ class BDLMObjective:
             num_tokens=countable.gather(1, noisy[:tokens.shape[0]]).sum().to(torch.int).to(device),
             document_ids=document_ids,
             parts=parts,
-            self_conditioned=None if noise.self_conditioned is None else noise.self_conditioned.repeat(views).to(device),
+            self_conditioned=(None if noise.self_conditioned is None
+                              else noise.self_conditioned.repeat(views).to(device)),
         )
 
     @staticmethod
