@@ -127,8 +127,8 @@ def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int)
                           f"them yet; evaluate its loss with scripts/evaluate_bdlm.py")
     if settings.self_conditioning:
         raise ConfigError(f"checkpoint {checkpoint.directory} trains --bdlm-objective {settings.objective} "
-                          f"(uniform-state, self-conditioned): the sampler and the harness do not run it yet; evaluate its loss with "
-                          f"scripts/evaluate_bdlm.py")
+                          f"(uniform-state, self-conditioned): the sampler and the harness do not run it yet; "
+                          f"evaluate its loss with scripts/evaluate_bdlm.py")
     args = vocabulary.recorded(args)
     args.tokenizer = vocabulary.tokenizer
     return args
