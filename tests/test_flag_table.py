@@ -102,7 +102,7 @@ SHOWN_BY = {
         "--yarn-rotary-scaling-factor --yarn-original-max-position-embeddings --yarn-beta-fast --yarn-beta-slow "
         "--yarn-mscale --yarn-mscale-all-dim --no-yarn-correction-range-round-to-int --llama-4-scaling-beta",
     "tests/test_diffusion_gemma.py::test_the_trainer_refuses_in_one_line_exit_2":
-        "--bdlm-self-conditioning-probability",
+        "--bdlm-self-conditioning-probability --final-logit-softcapping --scale-embeddings",
     "tests/test_linear_cross_entropy.py::test_the_fusion_flags_train_and_validate_as_the_whole_head":
         "--cross-entropy-loss-fusion --cross-entropy-fusion-impl --cross-entropy-tile-rows",
 }

@@ -43,7 +43,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_csbp.core import transports
 from megatron_csbp.core.positions import ROUNDING, YARN_FLAGS, RotaryPositions
 from megatron_csbp.mcore import spec as csbp_spec
-from megatron_csbp.mcore.linear_cross_entropy import tiled_linear_cross_entropy, tiled_soft_embeddings
+from megatron_csbp.mcore.linear_cross_entropy import softcapped, tiled_linear_cross_entropy, tiled_soft_embeddings
 from megatron_csbp.mcore.self_conditioning import SelfConditioning
 from megatron_csbp.core.rules import ConfigError, refused_features
 
@@ -136,7 +136,8 @@ class BDLMGPTModel(GPTModel):
 
     def __init__(self, config, transformer_layer_spec, vocab_size, *args, layout, mask_token_id=None, vocab_ids=None,
                  per_sample_positions=False, clean_logits=False, positions: RotaryPositions | None = None,
-                 logits_tile_rows=None, self_conditioning=False, **kwargs):
+                 logits_tile_rows=None, self_conditioning=False, final_logit_softcapping=None, embedding_scale=None,
+                 **kwargs):
         validate_config(config, layout, vocab_size, mask_token_id)  # before any weight is allocated
         vocab_ids = vocab_size if vocab_ids is None else vocab_ids
         if not 0 < vocab_ids <= vocab_size:
@@ -159,6 +160,8 @@ class BDLMGPTModel(GPTModel):
         # the canvas rows' self-conditioning block (DiffusionGemma's), on the stage that embeds
         self.self_conditioning = SelfConditioning(self.config) if self_conditioning and self.pre_process else None
         self._signal_pass = False  # the self-conditioning's first pass: the head returns the signal, not logits
+        self.final_logit_softcapping = final_logit_softcapping  # logits = cap · tanh(logits / cap) (None: off)
+        self.embedding_scale = embedding_scale  # the input embeddings' multiplier (Gemma's sqrt(hidden); None: 1)
         self._predictable = None  # this TP rank's unpredictable columns, made on the first forward
         self.padded_rows = padded_row_count(layout, self.config)
         if self.position_embedding_type == positions.embedding_type:
@@ -190,7 +193,9 @@ class BDLMGPTModel(GPTModel):
                 signal = self._self_conditioning_signal(input_ids, position_ids, attention_mask, self_conditioned,
                                                         **kwargs)
             decoder_input = self._canvas_input(input_ids, position_ids, signal)
-        elif self_conditioned is not None:
+        elif self.embedding_scale is not None and self.pre_process and decoder_input is None:
+            decoder_input = self._embedded(input_ids, position_ids)
+        if self_conditioned is not None and self.self_conditioning is None:
             raise ValueError("self_conditioned samples were given to a model built without self_conditioning "
                              "(or not on its first pipeline stage)")
         return super().forward(input_ids, position_ids, attention_mask,
@@ -199,7 +204,7 @@ class BDLMGPTModel(GPTModel):
     def _canvas_input(self, input_ids, position_ids, signal):
         """The decoder's input: the embeddings, the canvas (noisy) rows through the self-conditioning block with
         `signal [n_noisy, b, h]` (None: zero). Under sequence parallelism this TP rank's rows of both."""
-        embedded = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        embedded = self._embedded(input_ids, position_ids)
         rows, first = embedded.shape[0], 0
         if self.config.sequence_parallel:
             first = self.pg_collection.tp.rank() * rows
@@ -208,6 +213,13 @@ class BDLMGPTModel(GPTModel):
             full[:signal.shape[0]] = signal.to(embedded.dtype)
         canvas = torch.arange(first, first + rows, device=embedded.device) < self.layout.num_noisy_rows
         return self.self_conditioning(embedded, full[first:first + rows], canvas)
+
+    def _embedded(self, input_ids, position_ids):
+        """The input embeddings, times the embedding scale (in their dtype, as transformers' Gemma scales them)."""
+        embedded = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        if self.embedding_scale is None:
+            return embedded
+        return embedded * torch.tensor(self.embedding_scale, dtype=embedded.dtype)
 
     def _self_conditioning_signal(self, input_ids, position_ids, attention_mask, self_conditioned, **kwargs):
         """The first, detached pass over the self-conditioned samples: their canvas rows' expected embedding under
@@ -235,7 +247,10 @@ class BDLMGPTModel(GPTModel):
         head = self.output_layer.weight if head is None else head
         signal = tiled_soft_embeddings(hidden.reshape(rows * batch, -1), head, self.embedding.word_embeddings.weight,
                                        self.logits_tile_rows or SIGNAL_TILE_ROWS,
-                                       self._unpredictable(head.shape[0], hidden.device), self.pg_collection.tp)
+                                       self._unpredictable(head.shape[0], hidden.device), self.pg_collection.tp,
+                                       softcap=self.final_logit_softcapping)
+        if self.embedding_scale is not None:
+            signal = signal * torch.tensor(self.embedding_scale, dtype=signal.dtype)
         return signal.view(rows, batch, -1)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
@@ -271,6 +286,8 @@ class BDLMGPTModel(GPTModel):
             logits, _ = output_layer(noisy_hidden, weight=weight)
         finally:
             output_layer.sequence_parallel = sequence_parallel
+        if self.final_logit_softcapping is not None:  # in fp32, as transformers' Gemma caps them
+            logits = softcapped(logits.float(), self.final_logit_softcapping)
         logits = self._exclude_unpredictable_logits(logits)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
@@ -282,7 +299,7 @@ class BDLMGPTModel(GPTModel):
         rows, batch = hidden.shape[:2]
         loss = tiled_linear_cross_entropy(hidden.reshape(rows * batch, -1), weight, labels.t().reshape(-1),
                                           self.logits_tile_rows, self._unpredictable(weight.shape[0], hidden.device),
-                                          self.pg_collection.tp)
+                                          self.pg_collection.tp, self.final_logit_softcapping)
         return loss.view(rows, batch).t().contiguous()
 
     def _unpredictable(self, columns, device):

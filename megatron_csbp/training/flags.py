@@ -62,6 +62,11 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Chance a sample is self-conditioned (a first, detached pass whose predicted "
                             "distribution the canvas then takes; DiffusionGemma's). Default: 0.5 for "
                             "diffusion-gemma, 0 (off) for the others.")
+    group.add_argument("--final-logit-softcapping", type=float, default=None, metavar="CAP",
+                       help="Cap the LM head's logits as CAP * tanh(logits / CAP) (Gemma's; 30 in DiffusionGemma). "
+                            "Default: off.")
+    group.add_argument("--scale-embeddings", action="store_true",
+                       help="Multiply the input embeddings by sqrt(--hidden-size), as Gemma does.")
     group.add_argument("--bdlm-loss-weighting", choices=rules.LOSS_WEIGHTINGS, default=None,
                        help="Per-block loss weight 1/t (the NELBO) or 1. Default: inverse-t for bd3lm, unit for "
                             "fast-dllm-v2.")
