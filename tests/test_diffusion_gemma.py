@@ -25,6 +25,8 @@ from test_clean_stream_training import _dense_token_causal_attention
 
 from megatron_csbp.core import objectives
 
+pytest_plugins = ["pretrain_runs"]  # the corpus fixture
+
 MICRO_BATCH, NUM_MICRO = 2, 4
 TOLERANCE = 1e-5
 CHANCE = 0.5  # the references' self-conditioning probability
@@ -462,3 +464,33 @@ def test_softcap_and_embedding_scale_equal_transformers():
     assert logits <= 1e-6 and embedded <= 1e-7, errors
     logits_off, embedded_off = errors["pieces off"]  # control: without them, both miss
     assert logits_off > 1e-2 and embedded_off > 1e-2, errors
+
+
+# --- the training script ------------------------------------------------------------------------------------------
+
+RECIPE = dict(bdlm_objective="diffusion-gemma", bdlm_clean_attention="token-causal", bdlm_ar_loss_weight=1.0,
+              final_logit_softcapping=30.0, scale_embeddings=True)
+LOSS_LINE = r"iteration\s+(\d+)/.*?lm loss:\s*(\S+) \| ar loss:\s*(\S+) \| diffusion loss:\s*(\S+) \|.*?grad norm:\s*(\S+) \|"
+
+
+def _printed(run) -> dict:
+    import re
+
+    return {int(m.group(1)): m.groups()[1:] for m in re.finditer(LOSS_LINE, run.output)}
+
+
+def test_the_training_script_prints_the_parts_alike_on_one_rank_and_csbp2(corpus):
+    """The recipe from the command line (our loop, the providers' model with the self-conditioning block, the softcap
+    and the scale): each printed lm loss, ar loss, diffusion loss and grad norm of CSBP2 equals one rank's
+    (<= 1e-5). Control: without self-conditioning the first step's diffusion loss moves."""
+    from pretrain_runs import run
+
+    settings = dict(data_path=corpus, train_iters=2, eval_iters=0, lr_warmup_iters=1, **RECIPE)
+    one = _printed(run(1, settings))
+    assert sorted(one) == [1, 2], one
+    two = _printed(run(2, {**settings, "context_block_parallel": 2}))
+    assert two.keys() == one.keys() and all(abs(float(a) - float(b)) <= TOLERANCE * abs(float(b))
+                                            for i in one for a, b in zip(two[i], one[i])), (two, one)
+    off = _printed(run(1, {**settings, "train_iters": 1, "lr_warmup_iters": 0,
+                           "bdlm_self_conditioning_probability": 0.0}))
+    assert off[1][2] != one[1][2] and off[1][1] == one[1][1], (off, one)
