@@ -470,7 +470,8 @@ def test_softcap_and_embedding_scale_equal_transformers():
 
 RECIPE = dict(bdlm_objective="diffusion-gemma", bdlm_clean_attention="token-causal", bdlm_ar_loss_weight=1.0,
               final_logit_softcapping=30.0, scale_embeddings=True)
-LOSS_LINE = r"iteration\s+(\d+)/.*?lm loss:\s*(\S+) \| ar loss:\s*(\S+) \| diffusion loss:\s*(\S+) \|.*?grad norm:\s*(\S+) \|"
+LOSS_LINE = (r"iteration\s+(\d+)/.*?lm loss:\s*(\S+) \| ar loss:\s*(\S+) \| diffusion loss:\s*(\S+) \|"
+             r".*?grad norm:\s*(\S+) \|")
 
 
 def _printed(run) -> dict:
