@@ -231,6 +231,10 @@ class BDLMGPTModel(GPTModel):
             self._signal_pass = True
             try:
                 ids, positions = pick(input_ids), pick(position_ids)
+                if self.per_sample_positions:  # each chosen sample's own query scales
+                    scales = query_scales(self.positions, positions)
+                    if scales is not None:
+                        kwargs["extra_block_kwargs"] = {**kwargs["extra_block_kwargs"], "attention_bias": scales}
                 signal = super().forward(ids, positions, pick(attention_mask),
                                          decoder_input=self._canvas_input(ids, positions, None), labels=None, **kwargs)
             finally:
