@@ -495,3 +495,18 @@ def test_the_training_script_prints_the_parts_alike_on_one_rank_and_csbp2(corpus
     off = _printed(run(1, {**settings, "train_iters": 1, "lr_warmup_iters": 0,
                            "bdlm_self_conditioning_probability": 0.0}))
     assert off[1][2] != one[1][2] and off[1][1] == one[1][1], (off, one)
+
+
+def test_packed_documents_print_alike_on_one_rank_and_csbp2(corpus):
+    """The recipe on packed documents (`--reset-position-ids --reset-attention-mask --eod-mask-loss`: each sample's
+    blocks dealt by its documents, the first pass over the chosen samples' own documents): CSBP2 prints one rank's
+    numbers (<= 1e-5)."""
+    from pretrain_runs import run
+
+    settings = dict(data_path=corpus, train_iters=2, eval_iters=0, lr_warmup_iters=1, reset_position_ids=True,
+                    reset_attention_mask=True, eod_mask_loss=True, **RECIPE)
+    one = _printed(run(1, settings))
+    assert sorted(one) == [1, 2], one
+    two = _printed(run(2, {**settings, "context_block_parallel": 2}))
+    assert two.keys() == one.keys() and all(abs(float(a) - float(b)) <= TOLERANCE * abs(float(b))
+                                            for i in one for a, b in zip(two[i], one[i])), (two, one)
