@@ -162,8 +162,9 @@ def test_tiled_signal_equals_the_whole_one():
     logits = (hidden @ head.t()).masked_fill(unpredictable, float("-inf"))
     whole = logits.softmax(-1) @ embedding
     for tile in (1, 4, 13, 64):
-        assert torch.allclose(tiled_soft_embeddings(hidden, head, embedding, tile, unpredictable), whole,
-                              rtol=1e-12, atol=1e-12)
+        for columns in (None, 1, 3, 7, 20):  # the vocabulary in tiles too (the padding's tile: every logit -inf)
+            assert torch.allclose(tiled_soft_embeddings(hidden, head, embedding, tile, unpredictable,
+                                                        tile_columns=columns), whole, rtol=1e-12, atol=1e-12)
 
 
 # --- one training step on every layout ---------------------------------------------------------------------------

@@ -109,22 +109,42 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
 
 @torch.no_grad()
 def tiled_soft_embeddings(hidden, weight, embedding, tile_rows: int, unpredictable=None, group=None,
-                          softcap: float | None = None):
+                          softcap: float | None = None, tile_columns: int | None = None):
     """`softmax(hidden @ weight.T) @ embedding` per row `[rows, h]`: the expected input embedding under the head's
-    predicted distribution (a self-conditioning signal), `tile_rows` rows at a time and never differentiated.
+    predicted distribution (a self-conditioning signal), never differentiated, `tile_rows` rows at a time and, with
+    `tile_columns`, that many vocabulary columns at a time (a first sweep for each row's max and sum, a second for
+    the probabilities, the logits recomputed): no tile holds more than `tile_rows x tile_columns` logits.
     `weight [V/tp, h]` (the head) and `embedding [V/tp, h]` (the input embedding) hold this TP rank's columns of
     the vocabulary split over `group`; `unpredictable [V/tp]` (bool): columns whose logits are -inf; `softcap`: the
     logits capped as `tiled_linear_cross_entropy` caps them. The softmax runs in fp32 (or wider), its
     probabilities then in the embedding's dtype, as the reference's self-conditioning takes them."""
-    if tile_rows < 1:
-        raise ValueError(f"tile_rows={tile_rows} must be >= 1")
+    columns = weight.shape[0]
+    tile_columns = tile_columns or columns
+    if tile_rows < 1 or tile_columns < 1:
+        raise ValueError(f"tile_rows={tile_rows} and tile_columns={tile_columns} must be >= 1")
+    pieces = list(_tiles(columns, tile_columns))
+    logits_of = (lambda rows, cols: _logits(hidden[rows], weight[cols], None if unpredictable is None
+                                            else unpredictable[cols], softcap))
     out = torch.empty(hidden.shape[0], embedding.shape[1], dtype=embedding.dtype, device=hidden.device)
     for rows in _tiles(hidden.shape[0], tile_rows):
-        logits = _logits(hidden[rows], weight, unpredictable, softcap)
-        row_max = _all_reduce(logits.max(dim=1).values, torch.distributed.ReduceOp.MAX, group)
-        probabilities = logits.sub_(row_max[:, None]).exp_()
-        total = _all_reduce(probabilities.sum(dim=1), torch.distributed.ReduceOp.SUM, group)
-        probabilities = probabilities.div_(total[:, None]).to(embedding.dtype)
-        out[rows] = _all_reduce(probabilities @ embedding, torch.distributed.ReduceOp.SUM, group)
-        del logits, probabilities
+        logits = logits_of(rows, pieces[0]) if len(pieces) == 1 else None  # one sweep when one tile holds them
+        if logits is None:
+            row_max = torch.stack([logits_of(rows, cols).max(dim=1).values for cols in pieces]).max(dim=0).values
+        else:
+            row_max = logits.max(dim=1).values
+        row_max = _all_reduce(row_max, torch.distributed.ReduceOp.MAX, group)
+        if logits is None:
+            total = sum(logits_of(rows, cols).sub_(row_max[:, None]).exp_().sum(dim=1) for cols in pieces)
+        else:
+            logits = logits.sub_(row_max[:, None]).exp_()
+            total = logits.sum(dim=1)
+        total = _all_reduce(total, torch.distributed.ReduceOp.SUM, group)
+        signal = None
+        for cols in pieces:
+            probabilities = logits if logits is not None else logits_of(rows, cols).sub_(row_max[:, None]).exp_()
+            part = probabilities.div_(total[:, None]).to(embedding.dtype) @ embedding[cols]
+            signal = part if signal is None else signal + part
+            del probabilities
+        out[rows] = _all_reduce(signal, torch.distributed.ReduceOp.SUM, group)
+        del logits
     return out

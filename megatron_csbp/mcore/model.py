@@ -49,6 +49,7 @@ from megatron_csbp.core.rules import ConfigError, refused_features
 
 
 SIGNAL_TILE_ROWS = 1024  # rows per tile of the self-conditioning signal without --cross-entropy-loss-fusion's tiles
+SIGNAL_TILE_COLUMNS = 32768  # vocabulary columns per tile of the signal (a 262K vocabulary in 8 tiles)
 
 
 def padded_row_count(layout, config) -> int:
@@ -252,7 +253,7 @@ class BDLMGPTModel(GPTModel):
         signal = tiled_soft_embeddings(hidden.reshape(rows * batch, -1), head, self.embedding.word_embeddings.weight,
                                        self.logits_tile_rows or SIGNAL_TILE_ROWS,
                                        self._unpredictable(head.shape[0], hidden.device), self.pg_collection.tp,
-                                       softcap=self.final_logit_softcapping)
+                                       softcap=self.final_logit_softcapping, tile_columns=SIGNAL_TILE_COLUMNS)
         if self.embedding_scale is not None:
             signal = signal * torch.tensor(self.embedding_scale, dtype=signal.dtype)
         return signal.view(rows, batch, -1)
