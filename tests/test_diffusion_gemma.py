@@ -142,13 +142,11 @@ def test_self_conditioning_block_equals_transformers():
             getattr(ours, name).copy_(param)
     x = torch.randn(6, 2, 32, generator=generator, dtype=torch.float64)
     signal = torch.randn(6, 2, 32, generator=generator, dtype=torch.float64)
-    canvas = torch.tensor([True] * 4 + [False] * 2)
-    out = ours(x, signal, canvas)
+    out = ours(x, signal)
     expected = theirs(x.transpose(0, 1), signal.transpose(0, 1)).transpose(0, 1)
-    assert torch.allclose(out[:4], expected[:4], rtol=1e-12, atol=1e-12)
-    assert torch.equal(out[4:], x[4:]), "the clean (encoder) rows keep their embedding"
-    zero = ours(x, torch.zeros_like(x), canvas)  # no signal: the last norm alone, as transformers' zeros
-    assert torch.allclose(zero[:4], theirs(x.transpose(0, 1), torch.zeros_like(x).transpose(0, 1)).transpose(0, 1)[:4])
+    assert torch.allclose(out, expected, rtol=1e-12, atol=1e-12)
+    zero = ours(x, torch.zeros_like(x))  # no signal: the last norm alone, as transformers' zeros
+    assert torch.allclose(zero, theirs(x.transpose(0, 1), torch.zeros_like(x).transpose(0, 1)).transpose(0, 1))
 
 
 def test_tiled_signal_equals_the_whole_one():
@@ -511,3 +509,52 @@ def test_packed_documents_print_alike_on_one_rank_and_csbp2(corpus):
     two = _printed(run(2, {**settings, "context_block_parallel": 2}))
     assert two.keys() == one.keys() and all(abs(float(a) - float(b)) <= TOLERANCE * abs(float(b))
                                             for i in one for a, b in zip(two[i], one[i])), (two, one)
+
+
+@on_cpu_backend
+def _counted_step_flops(rank, world_size):
+    """torch's FLOP counter over one forward and backward of the DiffusionGemma model with a dense attention (every
+    pair of the `2L x 2L` grid computed), every sample self-conditioned and none."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_csbp.mcore import parallel_state
+    from megatron_step import _config
+
+    parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1, clean_shards=1)
+    try:
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        reference = Run("reference", mode="reference", softcap=None, scale_embeddings=False)
+        model, layout = _build_model(reference, _config(reference))  # its dense attention: every pair counted
+        objective = _objective(1.0)
+        rows = objective.rows(torch.randint(0, MASK, (2, SEQ)), torch.tensor([1, 2]), layout)
+        counted = []
+        for chosen in (torch.ones(2, dtype=torch.bool), None):
+            with FlopCounterMode(display=False) as counter:
+                model(rows.input_ids, rows.position_ids, labels=rows.labels, self_conditioned=chosen).sum().backward()
+            counted.append(counter.get_total_flops())
+        return counted
+    finally:
+        parallel_state.destroy_model_parallel()
+
+
+def test_step_flops_count_the_first_pass_and_the_block():
+    from megatron_csbp.bdlm import flops
+    from megatron_csbp.core.clean_attention import CLEAN_ATTENTIONS
+    from megatron_csbp.core.model_shape import ModelShape
+
+    every, none = run_ranks(_counted_step_flops, 1, timeout=300)[0]
+    causal = CLEAN_ATTENTIONS("token-causal")
+    shape = ModelShape(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=64)
+    common = dict(padded_vocab_size=VOCAB, seq_length=SEQ, block_size=BLOCK, batch_size=2, clean_attention=causal,
+                  clean_logits=True)
+    per_pair = flops.attention_flops_per_pair(4, 8)
+    # one forward's attention: the dense grid the reference computes, less the BDLM pairs the formula counts
+    dense_extra = 2 * 4 * ((2 * SEQ) ** 2 - flops.bdlm_attention_pairs(SEQ, BLOCK, causal)) * per_pair
+    counted = {p: flops.bdlm_step_flops(shape, **common, self_conditioning=p) for p in (None, 0.0, 1.0)}
+    assert none == counted[0.0] + 3 * dense_extra  # the trained pass: forward and backward
+    assert every == counted[1.0] + 4 * dense_extra  # and the first pass's forward
+    assert none != counted[None] + 3 * dense_extra  # control: without the block's FLOPs the count misses

@@ -209,11 +209,12 @@ class BDLMGPTModel(GPTModel):
         rows, first = embedded.shape[0], 0
         if self.config.sequence_parallel:
             first = self.pg_collection.tp.rank() * rows
-        full = torch.zeros((self.padded_rows, *embedded.shape[1:]), dtype=embedded.dtype, device=embedded.device)
-        if signal is not None:
-            full[:signal.shape[0]] = signal.to(embedded.dtype)
-        canvas = torch.arange(first, first + rows, device=embedded.device) < self.layout.num_noisy_rows
-        return self.self_conditioning(embedded, full[first:first + rows], canvas)
+        canvas = min(max(self.layout.num_noisy_rows - first, 0), rows)  # the canvas rows lead: a prefix of these
+        if signal is None:
+            signal = embedded.new_zeros((canvas, *embedded.shape[1:]))
+        else:
+            signal = signal[first:first + canvas].to(embedded.dtype)
+        return torch.cat([self.self_conditioning(embedded[:canvas], signal), embedded[canvas:]])
 
     def _embedded(self, input_ids, position_ids):
         """The input embeddings, times the embedding scale (in their dtype, as transformers' Gemma scales them)."""

@@ -20,8 +20,8 @@ def _rms(x, eps, weight=None):
 
 
 class SelfConditioning(torch.nn.Module):
-    """The canvas rows' self-conditioning block (the module docstring): `forward(x [s, b, h], signal [s, b, h],
-    canvas [s] bool) -> [s, b, h]`."""
+    """The canvas rows' self-conditioning block (the module docstring): `forward(x [s, b, h], signal [s, b, h])
+    -> [s, b, h]`, over canvas rows only."""
 
     def __init__(self, config):
         super().__init__()
@@ -37,8 +37,7 @@ class SelfConditioning(torch.nn.Module):
         for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
 
-    def forward(self, x, signal, canvas):
+    def forward(self, x, signal):
         normed = _rms(signal, self.eps, self.pre_norm_weight)
         gated = torch.nn.functional.gelu(normed @ self.gate.t(), approximate="tanh") * (normed @ self.up.t())
-        combined = _rms(x + gated @ self.down.t(), self.eps)
-        return torch.where(canvas[:, None, None], combined, x)
+        return _rms(x + gated @ self.down.t(), self.eps)
