@@ -117,7 +117,8 @@ def lm_head_flops_per_row(hidden_size: int, padded_vocab_size: int) -> int:
 
 def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: int, block_size: int,
                     batch_size: int = 1, recompute: bool = False, clean_attention=BLOCK_CAUSAL,
-                    clean_logits: bool = False, layer_windows: tuple = (), self_conditioning: float | None = None) -> int:
+                    clean_logits: bool = False, layer_windows: tuple = (),
+                    self_conditioning: float | None = None) -> int:
     """Exact FLOPs of one BDLM training step (forward + backward) over `batch_size` samples of model `shape`.
 
     `seq_length` is the clean length `L` (the model sees `2L` rows), `block_size` the diffusion block `B`,
