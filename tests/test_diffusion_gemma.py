@@ -324,33 +324,52 @@ def test_the_trainer_refuses_in_one_line_exit_2(tmp_path, capsys):
 @dataclasses.dataclass(frozen=True)
 class MoERun(Run):
     dispatcher: str = "alltoall"
+    swap_experts: bool = False  # negative control: two experts' weights exchanged on the first layer that has them
 
 
 MOE_REFERENCE = MoERun("moe, one rank", block_parallel=1, clean_shards=1)
-MOE_WORLD_2 = [MoERun("moe ep2 x csbp2", ep=2, block_parallel=2, clean_shards=2, logits_tile_rows=5)]
+MOE_WORLD_2 = [MoERun("moe ep2 x csbp2", ep=2, block_parallel=2, clean_shards=2, logits_tile_rows=5),
+               MoERun("control: moe ep2 x csbp2, one expert swapped", ep=2, block_parallel=2, clean_shards=2,
+                      swap_experts=True)]
 
 
 def _moe_train_step(topology, weights):
     import test_moe
     from megatron_csbp.bdlm.forward_step import BDLMForwardStep
 
+    def swap(ddp):
+        from megatron.core import parallel_state as mpu
+
+        if not topology.swap_experts or mpu.get_expert_model_parallel_rank() != 0:
+            return
+        experts = next(module for name, module in ddp.module.named_modules() if name.endswith("local_experts"))
+        with torch.no_grad():
+            for first, second in zip(experts[0].parameters(), experts[1].parameters()):
+                held = first.detach().clone()
+                first.copy_(second)
+                second.copy_(held)
+
     objective = _objective(topology.self_conditioning)
     return train_step(topology, weights, _build_model, lambda layout: BDLMForwardStep(objective, layout),
-                      _batches, MICRO_BATCH, make_config=test_moe._config)
+                      _batches, MICRO_BATCH, make_config=test_moe._config, before_step=swap)
 
 
 def test_moe_ep2_diffusion_gemma_step_equals_one_rank():
     """The same step on test_moe's mixture of experts (4 experts, top-2, a shared expert, the load-balancing loss),
-    our model on one rank against EP2 x CSBP2, self-conditioning on."""
+    our model on one rank against EP2 x CSBP2, self-conditioning on. Control: two experts swapped misses."""
     reference = run_ranks(run_steps, 1, _moe_train_step, [MOE_REFERENCE], None, timeout=300)[0][0]
     references = {CHANCE: reference}
     results = run_ranks(run_steps, 2, _moe_train_step, MOE_WORLD_2, reference["initial"], timeout=600)
-    per_rank = [results[rank][0] for rank in range(2)]
-    part_error = max(abs(r["losses"][name] - value) / abs(value)
-                     for r in per_rank if r["losses"] for name, value in references[CHANCE]["losses"].items())
-    error = max(worst_error(per_rank, reference), part_error)
-    print(f"{MOE_WORLD_2[0].name}: worst relative error {error:.2e} (loss parts {part_error:.2e})")
-    assert error <= TOLERANCE, error
+    for index, topology in enumerate(MOE_WORLD_2):
+        per_rank = [results[rank][index] for rank in range(2)]
+        part_error = max(abs(r["losses"][name] - value) / abs(value)
+                         for r in per_rank if r["losses"] for name, value in references[CHANCE]["losses"].items())
+        error = max(worst_error(per_rank, reference), part_error)
+        print(f"{topology.name}: worst relative error {error:.2e} (loss parts {part_error:.2e})")
+        if topology.swap_experts:
+            assert part_error > 5 * TOLERANCE and error > 1e-3, (part_error, error)
+        else:
+            assert error <= TOLERANCE, error
 
 
 # --- the final-logit softcap and the embedding scale ------------------------------------------------------------
