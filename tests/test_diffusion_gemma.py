@@ -1,17 +1,24 @@
 """DiffusionGemma's objective (`--bdlm-objective diffusion-gemma`): uniform-state corruption, every canvas token
-scored with unit weights, the clean encoder's next-token co-loss, and self-conditioning.
+scored with unit weights, the clean encoder's next-token co-loss, self-conditioning, and Gemma's final-logit softcap
+and embedding scale.
 
 * The corruption is uniform-state: a corrupted token becomes a random real id (never MASK, every other id alike),
   exactly at the positions the per-block noise picks, at the rate of its block's noise time; the noise times and
   positions are BD3-LM's draw from `(seed, sample)`, and a sample's draws (and its self-conditioning draw) do not
   depend on the micro-batch it is cut into.
-* The self-conditioning block equals transformers' `DiffusionGemmaSelfConditioning` with the same weights, and the
-  tiled signal (softmax of the head's logits times the input embedding, by tiles of rows) equals the whole one.
-* One Megatron training step with self-conditioning (probability 0.5, the draw choosing some samples of the batch)
-  under CSBP2, P=4 C=2 and TP2xCSBP2+SP equals one rank whose core attention is a dense mask written from the
-  definition: the loss, both parts and every gradient and updated parameter, <= 1e-5 relative. PP2xCSBP2 (where
-  self-conditioning is refused: its first pass needs the whole model) equals one rank without it. Control: the
-  same CSBP2 step with self-conditioning dropped misses the self-conditioned reference.
+* The self-conditioning block equals transformers' `DiffusionGemmaSelfConditioning` with the same weights; the
+  tiled signal (softmax of the head's logits times the input embedding, by tiles of rows and columns) equals the
+  whole one; the softcapped tiled loss and its gradients equal autograd's; our head's softcapped logits and scaled
+  embeddings equal transformers' DiffusionGemma head and `ScaledWordEmbedding` (controls: without them, both miss).
+* One Megatron training step with self-conditioning (probability 0.5, the draw choosing some samples of the batch),
+  the softcap and the scale under CSBP2, P=4 C=2 and TP2xCSBP2+SP equals one rank whose core attention is a dense
+  mask written from the definition: the loss, both parts and every gradient and updated parameter, <= 1e-5
+  relative. PP2xCSBP2 (where self-conditioning is refused: its first pass needs the whole model) equals one rank
+  without it; EP2xCSBP2 on a mixture of experts equals its one-rank run. Controls that miss: self-conditioning
+  dropped, the softcap off, the embedding scale off, two experts swapped.
+* The step's FLOPs count the block and the first pass (torch's counter on the model). The trainer refuses bad
+  settings in one line (exit 2); the samplers refuse a uniform-state model; the recipe through the training script
+  prints lm / ar / diffusion loss alike on one rank and CSBP2 (packed documents too).
 """
 
 import dataclasses
