@@ -46,6 +46,7 @@ MODULE_MARKERS = {
     "test_gated_delta_training": ("spawn", "slow"),
     "test_sliding_window": ("spawn",),
     "test_clean_stream_training": ("spawn", "slow"),
+    "test_diffusion_gemma": ("spawn", "slow"),
     "test_sliding_window_training": ("spawn", "slow"),
     "test_packing": ("spawn", "slow"),
     "test_sft_data": ("spawn", "slow"),

@@ -105,6 +105,8 @@ SHOWN_BY = {
         "--experimental-attention-variant --linear-attention-freq --linear-conv-kernel-dim --linear-key-head-dim "
         "--linear-value-head-dim --linear-num-key-heads --linear-num-value-heads --attention-output-gate "
         "--apply-layernorm-1p",
+    "tests/test_diffusion_gemma.py::test_the_trainer_refuses_in_one_line_exit_2":
+        "--bdlm-self-conditioning-probability --final-logit-softcapping --scale-embeddings",
     "tests/test_linear_cross_entropy.py::test_the_fusion_flags_train_and_validate_as_the_whole_head":
         "--cross-entropy-loss-fusion --cross-entropy-fusion-impl --cross-entropy-tile-rows",
 }

@@ -117,7 +117,8 @@ def lm_head_flops_per_row(hidden_size: int, padded_vocab_size: int) -> int:
 
 def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: int, block_size: int,
                     batch_size: int = 1, recompute: bool = False, clean_attention=BLOCK_CAUSAL,
-                    clean_logits: bool = False, layer_windows: tuple = ()) -> int:
+                    clean_logits: bool = False, layer_windows: tuple = (),
+                    self_conditioning: float | None = None) -> int:
     """Exact FLOPs of one BDLM training step (forward + backward) over `batch_size` samples of model `shape`.
 
     `seq_length` is the clean length `L` (the model sees `2L` rows), `block_size` the diffusion block `B`,
@@ -127,7 +128,10 @@ def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: in
     recomputation (hardware FLOPs). With `shape.moe`, its MoE layers' MLP FLOPs per row are
     `moe_mlp_flops_per_row`'s, and every row, noisy and clean, is routed (`2L` per sample). `clean_logits`: the
     LM head runs over the clean rows too (an autoregressive co-loss), `2L` rows instead of `L`. `layer_windows`: each
-    layer's window (`core.windows`; empty: every layer global).
+    layer's window (`core.windows`; empty: every layer global). `self_conditioning`: the chance a sample is
+    self-conditioned (None: no self-conditioning block): the block's MLP on the canvas rows in the trained pass, and
+    for that share of the samples a first, forward-only pass (the layers, the block, the head over the canvas rows
+    and its signal's product with the embedding): the step's expected FLOPs.
     """
     per_pair = attention_flops_per_pair(shape.num_attention_heads, shape.kv_channels)
     pairs = {window: bdlm_attention_pairs(seq_length, block_size, clean_attention, window)
@@ -139,7 +143,12 @@ def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: in
             moe_layer_linear_flops_per_row(shape) - linear_flops_per_row(shape))
     head_rows = 2 * seq_length if clean_logits else seq_length
     head_forward = head_rows * lm_head_flops_per_row(shape.hidden_size, padded_vocab_size)
-    return batch_size * (rules.step_passes(recompute) * layers_forward + rules.step_passes() * head_forward)
+    total = batch_size * (rules.step_passes(recompute) * layers_forward + rules.step_passes() * head_forward)
+    if self_conditioning is None:
+        return total
+    block = seq_length * 3 * 2 * shape.hidden_size * shape.ffn_hidden_size  # gate, up, down on the canvas rows
+    first_pass = layers_forward + block + 2 * seq_length * lm_head_flops_per_row(shape.hidden_size, padded_vocab_size)
+    return total + batch_size * rules.step_passes() * block + round(batch_size * self_conditioning * first_pass)
 
 
 def run_step_flops(settings, padded_vocab_size: int, recompute: bool = False) -> int:
@@ -148,7 +157,9 @@ def run_step_flops(settings, padded_vocab_size: int, recompute: bool = False) ->
                            block_size=settings.block_size, recompute=recompute,
                            batch_size=settings.global_batch_size * settings.objective.views_per_sample,
                            clean_attention=settings.clean_attention, clean_logits=settings.clean_logits,
-                           layer_windows=settings.layer_windows)
+                           layer_windows=settings.layer_windows,
+                           self_conditioning=settings.self_conditioning_probability if settings.self_conditioning
+                           else None)
 
 
 def megatron_causal_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: int, batch_size: int = 1) -> int:

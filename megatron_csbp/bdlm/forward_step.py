@@ -58,6 +58,11 @@ def _check_model_matches(objective, layout, model):
              f"the model's LM head {'runs' if clean_logits else 'does not run'} over the clean rows, and the "
              f"objective's --bdlm-ar-loss-weight is {objective.ar_loss_weight}: build the model with "
              f"clean_logits={bool(objective.ar_loss_weight)}")
+    takes_signal = getattr(inner, "self_conditioning", None) is not None or not getattr(inner, "pre_process", True)
+    _require(takes_signal or not objective.self_conditioning_probability,
+             f"the objective self-conditions samples (--bdlm-self-conditioning-probability "
+             f"{objective.self_conditioning_probability}) but the model has no self-conditioning block: build it with "
+             f"self_conditioning=True")
 
 
 def checked_loss_func(loss_weights, num_tokens, output_tensor, *, parts=None, check_results=False,
@@ -193,6 +198,7 @@ class BDLMForwardStep:
             return model(None, positions, attention_mask=None), partial(self.loss_func, None, None)
         batch = batch_on_this_rank(data_iterator)
         rows = self.packing.rows(self.objective, batch, self.layout)
+        conditioning = {} if rows.self_conditioned is None else {"self_conditioned": rows.self_conditioned}
         output = model(rows.input_ids if first_stage else None, rows.position_ids, attention_mask=rows.document_ids,
-                       labels=rows.labels if last_stage else None)
+                       labels=rows.labels if last_stage else None, **conditioning)
         return output, partial(self.loss_func, rows.loss_weights, rows.num_tokens, parts=rows.parts)

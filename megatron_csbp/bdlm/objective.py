@@ -3,10 +3,12 @@ megatron-core forward step built on it is `forward_step`.
 
 API (what the model, the training loop and the tests use)::
 
-    objective = BDLMObjective(block_size=B, mask_token_id=V, objective="bd3lm" | "fast-dllm-v2",
+    objective = BDLMObjective(block_size=B, mask_token_id=V, objective=objectives.BD3LM (or its name, ...),
                               loss_weighting=None | "inverse-t" | "unit", noise_range=(1e-3, 1.0),
-                              antithetic=True, antithetic_group=1, seed=1234)
-    noise = objective.noise(sample_index [b], seq_length)      -> Noise(t [b, NB], masked [b, L])  (CPU)
+                              antithetic=True, antithetic_group=1, seed=1234, vocab_ids=None,
+                              self_conditioning_probability=0.0)
+    noise = objective.noise(sample_index [b], seq_length)      -> Noise(t [b, NB], masked [b, L],
+                                                                  replacement, self_conditioned)  (CPU)
     rows = objective.rows(tokens [b, L], sample_index [b], layout, loss_mask=None,
                           documents=None, reset_positions=False, separate_documents=True, sample_layouts=None)
         -> Rows(input_ids [m, rows], position_ids [m, rows], labels [m, n_noisy],
@@ -27,7 +29,10 @@ samples `[g·G, (g+1)·G)` (`G = antithetic_group`) share one `u` drawn from `(s
 (sample, block) pairs take `t_i = (u + i/N) mod 1` with `i = (s mod G)·NB + block`, mapped into
 `[t_min, t_max]`. This is the batch-level stratification of docs/algorithm.md §2 when `G` is the global
 batch size, yet a sample's noise never depends on how the batch is cut into micro-batches or DP shards.
-Each token of block `b` is then replaced by MASK with probability `t_b`.
+Each token of block `b` is then corrupted with probability `t_b`: replaced by MASK, or (a uniform-state objective,
+DiffusionGemma) by a random real id other than MASK (`vocab_ids`: the model's ids), drawn from `(seed, sample)`.
+Self-conditioning (`self_conditioning_probability`): sample `s` is self-conditioned when a uniform draw of
+`(seed, s)` falls below it (`Rows.self_conditioned`; the model runs its first, detached pass for those).
 
 Normaliser. A rank counts the valid tokens at its own noisy positions; the noisy blocks of a layout
 partition `[0, L)` over the block-parallel ranks, so Megatron's sum over dp×cp is the global count.
@@ -64,7 +69,9 @@ def _generator(seed: int, stream: str, index: int) -> torch.Generator:
 
 class Noise(NamedTuple):
     t: torch.Tensor  # [b, NB] float64, noise time of every (sample, block), in [t_min, t_max]
-    masked: torch.Tensor  # [b, L] bool, token replaced by MASK in x_t
+    masked: torch.Tensor  # [b, L] bool, token corrupted in x_t
+    replacement: torch.Tensor | None = None  # [b, L] the random real id a corrupted token becomes (uniform state)
+    self_conditioned: torch.Tensor | None = None  # [b] bool, the sample takes the self-conditioning signal
 
 
 class LossParts(NamedTuple):
@@ -86,6 +93,7 @@ class Rows(NamedTuple):
     num_tokens: torch.Tensor
     document_ids: torch.Tensor | None = None  # [m, L] document of every position (packed samples), else None
     parts: LossParts | None = None  # None: the diffusion loss alone, weight 1
+    self_conditioned: torch.Tensor | None = None  # [m] bool, the samples the model self-conditions (None: none)
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,8 @@ class BDLMObjective:
     seed: int = 1234
     diffusion_loss_weight: float = 1.0
     ar_loss_weight: float = 0.0  # > 0: the clean rows' next-token co-loss (a token-causal clean stream's)
+    vocab_ids: int | None = None  # the model's real ids, MASK included: a uniform-state corruption's range
+    self_conditioning_probability: float = 0.0  # chance a sample is self-conditioned
 
     def __post_init__(self):
         _require(isinstance(self.block_size, int) and self.block_size >= 1,
@@ -120,6 +130,11 @@ class BDLMObjective:
                  f"antithetic_group={self.antithetic_group!r} must be a positive integer: the samples sharing one "
                  f"stratified draw (the training loop sets it to --global-batch-size)")
         _require(isinstance(self.seed, int) and self.seed >= 0, f"--seed={self.seed!r} must be a non-negative integer")
+        _require(self.objective.corruption != objectives.UNIFORM_STATE
+                 or (isinstance(self.vocab_ids, int) and self.vocab_ids - (self.mask_token_id < self.vocab_ids) >= 2),
+                 f"--bdlm-objective {self.objective} replaces tokens by random real ids: give vocab_ids, the model's "
+                 f"ids (at least two besides MASK), not {self.vocab_ids!r}")
+        rules.refuse(rules.self_conditioning_problem(self.objective, self.self_conditioning_probability))
         _require(self.ar_loss_weight == 0 or self.objective.views_per_sample == 1,
                  f"--bdlm-ar-loss-weight goes with one view per sample, not --bdlm-objective {self.objective}")
 
@@ -148,7 +163,23 @@ class BDLMObjective:
             t = t_min + (t_max - t_min) * unit
             times.append(t)
             masked.append(mask_draw < t.repeat_interleave(self.block_size))
-        return Noise(torch.stack(times), torch.stack(masked))
+        return Noise(torch.stack(times), torch.stack(masked), *self._extra_draws(sample_index, seq_length))
+
+    def _extra_draws(self, sample_index, seq_length):
+        """Each sample's replacement ids (uniform state: every real id but MASK alike) and self-conditioning draw,
+        from `(seed, sample index)` as the noise, on streams of their own (the other objectives' draws stay)."""
+        samples = torch.as_tensor(sample_index).reshape(-1).tolist()
+        replacement = conditioned = None
+        if self.objective.corruption == objectives.UNIFORM_STATE:
+            choices = self.vocab_ids - (self.mask_token_id < self.vocab_ids)
+            ids = torch.stack([torch.randint(choices, (seq_length,), generator=_generator(self.seed, "replacement", s))
+                               for s in samples])
+            replacement = ids + (ids >= self.mask_token_id).long()
+        if self.self_conditioning_probability:
+            conditioned = torch.tensor([
+                bool(torch.rand((), generator=_generator(self.seed, "self-conditioning", s), dtype=torch.float64)
+                     < self.self_conditioning_probability) for s in samples], dtype=torch.bool)
+        return replacement, conditioned
 
     def rows(self, tokens, sample_index, layout, loss_mask=None, documents=None, reset_positions=False,
              separate_documents=True, sample_layouts=None) -> Rows:
@@ -192,11 +223,12 @@ class BDLMObjective:
         noise = self.noise(sample_index, seq_length)
         weight = torch.ones_like(noise.t) if self.loss_weighting == objectives.UNIT else 1.0 / noise.t
         weight = weight.repeat_interleave(self.block_size, dim=1)
+        views = self.objective.views_per_sample
         masked, clean, labels, countable, scored, weight = self.objective.views(noise.masked, tokens, supervised,
                                                                                  weight)
-        noisy_tokens = torch.where(masked, self.mask_token_id, clean)
+        corrupt = self.mask_token_id if noise.replacement is None else noise.replacement.repeat(views, 1)
+        noisy_tokens = torch.where(masked, corrupt, clean)
         device = default_device()
-        views = clean.shape[0] // tokens.shape[0]
         per_sample = [layout] * tokens.shape[0] if sample_layouts is None else list(sample_layouts)
         _require(len(per_sample) == tokens.shape[0] and all(
             other.num_noisy_rows == layout.num_noisy_rows and torch.equal(other.clean_positions, layout.clean_positions)
@@ -233,6 +265,8 @@ class BDLMObjective:
             num_tokens=countable.gather(1, noisy[:tokens.shape[0]]).sum().to(torch.int).to(device),
             document_ids=document_ids,
             parts=parts,
+            self_conditioned=(None if noise.self_conditioned is None
+                              else noise.self_conditioned.repeat(views).to(device)),
         )
 
     @staticmethod

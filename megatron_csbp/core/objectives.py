@@ -1,4 +1,4 @@
-"""The BDLM objectives — BD3-LM and Fast-dLLM v2 — as objects that state their own facts.
+"""The BDLM objectives — BD3-LM, Fast-dLLM v2 and DiffusionGemma — as objects that state their own facts.
 
 What differs between objectives lives on its object: how many model rows a clean sample becomes, which
 token a noisy row predicts, the loss weighting it trains with (and which it refuses), whether its
@@ -15,6 +15,7 @@ import dataclasses
 from megatron_csbp.core.variants import Registry, named
 
 LOSS_WEIGHTINGS = INVERSE_T, UNIT = ("inverse-t", "unit")
+CORRUPTIONS = MASK_STATE, UNIFORM_STATE = ("mask", "uniform")  # a corrupted token becomes MASK / a random real id
 
 
 @named
@@ -28,6 +29,9 @@ class ObjectiveKind:
     label_shift: int = 0  # positions from a noisy row to the token it predicts
     default_weighting: str = INVERSE_T
     weightings: tuple = LOSS_WEIGHTINGS  # the loss weightings it trains with
+    corruption: str = MASK_STATE  # what a corrupted token becomes (CORRUPTIONS)
+    self_conditioning_probability: float = 0.0  # the default chance a sample is self-conditioned (0: none)
+    encoder_is_causal: bool = False  # its clean copy is a causal LM (needs token-causal clean attention)
 
     @property
     def target(self) -> str:
@@ -51,6 +55,18 @@ class ObjectiveKind:
         its clean `tokens` and the `supervised` tokens: (masked, clean, labels, countable, scored, weight),
         each `[views_per_sample·b, L]` but `countable` (`[b, L]`, the tokens the normaliser counts)."""
         return masked, tokens, tokens, supervised, masked & supervised, weight
+
+
+class _UniformState(ObjectiveKind):
+    """DiffusionGemma's uniform-state diffusion: a corrupted token is a random real id, indistinguishable from a
+    clean one, so the model restores every token of its canvas (each block, bidirectional, given the clean prefix):
+    every supervised noisy row is scored, replaced or not, with unit weights."""
+
+    def loss_is_bound(self, weighting):
+        return False  # unit weights over every canvas token: a loss, not the NELBO
+
+    def views(self, masked, tokens, supervised, weight):
+        return masked, tokens, tokens, supervised, supervised, weight
 
 
 class _ShiftedComplementary(ObjectiveKind):
@@ -77,5 +93,10 @@ FAST_DLLM_V2 = _ShiftedComplementary(
     "fast-dllm-v2", "Fast-dLLM v2: next-token targets, a mask and its complement per sample, unit weights",
     views_per_sample=2, label_shift=1, default_weighting=UNIT, weightings=(UNIT,))
 
-OBJECTIVES = Registry("--bdlm-objective", BD3LM, FAST_DLLM_V2)  # the flag's choices, in its order
+DIFFUSION_GEMMA = _UniformState(
+    "diffusion-gemma", "DiffusionGemma: uniform-state corruption, every canvas token restored, unit weights, "
+    "self-conditioning", default_weighting=UNIT, weightings=(UNIT,), corruption=UNIFORM_STATE,
+    self_conditioning_probability=0.5, encoder_is_causal=True)
+
+OBJECTIVES = Registry("--bdlm-objective", BD3LM, FAST_DLLM_V2, DIFFUSION_GEMMA)  # the flag's choices, in its order
 objective_kind = OBJECTIVES  # objective_kind(name or objective) -> the objective; ValueError naming the choices

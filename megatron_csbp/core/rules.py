@@ -393,6 +393,30 @@ def loss_parts_problem(objective, clean_attention, diffusion_weight: float, ar_w
     return None
 
 
+def causal_encoder_problem(objective, clean_attention) -> str | None:
+    """An objective whose clean copy is a causal LM (DiffusionGemma's encoder) needs token-causal clean rows."""
+    kind = objectives.objective_kind(objective)
+    if kind.encoder_is_causal and clean_attention.sees_the_future:
+        return (f"--bdlm-objective {kind} reads the clean tokens with a causal encoder, not {clean_attention} clean "
+                f"attention: add --bdlm-clean-attention token-causal")
+    return None
+
+
+def self_conditioning_problem(objective, probability: float, pipeline_parallel_size: int = 1) -> str | None:
+    """`--bdlm-self-conditioning-probability`: a chance, for an objective whose model takes the signal; the first
+    (detached) pass runs the whole model inside one forward step, so every stage must be one (no pipeline yet)."""
+    kind = objectives.objective_kind(objective)
+    if not 0 <= probability <= 1:
+        return f"--bdlm-self-conditioning-probability {probability} must lie in [0, 1]"
+    if probability and not kind.self_conditioning_probability:
+        return (f"--bdlm-self-conditioning-probability {probability} does not go with --bdlm-objective {kind}, whose "
+                f"model takes no self-conditioning signal: drop it")
+    if probability and pipeline_parallel_size > 1:
+        return (f"--bdlm-self-conditioning-probability {probability} needs the whole model on each rank for its first "
+                f"pass: use --pipeline-model-parallel-size 1, or set it to 0")
+    return None
+
+
 def noise_range_problem(t_min: float, t_max: float) -> str | None:
     """Noise times are masking probabilities, and `1/t` weights need `t > 0`."""
     if 0 < t_min <= t_max <= 1:

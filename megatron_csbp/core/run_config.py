@@ -48,7 +48,10 @@ class RunConfig:
     window_attn_skip_freq: int | tuple | None = None
     diffusion_loss_weight: float = 1.0  # the weight of the diffusion loss on the noisy rows
     ar_loss_weight: float = 0.0  # the weight of the next-token loss on the clean rows (0: none)
+    self_conditioning_probability: float | None = None  # chance a sample is self-conditioned (None: the objective's)
     logits_tile_rows: int | None = None  # the loss as a tiled linear cross-entropy over tiles of these rows (None: off)
+    final_logit_softcapping: float | None = None  # logits = cap · tanh(logits / cap) (None: off)
+    scale_embeddings: bool = False  # input embeddings times sqrt(hidden size), as Gemma's
     # the layout
     mode: modes.ParallelMode = modes.CSBP
     block_parallel_size: int = 1  # P, in Megatron's CP slot
@@ -86,6 +89,9 @@ class RunConfig:
         rules.refuse(self.problem(), rules.ConfigError)
         resolved = dict(
             loss_weighting=self.loss_weighting or self.objective.default_weighting,
+            self_conditioning_probability=(self.objective.self_conditioning_probability
+                                           if self.self_conditioning_probability is None
+                                           else float(self.self_conditioning_probability)),
             clean_shards=self.mode.clean_shards(self.block_parallel_size, self.clean_shards),
             world_size=self.world_size or self.model_parallel_size,
             expert_tensor_parallel_size=self.expert_tensor_parallel_size or self.tensor_parallel_size)
@@ -115,8 +121,13 @@ class RunConfig:
                    or rules.loss_weighting_problem(self.objective, self.loss_weighting)
                    or rules.loss_parts_problem(self.objective, self.clean_attention, self.diffusion_loss_weight,
                                                self.ar_loss_weight)
+                   or rules.causal_encoder_problem(self.objective, self.clean_attention)
+                   or (rules.self_conditioning_problem(self.objective, self.self_conditioning_probability, PP)
+                       if self.self_conditioning_probability is not None else None)
                    or (rules.at_least(f.logits_tile_rows, self.logits_tile_rows)
                        if self.logits_tile_rows is not None else None)
+                   or (f"--final-logit-softcapping {self.final_logit_softcapping} must be > 0 (omit it: no cap)"
+                       if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0 else None)
                    or windows.window_size_problem(self.window_size, self.window_attn_skip_freq, shape.num_layers)
                    or self._linear_attention_problem())
         if problem or self.global_batch_size is None:
@@ -166,6 +177,8 @@ class RunConfig:
             window_size=getattr(args, "window_size", None),
             window_attn_skip_freq=getattr(args, "window_attn_skip_freq", None),
             ar_loss_weight=args.bdlm_ar_loss_weight,
+            self_conditioning_probability=args.bdlm_self_conditioning_probability,
+            final_logit_softcapping=args.final_logit_softcapping, scale_embeddings=args.scale_embeddings,
             logits_tile_rows=args.cross_entropy_tile_rows if args.cross_entropy_loss_fusion else None,
             noise_range=tuple(args.bdlm_noise_range), antithetic_noise=args.bdlm_noise_sampling == "antithetic",
             seed=args.seed, mode=args.bdlm_parallel_mode,
@@ -209,6 +222,16 @@ class RunConfig:
     def clean_logits(self) -> bool:
         """Whether the LM head also runs over the clean rows (their next-token loss)."""
         return self.ar_loss_weight > 0
+
+    @property
+    def self_conditioning(self) -> bool:
+        """Whether the model takes a self-conditioning signal (its module exists even when the chance is 0)."""
+        return self.objective.self_conditioning_probability > 0
+
+    @property
+    def embedding_scale(self) -> float | None:
+        """The input embeddings' multiplier (None: 1)."""
+        return self.shape.hidden_size ** 0.5 if self.scale_embeddings else None
 
     @property
     def packed(self) -> bool:

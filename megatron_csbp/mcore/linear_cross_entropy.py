@@ -18,14 +18,16 @@ to rounding.
 import torch
 
 
-def tiled_linear_cross_entropy(hidden, weight, labels, tile_rows: int, unpredictable=None, group=None):
+def tiled_linear_cross_entropy(hidden, weight, labels, tile_rows: int, unpredictable=None, group=None,
+                               softcap: float | None = None):
     """Per-row cross-entropy `[rows]` (fp32; fp64 for fp64 inputs) of the logits `hidden [rows, h] @ weight.T`, over
     the vocabulary split by columns over `group` (this rank's `weight [V/tp, h]` holds columns `rank * V/tp ...`),
     against `labels [rows]` (global ids), computed `tile_rows` rows at a time. `unpredictable [V/tp]` (bool):
-    columns whose logits are -inf (None: none)."""
+    columns whose logits are -inf (None: none). `softcap`: the logits are `softcap · tanh(logits / softcap)` (Gemma's
+    final-logit softcapping; None: as they are)."""
     if tile_rows < 1:
         raise ValueError(f"tile_rows={tile_rows} must be >= 1")
-    return _TiledLinearCrossEntropy.apply(hidden, weight, labels, tile_rows, unpredictable, group)
+    return _TiledLinearCrossEntropy.apply(hidden, weight, labels, tile_rows, unpredictable, group, softcap)
 
 
 def _tiles(rows: int, tile_rows: int):
@@ -38,9 +40,14 @@ def _loss_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-def _logits(hidden, weight, unpredictable):
+def softcapped(logits, softcap: float | None):
+    """`softcap · tanh(logits / softcap)`, or the logits where `softcap` is None (differentiable: not in place)."""
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def _logits(hidden, weight, unpredictable, softcap=None):
     """One tile's logits in `_loss_dtype` (the matmul in the input's dtype, as the unfused head runs it)."""
-    logits = (hidden @ weight.t()).to(_loss_dtype(hidden.dtype))
+    logits = softcapped((hidden @ weight.t()).to(_loss_dtype(hidden.dtype)), softcap)
     return logits if unpredictable is None else logits.masked_fill_(unpredictable, float("-inf"))
 
 
@@ -53,7 +60,7 @@ def _all_reduce(tensor, op, group):
 class _TiledLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, tile_rows, unpredictable, group):
+    def forward(ctx, hidden, weight, labels, tile_rows, unpredictable, group, softcap):
         columns = weight.shape[0]
         first = 0 if group is None else group.rank() * columns
         local = labels - first
@@ -62,7 +69,7 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(hidden.shape[0], dtype=_loss_dtype(hidden.dtype), device=hidden.device)
         target = torch.empty_like(lse)
         for rows in _tiles(hidden.shape[0], tile_rows):
-            logits = _logits(hidden[rows], weight, unpredictable)
+            logits = _logits(hidden[rows], weight, unpredictable, softcap)
             picked = logits.gather(1, local[rows, None]).squeeze(1)
             row_max = _all_reduce(logits.max(dim=1).values, torch.distributed.ReduceOp.MAX, group)
             sums = torch.stack([logits.sub_(row_max[:, None]).exp_().sum(dim=1),
@@ -72,7 +79,7 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
             lse[rows] = sums[0].log() + row_max
             target[rows] = sums[1]
         ctx.save_for_backward(hidden, weight, local, held, lse)
-        ctx.tile_rows, ctx.unpredictable, ctx.group = tile_rows, unpredictable, group
+        ctx.tile_rows, ctx.unpredictable, ctx.group, ctx.softcap = tile_rows, unpredictable, group, softcap
         return lse - target
 
     @staticmethod
@@ -81,9 +88,15 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden)
         grad_weight = torch.zeros(weight.shape, dtype=_loss_dtype(weight.dtype), device=weight.device)
         for rows in _tiles(hidden.shape[0], ctx.tile_rows):
-            grad_logits = _logits(hidden[rows], weight, ctx.unpredictable).sub_(lse[rows, None]).exp_()
+            grad_logits = _logits(hidden[rows], weight, ctx.unpredictable, ctx.softcap)
+            capped = None if ctx.softcap is None else grad_logits.clone()
+            grad_logits = grad_logits.sub_(lse[rows, None]).exp_()
             grad_logits.scatter_add_(1, local[rows, None], -held[rows, None].to(grad_logits.dtype))
-            grad_logits = grad_logits.mul_(grad_loss[rows, None]).to(hidden.dtype)
+            grad_logits = grad_logits.mul_(grad_loss[rows, None])
+            if capped is not None:  # through the cap: d(c·tanh(z/c))/dz = 1 - (capped/c)², 0 where -inf
+                slope = capped.div_(ctx.softcap).square_().neg_().add_(1)
+                grad_logits = grad_logits.mul_(slope.nan_to_num_(nan=0.0, neginf=0.0))
+            grad_logits = grad_logits.to(hidden.dtype)
             torch.matmul(grad_logits, weight, out=grad_hidden[rows])
             if grad_weight.dtype == grad_logits.dtype:
                 grad_weight.addmm_(grad_logits.t(), hidden[rows])
@@ -91,4 +104,47 @@ class _TiledLinearCrossEntropy(torch.autograd.Function):
                 grad_weight += grad_logits.t() @ hidden[rows]
             del grad_logits
         _all_reduce(grad_hidden, torch.distributed.ReduceOp.SUM, ctx.group)
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None, None
+
+
+@torch.no_grad()
+def tiled_soft_embeddings(hidden, weight, embedding, tile_rows: int, unpredictable=None, group=None,
+                          softcap: float | None = None, tile_columns: int | None = None):
+    """`softmax(hidden @ weight.T) @ embedding` per row `[rows, h]`: the expected input embedding under the head's
+    predicted distribution (a self-conditioning signal), never differentiated, `tile_rows` rows at a time and, with
+    `tile_columns`, that many vocabulary columns at a time (a first sweep for each row's max and sum, a second for
+    the probabilities, the logits recomputed): no tile holds more than `tile_rows x tile_columns` logits.
+    `weight [V/tp, h]` (the head) and `embedding [V/tp, h]` (the input embedding) hold this TP rank's columns of
+    the vocabulary split over `group`; `unpredictable [V/tp]` (bool): columns whose logits are -inf; `softcap`: the
+    logits capped as `tiled_linear_cross_entropy` caps them. The softmax runs in fp32 (or wider), its
+    probabilities then in the embedding's dtype, as the reference's self-conditioning takes them."""
+    columns = weight.shape[0]
+    tile_columns = tile_columns or columns
+    if tile_rows < 1 or tile_columns < 1:
+        raise ValueError(f"tile_rows={tile_rows} and tile_columns={tile_columns} must be >= 1")
+    pieces = list(_tiles(columns, tile_columns))
+    logits_of = (lambda rows, cols: _logits(hidden[rows], weight[cols], None if unpredictable is None
+                                            else unpredictable[cols], softcap))
+    out = torch.empty(hidden.shape[0], embedding.shape[1], dtype=embedding.dtype, device=hidden.device)
+    for rows in _tiles(hidden.shape[0], tile_rows):
+        logits = logits_of(rows, pieces[0]) if len(pieces) == 1 else None  # one sweep when one tile holds them
+        if logits is None:
+            row_max = torch.stack([logits_of(rows, cols).max(dim=1).values for cols in pieces]).max(dim=0).values
+        else:
+            row_max = logits.max(dim=1).values
+        row_max = _all_reduce(row_max, torch.distributed.ReduceOp.MAX, group)
+        if logits is None:
+            total = sum(logits_of(rows, cols).sub_(row_max[:, None]).exp_().sum(dim=1) for cols in pieces)
+        else:
+            logits = logits.sub_(row_max[:, None]).exp_()
+            total = logits.sum(dim=1)
+        total = _all_reduce(total, torch.distributed.ReduceOp.SUM, group)
+        signal = None
+        for cols in pieces:
+            probabilities = logits if logits is not None else logits_of(rows, cols).sub_(row_max[:, None]).exp_()
+            part = probabilities.div_(total[:, None]).to(embedding.dtype) @ embedding[cols]
+            signal = part if signal is None else signal + part
+            del probabilities
+        out[rows] = _all_reduce(signal, torch.distributed.ReduceOp.SUM, group)
+        del logits
+    return out

@@ -17,6 +17,10 @@ What differs from a plain `GPTModel`, and why:
 * With `logits_tile_rows` (`--cross-entropy-loss-fusion`) the head and its loss run as a tiled linear
   cross-entropy (`linear_cross_entropy`) whenever labels are given: the same per-token loss, with no
   `[rows x vocab]` logits held whole; without labels the head returns the logits as before.
+* With `self_conditioning` (DiffusionGemma's) the canvas (noisy) rows' embeddings pass its block
+  (`self_conditioning`); `forward(..., self_conditioned=[b] bool)` first runs the chosen samples once without
+  gradient and feeds their canvas rows' expected embedding (`linear_cross_entropy.tiled_soft_embeddings`) to the
+  block in the pass that is trained (docs/algorithm.md §2).
 * Under sequence parallelism the row count is padded to a multiple of TP; padded rows have position
   0, see no attention and never reach the head.
 
@@ -40,8 +44,13 @@ from megatron_csbp.core import transports
 from megatron_csbp.core.model_shape import GATED_DELTA_NET
 from megatron_csbp.core.positions import ROUNDING, YARN_FLAGS, RotaryPositions
 from megatron_csbp.mcore import spec as csbp_spec
-from megatron_csbp.mcore.linear_cross_entropy import tiled_linear_cross_entropy
+from megatron_csbp.mcore.linear_cross_entropy import softcapped, tiled_linear_cross_entropy, tiled_soft_embeddings
+from megatron_csbp.mcore.self_conditioning import SelfConditioning
 from megatron_csbp.core.rules import ConfigError, refused_features
+
+
+SIGNAL_TILE_ROWS = 1024  # rows per tile of the self-conditioning signal without --cross-entropy-loss-fusion's tiles
+SIGNAL_TILE_COLUMNS = 32768  # vocabulary columns per tile of the signal (a 262K vocabulary in 8 tiles)
 
 
 def padded_row_count(layout, config) -> int:
@@ -145,7 +154,8 @@ class BDLMGPTModel(GPTModel):
 
     def __init__(self, config, transformer_layer_spec, vocab_size, *args, layout, mask_token_id=None, vocab_ids=None,
                  per_sample_positions=False, clean_logits=False, positions: RotaryPositions | None = None,
-                 logits_tile_rows=None, **kwargs):
+                 logits_tile_rows=None, self_conditioning=False, final_logit_softcapping=None, embedding_scale=None,
+                 **kwargs):
         validate_config(config, layout, vocab_size, mask_token_id)  # before any weight is allocated
         vocab_ids = vocab_size if vocab_ids is None else vocab_ids
         if not 0 < vocab_ids <= vocab_size:
@@ -165,6 +175,11 @@ class BDLMGPTModel(GPTModel):
         self.per_sample_positions = per_sample_positions  # packed samples, positions restarted per document
         self.clean_logits = clean_logits  # the LM head runs over the clean rows too (their next-token loss)
         self.logits_tile_rows = logits_tile_rows  # the loss as a tiled linear cross-entropy (None: whole logits)
+        # the canvas rows' self-conditioning block (DiffusionGemma's), on the stage that embeds
+        self.self_conditioning = SelfConditioning(self.config) if self_conditioning and self.pre_process else None
+        self._signal_pass = False  # the self-conditioning's first pass: the head returns the signal, not logits
+        self.final_logit_softcapping = final_logit_softcapping  # logits = cap · tanh(logits / cap) (None: off)
+        self.embedding_scale = embedding_scale  # the input embeddings' multiplier (Gemma's sqrt(hidden); None: 1)
         self._predictable = None  # this TP rank's unpredictable columns, made on the first forward
         self.padded_rows = padded_row_count(layout, self.config)
         if self.position_embedding_type == positions.embedding_type:
@@ -178,7 +193,7 @@ class BDLMGPTModel(GPTModel):
         return torch.nn.functional.pad(ids, (0, self.padded_rows - ids.shape[1]))
 
     def forward(self, input_ids, position_ids, attention_mask=None, decoder_input=None, labels=None,
-                packed_seq_params=None, **kwargs):
+                packed_seq_params=None, self_conditioned=None, **kwargs):
         if packed_seq_params is not None:
             raise ValueError("packed_seq_params (THD packed sequences) cannot be used with BDLM/CSBP rows: "
                              "give one sample per row set")
@@ -189,8 +204,77 @@ class BDLMGPTModel(GPTModel):
         scales = query_scales(self.positions, position_ids if self.per_sample_positions else position_ids[:1])
         if scales is not None:
             kwargs["extra_block_kwargs"] = {**(kwargs.get("extra_block_kwargs") or {}), "attention_bias": scales}
-        return super().forward(self._pad_rows(input_ids), position_ids, attention_mask,
+        input_ids = self._pad_rows(input_ids)
+        if self.self_conditioning is not None and decoder_input is None:
+            signal = None
+            if self_conditioned is not None and bool(self_conditioned.any()):
+                signal = self._self_conditioning_signal(input_ids, position_ids, attention_mask, self_conditioned,
+                                                        **kwargs)
+            decoder_input = self._canvas_input(input_ids, position_ids, signal)
+        elif self.embedding_scale is not None and self.pre_process and decoder_input is None:
+            decoder_input = self._embedded(input_ids, position_ids)
+        if self_conditioned is not None and self.self_conditioning is None:
+            raise ValueError("self_conditioned samples were given to a model built without self_conditioning "
+                             "(or not on its first pipeline stage)")
+        return super().forward(input_ids, position_ids, attention_mask,
                                decoder_input=decoder_input, labels=labels, **kwargs)
+
+    def _canvas_input(self, input_ids, position_ids, signal):
+        """The decoder's input: the embeddings, the canvas (noisy) rows through the self-conditioning block with
+        `signal [n_noisy, b, h]` (None: zero). Under sequence parallelism this TP rank's rows of both."""
+        embedded = self._embedded(input_ids, position_ids)
+        rows, first = embedded.shape[0], 0
+        if self.config.sequence_parallel:
+            first = self.pg_collection.tp.rank() * rows
+        canvas = min(max(self.layout.num_noisy_rows - first, 0), rows)  # the canvas rows lead: a prefix of these
+        if signal is None:
+            signal = embedded.new_zeros((canvas, *embedded.shape[1:]))
+        else:
+            signal = signal[first:first + canvas].to(embedded.dtype)
+        return torch.cat([self.self_conditioning(embedded[:canvas], signal), embedded[canvas:]])
+
+    def _embedded(self, input_ids, position_ids):
+        """The input embeddings, times the embedding scale (in their dtype, as transformers' Gemma scales them)."""
+        embedded = self.embedding(input_ids=input_ids, position_ids=position_ids)
+        if self.embedding_scale is None:
+            return embedded
+        return embedded * torch.tensor(self.embedding_scale, dtype=embedded.dtype)
+
+    def _self_conditioning_signal(self, input_ids, position_ids, attention_mask, self_conditioned, **kwargs):
+        """The first, detached pass over the self-conditioned samples: their canvas rows' expected embedding under
+        the predicted distribution `[n_noisy, b, h]` (zero for the other samples), computed by tiles of rows
+        (`linear_cross_entropy.tiled_soft_embeddings`), the logits never whole."""
+        chosen = self_conditioned.nonzero().squeeze(1)
+        pick = (lambda t: None if t is None else t.index_select(0, chosen.to(t.device)))
+        with torch.no_grad():
+            self._signal_pass = True
+            try:
+                ids, positions = pick(input_ids), pick(position_ids)
+                if self.per_sample_positions:  # each chosen sample's own query scales
+                    scales = query_scales(self.positions, positions)
+                    if scales is not None:
+                        kwargs["extra_block_kwargs"] = {**kwargs["extra_block_kwargs"], "attention_bias": scales}
+                signal = super().forward(ids, positions, pick(attention_mask),
+                                         decoder_input=self._canvas_input(ids, positions, None), labels=None, **kwargs)
+            finally:
+                self._signal_pass = False
+            full = signal.new_zeros((signal.shape[0], input_ids.shape[0], signal.shape[2]))
+            full[:, chosen.to(full.device)] = signal
+        return full
+
+    def _signal(self, hidden):
+        """The self-conditioning signal of the canvas rows' final hidden states `[n_noisy, b, h]`: softmax of the
+        head's logits (MASK and padding excluded) times the input embedding."""
+        rows, batch = hidden.shape[:2]
+        head = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+        head = self.output_layer.weight if head is None else head
+        signal = tiled_soft_embeddings(hidden.reshape(rows * batch, -1), head, self.embedding.word_embeddings.weight,
+                                       self.logits_tile_rows or SIGNAL_TILE_ROWS,
+                                       self._unpredictable(head.shape[0], hidden.device), self.pg_collection.tp,
+                                       softcap=self.final_logit_softcapping, tile_columns=SIGNAL_TILE_COLUMNS)
+        if self.embedding_scale is not None:
+            signal = signal * torch.tensor(self.embedding_scale, dtype=signal.dtype)
+        return signal.view(rows, batch, -1)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         """Megatron's preprocessing, with RoPE at the batch's positions (first sample: see the module doc)."""
@@ -213,6 +297,8 @@ class BDLMGPTModel(GPTModel):
             # input-gradient all-reduce (sequence_parallel switched off below) already sums over TP.
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
                 hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp)
+        if self._signal_pass:
+            return self._signal(hidden_states[:self.layout.num_noisy_rows])
         head_rows = self.layout.num_rows if self.clean_logits else self.layout.num_noisy_rows
         noisy_hidden = hidden_states[:head_rows]
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
@@ -223,6 +309,8 @@ class BDLMGPTModel(GPTModel):
             logits, _ = output_layer(noisy_hidden, weight=weight)
         finally:
             output_layer.sequence_parallel = sequence_parallel
+        if self.final_logit_softcapping is not None:  # in fp32, as transformers' Gemma caps them
+            logits = softcapped(logits.float(), self.final_logit_softcapping)
         logits = self._exclude_unpredictable_logits(logits)
         if labels is None:
             return logits.transpose(0, 1).contiguous()
@@ -234,7 +322,7 @@ class BDLMGPTModel(GPTModel):
         rows, batch = hidden.shape[:2]
         loss = tiled_linear_cross_entropy(hidden.reshape(rows * batch, -1), weight, labels.t().reshape(-1),
                                           self.logits_tile_rows, self._unpredictable(weight.shape[0], hidden.device),
-                                          self.pg_collection.tp)
+                                          self.pg_collection.tp, self.final_logit_softcapping)
         return loss.view(rows, batch).t().contiguous()
 
     def _unpredictable(self, columns, device):

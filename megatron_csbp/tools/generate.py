@@ -124,6 +124,7 @@ def settings_from(options, args):
         suppressed_token_ids=(eod,) if options.suppress_eos else (), start_token_id=eod,
         sub_block_size=options.sub_block_size, context_window=options.context_window,
         shifted_labels=bool(objective_kind(args.bdlm_objective).label_shift), vocab_size=args.tokenizer.vocab_size,
+        corruption=objective_kind(args.bdlm_objective).corruption,
         kv_cache=not options.no_kv_cache)
 
 

@@ -601,7 +601,8 @@ class MegatronCSBPLM(LM):
                 threshold=options["threshold"], temperature=temperature, top_p=options["top_p"],
                 top_k=options["top_k"], seed=self.seed, eos_token_id=self.eod if eos else None,
                 stop_sequences=stops, start_token_id=self.eod, context_window=context_window,
-                shifted_labels=bool(self.run_config.objective.label_shift), vocab_size=self.tokenizer.vocab_size)
+                shifted_labels=bool(self.run_config.objective.label_shift), vocab_size=self.tokenizer.vocab_size,
+                corruption=self.run_config.objective.corruption)
         except ConfigError as error:  # the sampler names script flags: name the model_args
             named = re.sub(r"--([a-z][a-z-]*)", lambda flag: flag.group(1).replace("-", "_"), str(error))
             raise ConfigError(f"model_args: {named}") from None

@@ -129,6 +129,14 @@ def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int)
         raise ConfigError(f"checkpoint {checkpoint.directory} is a Gated DeltaNet hybrid (--experimental-attention-"
                           f"variant, --attention-output-gate or --apply-layernorm-1p): the sampler and the harness do "
                           f"not decode it yet; evaluate its loss with scripts/evaluate_bdlm.py")
+    if settings.final_logit_softcapping is not None or settings.scale_embeddings:
+        raise ConfigError(f"checkpoint {checkpoint.directory} has a final-logit softcap or scaled embeddings "
+                          f"(--final-logit-softcapping, --scale-embeddings): the sampler and the harness do not run "
+                          f"them yet; evaluate its loss with scripts/evaluate_bdlm.py")
+    if settings.self_conditioning:
+        raise ConfigError(f"checkpoint {checkpoint.directory} trains --bdlm-objective {settings.objective} "
+                          f"(uniform-state, self-conditioned): the sampler and the harness do not run it yet; "
+                          f"evaluate its loss with scripts/evaluate_bdlm.py")
     args = vocabulary.recorded(args)
     args.tokenizer = vocabulary.tokenizer
     return args

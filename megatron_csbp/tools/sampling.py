@@ -67,6 +67,7 @@ import torch
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
+from megatron_csbp.core.objectives import MASK_STATE
 from megatron_csbp.core.positions import RotaryPositions
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
@@ -127,6 +128,7 @@ class Strategy:
     nucleus = staticmethod(nucleus_crossing_p)
     confidence_before_temperature = False  # LLaDA: confidence from softmax(logits), tokens from softmax(logits/T)
     needs_shifted_labels = False
+    corruption = MASK_STATE  # what its undecided positions hold: MASK (every strategy here) or random ids
     first_token_by_argmax = False  # Fast-dLLM v2: the previous clean block's last row commits position 0
     one_token_per_step = False  # needs steps >= block size
     default_sub_block_size = None  # decodes a block in sub-blocks of this size (where it divides the block)
@@ -233,6 +235,7 @@ class SamplingSettings:
     sub_block_size: int | None = None  # default: the strategy's `default_sub_block_size` where it divides the block
     context_window: int | None = None  # positions the model sees at most (a multiple of the block size)
     shifted_labels: bool = False  # trained with --bdlm-objective fast-dllm-v2: row p predicts token p+1
+    corruption: str = MASK_STATE  # what the model was trained to restore (its objective's corruption)
     vocab_size: int | None = None  # ids >= vocab_size (vocabulary padding) are never produced
     kv_cache: bool = True
 
@@ -244,6 +247,9 @@ class SamplingSettings:
         _require(not method.one_token_per_step or self.steps_per_block >= self.block_size,
                  f"--strategy {self.strategy} unmasks one token per step: --steps-per-block {self.steps_per_block} "
                  f"must be >= the block size {self.block_size}")
+        _require(method.corruption == self.corruption,
+                 f"--strategy {self.strategy} decodes from MASK tokens, but this checkpoint's --bdlm-objective trains "
+                 f"a {self.corruption}-state corruption (no MASK): no --strategy here decodes it yet")
         _require(not method.needs_shifted_labels or self.shifted_labels,
                  f"--strategy {self.strategy} decodes shifted-label models (row p predicts token p+1): this "
                  f"checkpoint was trained with --bdlm-objective bd3lm; choose another --strategy")

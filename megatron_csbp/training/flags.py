@@ -45,7 +45,8 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Ranks the clean sequence is sharded over (a ring); divides P. Default: P.")
     group.add_argument("--bdlm-block-size", type=int, default=16, metavar="B", help="Diffusion block size B.")
     group.add_argument("--bdlm-objective", choices=rules.OBJECTIVES, default=objectives.BD3LM.name,
-                       help="BD3-LM NELBO, or Fast-dLLM v2 (complementary masks, shifted labels, unit weights).")
+                       help="BD3-LM NELBO, Fast-dLLM v2 (complementary masks, shifted labels, unit weights), or "
+                            "DiffusionGemma (uniform-state corruption, every canvas token scored, self-conditioning).")
     group.add_argument("--bdlm-clean-attention", choices=clean_attention.CLEAN_ATTENTIONS,
                        default=clean_attention.BLOCK_CAUSAL.name,
                        help="What a clean row sees of the clean copy: its own block whole (block-causal, BD3-LM's) "
@@ -57,6 +58,15 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="Weight of an autoregressive co-loss: the clean rows predict the next token (needs "
                             "--bdlm-clean-attention token-causal; 0: off). The loss is the weighted sum of both "
                             "parts over the tokens of both (Megatron-Bridge's); each part is logged on its own.")
+    group.add_argument("--bdlm-self-conditioning-probability", type=float, default=None, metavar="P",
+                       help="Chance a sample is self-conditioned (a first, detached pass whose predicted "
+                            "distribution the canvas then takes; DiffusionGemma's). Default: 0.5 for "
+                            "diffusion-gemma, 0 (off) for the others.")
+    group.add_argument("--final-logit-softcapping", type=float, default=None, metavar="CAP",
+                       help="Cap the LM head's logits as CAP * tanh(logits / CAP) (Gemma's; 30 in DiffusionGemma). "
+                            "Default: off.")
+    group.add_argument("--scale-embeddings", action="store_true",
+                       help="Multiply the input embeddings by sqrt(--hidden-size), as Gemma does.")
     group.add_argument("--bdlm-loss-weighting", choices=rules.LOSS_WEIGHTINGS, default=None,
                        help="Per-block loss weight 1/t (the NELBO) or 1. Default: inverse-t for bd3lm, unit for "
                             "fast-dllm-v2.")

@@ -42,13 +42,15 @@ def _megatron_lm_args() -> argparse.Namespace:
     return get_args()
 
 
-def objective_for(settings: RunConfig, mask_token_id: int) -> BDLMObjective:
-    """The BDLM objective of the run; noise times are stratified over each global batch (`antithetic_group`)."""
+def objective_for(settings: RunConfig, mask_token_id: int, vocab_ids: int | None = None) -> BDLMObjective:
+    """The BDLM objective of the run; noise times are stratified over each global batch (`antithetic_group`);
+    `vocab_ids`: the model's real ids (MASK included), which a uniform-state corruption draws from."""
     return BDLMObjective(
         block_size=settings.block_size, mask_token_id=mask_token_id, objective=settings.objective,
         loss_weighting=settings.loss_weighting, noise_range=settings.noise_range,
         antithetic=settings.antithetic_noise, antithetic_group=settings.global_batch_size, seed=settings.seed,
-        diffusion_loss_weight=settings.diffusion_loss_weight, ar_loss_weight=settings.ar_loss_weight)
+        diffusion_loss_weight=settings.diffusion_loss_weight, ar_loss_weight=settings.ar_loss_weight,
+        vocab_ids=vocab_ids, self_conditioning_probability=settings.self_conditioning_probability)
 
 
 def for_bdlm(config):
@@ -150,7 +152,7 @@ def build_run(settings: RunConfig, vocabulary: Vocabulary, config: "TransformerC
     from megatron_csbp.mcore.spec import AttentionContext
 
     layout = settings.layout(parallel_state.get_block_parallel_rank())
-    step = BDLMForwardStep(objective_for(settings, vocabulary.mask_token_id), layout,
+    step = BDLMForwardStep(objective_for(settings, vocabulary.mask_token_id, vocabulary.num_ids), layout,
                            check_results=check_results, check_spiky_loss=check_spiky_loss,
                            packing=Packing(vocabulary.tokenizer.eod, settings.reset_position_ids,
                                            settings.reset_attention_mask, settings.eod_mask_loss))
@@ -248,7 +250,9 @@ class RunProviders:
             use_transformer_engine=args.transformer_impl == "transformer_engine",
             base_spec=layer_spec_from_args(args), pg_collection=pg_collection,
             per_sample_positions=self.settings.packed, clean_logits=self.settings.clean_logits,
-            logits_tile_rows=self.settings.logits_tile_rows,
+            logits_tile_rows=self.settings.logits_tile_rows, self_conditioning=self.settings.self_conditioning,
+            final_logit_softcapping=self.settings.final_logit_softcapping,
+            embedding_scale=self.settings.embedding_scale,
             **gpt_model_kwargs(args, self.settings.positions))
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
