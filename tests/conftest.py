@@ -72,6 +72,7 @@ MODULE_MARKERS = {
     "test_flag_table_megatron_lm": ("spawn", "slow", "megatron_lm"),
     "test_megatron_lm_recipes": ("megatron_lm",),
     "test_sampling": ("spawn", "slow"),
+    "test_sampling_windows": ("spawn", "slow"),
     "test_hf": ("spawn", "slow"),
     "test_hf_windows": ("spawn",),
     "test_hf_moe": ("spawn", "slow"),

@@ -138,11 +138,19 @@ def available_memory() -> int:
 
 
 def decoding_bytes(args, batch: int, total_length: int, positions_seen: int) -> int:
-    """What decoding allocates beyond the weights: the token sequence and the K/V cache of every layer."""
+    """What decoding allocates beyond the weights: the token sequence and the K/V cache of every layer (a
+    sliding layer's: the `LEFT` positions before the active block and the block)."""
+    from megatron_csbp.core.windows import layer_windows
+
     groups = (args.num_query_groups or args.num_attention_heads) // args.tensor_model_parallel_size
     channels = args.kv_channels or args.hidden_size // args.num_attention_heads
     element = 2 if args.bf16 or args.fp16 else 4
-    return 8 * batch * total_length + 2 * args.num_layers * batch * positions_seen * groups * channels * element
+    window_size = getattr(args, "window_size", None)
+    windows = layer_windows(tuple(window_size) if window_size is not None else None,
+                            getattr(args, "window_attn_skip_freq", None), args.num_layers)
+    cached = sum(min(positions_seen, window.left + args.bdlm_block_size) if window.sliding else positions_seen
+                 for window in windows)
+    return 8 * batch * total_length + 2 * cached * batch * groups * channels * element
 
 
 def check_memory(options, args, settings, encoded) -> None:

@@ -121,10 +121,6 @@ def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int)
     args, vocabulary = launch_arguments(checkpoint, Launch(tensor_parallel), config=config)
     settings = RunConfig.from_args(args, world_size=tensor_parallel)
     settings.write_back(args)  # the sizes its configs read
-    if settings.window_size is not None:
-        raise ConfigError(f"checkpoint {checkpoint.directory} has sliding-window layers (--window-size "
-                          f"{','.join(map(str, settings.window_size))}): the sampler and the harness do not decode "
-                          f"them yet; evaluate its loss with scripts/evaluate_bdlm.py")
     if settings.shape.linear is not None or settings.shape.attention_output_gate or settings.shape.layernorm_1p:
         raise ConfigError(f"checkpoint {checkpoint.directory} is a Gated DeltaNet hybrid (--experimental-attention-"
                           f"variant, --attention-output-gate or --apply-layernorm-1p): the sampler and the harness do "

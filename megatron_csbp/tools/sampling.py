@@ -20,6 +20,14 @@ written after them and overwritten by the next call. Keys are position-encoded p
 leave the cache, so cached and recomputed K/V are the same numbers. Its parameters are those of
 `BDLMGPTModel`, so any of our checkpoints loads into it.
 
+Sliding-window layers (`--window-size`, `--window-attn-skip-freq`) agree with training the same way: each layer
+takes its window as training's does (megatron-core's reading of the config by layer number, `spec.layer_window`),
+and the window is one more bound of the same rows' mask (`core.windows`: a row sees the clean keys from
+`anchor - LEFT` on, its anchor its block's start, or its own position for a token-causal clean row), so the
+sampler's rows see what the training rows see. Every row the sampler will still run lies in or after the active
+block, so a sliding layer's cache (`SamplingSelfAttention`) keeps only the `LEFT` positions before the active
+block and the block itself; a global layer keeps megatron-core's static cache, every position.
+
 A clean row equals a fully unmasked noisy row (same tokens, same visible rows). The Fast-dLLM v2
 objective's shifted labels need that: position `p` is predicted by row `p-1`, which for the first
 position of a block is the previous block's last clean row, whose logits the commit call returns.
@@ -64,6 +72,9 @@ from functools import lru_cache
 from typing import Callable, NamedTuple
 
 import torch
+from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
@@ -72,6 +83,7 @@ from megatron_csbp.core.positions import RotaryPositions
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
 from megatron_csbp.core.kernels import default_kernels
+from megatron_csbp.core.windows import GLOBAL
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -299,55 +311,125 @@ class SamplingSettings:
 class SamplingAttention(MegatronModule):
     """Core attention of the sampling model: the BDLM mask over position-ordered rows (see module doc).
 
-    Megatron's static inference hands it the queries of this call's rows and the keys of the whole cached
-    sequence up to them, so the queries are the last rows, and the last block is the one being decoded (the
-    noisy rows): its rows see every key below the end of their block; the committed rows before it are
-    clean rows, seeing what the model's clean-attention rule lets them (`core.clean_attention`: the end of
-    their block, or their own position). A call whose rows lie in one block (every denoising step) sees every
-    key, so it is plain attention; a call over several blocks (a prompt, a commit) uses the training kernels'
-    prefix attention, which never builds a rows x keys mask. With Llama 4's `query_scaling`, the queries are
-    scaled at their RoPE positions, `keys - rows ..` (the cache's offset on: the row index of what the model
-    sees).
+    Megatron's static inference hands it the queries of this call's rows and the keys of the cached sequence up
+    to them, from position `key_start` on (0, or a sliding layer's trimmed cache: `SamplingSelfAttention` sets it
+    every call), so the queries are the last rows, and the last block is the one being decoded (the noisy rows;
+    unless the call is a prompt's committed rows alone, `SamplingContext.prompt`, then every row is clean):
+    its rows see every key below the end of their block; the committed rows before it are clean rows, seeing
+    what the model's clean-attention rule lets them (`core.clean_attention`: the end of their block, or their
+    own position). In a sliding layer (`window`, the layer's as training reads it) every row sees those keys
+    only from its window's start on (`core.windows`). A call whose rows all see every key it is given (a
+    denoising step, unless a window cuts into the keys) is plain attention; any other uses the training
+    kernels' prefix attention, which never builds a rows x keys mask. With Llama 4's `query_scaling`, the
+    queries are scaled at their RoPE positions (the row index of what the model sees).
     """
 
     def __init__(self, config, layer_number, attn_mask_type=None, attention_type="self", attention_dropout=None,
                  softmax_scale=None, cp_comm_type=None, pg_collection=None, block_size: int = 1,
                  clean_attention=BLOCK_CAUSAL, query_scaling=None, **unused):
+        from megatron_csbp.mcore.spec import layer_window
+
         super().__init__(config=config)
         self.block_size = block_size
         self.clean_attention = clean_attention
         self.query_scaling = query_scaling
+        self.window = layer_window(config, layer_number)
+        self.key_start, self.prompt = 0, False  # this call's (`SamplingSelfAttention` sets them)
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(config.kv_channels)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
-        rows, keys, block = query.shape[0], key.shape[0], self.block_size
+        rows, end = query.shape[0], self.key_start + key.shape[0]
         if self.query_scaling is not None:
-            at = torch.arange(keys - rows, keys, device=query.device)
+            at = torch.arange(end - rows, end, device=query.device)
             query = query * self.query_scaling.scales(at).to(query.dtype)[:, None, None, None]
         q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, heads, rows, d]
-        first = keys - rows
-        if first // block == (keys - 1) // block:
+        plan = _prefix_plan(query.device, self.key_start, end - rows, end, self.block_size, self.clean_attention,
+                            self.window, self.prompt)
+        if plan is None:
             out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=self.softmax_scale, enable_gqa=True)
         else:
             b, heads, _, d = q.shape
-            plan = _prefix_plan(query.device, first, keys, block, self.clean_attention)
             grouped = q.reshape(b, k.shape[1], heads // k.shape[1], rows, d)  # query heads under their K/V head
             out = default_kernels(query.device).prefix_forward(grouped, k, v, plan, self.softmax_scale)[0]
             out = out.reshape(b, heads, rows, d)
         return out.permute(2, 0, 1, 3).reshape(rows, query.shape[1], -1)
 
 
-@lru_cache(maxsize=8)
-def _prefix_plan(device, first: int, keys: int, block: int, clean_attention):
-    """Rows `first..keys-1` against keys `0..keys-1`: the last block's (noisy) rows see the keys below the end of
-    their block, the committed rows before it what `clean_attention` lets a clean row see (one plan per call,
-    shared by every layer)."""
-    positions = torch.arange(keys, device=device)
-    rows = positions[first:]
-    noisy = rows >= (keys - 1) // block * block
-    limits = clean_attention.row_limits(rows, ~noisy, block) + noisy * block  # a noisy row: its block's end
-    return default_kernels(device).plan(limits, positions)
+def _row_bounds(first: int, end: int, block: int, clean_attention, window=GLOBAL, prompt=False, device=None):
+    """Of rows `first..end-1` (the last block's noisy, the rows before it clean; with `prompt` all clean): the
+    first clean key each sees (its window's start, 0 in a global layer) and the limit below which it sees keys
+    (a noisy row: its block's end)."""
+    rows = torch.arange(first, end, device=device)
+    noisy = (rows >= (end - 1) // block * block) & (not prompt)
+    limits = clean_attention.row_limits(rows, ~noisy, block) + noisy * block
+    return window.starts(clean_attention.row_anchors(rows, ~noisy, block)), limits
+
+
+@lru_cache(maxsize=16)
+def _prefix_plan(device, key_start: int, first: int, end: int, block: int, clean_attention, window=GLOBAL,
+                 prompt=False):
+    """Rows `first..end-1` against keys `key_start..end-1` (`_row_bounds`), or None where every row sees every
+    key (one plan per call, shared by every layer of the window)."""
+    starts, limits = _row_bounds(first, end, block, clean_attention, window, prompt, device)
+    if bool((starts <= key_start).all()) and bool((limits >= end).all()):
+        return None
+    return default_kernels(device).plan(limits, torch.arange(key_start, end, device=device),
+                                        starts if window.sliding else None)
+
+
+class SamplingContext(StaticInferenceContext):
+    """megatron-core's static K/V cache context, and whether this call runs a prompt's committed rows alone
+    (`prompt`: all clean rows, none of them being decoded)."""
+
+    prompt = False
+
+
+class _WindowCache(NamedTuple):
+    """A sliding layer's cache: the K/V ([positions, batch, groups, d], before RoPE) of positions `first` on."""
+
+    first: int
+    key: torch.Tensor
+    value: torch.Tensor
+
+
+class SamplingSelfAttention(SelfAttention):
+    """megatron-core's self-attention whose K/V cache, in a sliding layer, keeps only what the layer can still
+    see: the `LEFT` positions before the active block and the block (a global layer keeps megatron-core's
+    static cache, every position). Every later call's rows lie in or after the block holding this call's last
+    row (the active block), so no row will see a position before `block start - LEFT` again; a call whose
+    rows would need one is refused rather than computed wrong. The kept K/V are stored before RoPE, which is
+    applied at their positions after they leave the cache, as megatron-core's cache does."""
+
+    def _adjust_key_value_for_inference(self, inference_context, query, key, value, rotary_pos_emb,
+                                        *args, **kwargs):
+        core = self.core_attention
+        core.prompt = bool(getattr(inference_context, "prompt", False))
+        if inference_context is None or not core.window.sliding:
+            core.key_start = 0
+            return super()._adjust_key_value_for_inference(inference_context, query, key, value,
+                                                           rotary_pos_emb, *args, **kwargs)
+        if not inference_context.is_static_batching() or inference_context.batch_size_offset:
+            raise ValueError("a sliding layer's cache takes a static context over the whole batch")
+        start, block = inference_context.sequence_len_offset, core.block_size
+        end = start + key.shape[0]
+        cache = inference_context.key_value_memory_dict.get(self.layer_number) if start else None
+        first = 0
+        if start:
+            first = max(0, int(_row_bounds(start, end, block, core.clean_attention, core.window, core.prompt)[0][0]))
+            if cache is None or cache.first > first or cache.first + cache.key.shape[0] < start:
+                raise ValueError(f"layer {self.layer_number}: rows from position {start} see positions from "
+                                 f"{first} on, which its sliding cache no longer holds")
+            key = torch.cat([cache.key[first - cache.first:start - cache.first], key])
+            value = torch.cat([cache.value[first - cache.first:start - cache.first], value])
+        keep = max(first, (end - 1) // block * block - core.window.left)  # what a later call can still see
+        inference_context.key_value_memory_dict[self.layer_number] = _WindowCache(
+            keep, key[keep - first:].clone(), value[keep - first:].clone())
+        if rotary_pos_emb is not None:
+            q_pos_emb, k_pos_emb = rotary_pos_emb
+            rotary_pos_emb = (q_pos_emb[start:end], k_pos_emb[first:end])
+        core.key_start = first
+        return query, key, value, rotary_pos_emb, AttnMaskType.no_mask, None
 
 
 def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLOCK_CAUSAL,
@@ -369,19 +451,22 @@ def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLO
              "sampling runs one pipeline stage without context/block parallelism: use "
              "--tensor-model-parallel-size only")
     _require(not config.sequence_parallel, "sampling does not use sequence parallelism: drop --sequence-parallel")
-    _require(config.window_size is None, "sampling does not decode sliding-window layers yet: drop --window-size")
     attention = ModuleSpec(module=SamplingAttention,
                            params={"block_size": block_size, "clean_attention": clean_attention,
                                    "query_scaling": positions.query_scaling})
     if config.num_moe_experts:  # as training's (model.model_provider): megatron-core's MoE and dense layers
         layers = csbp_spec.get_csbp_block_spec(config)
-        for layer in {id(spec): spec for spec in layers.layer_specs}.values():
-            layer.submodules.self_attention.submodules.core_attention = attention
+        distinct = {id(spec): spec for spec in layers.layer_specs}.values()
     else:
         layer = csbp_spec.get_csbp_layer_spec(qk_layernorm=config.qk_layernorm)  # as training's
-        layer.submodules.self_attention.submodules.core_attention = attention
         layers = TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers,
                                             layer_norm=csbp_spec.SequenceParallelTorchNorm)
+        distinct = [layer]
+    for layer in distinct:
+        _require(layer.submodules.self_attention.module is SelfAttention,
+                 f"sampling takes megatron-core's SelfAttention, not {layer.submodules.self_attention.module}")
+        layer.submodules.self_attention.module = SamplingSelfAttention
+        layer.submodules.self_attention.submodules.core_attention = attention
     gpt_kwargs.setdefault("position_embedding_type", positions.embedding_type)
     set_rotary_config(config, positions)
     return GPTModel(config=config, transformer_layer_spec=layers, vocab_size=vocab_size, **gpt_kwargs)
@@ -397,16 +482,15 @@ class _BlockLogits:
     """
 
     def __init__(self, model, batch_size: int, max_length: int, settings: SamplingSettings):
-        from megatron.core.inference.contexts import StaticInferenceContext
-
         self.model, self.settings = model, settings
-        self.context = StaticInferenceContext(batch_size, max_length)
+        self.context = SamplingContext(batch_size, max_length)
         self.cached = 0  # committed positions whose K/V are in the cache
         self.last_row = None  # logits of the last committed row (shifted labels)
         self.calls = self.rows = 0
 
     def _run(self, tokens, last_row_only: bool):
         self.context.materialize_only_last_token_logits = last_row_only
+        self.context.prompt = last_row_only  # a long prompt's rows alone: all committed
         positions = self.context.sequence_len_offset + torch.arange(tokens.shape[1], device=tokens.device)
         logits = self.model(tokens, positions.expand_as(tokens), None, inference_context=self.context,
                             runtime_gather_output=True)
