@@ -476,8 +476,8 @@ class _BlockLogits:
     """Logits of the active block's positions given the committed prefix, counting the model calls.
 
     With the cache, the rows committed since the last call run once, in the same call as the active block
-    (their K/V stay, the offset moves past them; a long prompt runs on its own first, with the head on its
-    last row only); without it, every call runs the whole sequence from position 0. `committed` starts at
+    (their K/V stay, the offset moves past them; a long prompt runs on its own first, all clean rows
+    (`SamplingContext.prompt`), with the head on its last row only); without it, every call runs the whole sequence from position 0. `committed` starts at
     position 0 of what the model sees (the context window's start).
     """
 
