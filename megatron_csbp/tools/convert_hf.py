@@ -4,8 +4,8 @@
                                         [--make-vocab-size-divisible-by N] [--mask-token TOKEN]
     python scripts/convert_hf.py export --load CKPT --hf-dir OUT [--max-shard-size-mb M] [--format hf|sdar|fast-dllm-v2]
 
-import: a dense Llama / Mistral / Qwen2 / Qwen3, a Qwen3-MoE or a Qwen3.5 (Gated DeltaNet hybrid) directory (`config.json`, `*.safetensors`,
-tokenizer files; nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only checkpoint (fp32) that training
+import: a dense Llama / Mistral / Qwen2 / Qwen3, a Qwen3-MoE or a Qwen3.5 (Gated DeltaNet hybrid) directory
+(`config.json`, `*.safetensors`, tokenizer files; nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only checkpoint (fp32) that training
 loads with `--load CKPT --finetune` into any TP / PP / CSBP (/ EP) layout (dist_checkpointing reshards it). Beside it:
 `CKPT/hf/` (the tokenizer with the MASK token, for `--tokenizer-type HuggingFaceTokenizer`, and the HF
 config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK token is a new one,
@@ -595,8 +595,8 @@ def build_parser() -> argparse.ArgumentParser:
     to_ours_back.add_argument("--max-shard-size-mb", type=int, default=2048, help="Largest safetensors file.")
     to_ours_back.add_argument("--format", default=hf_formats.HF.name, choices=tuple(hf_formats.FORMATS),
                               help="hf: the source family's own architecture (Llama/Qwen2/Qwen3/Qwen3.5); sdar: "
-                                   "SDAR for SGLang / lmdeploy (Qwen3, MASK 151669); fast-dllm-v2: Fast-dLLM v2 (Qwen2.5, "
-                                   "MASK 151665). The weights are the same.")
+                                   "SDAR for SGLang / lmdeploy (Qwen3, MASK 151669); fast-dllm-v2: Fast-dLLM v2 "
+                                   "(Qwen2.5, MASK 151665). The weights are the same.")
     to_ours_back.add_argument("--overwrite", action="store_true",
                               help="Replace a non-empty --hf-dir (an HF model directory) whole, once the new "
                                    "export is complete; without it a non-empty --hf-dir is refused.")

@@ -185,8 +185,8 @@ class GatedDeltaHybrid:
         """What of an HF config the hybrid cannot express (one line), or None."""
         types = config.get("layer_types")
         if types and len(types) != config["num_hidden_layers"]:
-            return (f"{name}: layer_types names {len(types)} layers, num_hidden_layers is {config['num_hidden_layers']}; "
-                    f"restore the model's config.json")
+            return (f"{name}: layer_types names {len(types)} layers, num_hidden_layers is "
+                    f"{config['num_hidden_layers']}; restore the model's config.json")
         if types and not set(types) <= {LINEAR_ATTENTION, FULL_ATTENTION}:
             return f"{name}: layer_types {sorted(set(types))}: only linear- and full-attention layers convert"
         key_heads = config.get("linear_num_key_heads", LINEAR_SIZES["linear_num_key_heads"])
