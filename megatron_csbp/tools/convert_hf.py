@@ -8,8 +8,8 @@ import: a dense Llama / Mistral / Qwen2 / Qwen3, a Qwen3-MoE or a Qwen3.5 (Gated
 (`config.json`, `*.safetensors`, tokenizer files; nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only
 checkpoint (fp32) that training loads with `--load CKPT --finetune` into any TP / PP / CSBP (/ EP) layout
 (dist_checkpointing reshards it). Beside it: `CKPT/hf/` (the tokenizer with the MASK token, for `--tokenizer-type
-HuggingFaceTokenizer`, and the HF config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK token is a new one,
-`<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.tools.hf`), or, with `--mask-token`,
+HuggingFaceTokenizer`, and the HF config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK
+token is a new one, `<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.tools.hf`), or, with `--mask-token`,
 an existing unused token. Its id is recorded as `bdlm-mask-token-id` in the fragment and in the
 checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / `--make-vocab-size-
 divisible-by` must be those training will use: they fix the padded vocabulary. Weights are read tensor
