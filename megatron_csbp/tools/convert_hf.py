@@ -9,11 +9,11 @@ import: a dense Llama / Mistral / Qwen2 / Qwen3, a Qwen3-MoE or a Qwen3.5 (Gated
 checkpoint (fp32) that training loads with `--load CKPT --finetune` into any TP / PP / CSBP (/ EP) layout
 (dist_checkpointing reshards it). Beside it: `CKPT/hf/` (the tokenizer with the MASK token, for `--tokenizer-type
 HuggingFaceTokenizer`, and the HF config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK
-token is a new one, `<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.tools.hf`), or, with `--mask-token`,
-an existing unused token. Its id is recorded as `bdlm-mask-token-id` in the fragment and in the
-checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / `--make-vocab-size-
-divisible-by` must be those training will use: they fix the padded vocabulary. Weights are read tensor
-by tensor and copied into one (uninitialised) model, never two full copies.
+token is a new one, `<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.tools.hf`), or, with
+`--mask-token`, an existing unused token. Its id is recorded as `bdlm-mask-token-id` in the fragment and in the
+checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / `--make-vocab-size- divisible-by`
+must be those training will use: they fix the padded vocabulary. Weights are read tensor by tensor and copied into
+one (uninitialised) model, never two full copies.
 
 export: the latest checkpoint of any of our runs (saved at any TP / PP / EP) becomes an HF directory that
 `transformers` loads offline with `from_pretrained(OUT)`: safetensors shards, `config.json` (with how it
