@@ -11,7 +11,7 @@ checkpoint (fp32) that training loads with `--load CKPT --finetune` into any TP 
 HuggingFaceTokenizer`, and the HF config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK
 token is a new one, `<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.tools.hf`), or, with
 `--mask-token`, an existing unused token. Its id is recorded as `bdlm-mask-token-id` in the fragment and in the
-checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / `--make-vocab-size- divisible-by`
+checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / `--make-vocab-size-divisible-by`
 must be those training will use: they fix the padded vocabulary. Weights are read tensor by tensor and copied into
 one (uninitialised) model, never two full copies.
 
