@@ -135,8 +135,7 @@ class QwenExperts:
                     "Hugging Face form")
         return None
 
-    @staticmethod
-    def config(args) -> dict:
+    def config(self, args, base: dict | None = None) -> dict:
         """The HF config keys of a checkpoint's MoE (`export_problem` is None); the sparse layers in `base`'s words
         (`decoder_sparse_step`, `mlp_only_layers`) where they say the checkpoint's."""
         pattern = moe_layer_pattern(args)
