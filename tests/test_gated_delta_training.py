@@ -208,6 +208,6 @@ def test_the_hf_export_refuses_a_hybrid_qwen35_cannot_hold_in_one_line():
     with pytest.raises(UnsupportedModel) as refused:
         export_config(recorded, None, 64, torch.float32)
     assert str(refused.value) == ("this checkpoint has --experimental-attention-variant gated_delta_net, "
-                                  "--attention-output-gate, --apply-layernorm-1p without --qk-layernorm: the one "
-                                  "Hugging Face family with any of them is Qwen3.5 (Qwen3_5ForCausalLM), which has "
-                                  "all four; it has no Hugging Face form")
+                                  "--attention-output-gate, --apply-layernorm-1p without --qk-layernorm: Qwen3.5 "
+                                  "(Qwen3_5ForCausalLM), the one Hugging Face family with Gated DeltaNet layers, an "
+                                  "attention output gate or 1 + w norms, has all four; it has no Hugging Face form")

@@ -263,8 +263,9 @@ def test_export_refuses_a_checkpoint_only_part_qwen35_in_one_line():
         convert_hf.export_config(argparse.Namespace(**recorded), None, 64, torch.float32)
     assert str(refused.value) == (
         "this checkpoint has --experimental-attention-variant gated_delta_net, --attention-output-gate, "
-        "--qk-layernorm without --apply-layernorm-1p: the one Hugging Face family with any of them is Qwen3.5 "
-        "(Qwen3_5ForCausalLM), which has all four; it has no Hugging Face form")
+        "--qk-layernorm without --apply-layernorm-1p: Qwen3.5 (Qwen3_5ForCausalLM), the one Hugging Face family "
+        "with Gated DeltaNet layers, an attention output gate or 1 + w norms, has all four; it has no Hugging Face "
+        "form")
     recorded.update(apply_layernorm_1p=True, num_experts=4)
     with pytest.raises(hf.UnsupportedModel, match=r"^--num-experts: Qwen3.5 \(Qwen3_5ForCausalLM\) has none"):
         convert_hf.export_config(argparse.Namespace(**recorded), None, 64, torch.float32)

@@ -225,9 +225,9 @@ class GatedDeltaHybrid:
         missing = [flag for flag, present in parts.items() if not present]
         if missing:
             present = [flag for flag, on in parts.items() if on]
-            return (f"this checkpoint has {', '.join(present)} without {', '.join(missing)}: the one Hugging Face "
-                    f"family with any of them is Qwen3.5 (Qwen3_5ForCausalLM), which has all four; it has no Hugging "
-                    f"Face form")
+            return (f"this checkpoint has {', '.join(present)} without {', '.join(missing)}: Qwen3.5 "
+                    f"(Qwen3_5ForCausalLM), the one Hugging Face family with Gated DeltaNet layers, an attention output "
+                    f"gate or 1 + w norms, has all four; it has no Hugging Face form")
         for flag, present in (("--add-qkv-bias", getattr(args, "add_qkv_bias", False)),
                               ("--num-experts", getattr(args, "num_experts", None)),
                               ("--window-size", getattr(args, "window_size", None)),
