@@ -226,8 +226,8 @@ class GatedDeltaHybrid:
         if missing:
             present = [flag for flag, on in parts.items() if on]
             return (f"this checkpoint has {', '.join(present)} without {', '.join(missing)}: Qwen3.5 "
-                    f"(Qwen3_5ForCausalLM), the one Hugging Face family with Gated DeltaNet layers, an attention output "
-                    f"gate or 1 + w norms, has all four; it has no Hugging Face form")
+                    f"(Qwen3_5ForCausalLM), the one Hugging Face family with Gated DeltaNet layers, an attention "
+                    f"output gate or 1 + w norms, has all four; it has no Hugging Face form")
         for flag, present in (("--add-qkv-bias", getattr(args, "add_qkv_bias", False)),
                               ("--num-experts", getattr(args, "num_experts", None)),
                               ("--window-size", getattr(args, "window_size", None)),
@@ -679,34 +679,32 @@ class Shape:
                    bool(getattr(args, "add_qkv_bias", False)), bool(getattr(args, "qk_layernorm", False)),
                    not args.untie_embeddings_and_output_weights, tuple(moe_layer_pattern(args)),
                    getattr(args, "num_experts", None) or 0,
-                   *_linear_shape({name: getattr(args, name, None) for name in _LINEAR_ARGS}, args.num_layers,
-                                  getattr(args, "attention_output_gate", False)))
+                   *_linear_shape({name: getattr(args, name, None) for name in _LINEAR_ARGS}, args.num_layers),
+                   output_gate=bool(getattr(args, "attention_output_gate", False)))
 
     @classmethod
     def from_flags(cls, flags: dict) -> "Shape":
         """The shape of the model flags `model_flags` gives."""
         experts = flags.get("num-experts") or 0
         pattern = rules.moe_layer_pattern(flags["moe-layer-freq"], flags["num-layers"]) if experts else []
-        linear = _linear_shape({name: flags.get(name.replace("_", "-")) for name in _LINEAR_ARGS}, flags["num-layers"],
-                               flags.get("attention-output-gate", False))
+        linear = _linear_shape({name: flags.get(name.replace("_", "-")) for name in _LINEAR_ARGS}, flags["num-layers"])
         return cls(flags["num-layers"], flags["num-attention-heads"], flags["num-query-groups"], flags["kv-channels"],
                    flags["add-qkv-bias"], flags["qk-layernorm"], not flags["untie-embeddings-and-output-weights"],
-                   tuple(pattern), experts, *linear)
+                   tuple(pattern), experts, *linear, output_gate=bool(flags.get("attention-output-gate", False)))
 
 
 _LINEAR_ARGS = ("experimental_attention_variant", "linear_attention_freq", *LINEAR_SIZES)
 
 
-def _linear_shape(values: dict, num_layers: int, output_gate) -> tuple[tuple, tuple, bool]:
-    """(Gated DeltaNet layer pattern, in_proj row sections, output gate) of a model's `_LINEAR_ARGS` values and
-    `--attention-output-gate`; the first two empty for a model without such layers."""
+def _linear_shape(values: dict, num_layers: int) -> tuple[tuple, tuple]:
+    """(Gated DeltaNet layer pattern, in_proj row sections) of a model's `_LINEAR_ARGS` values; both empty for a
+    model without such layers."""
     if values["experimental_attention_variant"] != GATED_DELTA_NET:
-        return (), (), bool(output_gate)
+        return (), ()
     qk = values["linear_key_head_dim"] * values["linear_num_key_heads"]
     v = values["linear_value_head_dim"] * values["linear_num_value_heads"]
     heads = values["linear_num_value_heads"]
-    return (linear_attention_pattern(values["linear_attention_freq"], num_layers), (2 * qk + v, v, heads, heads),
-            bool(output_gate))
+    return linear_attention_pattern(values["linear_attention_freq"], num_layers), (2 * qk + v, v, heads, heads)
 
 
 @dataclass(frozen=True)
