@@ -75,6 +75,7 @@ MODULE_MARKERS = {
     "test_sampling_windows": ("spawn", "slow"),
     "test_hf": ("spawn", "slow"),
     "test_hf_windows": ("spawn",),
+    "test_hf_qwen35": ("spawn",),
     "test_hf_moe": ("spawn", "slow"),
     "test_export_formats": ("spawn", "slow"),
     "test_vocabulary_padding": ("spawn", "slow"),

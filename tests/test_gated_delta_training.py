@@ -194,7 +194,9 @@ def test_heads_tp_cannot_split_are_refused_in_one_line():
     RunConfig(shape=shape, seq_length=32, block_size=4)  # control: one TP rank takes it
 
 
-def test_the_hf_export_refuses_a_hybrid_checkpoint_in_one_line():
+def test_the_hf_export_refuses_a_hybrid_qwen35_cannot_hold_in_one_line():
+    """This file's hybrid has no QK-norm, which Qwen3.5, the one HF family with Gated DeltaNet layers, has: no HF
+    form (tests/test_hf_qwen35.py exports an imported Qwen3.5)."""
     import argparse
 
     from megatron_csbp.tools.convert_hf import export_config
@@ -202,8 +204,10 @@ def test_the_hf_export_refuses_a_hybrid_checkpoint_in_one_line():
 
     recorded = argparse.Namespace(normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                                   experimental_attention_variant="gated_delta_net", attention_output_gate=True,
-                                  apply_layernorm_1p=True)
+                                  apply_layernorm_1p=True, qk_layernorm=False)
     with pytest.raises(UnsupportedModel) as refused:
         export_config(recorded, None, 64, torch.float32)
-    assert str(refused.value) == ("this checkpoint is a Gated DeltaNet hybrid (--experimental-attention-variant, "
-                                  "--attention-output-gate, --apply-layernorm-1p), which the export does not write yet")
+    assert str(refused.value) == ("this checkpoint has --experimental-attention-variant gated_delta_net, "
+                                  "--attention-output-gate, --apply-layernorm-1p without --qk-layernorm: Qwen3.5 "
+                                  "(Qwen3_5ForCausalLM), the one Hugging Face family with Gated DeltaNet layers, an "
+                                  "attention output gate or 1 + w norms, has all four; it has no Hugging Face form")

@@ -4,16 +4,16 @@
                                         [--make-vocab-size-divisible-by N] [--mask-token TOKEN]
     python scripts/convert_hf.py export --load CKPT --hf-dir OUT [--max-shard-size-mb M] [--format hf|sdar|fast-dllm-v2]
 
-import: a dense Llama / Mistral / Qwen2 / Qwen3 or a Qwen3-MoE directory (`config.json`, `*.safetensors`,
-tokenizer files; nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only checkpoint (fp32) that training
-loads with `--load CKPT --finetune` into any TP / PP / CSBP (/ EP) layout (dist_checkpointing reshards it). Beside it:
-`CKPT/hf/` (the tokenizer with the MASK token, for `--tokenizer-type HuggingFaceTokenizer`, and the HF
-config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK token is a new one,
-`<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.tools.hf`), or, with `--mask-token`,
-an existing unused token. Its id is recorded as `bdlm-mask-token-id` in the fragment and in the
-checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / `--make-vocab-size-
-divisible-by` must be those training will use: they fix the padded vocabulary. Weights are read tensor
-by tensor and copied into one (uninitialised) model, never two full copies.
+import: a dense Llama / Mistral / Qwen2 / Qwen3, a Qwen3-MoE or a Qwen3.5 (Gated DeltaNet hybrid) directory
+(`config.json`, `*.safetensors`, tokenizer files; nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only
+checkpoint (fp32) that training loads with `--load CKPT --finetune` into any TP / PP / CSBP (/ EP) layout
+(dist_checkpointing reshards it). Beside it: `CKPT/hf/` (the tokenizer with the MASK token, for `--tokenizer-type
+HuggingFaceTokenizer`, and the HF config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK
+token is a new one, `<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.tools.hf`), or, with
+`--mask-token`, an existing unused token. Its id is recorded as `bdlm-mask-token-id` in the fragment and in the
+checkpoint's arguments, which training checks. `--tensor-model-parallel-size` / `--make-vocab-size-divisible-by`
+must be those training will use: they fix the padded vocabulary. Weights are read tensor by tensor and copied into
+one (uninitialised) model, never two full copies.
 
 export: the latest checkpoint of any of our runs (saved at any TP / PP / EP) becomes an HF directory that
 `transformers` loads offline with `from_pretrained(OUT)`: safetensors shards, `config.json` (with how it
@@ -51,6 +51,7 @@ NEW_MASK_TOKEN = "<|mask|>"
 HF_SIDE = "hf"  # CKPT/hf: the tokenizer and HF config the checkpoint goes with
 FRAGMENT = "model.yaml"
 _IGNORED_HF_TENSORS = ("rotary_emb.inv_freq",)
+_DROPPED_HF_PREFIXES = ("mtp.",)  # the hub's Qwen3.5 multi-token-prediction head, which transformers drops too
 
 
 @contextlib.contextmanager
@@ -194,7 +195,8 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
     hf.check_shapes(hf_dir, weights)
     hf_rows = weights.shape("model.embed_tokens.weight")[0]
     used = {name for names in hf.name_map(hf.Shape.from_flags(flags)).values() for name in names} | {"lm_head.weight"}
-    unused = sorted(key for key in weights.keys() if key not in used and not key.endswith(_IGNORED_HF_TENSORS))
+    unused = sorted(key for key in weights.keys() if key not in used and not key.endswith(_IGNORED_HF_TENSORS)
+                    and not key.startswith(_DROPPED_HF_PREFIXES))
     if unused:
         raise hf.UnsupportedModel(f"--hf-dir {hf_dir}: tensors the mapping cannot express, e.g. {unused[0]} "
                                   f"({len(unused)} in all)")
@@ -276,7 +278,7 @@ def _write_import(hf_dir, save, private, config, flags, weights, tokenizer, mask
                      f"vocabulary).\n")
         yaml.safe_dump(fragment, handle, sort_keys=False)
 
-    args = parse_args(["--config", fragment_path, "seq-length=16", "bdlm-block-size=16", "micro-batch-size=1",
+    args = parse_args(["--config", fragment_path, "seq-length=32", "bdlm-block-size=16", "micro-batch-size=1",
                        "train-iters=1", "lr=0", "data-path=unused", "finetune=true",
                        f"tokenizer-model={os.path.join(side, 'tokenizer.json')}",
                        f"tensor-model-parallel-size={tensor_model_parallel_size}"])
@@ -317,27 +319,32 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
     if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear:
         raise hf.UnsupportedModel("export needs a Llama-family model (--normalization RMSNorm --swiglu "
                                   "--disable-bias-linear); this checkpoint has another shape")
-    hybrid = [flag for flag, name in (("--experimental-attention-variant", "experimental_attention_variant"),
-                                      ("--attention-output-gate", "attention_output_gate"),
-                                      ("--apply-layernorm-1p", "apply_layernorm_1p")) if getattr(args, name, None)]
-    if hybrid:
-        raise hf.UnsupportedModel(f"this checkpoint is a Gated DeltaNet hybrid ({', '.join(hybrid)}), which the "
-                                  f"export does not write yet")
+    hybrid = any(getattr(args, name, None) for name in ("experimental_attention_variant", "attention_output_gate",
+                                                        "apply_layernorm_1p"))
+    problem = hf.GatedDeltaHybrid.export_problem(args) if hybrid else None
+    if problem:
+        raise hf.UnsupportedModel(problem)
     positions = RotaryPositions.from_args(args)  # the checkpoint's record (one before YaRN: plain RoPE)
     family = hf.exported_family(args.add_qkv_bias, args.qk_layernorm, bool(getattr(args, "num_experts", None)),
-                                positions.query_scaling is not None)
+                                positions.query_scaling is not None, hybrid)
     window_keys, family = _window_keys(args, family, base, export_format)
     problem = family.experts.export_problem(args) if family.experts else None
     if problem:
         raise hf.UnsupportedModel(problem)
     config = dict(base) if base else {"hidden_act": "silu", "attention_bias": False}
     based_on = hf.FAMILIES.get(hf.ARCHITECTURES.get(hf.model_name(base))) if base else None
-    if based_on is None or based_on.query_scaling != family.query_scaling:
+    if based_on is None or based_on.query_scaling != family.query_scaling or based_on.hybrid != family.hybrid:
         config.update(architectures=[family.architecture], model_type=family.name)  # the query scaling's family
     if family.experts:
         config.update(family.experts.config(args, base))
-    family = family.name
     rope = {"rope_type": "default", "rope_theta": float(args.rotary_base)}
+    if family.hybrid:  # its layers, its partial rotary, and its multimodal RoPE's sections (one position for text)
+        config.pop("full_attention_interval", None)
+        config.update(family.hybrid.config(args))
+        sections = ((base or {}).get("rope_parameters") or {}).items()
+        rope.update({key: value for key, value in sections if key.startswith("mrope_")},
+                    partial_rotary_factor=float(args.rotary_percent))
+    family = family.name
     if getattr(args, "use_rope_scaling", False):
         rope.update(rope_type="llama3", factor=float(args.rope_scaling_factor), **hf.LLAMA3_ROPE_FIXED)
     rope.update(hf.rope_parameters(positions))
@@ -587,9 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_ours_back.add_argument("--hf-dir", required=True, help="HF directory to write.")
     to_ours_back.add_argument("--max-shard-size-mb", type=int, default=2048, help="Largest safetensors file.")
     to_ours_back.add_argument("--format", default=hf_formats.HF.name, choices=tuple(hf_formats.FORMATS),
-                              help="hf: the source family's own architecture (Llama/Qwen2/Qwen3); sdar: SDAR for "
-                                   "SGLang / lmdeploy (Qwen3, MASK 151669); fast-dllm-v2: Fast-dLLM v2 (Qwen2.5, "
-                                   "MASK 151665). The weights are the same.")
+                              help="hf: the source family's own architecture (Llama/Qwen2/Qwen3/Qwen3.5); sdar: "
+                                   "SDAR for SGLang / lmdeploy (Qwen3, MASK 151669); fast-dllm-v2: Fast-dLLM v2 "
+                                   "(Qwen2.5, MASK 151665). The weights are the same.")
     to_ours_back.add_argument("--overwrite", action="store_true",
                               help="Replace a non-empty --hf-dir (an HF model directory) whole, once the new "
                                    "export is complete; without it a non-empty --hf-dir is refused.")

@@ -1,5 +1,5 @@
-"""Hugging Face <-> megatron-core weights for Llama-family models: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and
-Ministral 3.
+"""Hugging Face <-> megatron-core weights for Llama-family models: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
+Ministral 3, and the Gated DeltaNet hybrid Qwen3.5.
 
 One mapping, both directions; `scripts/convert_hf.py` drives it (import: HF directory -> our `torch_dist`
 checkpoint; export: any of our checkpoints -> HF directory). Megatron-Bridge's `AutoBridge` is the
@@ -29,6 +29,18 @@ for it, with its conventions and names:
   directory saved fused (`save_original_format=False`) is read too (`FUSED_EXPERTS`), one expert at a time. Export
   writes the hub's layout. Routing: `norm_topk_prob` true is megatron-core's default (a softmax over the top-k
   logits); false is `--moe-router-pre-softmax` (a softmax over all experts, then the top k).
+* Gated DeltaNet hybrids (Qwen3.5, transformers' `Qwen3_5ForCausalLM`, `Family.hybrid`): `layer_types`'
+  `linear_attention` layers (by default every layer but each `full_attention_interval`-th) are megatron-core's
+  `GatedDeltaNet` (`--experimental-attention-variant gated_delta_net --linear-attention-freq`, the `--linear-*`
+  sizes). Its fused `in_proj` is `[in_proj_qkv ; in_proj_z ; in_proj_b ; in_proj_a]` (q, k, v, the output gate z,
+  beta's b, the decay's a); `conv1d`, `dt_bias`, `A_log`, `out_proj` are copied, the gated output norm `norm` is
+  `out_norm` (a plain weight on both sides). The full-attention layers carry an output gate
+  (`--attention-output-gate`): HF's `q_proj` holds per head `[q_h ; gate_h]`, megatron's `linear_qkv` per query
+  group `[q_g ; gate_g ; k_g ; v_g]`. Every other norm (the layers', QK-norm, the final one) scales by `1 + w` on
+  both sides (`--apply-layernorm-1p`): copied as is. Partial rotary (`partial_rotary_factor`, 0.25 unless given) is
+  `--rotary-percent`: both turn the first `int(d * factor)` channels of a head, rotate-half. The multimodal RoPE's
+  sections are one position for text, so plain RoPE. transformers' drop of the hub's multi-token-prediction head
+  (`mtp.*`) is followed. The vision model (`Qwen3_5ForConditionalGeneration`) and Qwen3.5-MoE are refused.
 
 Vocabulary. The megatron embedding (and untied output layer) has `padded_vocab_size` rows: the HF rows,
 then zero rows (Megatron's padding). A new MASK id (`Vocabulary.new_mask`) gets, in both matrices, the
@@ -48,6 +60,7 @@ import torch
 
 from megatron_csbp.core import objectives, rules
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
+from megatron_csbp.core.model_shape import GATED_DELTA_NET, linear_attention_pattern
 from megatron_csbp.core.positions import QueryScaling, RotaryPositions, YaRN, yarn_mscale
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
@@ -140,6 +153,100 @@ class QwenExperts:
                 "router_aux_loss_coef": float(coeff) if balancing == "aux_loss" else 0.0}
 
 
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+# transformers' Qwen3.5 defaults of the Gated DeltaNet sizes (megatron-core's --linear-* defaults too)
+LINEAR_SIZES = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+
+
+@dataclass(frozen=True)
+class GatedDeltaHybrid:
+    """The Gated DeltaNet layers of transformers' Qwen3.5 and what comes with them: the full-attention layers' output
+    gate, the `1 + w` norms and partial rotary (`partial_rotary_factor`, 0.25 unless given). The layers are the
+    `linear_attention` ones of `layer_types`, by default all but every `full_attention_interval`-th (4)."""
+
+    rotary_fraction_default: float = 0.25
+    interval_default: int = 4
+
+    def layer_pattern(self, config: dict) -> list[int]:
+        """transformers' Gated DeltaNet (1) and full-attention (0) layers, as `--linear-attention-freq`'s pattern."""
+        types = config.get("layer_types")
+        if not types:
+            interval = config.get("full_attention_interval", self.interval_default)
+            return [int((layer + 1) % interval != 0) for layer in range(config["num_hidden_layers"])]
+        return [int(kind == LINEAR_ATTENTION) for kind in types]
+
+    def rotary_fraction(self, config: dict) -> float:
+        rope = config.get("rope_parameters") or {}
+        return rope.get("partial_rotary_factor", config.get("partial_rotary_factor", self.rotary_fraction_default))
+
+    def problem(self, name: str, config: dict) -> str | None:
+        """What of an HF config the hybrid cannot express (one line), or None."""
+        types = config.get("layer_types")
+        if types and len(types) != config["num_hidden_layers"]:
+            return (f"{name}: layer_types names {len(types)} layers, num_hidden_layers is "
+                    f"{config['num_hidden_layers']}; restore the model's config.json")
+        if types and not set(types) <= {LINEAR_ATTENTION, FULL_ATTENTION}:
+            return f"{name}: layer_types {sorted(set(types))}: only linear- and full-attention layers convert"
+        key_heads = config.get("linear_num_key_heads", LINEAR_SIZES["linear_num_key_heads"])
+        value_heads = config.get("linear_num_value_heads", LINEAR_SIZES["linear_num_value_heads"])
+        if value_heads % key_heads:
+            return (f"{name}: linear_num_value_heads {value_heads} is not a multiple of linear_num_key_heads "
+                    f"{key_heads}; restore the model's config.json")
+        kind = _rope(config)[0]
+        if kind != "default":
+            return f"{name}: rope_type {kind}: Qwen3.5 converts with plain RoPE (rope_type default) only"
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+        rotary = int(head_dim * self.rotary_fraction(config))
+        if rotary < 2 or rotary % 2:
+            return (f"{name}: partial_rotary_factor {self.rotary_fraction(config)} turns {rotary} of head_dim "
+                    f"{head_dim} channels; RoPE turns an even number >= 2")
+        return None
+
+    def flags(self, config: dict) -> dict:
+        """Our flags (YAML keys) of the hybrid's layers, gate, norms and partial rotary."""
+        pattern = self.layer_pattern(config)
+        full = pattern.index(0) + 1 if 0 in pattern else 0
+        freq = full if full and list(linear_attention_pattern(full, len(pattern))) == pattern else pattern
+        return {"experimental-attention-variant": GATED_DELTA_NET, "linear-attention-freq": freq,
+                **{key.replace("_", "-"): config.get(key, default) for key, default in LINEAR_SIZES.items()},
+                "attention-output-gate": True, "apply-layernorm-1p": True,
+                "rotary-percent": float(self.rotary_fraction(config))}
+
+    @staticmethod
+    def export_problem(args) -> str | None:
+        """What of a checkpoint with Gated DeltaNet layers, an attention output gate or `1 + w` norms Qwen3.5
+        cannot hold (one line naming the flag), or None."""
+        parts = {"--experimental-attention-variant gated_delta_net": getattr(args, "experimental_attention_variant",
+                                                                             None) == GATED_DELTA_NET,
+                 "--attention-output-gate": bool(getattr(args, "attention_output_gate", False)),
+                 "--apply-layernorm-1p": bool(getattr(args, "apply_layernorm_1p", False)),
+                 "--qk-layernorm": bool(getattr(args, "qk_layernorm", False))}
+        missing = [flag for flag, present in parts.items() if not present]
+        if missing:
+            present = [flag for flag, on in parts.items() if on]
+            return (f"this checkpoint has {', '.join(present)} without {', '.join(missing)}: Qwen3.5 "
+                    f"(Qwen3_5ForCausalLM), the one Hugging Face family with Gated DeltaNet layers, an attention "
+                    f"output gate or 1 + w norms, has all four; it has no Hugging Face form")
+        for flag, present in (("--add-qkv-bias", getattr(args, "add_qkv_bias", False)),
+                              ("--num-experts", getattr(args, "num_experts", None)),
+                              ("--window-size", getattr(args, "window_size", None)),
+                              ("--use-rope-scaling", getattr(args, "use_rope_scaling", False)),
+                              ("--position-embedding-type yarn", getattr(args, "position_embedding_type",
+                                                                          "rope") == YARN)):
+            if present:
+                return (f"{flag}: Qwen3.5 (Qwen3_5ForCausalLM) has none (Qwen3.5-MoE does not convert); this "
+                        f"Gated DeltaNet hybrid has no Hugging Face form")
+        return None
+
+    @staticmethod
+    def config(args) -> dict:
+        """The HF config keys of a checkpoint's hybrid parts (`export_problem` is None), besides the RoPE."""
+        pattern = linear_attention_pattern(args.linear_attention_freq, args.num_layers)
+        return {"layer_types": [LINEAR_ATTENTION if linear else FULL_ATTENTION for linear in pattern],
+                **{key: getattr(args, key) for key in LINEAR_SIZES}}
+
+
 @dataclass(frozen=True)
 class Family:
     """An HF model family the mapping converts, and what sets its weights apart from Llama's."""
@@ -159,6 +266,7 @@ class Family:
     window_switch: bool = False
     experts: QwenExperts | None = None  # its sparse (mixture-of-experts) MLP layers; None: a dense model
     query_scaling: bool = False  # Llama 4's query scaling, always (its rope parameters' llama_4_scaling_beta)
+    hybrid: "GatedDeltaHybrid | None" = None  # its Gated DeltaNet layers, gated attention and 1 + w norms (Qwen3.5)
 
 
 EVERY_LAYER, PER_LAYER = "every layer", "per layer"
@@ -173,22 +281,30 @@ QWEN3_MOE = Family("qwen3_moe", "Qwen3-MoE (QK-norm, experts)", "Qwen3MoeForCaus
                    qk_norm=True, experts=QwenExperts(), windows=EVERY_LAYER, window_switch=True)
 MINISTRAL3 = Family("ministral3", "Ministral 3 (Llama 4 query scaling)", "Ministral3ForCausalLM", "Ministral3Config",
                     query_scaling=True, windows=EVERY_LAYER)
+QWEN3_5 = Family("qwen3_5_text", "Qwen3.5 (Gated DeltaNet hybrid)", "Qwen3_5ForCausalLM", "Qwen3_5TextConfig",
+                 qk_norm=True, hybrid=GatedDeltaHybrid())
 QWEN_MAX_WINDOW_LAYERS = 28  # transformers' default `max_window_layers` of Qwen2 / Qwen3
-FAMILIES = Registry("model_type", LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MINISTRAL3)
+FAMILIES = Registry("model_type", LLAMA, MISTRAL, QWEN2, QWEN3, QWEN3_MOE, MINISTRAL3, QWEN3_5)
 ARCHITECTURES = {family.architecture: family.name for family in FAMILIES.values()}
 # Mixture-of-experts architectures the mapping knows and refuses, and why (one line each).
 REFUSED_EXPERTS = {
     "Qwen2MoeForCausalLM": "its shared expert's sigmoid gate (megatron-core's --moe-shared-expert-gate) is not "
                            "supported with the BDLM model; convert a Qwen3-MoE model",
+    "Qwen3_5MoeForCausalLM": "experts beside Gated DeltaNet layers are not supported; convert a dense Qwen3.5 "
+                             "(Qwen3_5ForCausalLM)",
 }
+# Models with a vision tower, refused before their (nested) config is read.
+REFUSED_MULTIMODAL = ("Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration")
 
 
-def exported_family(qkv_bias: bool, qk_norm: bool, experts: bool = False, query_scaling: bool = False) -> Family:
-    """The family export writes for a model with (or without) QKV biases, QK-norm, experts and Llama 4's query
-    scaling; refuses (one line) a combination no family has."""
+def exported_family(qkv_bias: bool, qk_norm: bool, experts: bool = False, query_scaling: bool = False,
+                    hybrid: bool = False) -> Family:
+    """The family export writes for a model with (or without) QKV biases, QK-norm, experts, Llama 4's query
+    scaling and Gated DeltaNet layers; refuses (one line) a combination no family has."""
     for family in FAMILIES.values():
-        if family.exported and (family.qkv_bias, family.qk_norm, family.experts is not None, family.query_scaling) \
-                == (bool(qkv_bias), bool(qk_norm), bool(experts), bool(query_scaling)):
+        if family.exported and (family.qkv_bias, family.qk_norm, family.experts is not None, family.query_scaling,
+                                family.hybrid is not None) \
+                == (bool(qkv_bias), bool(qk_norm), bool(experts), bool(query_scaling), bool(hybrid)):
             return family
     wanted = ", ".join(f"{family.display}" for family in FAMILIES.values() if family.exported)
     raise UnsupportedModel(f"a model with{'' if qkv_bias else 'out'} --add-qkv-bias, with{'' if qk_norm else 'out'} "
@@ -288,6 +404,9 @@ CONFIG_FIELDS = {
     "mlp_only_layers": ConfigField("a list of layer numbers", _list_of(_integer(0)), nullable=True),
     "norm_topk_prob": _BOOLEAN,
     "router_aux_loss_coef": ConfigField("a number >= 0", _number(lambda value: value >= 0)),
+    # Gated DeltaNet layers (Qwen3.5)
+    **{key: ConfigField("a positive integer", _integer(1)) for key in LINEAR_SIZES},
+    "full_attention_interval": ConfigField("a positive integer", _integer(1)),
 }
 # The fields of `rope_parameters` (transformers 5) or `rope_scaling` (transformers 4) it reads.
 ROPE_FIELDS = {
@@ -302,6 +421,7 @@ ROPE_FIELDS = {
     "attention_factor": ConfigField("a number > 0", _number(lambda value: value > 0), nullable=True),
     "truncate": _BOOLEAN,
     "llama_4_scaling_beta": ConfigField("a number >= 0", _number(lambda value: value >= 0)),
+    "partial_rotary_factor": CONFIG_FIELDS["partial_rotary_factor"],
 }
 
 
@@ -416,12 +536,13 @@ def model_family(config: dict) -> str:
     _refuse(name not in ARCHITECTURES, f"architecture {name} is not supported: convert one of "
                                        f"{', '.join(ARCHITECTURES)} (decoder models)")
     family = ARCHITECTURES[name]
-    experts = FAMILIES[family].experts
-    problem = experts.problem(name, config) if experts else None
+    experts, hybrid = FAMILIES[family].experts, FAMILIES[family].hybrid
+    problem = experts.problem(name, config) if experts else hybrid.problem(name, config) if hybrid else None
     _refuse(problem is not None, problem or "")
-    layer_types = set(config.get("layer_types") or ["full_attention"])
-    _refuse("linear_attention" in layer_types, f"{name}: linear-attention layers cannot be expressed")
-    _refuse(not layer_types <= {"full_attention", "sliding_attention"},
+    layer_types = set(config.get("layer_types") or [FULL_ATTENTION]) - ({LINEAR_ATTENTION} if hybrid else set())
+    _refuse(LINEAR_ATTENTION in layer_types, f"{name}: linear-attention layers convert in Qwen3.5 "
+                                             f"(Qwen3_5ForCausalLM) only")
+    _refuse(not layer_types <= {FULL_ATTENTION, "sliding_attention"},
             f"{name}: layer_types {sorted(layer_types)}: only full- and sliding-attention layers convert")
     hf_windows(config, name, FAMILIES[family])
     kind, theta, parameters = _rope(config)
@@ -432,7 +553,9 @@ def model_family(config: dict) -> str:
     _refuse(kind == "llama3" and fixed != LLAMA3_ROPE_FIXED,
             f"{name}: llama3 rope scaling with {fixed} is not implemented (megatron-core's has {LLAMA3_ROPE_FIXED})")
     _refuse(theta != int(theta), f"{name}: rope_theta {theta} is not an integer (--rotary-base takes one)")
-    _refuse(config.get("partial_rotary_factor", 1.0) != 1.0, f"{name}: partial rotary embeddings do not convert")
+    rotary = hybrid.rotary_fraction(config) if hybrid else \
+        _rope(config)[2].get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    _refuse(not hybrid and rotary != 1.0, f"{name}: partial rotary embeddings do not convert (but in Qwen3.5)")
     _refuse(config.get("hidden_act", "silu") != "silu", f"{name}: hidden_act {config.get('hidden_act')}: only "
                                                         f"SiLU-gated MLPs convert")
     _refuse(bool(config.get("mlp_bias")), f"{name}: mlp_bias cannot be expressed (megatron biases all or no linears)")
@@ -487,6 +610,8 @@ def window_flags(window: int | None, pattern: list[int]) -> dict:
 
 def model_flags(config: dict, hf_dir: str = ".") -> dict:
     """Our model flags (YAML keys) for the HF config of `hf_dir`."""
+    _refuse(model_name(config) in REFUSED_MULTIMODAL, f"{model_name(config)}: its vision model does not convert; "
+                                                      f"convert the text model alone, as Qwen3_5ForCausalLM")
     check_config(config, hf_dir, required=True)
     family = FAMILIES[model_family(config)]
     positions = hf_positions(config, model_name(config), family)
@@ -506,6 +631,7 @@ def model_flags(config: dict, hf_dir: str = ".") -> dict:
         "untie-embeddings-and-output-weights": not config.get("tie_word_embeddings", False),
         "attention-dropout": 0.0, "hidden-dropout": 0.0,
         **(family.experts.flags(config) if family.experts else {}),
+        **(family.hybrid.flags(config) if family.hybrid else {}),
         **window_flags(*hf_windows(config, model_name(config), family)),
     }
     return {key: value for key, value in flags.items() if value is not None}
@@ -542,22 +668,43 @@ class Shape:
     tied: bool
     moe_layers: tuple[int, ...] = ()  # per layer: 1 MoE, 0 dense (empty: a dense model)
     num_experts: int = 0
+    linear_layers: tuple[int, ...] = ()  # per layer: 1 Gated DeltaNet, 0 attention (empty: none)
+    # the rows of a Gated DeltaNet layer's fused in_proj: q, k and v, the output gate z, b, a
+    in_proj_rows: tuple[int, ...] = ()
+    output_gate: bool = False  # the attention's output gate (megatron's --attention-output-gate)
 
     @classmethod
     def from_args(cls, args) -> "Shape":
         return cls(args.num_layers, args.num_attention_heads, args.num_query_groups, args.kv_channels,
                    bool(getattr(args, "add_qkv_bias", False)), bool(getattr(args, "qk_layernorm", False)),
                    not args.untie_embeddings_and_output_weights, tuple(moe_layer_pattern(args)),
-                   getattr(args, "num_experts", None) or 0)
+                   getattr(args, "num_experts", None) or 0,
+                   *_linear_shape({name: getattr(args, name, None) for name in _LINEAR_ARGS}, args.num_layers),
+                   output_gate=bool(getattr(args, "attention_output_gate", False)))
 
     @classmethod
     def from_flags(cls, flags: dict) -> "Shape":
         """The shape of the model flags `model_flags` gives."""
         experts = flags.get("num-experts") or 0
         pattern = rules.moe_layer_pattern(flags["moe-layer-freq"], flags["num-layers"]) if experts else []
+        linear = _linear_shape({name: flags.get(name.replace("_", "-")) for name in _LINEAR_ARGS}, flags["num-layers"])
         return cls(flags["num-layers"], flags["num-attention-heads"], flags["num-query-groups"], flags["kv-channels"],
                    flags["add-qkv-bias"], flags["qk-layernorm"], not flags["untie-embeddings-and-output-weights"],
-                   tuple(pattern), experts)
+                   tuple(pattern), experts, *linear, output_gate=bool(flags.get("attention-output-gate", False)))
+
+
+_LINEAR_ARGS = ("experimental_attention_variant", "linear_attention_freq", *LINEAR_SIZES)
+
+
+def _linear_shape(values: dict, num_layers: int) -> tuple[tuple, tuple]:
+    """(Gated DeltaNet layer pattern, in_proj row sections) of a model's `_LINEAR_ARGS` values; both empty for a
+    model without such layers."""
+    if values["experimental_attention_variant"] != GATED_DELTA_NET:
+        return (), ()
+    qk = values["linear_key_head_dim"] * values["linear_num_key_heads"]
+    v = values["linear_value_head_dim"] * values["linear_num_value_heads"]
+    heads = values["linear_num_value_heads"]
+    return linear_attention_pattern(values["linear_attention_freq"], num_layers), (2 * qk + v, v, heads, heads)
 
 
 @dataclass(frozen=True)
@@ -592,14 +739,24 @@ def _mlp_names(shape: Shape, sparse: bool) -> dict[str, list[str]]:
     return names
 
 
-def _layer_names(shape: Shape, sparse: bool = False) -> dict[str, list[str]]:
+# A Gated DeltaNet layer (megatron-core's `GatedDeltaNet` as `self_attention`, transformers' `linear_attn`).
+_GATED_DELTA_NAMES = {"in_proj.weight": ["in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight",
+                                         "in_proj_a.weight"],
+                      "conv1d.weight": ["conv1d.weight"], "dt_bias": ["dt_bias"], "A_log": ["A_log"],
+                      "out_norm.weight": ["norm.weight"], "out_proj.weight": ["out_proj.weight"]}
+
+
+def _layer_names(shape: Shape, sparse: bool = False, linear: bool = False) -> dict[str, list[str]]:
     """Per-layer megatron name suffix -> the HF name suffixes it is built from."""
-    names = {"input_layernorm.weight": ["input_layernorm.weight"],
+    common = {"input_layernorm.weight": ["input_layernorm.weight"],
+              "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"], **_mlp_names(shape, sparse)}
+    if linear:
+        return {**common, **{"self_attention." + ours: ["linear_attn." + name for name in theirs]
+                             for ours, theirs in _GATED_DELTA_NAMES.items()}}
+    names = {**common,
              "self_attention.linear_qkv.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
                                                   "self_attn.v_proj.weight"],
-             "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
-             "pre_mlp_layernorm.weight": ["post_attention_layernorm.weight"],
-             **_mlp_names(shape, sparse)}
+             "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"]}
     if shape.qkv_bias:
         names["self_attention.linear_qkv.bias"] = ["self_attn.q_proj.bias", "self_attn.k_proj.bias",
                                                    "self_attn.v_proj.bias"]
@@ -617,27 +774,36 @@ def name_map(shape: Shape) -> dict[str, list[str]]:
         names["output_layer.weight"] = ["lm_head.weight"]
     for layer in range(shape.num_layers):
         sparse = bool(shape.moe_layers) and bool(shape.moe_layers[layer])
-        for ours, theirs in _layer_names(shape, sparse).items():
+        linear = bool(shape.linear_layers) and bool(shape.linear_layers[layer])
+        for ours, theirs in _layer_names(shape, sparse, linear).items():
             names[_LAYER.format(layer) + ours] = [_HF_LAYER.format(layer) + name for name in theirs]
     return names
 
 
 def interleave_qkv(q, k, v, shape: Shape):
-    """`[q ; k ; v]` (rows, or a bias) -> per query group `[q_g ; k_g ; v_g]`."""
+    """`[q ; k ; v]` (rows, or a bias) -> per query group `[q_g ; k_g ; v_g]`. With the output gate, `q` is HF's
+    `q_proj`, per head `[q_h ; gate_h]`, and the groups are megatron-core's `[q_g ; gate_g ; k_g ; v_g]`."""
     g, d = shape.num_groups, shape.head_dim
     per_group = shape.num_heads // g
     rest = q.shape[1:]
-    return torch.cat([q.reshape(g, per_group * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)],
-                     dim=1).reshape(-1, *rest)
+    if shape.output_gate:
+        heads = q.reshape(g, per_group, 2, d, *rest)
+        queries = [heads[:, :, 0].reshape(g, per_group * d, *rest), heads[:, :, 1].reshape(g, per_group * d, *rest)]
+    else:
+        queries = [q.reshape(g, per_group * d, *rest)]
+    return torch.cat([*queries, k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1).reshape(-1, *rest)
 
 
 def split_qkv(qkv, shape: Shape):
-    """Inverse of `interleave_qkv`: -> (q, k, v)."""
+    """Inverse of `interleave_qkv`: -> (q, k, v), `q` with the output gate as HF's `q_proj` holds it."""
     g, d = shape.num_groups, shape.head_dim
     per_group = shape.num_heads // g
     rest = qkv.shape[1:]
-    q, k, v = qkv.reshape(g, (per_group + 2) * d, *rest).split([per_group * d, d, d], dim=1)
-    return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
+    queries = 2 if shape.output_gate else 1
+    *q, k, v = qkv.reshape(g, (queries * per_group + 2) * d, *rest).split([per_group * d] * queries + [d, d], dim=1)
+    if shape.output_gate:
+        q = [torch.stack([part.reshape(g, per_group, d, *rest) for part in q], dim=2)]
+    return q[0].reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
 def _vocab_rows(hf_rows_tensor, vocab: Vocabulary, dtype):
@@ -655,7 +821,7 @@ def to_megatron(name: str, hf_tensors: list, shape: Shape, vocab: Vocabulary, dt
         return _vocab_rows(hf_tensors[0], vocab, dtype)
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
         return interleave_qkv(*hf_tensors, shape).to(dtype)
-    return torch.cat(hf_tensors).to(dtype)  # linear_fc1: [gate ; up]; the others: one tensor
+    return torch.cat(hf_tensors).to(dtype)  # linear_fc1: [gate ; up]; in_proj: [qkv ; z ; b ; a]; others: one
 
 
 def to_hf(name: str, tensor: torch.Tensor, shape: Shape, vocab: Vocabulary) -> list[torch.Tensor]:
@@ -666,6 +832,8 @@ def to_hf(name: str, tensor: torch.Tensor, shape: Shape, vocab: Vocabulary) -> l
         return list(split_qkv(tensor, shape))
     if name.endswith("linear_fc1.weight"):
         return list(tensor.chunk(2))
+    if name.endswith("self_attention.in_proj.weight"):
+        return list(tensor.split(list(shape.in_proj_rows)))
     return [tensor]
 
 

@@ -18,6 +18,11 @@ from the engines' sources (the README's "Exports for serving engines" names the 
   and `layer_types` from `config.json` and takes MASK id 151665 (Qwen2.5's first id past its tokenizer)
   and block 32 as defaults of `generate`.
 
+Neither engine has an architecture for a Gated DeltaNet hybrid (Qwen3.5): Fast-dLLM v2's release (NVlabs/Fast-dLLM
+`v2/`, the hub's Fast_dLLM_v2_1.5B / 7B) is `Fast_dLLM_QwenForCausalLM` alone, and SDAR is Qwen3. Turbo-dLLM 0.1.6
+names one, `Qwen3_5FastDLLMForCausalLM`, in its Qwen3.8 export's config, with no model code for it. Such a
+checkpoint exports with `--format hf` only.
+
 Why refuse or only warn: an engine that hard-codes the MASK id would feed the model an id it never
 learned as MASK, and an engine decoding the other label shift would read every token one position off:
 those exports are refused before anything is written. The block size is a flag of each engine, so a block
@@ -112,6 +117,10 @@ class ExportFormat:
         """One line naming `--format` and the fix, or None: what this format cannot honour for a checkpoint
         (`family`, `objective`, `clean_attention`: the names it records)."""
         flag = f"--format {self.name}"
+        if self.families is not None and family in FAMILIES and FAMILIES[family].hybrid:
+            return (f"{flag}: {self.engines} has no architecture for {FAMILIES[family].display} models: its "
+                    f"{self.architecture} has attention layers only, none of Gated DeltaNet; export it with --format "
+                    f"{HF.name}")
         if self.families is not None and FAMILIES.get(family) not in self.families:
             wanted = " or ".join(accepted.display for accepted in self.families)
             return (f"{flag}: {self.architecture} ({self.engines}) is a {wanted} model and this checkpoint is a "

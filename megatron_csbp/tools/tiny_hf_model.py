@@ -4,7 +4,8 @@
 
 A byte-level BPE tokenizer trained on a slice of this Python's standard library, and a Llama / Qwen2 / Qwen3
 (or Mistral, without sliding window unless `windows` gives one, or Ministral 3: give it `rope_parameters` with
-YaRN and `llama_4_scaling_beta`) or a Qwen3-MoE (4 experts, top 2, by default) with random weights, norms
+YaRN and `llama_4_scaling_beta`), a Qwen3-MoE (4 experts, top 2, by default) or a Qwen3.5 (Gated DeltaNet
+layers, `TINY_HYBRID`'s unless `hybrid` says otherwise) with random weights, norms
 and biases (so none is trivially 1 or 0), saved as `config.json`, `model.safetensors` and the tokenizer files, in
 fp32. A Qwen3-MoE's experts are saved per expert, as the hub holds them, or with `fused_experts` as transformers 5
 holds them in memory (`save_pretrained(..., save_original_format=False)`).
@@ -47,13 +48,20 @@ def make_tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>")
 
 
+# A tiny Qwen3.5's Gated DeltaNet layers: every 2nd layer full attention, 2 key heads serving 4 value heads.
+TINY_HYBRID = dict(full_attention_interval=2, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=6,
+                   linear_num_key_heads=2, linear_num_value_heads=4)
+
+
 def make_config(family: str, *, tokenizer_ids: int = 383, model_rows: int | None = None, hidden_size: int = 64,
                 num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
                 intermediate_size: int = 96, tied: bool = False, rope_parameters: dict | None = None,
                 num_experts: int = 4, experts_per_token: int = 2, moe_intermediate_size: int = 32,
-                mlp_only_layers: tuple = (), norm_topk_prob: bool = True, windows: dict | None = None):
+                mlp_only_layers: tuple = (), norm_topk_prob: bool = True, windows: dict | None = None,
+                hybrid: dict | None = None):
     """The transformers config of `make_model`'s tiny `family` model (the expert settings: a Qwen3-MoE's only;
-    `windows`: transformers' sliding-window keys, e.g. `sliding_window`, `use_sliding_window`, `layer_types`)."""
+    `windows`: transformers' sliding-window keys, e.g. `sliding_window`, `use_sliding_window`, `layer_types`;
+    `hybrid`: a Qwen3.5's keys over `TINY_HYBRID`, e.g. `layer_types`, `full_attention_interval`, `linear_*`)."""
     import transformers
 
     from megatron_csbp.tools.hf import FAMILIES
@@ -63,6 +71,8 @@ def make_config(family: str, *, tokenizer_ids: int = 383, model_rows: int | None
     if rope_parameters:
         extra["rope_parameters"] = rope_parameters
     extra.update(windows or {})
+    if family.hybrid:
+        extra.update({**TINY_HYBRID, **(hybrid or {})})
     if family.experts:
         extra.update(num_experts=num_experts, num_experts_per_tok=experts_per_token,
                      moe_intermediate_size=moe_intermediate_size, mlp_only_layers=list(mlp_only_layers),
