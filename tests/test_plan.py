@@ -215,7 +215,7 @@ def test_paper_check_prints_the_qwen_row_and_its_context_scaling():
     for point, published in zip(qwen["scaling"], ("1.26x", "1.30x", "1.33x")):
         assert f"{point['seq_length'] // 1024}K {published} | {point['predicted_speedup']:.3f}x" in curve
     assert 1 < speedups[0] < speedups[1] < speedups[2] == pytest.approx(qwen["predicted_speedup"])
-    assert qwen["predicted_csbp_state_exchange_gib"] < qwen["predicted_cp_state_exchange_gib"]
+    assert qwen["predicted_csbp_traffic_gib"] < qwen["predicted_cp_traffic_gib"]
     outside = "(outside ±10%)" in line or "(outside ±10%)" in curve
     named = "not modelled: Turbo-dLLM's Gated DeltaNet layers run head-parallel" in text.split(curve)[1]
     assert outside == named

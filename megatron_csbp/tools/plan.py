@@ -867,7 +867,7 @@ def _paper_qwen(cluster: Cluster, baseline, out) -> dict:
               "published_csbp_peak_gib": csbp_peak, "predicted_cp_peak_gib": cp.memory_bytes / GIB,
               "predicted_csbp_peak_gib": csbp.memory_bytes / GIB,
               "predicted_cp_step_s": cp.step_time_s, "predicted_csbp_step_s": csbp.step_time_s,
-              "predicted_cp_state_exchange_gib": cp.attention_gib, "predicted_csbp_state_exchange_gib": csbp.attention_gib,
+              "predicted_cp_traffic_gib": cp.attention_gib, "predicted_csbp_traffic_gib": csbp.attention_gib,
               "scaling": [{"seq_length": L, "published_speedup": speedup,
                            "predicted_speedup": predictions[L][1].tokens_per_s / predictions[L][0].tokens_per_s}
                           for L, speedup in PAPER_QWEN_SCALING]}
