@@ -159,6 +159,14 @@ def test_bad_input_names_the_flag():
     with pytest.raises(ValueError, match="--context-block-parallel"):
         run(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
              "--bdlm-block-size", "16", "--context-block-parallel", "3", "--gpus", "8"])
+    tiny = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--bdlm-block-size", "8"]
+    with pytest.raises(ValueError, match="no --experimental-attention-variant"):
+        run(tiny + ["--linear-attention-freq", "4"])
+    result = subprocess.run([sys.executable, "-m", "megatron_csbp.plan", *tiny, "--linear-attention-freq", "4"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        "python -m megatron_csbp.plan: error: --linear-attention-freq picks the Gated DeltaNet layers")
 
 
 def test_paper_check_reports_beside_published():

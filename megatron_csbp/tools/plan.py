@@ -1062,6 +1062,12 @@ def _print_setting(model: Model, cluster: Cluster, out):
         print(f"experts: {moe.num_experts} per MoE layer in {moe.num_moe_layers} of {model.num_layers} layers, top-"
               f"{moe.topk}, expert ffn {moe.ffn_hidden_size}, shared expert ffn {moe.shared_expert_ffn_hidden_size}; "
               f"alltoall dispatcher, every row (noisy and clean) routed, uniform routing assumed", file=out)
+    linear = model.shape.linear
+    if linear is not None:
+        print(f"Gated DeltaNet: {linear.num_linear_layers} of {model.num_layers} layers, {linear.num_key_heads} QK / "
+              f"{linear.num_value_heads} V heads of {linear.key_head_dim} / {linear.value_head_dim}, convolution "
+              f"{linear.conv_kernel_dim}; no K/V in them, the clean states travel"
+              f"{'; full-attention layers output-gated' if model.attention_output_gate else ''}", file=out)
     print(f"cluster: {cluster.gpus} x {gpu.name} ({cluster.gpus_per_node} per node), {gpu.bf16_tflops:g} TFLOP/s "
           f"x {gpu.achievable_fraction:g}, {gpu.hbm_gb:g} GB HBM ({gpu.usable_memory_fraction:.0%} usable), "
           f"NVLink {gpu.nvlink_gb_s:g} GB/s, inter-node {gpu.internode_gb_s:g} GB/s", file=out)
