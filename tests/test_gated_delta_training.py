@@ -207,3 +207,15 @@ def test_the_hf_export_refuses_a_hybrid_checkpoint_in_one_line():
         export_config(recorded, None, 64, torch.float32)
     assert str(refused.value) == ("this checkpoint is a Gated DeltaNet hybrid (--experimental-attention-variant, "
                                   "--attention-output-gate, --apply-layernorm-1p), which the export does not write yet")
+
+
+def test_the_counted_parameters_are_the_built_models(references):
+    """`flops.parameter_count` (the checkpoint-size estimate's and, layer by layer, the planner's count: Gated
+    DeltaNet layers by `flops.gated_delta_layer_parameter_count`, the gated attention's QKV with its gate rows)
+    equals the parameters megatron-core builds for the hybrid (tied embeddings of VOCAB rows)."""
+    from megatron_csbp.bdlm import flops
+
+    built = sum(weight.size for weight in references[0]["initial"].values())
+    assert built == flops.parameter_count(_shape(), VOCAB)
+    ungated = dataclasses.replace(_shape(), attention_output_gate=False)  # control: the gate's rows are counted
+    assert built != flops.parameter_count(ungated, VOCAB)
