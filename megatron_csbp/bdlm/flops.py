@@ -8,7 +8,10 @@ Counting rules (a multiply-add is 2 FLOPs; backward is twice the forward: `rules
 * every linear layer runs over all `2L` rows: QKV (GQA), output projection, MLP (SwiGLU: 3 matrices);
 * attention costs `4 · heads · head_dim` per allowed (query, key) pair: `Q·Kᵀ` and `P·V`;
 * the LM head runs over the `L` noisy rows (all `2L` rows with an autoregressive co-loss on the clean rows);
-* full recomputation adds one more forward of the transformer layers (not of the head).
+* full recomputation adds one more forward of the transformer layers (not of the head);
+* a Gated DeltaNet layer (the planner's count; `bdlm_step_flops` does not yet tell them apart): its projections,
+  convolution and MLP per row, the chunked delta rule over the rank's rows, and no K/V: it sends clean states,
+  chunk maps and convolution histories (`gated_delta_bytes`).
 Norms, softmax, RoPE and the embedding lookup are not counted (the usual convention).
 
 Plain Python integers throughout, so every count is exact. No torch, no Megatron.
