@@ -190,7 +190,8 @@ def test_a_pattern_flag_is_read_before_a_megatron_lm_style_type_sees_it(tmp_path
 @pytest.mark.parametrize("name, world, gpu", [("tiny_cpu", 2, False), ("demo_sequences", 2, False),
                                               ("nemotron_labs_diffusion_3b_256k", 16, True),
                                               ("nemotron_labs_diffusion_8b_256k", 16, True),
-                                              ("nemotron_labs_diffusion_14b_256k", 16, True)])
+                                              ("nemotron_labs_diffusion_14b_256k", 16, True),
+                                              ("qwen3_8_27b_fast_dllm_v2_256k", 16, True)])
 def test_shipped_configs_parse_and_validate(name, world, gpu):
     path = os.path.join(REPO, "configs", f"{name}.yaml")
     assert load_config(path)
@@ -211,6 +212,24 @@ def test_shipped_configs_parse_and_validate(name, world, gpu):
                           check_paths=False)
     warmup, decay = lr_schedule_steps(short)
     assert decay == 3 * short.global_batch_size and 0 < warmup < decay
+
+
+def test_the_qwen_recipe_is_turbo_dllms_qwen3_8_run():
+    """Turbo-dLLM's qwen3-8-27b-fast-dllm-v2-256k recipe on the public Qwen3.5/3.6-27B shape: 64 layers, every 4th
+    gated full attention (24 heads / 4 KV of 256, rotary on a quarter), the others Gated DeltaNet (16 QK / 48 V
+    heads of 128), Fast-dLLM v2 with block 256 at 256K, TP2 x CSBP8 on 16 GPUs, our loop (Gated DeltaNet beside
+    block parallelism is refused under Megatron-LM's)."""
+    from megatron_csbp.core.run_config import RunConfig
+
+    path = os.path.join(REPO, "configs", "qwen3_8_27b_fast_dllm_v2_256k.yaml")
+    args = validate_args(parse_args(["--config", path]), 16, on_accelerator=True, check_paths=False)
+    assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.seq_length) == (64, 5120, 17408, 262144)
+    assert (args.bdlm_objective, args.bdlm_block_size, args.tensor_model_parallel_size,
+            args.context_block_parallel, args.training_loop) == ("fast-dllm-v2", 256, 2, 8, "megatron-core")
+    assert args.attention_output_gate and args.apply_layernorm_1p and args.rotary_percent == 0.25
+    linear = RunConfig.from_args(args, 16).shape.linear
+    assert (linear.num_linear_layers, linear.num_value_heads, linear.num_key_heads) == (48, 48, 16)
+    assert linear.pattern[:4] == (1, 1, 1, 0)
 
 
 def test_warmup_is_iterations_or_a_fraction_as_in_megatron_lm():

@@ -211,3 +211,15 @@ def test_the_hf_export_refuses_a_hybrid_qwen35_cannot_hold_in_one_line():
                                   "--attention-output-gate, --apply-layernorm-1p without --qk-layernorm: Qwen3.5 "
                                   "(Qwen3_5ForCausalLM), the one Hugging Face family with Gated DeltaNet layers, an "
                                   "attention output gate or 1 + w norms, has all four; it has no Hugging Face form")
+
+
+def test_the_counted_parameters_are_the_built_models(references):
+    """`flops.parameter_count` (the checkpoint-size estimate's and, layer by layer, the planner's count: Gated
+    DeltaNet layers by `flops.gated_delta_layer_parameter_count`, the gated attention's QKV with its gate rows)
+    equals the parameters megatron-core builds for the hybrid (tied embeddings of VOCAB rows)."""
+    from megatron_csbp.bdlm import flops
+
+    built = sum(weight.size for weight in references[0]["initial"].values())
+    assert built == flops.parameter_count(_shape(), VOCAB)
+    ungated = dataclasses.replace(_shape(), attention_output_gate=False)  # control: the gate's rows are counted
+    assert built != flops.parameter_count(ungated, VOCAB)

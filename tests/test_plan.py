@@ -159,6 +159,14 @@ def test_bad_input_names_the_flag():
     with pytest.raises(ValueError, match="--context-block-parallel"):
         run(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
              "--bdlm-block-size", "16", "--context-block-parallel", "3", "--gpus", "8"])
+    tiny = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+            "--bdlm-block-size", "8"]
+    with pytest.raises(ValueError, match="no --experimental-attention-variant"):
+        run(tiny + ["--linear-attention-freq", "4"])
+    result = subprocess.run([sys.executable, "-m", "megatron_csbp.plan", *tiny, "--linear-attention-freq", "4"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1].startswith(
+        "python -m megatron_csbp.plan: error: --linear-attention-freq picks the Gated DeltaNet layers")
 
 
 def test_paper_check_reports_beside_published():
@@ -166,14 +174,14 @@ def test_paper_check_reports_beside_published():
     ±15% (the README table; the 3B's config is a scale-down recipe, see docs/performance.md), the 14B's traffic
     exact, the operator profile printed beside the published one."""
     records, text = run(["--paper-check"])
-    assert len(records) == 3 and "210.00 -> 105.00 GiB" in text and "14B operator profile" in text
-    for r in records:
+    assert len(records) == 4 and "210.00 -> 105.00 GiB" in text and "14B operator profile" in text
+    for r in records[:3]:
         assert r["published_speedup"] == r["published_csbp_tokens_per_s"] / r["published_cp_tokens_per_s"]
         assert f"{r['published_speedup']:.2f}x" in text
         assert abs(r["predicted_speedup"] / r["published_speedup"] - 1) <= 0.10, r
         for mode in ("cp", "csbp"):
             assert abs(r[f"predicted_{mode}_peak_gib"] / r[f"published_{mode}_peak_gib"] - 1) <= 0.15, r
-    fourteen = records[-1]
+    fourteen = records[2]
     assert fourteen["predicted_cp_forward_s"] > fourteen["predicted_csbp_forward_s"]
 
 
@@ -192,6 +200,133 @@ def test_paper_check_prints_diffusion_gemma_attention_traffic():
     _, text = run(["--paper-check"])
     assert f"published 433 -> 28, predicted {cp / 2**30:.2f}" in text and f"-> {csbp / 2**30:.2f} GiB" in text
     assert "not modelled" in text
+
+
+def test_paper_check_prints_the_qwen_row_and_its_context_scaling():
+    """Qwen3.8-27B, DP1/TP2/CP8 -> DP1/TP2/CP8/BP8: the published tokens/s, speedup and peaks beside the predicted,
+    the context-scaling curve (64K, 128K, 256K) beside the published one, and where a number is outside ±10% the
+    unmodelled parts named on the next line. CSBP is predicted faster at every length, more so at longer ones
+    (as published), and its layers send fewer bytes than CP's."""
+    records, text = run(["--paper-check"])
+    qwen = records[-1]
+    assert (qwen["model"], qwen["layout"]) == ("Qwen3.8-27B", "DP1/TP2/CP8")
+    assert qwen["published_speedup"] == 3490 / 2623 and (qwen["published_cp_peak_gib"],
+                                                         qwen["published_csbp_peak_gib"]) == (120.7, 111.1)
+    line = next(line for line in text.splitlines() if line.strip().startswith("Qwen3.8-27B"))
+    assert (f"tokens/s published 2623 -> 3490, predicted {qwen['predicted_cp_tokens_per_s']:.0f} -> "
+            f"{qwen['predicted_csbp_tokens_per_s']:.0f}; speedup published 1.33x, predicted "
+            f"{qwen['predicted_speedup']:.3f}x") in line
+    assert f"peak GiB published 120.7 -> 111.1, predicted {qwen['predicted_cp_peak_gib']:.1f}" in line
+    curve = next(line for line in text.splitlines() if "context scaling" in line)
+    assert [point["seq_length"] for point in qwen["scaling"]] == [65536, 131072, 262144]
+    speedups = [point["predicted_speedup"] for point in qwen["scaling"]]
+    for point, published in zip(qwen["scaling"], ("1.26x", "1.30x", "1.33x")):
+        assert f"{point['seq_length'] // 1024}K {published} | {point['predicted_speedup']:.3f}x" in curve
+    assert 1 < speedups[0] < speedups[1] < speedups[2] == pytest.approx(qwen["predicted_speedup"])
+    assert qwen["predicted_csbp_traffic_gib"] < qwen["predicted_cp_traffic_gib"]
+    outside = "(outside ±10%)" in line or "(outside ±10%)" in curve
+    named = "not modelled: Turbo-dLLM's Gated DeltaNet layers run head-parallel" in text.split(curve)[1]
+    assert outside == named
+
+
+# A tiny Gated DeltaNet ring (the shapes of tests/test_gated_delta.py): L 32, B 4, 2 key heads and 4 value heads,
+# dk 8, dv 6, convolution 4 wide over q, k, v (2·2·8 + 4·6 = 56 channels), fp32.
+GDN_L, GDN_B, GDN_HEADS, GDN_DK, GDN_DV, GDN_WIDTH, GDN_CHANNELS = 32, 4, 4, 8, 6, 4, 56
+
+
+def test_gated_delta_bytes_by_hand_and_as_the_layer_sends_them():
+    """`flops.gated_delta_bytes` (the planner's count, from the modes' row spans) equals the plan that the layer
+    sends by (`core.gated_delta.gated_delta_plan(layout).bytes_sent`, built from the torch layouts; its bytes equal
+    the layer's counters in tests/test_gated_delta.py) on every rank of CSBP, CP and BP rings; and by hand on CSBP
+    P=C=2 (tests/test_gated_delta.py's count): one history `(W-1)·channels`, one state `Hv·dk·dv` and two chunk maps
+    `Hv·dk·(dk+dv)`, fp32, each way. Pure BP sends nothing."""
+    from megatron_csbp.bdlm import flops
+    from megatron_csbp.core.gated_delta import gated_delta_plan
+    from megatron_csbp.core.layout import layout_for
+
+    shape = (GDN_HEADS, GDN_DK, GDN_DV, GDN_CHANNELS)
+    by_hand = ((GDN_WIDTH - 1) * GDN_CHANNELS + GDN_HEADS * GDN_DK * GDN_DV
+               + 2 * GDN_HEADS * GDN_DK * (GDN_DK + GDN_DV)) * 4
+    assert by_hand == 5024
+    for rank in range(2):
+        assert flops.gated_delta_bytes("csbp", GDN_L, GDN_B, 2, 2, rank, *shape, GDN_WIDTH, 4) == (by_hand, by_hand)
+    for mode, P, C in (("csbp", 2, 2), ("cp", 2, 2), ("bp", 2, 1), ("csbp", 4, 2), ("csbp", 4, 4), ("cp", 4, 4)):
+        for rank in range(P):
+            layout = layout_for(mode, GDN_L, GDN_B, P, C, rank)
+            member = layout.ring_ranks.index(layout.rank)
+            sent = gated_delta_plan(layout, GDN_WIDTH).bytes_sent(member, 1, *shape, 4)
+            assert flops.gated_delta_bytes(mode, GDN_L, GDN_B, P, C, rank, *shape, GDN_WIDTH, 4) == sent, \
+                (mode, P, C, rank)
+            assert (sum(sent) == 0) == (C == 1)
+
+
+def test_gated_delta_rule_flops_against_torchs_counter():
+    """The chunked delta rule's FLOPs (`flops.gated_delta_rule_flops`, fla's form with the explicit inverse)
+    against torch's FLOP counter over `torch_chunk_rule` (which solves the triangular systems instead): the
+    matrix products both run (`2c²dk + c²dv + 3c·dk·dv` multiply-adds per chunk and head) are what the counter
+    counts; the inverse (`c³/6`) and the products `T βK`, `T βV` (`c²dk + c²dv`) are fla's, by hand."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from megatron_csbp.bdlm import flops
+    from megatron_csbp.core.kernels.gated_delta import l2norm, torch_chunk_rule
+
+    batch, tokens, heads, dk, dv, chunk = 1, 128, 3, 8, 6, 16
+    generator = torch.Generator().manual_seed(0)
+    q, k = (l2norm(torch.randn(batch, tokens, heads, dk, generator=generator)) for _ in range(2))
+    v = torch.randn(batch, tokens, heads, dv, generator=generator)
+    g, beta = -torch.rand(batch, tokens, heads, generator=generator), torch.rand(batch, tokens, heads,
+                                                                                generator=generator)
+    with FlopCounterMode(display=False) as counter:
+        torch_chunk_rule(q, k, v, g, beta, torch.zeros(batch, heads, dk, dv), chunk=chunk)
+    chunks = tokens // chunk
+    fla_only = 2 * heads * chunks * (chunk * chunk * dk + chunk * chunk * dv + chunk ** 3 // 6)
+    assert counter.get_total_flops() == 380928
+    assert flops.gated_delta_rule_flops(tokens, heads, dk, dv, chunk) - fla_only == counter.get_total_flops()
+    assert flops.gated_delta_rule_flops(tokens, heads, dk, dv + 1, chunk) - fla_only != counter.get_total_flops()
+
+
+def test_gated_delta_layer_flops_and_parameters_by_hand():
+    """One Gated DeltaNet layer of h 64, 2 key heads of 8, 4 value heads of 6, convolution 4, SwiGLU FFN 96, no
+    biases, RMSNorm: in-projection 64·(2·16 + 2·24 + 2·4) = 5632 weights, convolution 56·4 = 224, A_log and
+    dt_bias 4 each, the output norm 6, out-projection 24·64 = 1536, MLP 3·64·96 = 18432, two norms 128; forward
+    FLOPs per row 2·(5632 + 224 + 1536) + 2·18432. A gated full-attention layer's QKV projection holds the gate's
+    query-sized rows too."""
+    from megatron_csbp.bdlm import flops
+    from megatron_csbp.core.model_shape import LinearAttentionShape, ModelShape
+
+    linear = LinearAttentionShape((1, 0), conv_kernel_dim=4, key_head_dim=8, value_head_dim=6, num_key_heads=2,
+                                  num_value_heads=4)
+    sizes = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=96, swiglu=True,
+                 add_bias_linear=False, layernorm_bias=False)
+    shape = ModelShape(**sizes, linear=linear)
+    assert flops.gated_delta_layer_parameter_count(shape) == 5632 + 224 + 8 + 6 + 1536 + 18432 + 128
+    assert flops.gated_delta_linear_flops_per_row(shape) == 2 * (5632 + 224 + 1536) + 2 * 18432
+    plain, gated = ModelShape(**sizes), ModelShape(**sizes, attention_output_gate=True)
+    assert flops.layer_parameter_count(gated) - flops.layer_parameter_count(plain) == 64 * 64
+    assert flops.linear_flops_per_row(gated) - flops.linear_flops_per_row(plain) == 2 * 64 * 64
+    assert flops.parameter_count(shape, 128) == (flops.layer_parameter_count(shape)
+                                                 + flops.gated_delta_layer_parameter_count(shape) + 64 + 128 * 64)
+
+
+def test_the_planner_prices_gated_delta_layers_apart_from_attention_layers():
+    """A hybrid of 4 layers (every 4th full attention) under CSBP P=C=2: the ring carries the one attention layer's
+    K/V and the three Gated DeltaNet layers' state sends, nothing else; under pure BP nothing travels; a model of
+    only attention layers sends 4 layers' K/V (the negative control)."""
+    from megatron_csbp.bdlm import flops
+
+    sizes = dict(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=64, block_size=8, bytes_per_elem=4)
+    hybrid = plan.Model(**sizes, experimental_attention_variant="gated_delta_net", linear_attention_freq=4,
+                        linear_sizes=(("key_head_dim", 8), ("value_head_dim", 6), ("num_key_heads", 2),
+                                      ("num_value_heads", 4)))
+    cluster = plan.Cluster(2, 8, plan.GPU_PRESETS["h200"])
+    kv = flops.attention_traffic_bytes("csbp", 64, 2, 4, 16, 4)
+    states = [sum(flops.gated_delta_bytes("csbp", 64, 8, 2, 2, rank, 4, 8, 6, 56, 4, 4)) for rank in range(2)]
+    got = plan.predict(hybrid, cluster, plan.Topology("csbp", 1, 1, 2, 2, 1)).attention_bytes
+    assert got == kv + 3 * max(states) and max(states) > 0
+    assert plan.predict(hybrid, cluster, plan.Topology("bp", 1, 1, 2, 1, 1)).attention_bytes == 0
+    dense = plan.Model(**sizes)
+    assert plan.predict(dense, cluster, plan.Topology("csbp", 1, 1, 2, 2, 1)).attention_bytes == 4 * kv
 
 
 def _attention(kernel_fractions, mode, block_size=256, tile=128):
@@ -228,7 +363,7 @@ def test_kernel_calls_cover_the_mask(mode):
 
 
 @pytest.mark.parametrize("name", ["tiny_cpu", "nemotron_labs_diffusion_3b_256k", "nemotron_labs_diffusion_8b_256k",
-                                  "nemotron_labs_diffusion_14b_256k"])
+                                  "nemotron_labs_diffusion_14b_256k", "qwen3_8_27b_fast_dllm_v2_256k"])
 def test_shipped_configs_plan_with_their_sections(name):
     """The plugin's flags sit in `bdlm:` / `csbp:` sections of the shipped configs; the planner reads them
     as training does (the block size, for one, only lives there)."""
@@ -236,7 +371,7 @@ def test_shipped_configs_plan_with_their_sections(name):
 
     path = pathlib.Path(__file__).parent.parent / "configs" / f"{name}.yaml"
     args = plan.parse_args(["--config", str(path), "--gpus", "16", "--gpus-per-node", "8"])
-    assert args.bdlm_block_size in (16, 64) and args.context_block_parallel >= 2
+    assert args.bdlm_block_size in (16, 64, 256) and args.context_block_parallel >= 2
 
 
 # A tiny MoE BDLM for the expert-parallel checks: 2 layers (layer 0 MoE, layer 1 dense), h 64, 4 heads of 16

@@ -8,7 +8,10 @@ Counting rules (a multiply-add is 2 FLOPs; backward is twice the forward: `rules
 * every linear layer runs over all `2L` rows: QKV (GQA), output projection, MLP (SwiGLU: 3 matrices);
 * attention costs `4 · heads · head_dim` per allowed (query, key) pair: `Q·Kᵀ` and `P·V`;
 * the LM head runs over the `L` noisy rows (all `2L` rows with an autoregressive co-loss on the clean rows);
-* full recomputation adds one more forward of the transformer layers (not of the head).
+* full recomputation adds one more forward of the transformer layers (not of the head);
+* a Gated DeltaNet layer (the planner's count; `bdlm_step_flops` does not yet tell them apart): its projections,
+  convolution and MLP per row, the chunked delta rule over the rank's rows, and no K/V: it sends clean states,
+  chunk maps and convolution histories (`gated_delta_bytes`).
 Norms, softmax, RoPE and the embedding lookup are not counted (the usual convention).
 
 Plain Python integers throughout, so every count is exact. No torch, no Megatron.
@@ -66,9 +69,89 @@ def linear_flops_per_row(shape: ModelShape) -> int:
     """Forward FLOPs of one dense transformer layer's linear layers for one row (token)."""
     query_size = shape.num_attention_heads * shape.kv_channels
     kv_size = shape.num_query_groups * shape.kv_channels
-    qkv = shape.hidden_size * (query_size + 2 * kv_size)
+    gate = query_size if shape.attention_output_gate else 0  # the output gate's rows of the QKV projection
+    qkv = shape.hidden_size * (query_size + gate + 2 * kv_size)
     projection = query_size * shape.hidden_size
     return 2 * (qkv + projection) + mlp_flops_per_row(shape.hidden_size, shape.ffn_hidden_size, shape.swiglu)
+
+
+def gated_delta_linear_flops_per_row(shape: ModelShape) -> int:
+    """Forward FLOPs of one Gated DeltaNet layer's linear parts for one row (token), megatron-core's layer: the
+    in-projection to q, k (`Hk x dk` each), v and the output gate z (`Hv x dv` each), β and the decay's α (one
+    per value head); the depthwise causal convolution over q, k, v (`W` multiply-adds per channel); the
+    out-projection; the MLP. (The recurrence is `gated_delta_rule_flops`.)"""
+    linear, h = shape.linear, shape.hidden_size
+    qk, v = linear.num_key_heads * linear.key_head_dim, linear.num_value_heads * linear.value_head_dim
+    in_projection = h * (2 * qk + 2 * v + 2 * linear.num_value_heads)
+    convolution = (2 * qk + v) * linear.conv_kernel_dim
+    return 2 * (in_projection + convolution + v * h) + mlp_flops_per_row(h, shape.ffn_hidden_size, shape.swiglu)
+
+
+def gated_delta_rule_flops(rows: int, heads: int, key_dim: int, value_dim: int, chunk: int) -> int:
+    """Forward FLOPs of the chunked gated delta rule (`core.kernels.gated_delta`, fla's chunked form) over `rows`
+    rows, in runs of whole chunks of `chunk` rows, for `heads` value heads with keys of `key_dim` and values of
+    `value_dim`. Per chunk and head, in multiply-adds: `β K Kᵀ` (`c² dk`), the unit lower-triangular inverse
+    (`c³ / 6`), `W = T βK` (`c² dk`) and `U = T βV` (`c² dv`), `U - W S`, `Q S` and the state update `Kᵀ U`
+    (`c dk dv` each), the intra-chunk `Q Kᵀ` (`c² dk`) and its product with the writes (`c² dv`). Gates,
+    decays and norms are not counted (the usual convention)."""
+    c, dk, dv = chunk, key_dim, value_dim
+    per_chunk = 3 * c * c * dk + 2 * c * c * dv + c * c * c // 6 + 3 * c * dk * dv
+    return 2 * heads * rows // c * per_chunk
+
+
+def gated_delta_core_flops(noisy_rows: int, clean_rows: int, block_size: int, heads: int, key_dim: int,
+                           value_dim: int) -> int:
+    """Forward FLOPs of one Gated DeltaNet layer's core on a rank holding `noisy_rows` and `clean_rows` (whole
+    blocks) for `heads` value heads, as `core.gated_delta` computes it: every noisy block from its clean state
+    (values `dv` wide); every clean block from a zero state with its value widened by the identity (`dv + dk`
+    wide: the block's outputs, read-outs and its map `[U | M]`); per clean block, the map composed onto the
+    chunk's prefix (`dk² (dk + dv)`) and the entry and end states applied (`2 dk² dv`); per clean row, its
+    read-out of the entry state (`dk dv`). The scan over the ring's chunk maps (a few per ring member) is not
+    counted."""
+    chunk = min(rules.GATED_DELTA_CHUNK, block_size)
+    dk, dv = key_dim, value_dim
+    blocks = clean_rows // block_size
+    composition = blocks * (dk * dk * (dk + dv) + 2 * dk * dk * dv) + clean_rows * dk * dv
+    return (gated_delta_rule_flops(noisy_rows, heads, dk, dv, chunk)
+            + gated_delta_rule_flops(clean_rows, heads, dk, dv + dk, chunk) + 2 * heads * composition)
+
+
+def gated_delta_bytes(mode, seq_length: int, block_size: int, parallel_size: int, clean_shards: int, rank: int,
+                      heads: int, key_dim: int, value_dim: int, conv_channels: int, conv_width: int,
+                      bytes_per_elem: int = 2, state_bytes: int = 4) -> tuple[int, int]:
+    """(forward, backward) bytes rank `rank` sends in one Gated DeltaNet layer for one sample (docs/algorithm.md,
+    "Gated DeltaNet layers"), with `heads` value heads and `conv_channels` convolution channels on the rank
+    (`/ TP`), counted from the ring's rows (`ParallelMode.row_spans`): noisy block `b > 0` needs the clean state
+    entering it and the `W - 1` pre-convolution rows before it, and every clean chunk starting past 0 the rows
+    before it, from the member holding clean block `b - 1`; every member sends its chunks' maps
+    (`dk x (dk + dv)` per head, `state_bytes` each) to the `C - 1` others. The forward sends what others ask of
+    this rank; the backward returns the gradients of what this rank received. K and V never travel."""
+    L, B, C = seq_length, block_size, clean_shards
+    if C == 1:
+        return 0, 0
+    mode = modes.parallel_mode(mode)
+    spans = [mode.row_spans(L, B, parallel_size, C, rank // C * C + j) for j in range(C)]
+    holder = {block: j for j, (_, clean) in enumerate(spans) for start, stop in clean
+              for block in range(start // B, stop // B)}
+
+    def asked(member: int, with_chunks: bool) -> list:
+        """The clean blocks whose tail (`with_chunks`) or final state ring member `member` needs."""
+        noisy, clean = spans[member]
+        blocks = {b for start, stop in noisy for b in range(start // B, stop // B) if b > 0}
+        if with_chunks:
+            blocks |= {start // B for start, _ in clean if start > 0}
+        return [b - 1 for b in blocks]
+
+    me = rank % C
+    counts = {}
+    for with_chunks in (True, False):
+        sent = sum(holder[b] == me for j in range(C) if j != me for b in asked(j, with_chunks))
+        received = sum(holder[b] != me for b in asked(me, with_chunks))
+        counts[with_chunks] = sent, received
+    tail = (conv_width - 1) * conv_channels * bytes_per_elem
+    state = heads * key_dim * value_dim * state_bytes
+    maps = (C - 1) * len(spans[me][1]) * heads * key_dim * (key_dim + value_dim) * state_bytes
+    return tuple(counts[True][i] * tail + maps + counts[False][i] * state for i in (0, 1))
 
 
 def mlp_flops_per_row(hidden_size: int, ffn_hidden_size: int, swiglu: bool) -> int:
@@ -228,7 +311,9 @@ def parameter_count(shape: ModelShape, padded_vocab_size: int) -> int:
     `shape.moe`, its MoE layers hold the router, every expert and the shared expert instead of the dense MLP."""
     h = shape.hidden_size
     final_norm = h * (2 if shape.layernorm_bias else 1)
-    total = (shape.num_layers * layer_parameter_count(shape) + final_norm
+    linear = shape.linear.num_linear_layers if shape.linear is not None else 0
+    total = ((shape.num_layers - linear) * layer_parameter_count(shape)
+             + (linear * gated_delta_layer_parameter_count(shape) if linear else 0) + final_norm
              + padded_vocab_size * h * (2 if shape.untied_output else 1))
     if shape.moe is not None:
         parts = moe_mlp_parameters(h, shape.moe, shape.swiglu, shape.add_bias_linear)
@@ -255,7 +340,21 @@ def mlp_parameters(hidden_size: int, ffn_hidden_size: int, swiglu: bool, add_bia
 def layer_parameter_count(shape: ModelShape) -> int:
     """Parameters of one dense transformer layer: QKV, projection, MLP, two norms, and the biases the flags give."""
     h, heads, kv, ffn = shape.hidden_size, shape.num_attention_heads, shape.kv_channels, shape.ffn_hidden_size
-    qkv, fc1 = (heads + 2 * shape.num_query_groups) * kv, ffn * (2 if shape.swiglu else 1)
+    gate = heads if shape.attention_output_gate else 0  # the output gate's rows of the QKV projection
+    qkv, fc1 = (heads + gate + 2 * shape.num_query_groups) * kv, ffn * (2 if shape.swiglu else 1)
     norm = 2 * h if shape.layernorm_bias else h
     layer = h * qkv + heads * kv * h + h * fc1 + ffn * h + 2 * norm
     return layer + (qkv + h + fc1 + h if shape.add_bias_linear else 0)
+
+
+def gated_delta_layer_parameter_count(shape: ModelShape) -> int:
+    """Parameters of one Gated DeltaNet layer (megatron-core's `GatedDeltaNet`, no linear or convolution bias): the
+    in-projection (q, k, v, z, β, α), the convolution's `W` weights per q/k/v channel, `A_log` and `dt_bias` per
+    value head, the output norm's `dv` weights, the out-projection; the MLP and two norms as a dense layer's."""
+    linear, h = shape.linear, shape.hidden_size
+    qk, v, heads = linear.num_key_heads * linear.key_head_dim, linear.num_value_heads * linear.value_head_dim, \
+        linear.num_value_heads
+    mixer = (h * (2 * qk + 2 * v + 2 * heads) + (2 * qk + v) * linear.conv_kernel_dim + 2 * heads
+             + linear.value_head_dim + v * h)
+    norm = 2 * h if shape.layernorm_bias else h
+    return mixer + mlp_parameters(h, shape.ffn_hidden_size, shape.swiglu, shape.add_bias_linear) + 2 * norm

@@ -261,6 +261,9 @@ def moe_layer_pattern(layer_freq, num_layers: int) -> list[int]:
     return [int(bool(value)) for value in layer_freq]
 
 
+GATED_DELTA_CHUNK = 64  # tokens the chunked gated delta rule solves at once (fla's chunk size)
+
+
 def conv_history_problem(block_size: int, conv_width: int, flags: Flags = FLAGS) -> str | None:
     """A Gated DeltaNet layer's convolution reads the `W - 1` tokens before each block from the block before it."""
     if conv_width - 1 <= block_size:

@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-CHUNK = 64  # tokens solved at once (fla's chunk size)
+from megatron_csbp.core.rules import GATED_DELTA_CHUNK as CHUNK  # tokens solved at once (fla's chunk size)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
