@@ -108,7 +108,8 @@ def set_rotary_config(config, positions: RotaryPositions) -> None:
 
 def set_shape_config(config, shape) -> None:
     """The fields of the run's `ModelShape` (`core.model_shape`) megatron-core reads off the `TransformerConfig`
-    beside the sizes: Gated DeltaNet layers (`shape.linear`), the attention output gate, the `1 + w` norms. Our
+    beside the sizes: Gated DeltaNet layers (`shape.linear`), the attention output gate, the `1 + w` norms, Gemma 4's
+    MoE block (`gemma4_moe`, with its gated GELU-tanh MLPs). Our
     loop's config gets them here, from the `RunConfig`; Megatron-LM's holds them already. Set after the config is
     made: its `__post_init__` refuses Gated DeltaNet beside `context_parallel_size > 1`, which here is the block
     parallel size `P`, under which the layer runs (`mcore.gated_delta_net`)."""
@@ -117,6 +118,11 @@ def set_shape_config(config, shape) -> None:
     config.layernorm_zero_centered_gamma = shape.layernorm_1p
     config.experimental_attention_variant = None if linear is None else GATED_DELTA_NET
     config.linear_attention_freq = None if linear is None else list(linear.pattern)
+    config.gemma4_moe = shape.moe is not None and shape.moe.gemma4
+    if config.gemma4_moe:  # Gemma 4's MLPs, dense and experts: gated GELU-tanh
+        from megatron_csbp.mcore.gemma4_moe import gelu_tanh
+
+        config.gated_linear_unit, config.activation_func = True, gelu_tanh
     if linear is not None:
         for name in ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"):
             setattr(config, "linear_" + name, getattr(linear, name))
@@ -354,6 +360,9 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
     if context is None:
         context = csbp_spec.AttentionContext(layout=layout, group=group, transport=transport)
     layout = context.layout
+    if getattr(config, "gemma4_moe", False) and (base_spec is not None or config.experimental_attention_variant):
+        raise ConfigError("--gemma4-moe builds megatron-core's MoE layers with Gemma 4's block: drop --spec and "
+                          "--experimental-attention-variant")
     if config.experimental_attention_variant is not None:  # Gated DeltaNet hybrid
         from megatron_csbp.mcore.gated_delta_net import get_csbp_hybrid_block_spec
 
