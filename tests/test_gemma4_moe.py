@@ -109,14 +109,14 @@ def _block_against_transformers(rank, world_size):
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.mcore.spec import get_csbp_block_spec
+    from megatron_csbp.mcore.gemma4_moe import get_gemma4_block_spec
 
     parallel_state.initialize_model_parallel(1, 1, context_block_parallel_size=1, clean_shards=1)
     try:
         torch.manual_seed(0)
         theirs = _transformers_layer()
         config = _megatron_config()
-        spec = get_csbp_block_spec(config).layer_specs[0]
+        spec = get_gemma4_block_spec(config).layer_specs[0]
         assert spec.submodules.pre_mlp_layernorm.__name__ == "IdentityOp"
         generator = torch.Generator().manual_seed(11)
         x = torch.randn(6, 2, HIDDEN, generator=generator)  # [s, b, h], megatron's order

@@ -25,9 +25,10 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_csbp.core import rules
-from megatron_csbp.mcore.spec import SequenceParallelTorchNorm, TokenCountedTopKRouter
+from megatron_csbp.mcore.spec import SequenceParallelTorchNorm, TokenCountedTopKRouter, get_csbp_block_spec
 
 
 def gelu_tanh(x):
@@ -92,6 +93,20 @@ class Gemma4MoELayer(MoELayer):
     def postprocess(self, output, shared_expert_output):
         routed = self.post_experts_layernorm(super().postprocess(output, None))
         return self.post_feedforward_layernorm(routed + shared_expert_output)
+
+
+def get_gemma4_block_spec(config, use_transformer_engine: bool = False, context=None, vp_stage=None):
+    """`spec.get_csbp_block_spec` with Gemma 4's block in every layer (`config.gemma4_moe`, which
+    `model.set_shape_config` sets); ValueError (one line) where the config cannot build it."""
+    problem = config_problem(config)
+    if problem:
+        raise ValueError(problem)
+    block = get_csbp_block_spec(config, use_transformer_engine, context, vp_stage=vp_stage)
+    rewired = {}  # one Gemma 4 copy per distinct layer spec
+    for spec in block.layer_specs:
+        rewired.setdefault(id(spec), gemma4_layer_spec(spec))
+    return TransformerBlockSubmodules(layer_specs=[rewired[id(spec)] for spec in block.layer_specs],
+                                      layer_norm=block.layer_norm)
 
 
 def gemma4_layer_spec(spec: ModuleSpec) -> ModuleSpec:

@@ -43,7 +43,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_csbp.core import transports
 from megatron_csbp.core.model_shape import GATED_DELTA_NET
 from megatron_csbp.core.positions import ROUNDING, YARN_FLAGS, RotaryPositions
-from megatron_csbp.mcore import spec as csbp_spec
+from megatron_csbp.mcore import gemma4_moe, spec as csbp_spec
 from megatron_csbp.mcore.linear_cross_entropy import softcapped, tiled_linear_cross_entropy, tiled_soft_embeddings
 from megatron_csbp.mcore.self_conditioning import SelfConditioning
 from megatron_csbp.core.rules import ConfigError, refused_features
@@ -120,9 +120,7 @@ def set_shape_config(config, shape) -> None:
     config.linear_attention_freq = None if linear is None else list(linear.pattern)
     config.gemma4_moe = shape.moe is not None and shape.moe.gemma4
     if config.gemma4_moe:  # Gemma 4's MLPs, dense and experts: gated GELU-tanh
-        from megatron_csbp.mcore.gemma4_moe import gelu_tanh
-
-        config.gated_linear_unit, config.activation_func = True, gelu_tanh
+        config.gated_linear_unit, config.activation_func = True, gemma4_moe.gelu_tanh
     if linear is not None:
         for name in ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"):
             setattr(config, "linear_" + name, getattr(linear, name))
@@ -370,6 +368,8 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
             raise ConfigError("--experimental-attention-variant gated_delta_net builds its layers from megatron-core's "
                               "local modules: drop --spec and use --transformer-impl local")
         layer_spec = get_csbp_hybrid_block_spec(config, context, vp_stage=vp_stage)
+    elif getattr(config, "gemma4_moe", False):  # Gemma 4's MoE block in every layer
+        layer_spec = gemma4_moe.get_gemma4_block_spec(config, use_transformer_engine, context, vp_stage=vp_stage)
     elif config.num_moe_experts and base_spec is None:  # megatron-core's MoE and dense layers, per --moe-layer-freq
         layer_spec = csbp_spec.get_csbp_block_spec(config, use_transformer_engine, context, vp_stage=vp_stage)
     else:

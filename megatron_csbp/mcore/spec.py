@@ -305,8 +305,7 @@ def get_csbp_block_spec(config, use_transformer_engine: bool = False, context: A
     """This pipeline stage's layer specs for a mixture-of-experts config: megatron-core's GPT decoder block
     spec (`get_gpt_decoder_block_spec`: MoE layers where `config.moe_layer_freq` puts them, dense ones
     elsewhere, local experts or grouped GEMM as `config.moe_grouped_gemm` says), each with CSBP's core
-    attention; the final norm accepts sequence parallelism as the layers' do. With `config.gemma4_moe` (set by
-    `model.set_shape_config`) the MoE layers get Gemma 4's feed-forward block (`mcore.gemma4_moe`)."""
+    attention; the final norm accepts sequence parallelism as the layers' do."""
     for message in refused_features(config):
         raise ValueError(message)
     block = gpt_layer_specs.get_gpt_decoder_block_spec(config, use_transformer_engine,
@@ -315,13 +314,6 @@ def get_csbp_block_spec(config, use_transformer_engine: bool = False, context: A
     for spec in block.layer_specs:
         if id(spec) not in bound:
             bound[id(spec)] = _with_csbp_attention(spec, use_transformer_engine, context)
-    if getattr(config, "gemma4_moe", False):  # Gemma 4's feed-forward block in every (MoE) layer
-        from megatron_csbp.mcore import gemma4_moe
-
-        problem = gemma4_moe.config_problem(config)
-        if problem:
-            raise ValueError(problem)
-        bound = {key: gemma4_moe.gemma4_layer_spec(spec) for key, spec in bound.items()}
     layer_specs = [bound[id(spec)] for spec in block.layer_specs]
     layer_norm = block.layer_norm if use_transformer_engine else SequenceParallelTorchNorm
     return TransformerBlockSubmodules(layer_specs=layer_specs, layer_norm=layer_norm)
