@@ -77,9 +77,9 @@ def _copy_weights(ours, theirs):
     """Our block's parameter for each of transformers' (name pairs), the tensors copied."""
     pairs = {"router.weight": "router.proj.weight", "router.scale": "router.scale",
              "router.per_expert_scale": "router.per_expert_scale",
-             "shared_experts.pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",
+             "pre_feedforward_layernorm.weight": "pre_feedforward_layernorm.weight",
              "shared_experts.linear_fc2.weight": "mlp.down_proj.weight",
-             "shared_experts.post_feedforward_layernorm.weight": "post_feedforward_layernorm_1.weight",
+             "post_dense_layernorm.weight": "post_feedforward_layernorm_1.weight",
              "pre_experts_layernorm.weight": "pre_feedforward_layernorm_2.weight",
              "post_experts_layernorm.weight": "post_feedforward_layernorm_2.weight",
              "post_feedforward_layernorm.weight": "post_feedforward_layernorm.weight"}
@@ -143,6 +143,9 @@ def _block_against_transformers(rank, world_size):
                 first, second = ours.experts.local_experts[0], ours.experts.local_experts[1]
                 for a, b in zip(first.parameters(), second.parameters()):
                     a.data, b.data = b.data.clone(), a.data.clone()
+            if case == "block":  # the checkpoint holds every weight (megatron-core's sharded state dict)
+                saved = ours.sharded_state_dict(metadata={})
+                assert {name for name, _ in ours.named_parameters()} <= set(saved), set(saved)
             inputs = x.clone().requires_grad_()
             block, bias = ours(inputs)
             assert bias is None

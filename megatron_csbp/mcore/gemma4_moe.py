@@ -12,9 +12,8 @@ sum to 1) are then multiplied by a learned `per_expert_scale` of the chosen expe
 Built of megatron-core's pieces, so EP, ETP, TP/SP and every dispatcher carry over unchanged: the MoE layer
 (`MoELayer`: its dispatch, experts and combine), with the dense MLP as its shared expert (`SharedExpertMLP`,
 `--moe-shared-expert-intermediate-size`: the dense size), and its top-k router. Subclasses add only what differs:
-the router's input norm, scale and per-expert scale (`Gemma4Router`); the dense branch's norms (`Gemma4DenseMLP`);
-the experts' input norm before dispatch, their output norm after combine, and the norm of the sum
-(`Gemma4MoELayer`). The layer's own pre-MLP norm is an identity: the block reads the raw residual stream.
+the router's input norm, scale and per-expert scale (`Gemma4Router`); the five norms around the dense MLP, around
+the experts (before dispatch, after combine) and of the sum (`Gemma4MoELayer`). The layer's own pre-MLP norm is an identity: the block reads the raw residual stream.
 megatron-core sums the shared expert into the experts' output unnormed, which is why the sum is taken here.
 """
 
@@ -23,7 +22,6 @@ import copy
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -64,28 +62,24 @@ class Gemma4Router(TokenCountedTopKRouter):
         return probs * self.per_expert_scale.to(probs.dtype), routing_map
 
 
-class Gemma4DenseMLP(SharedExpertMLP):
-    """The dense MLP beside the experts (megatron-core's shared expert) between its own pre- and post-norms."""
-
-    def __init__(self, config, submodules, gate, pg_collection=None):
-        super().__init__(config, submodules, gate, pg_collection=pg_collection)
-        self.pre_feedforward_layernorm = _norm(config)
-        self.post_feedforward_layernorm = _norm(config)
-
-    def forward(self, hidden_states):
-        return self.post_feedforward_layernorm(super().forward(self.pre_feedforward_layernorm(hidden_states)))
-
-
 class Gemma4MoELayer(MoELayer):
-    """megatron-core's MoE layer routing the raw residual stream, its experts reading it normed (`pre_experts`,
-    applied before dispatch, so the norm is a replicated weight like the router's), their combined output normed
-    (`post_experts`), and the sum with the dense branch normed again (`post_feedforward_layernorm`)."""
+    """megatron-core's MoE layer with Gemma 4's norms: the router reads the raw residual stream; the dense MLP (the
+    shared expert) reads it through `pre_feedforward_layernorm`, its output normed by `post_dense_layernorm`; the
+    experts read it through `pre_experts_layernorm` (applied before dispatch, so the norm is a replicated weight
+    like the router's), their combined output normed by `post_experts_layernorm`; the sum of the two branches is
+    normed by `post_feedforward_layernorm`. The norms live here, not in the shared expert, whose checkpoint
+    (megatron-core's `MLP.sharded_state_dict`) takes megatron-core modules only."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None):
         super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        self.pre_feedforward_layernorm = _norm(config)
+        self.post_dense_layernorm = _norm(config)
         self.pre_experts_layernorm = _norm(config)
         self.post_experts_layernorm = _norm(config)
         self.post_feedforward_layernorm = _norm(config)
+
+    def shared_experts_compute(self, hidden_states):
+        return self.post_dense_layernorm(super().shared_experts_compute(self.pre_feedforward_layernorm(hidden_states)))
 
     def preprocess(self, hidden_states, probs, routing_map):
         return super().preprocess(self.pre_experts_layernorm(hidden_states), probs, routing_map)
@@ -118,8 +112,6 @@ def gemma4_layer_spec(spec: ModuleSpec) -> ModuleSpec:
     mlp.module = Gemma4MoELayer
     mlp.submodules = copy.copy(mlp.submodules)
     mlp.submodules.router = Gemma4Router
-    mlp.submodules.shared_experts = copy.copy(mlp.submodules.shared_experts)
-    mlp.submodules.shared_experts.module = Gemma4DenseMLP
     return spec
 
 
