@@ -58,6 +58,7 @@ MODULE_MARKERS = {
     "test_parallel_state": ("spawn", "slow"),
     "test_megatron_composition": ("spawn", "slow"),
     "test_moe": ("spawn", "slow"),
+    "test_gemma4_moe": ("spawn", "slow"),
     "test_bench": ("spawn", "slow"),
     "test_bench_windows": ("spawn",),
     "test_recompute": ("spawn", "slow"),

@@ -107,6 +107,8 @@ SHOWN_BY = {
         "--apply-layernorm-1p",
     "tests/test_diffusion_gemma.py::test_the_trainer_refuses_in_one_line_exit_2":
         "--bdlm-self-conditioning-probability --final-logit-softcapping --scale-embeddings",
+    "tests/test_gemma4_moe.py::test_the_flag_refuses_in_one_line_exit_2_and_reaches_the_model_config":
+        "--gemma4-moe",
     "tests/test_linear_cross_entropy.py::test_the_fusion_flags_train_and_validate_as_the_whole_head":
         "--cross-entropy-loss-fusion --cross-entropy-fusion-impl --cross-entropy-tile-rows",
 }

@@ -76,6 +76,7 @@ def _build_model(topology, config):
 
     from megatron_csbp.mcore import parallel_state
     from megatron_csbp.core.layout import CSBPLayout, layout_for
+    from megatron_csbp.mcore.gemma4_moe import get_gemma4_block_spec
     from megatron_csbp.mcore.model import BDLMGPTModel, model_provider
     from megatron_csbp.mcore.spec import get_csbp_block_spec, get_csbp_layer_spec
 
@@ -86,7 +87,8 @@ def _build_model(topology, config):
         layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, schedule="contiguous", clean_layout="contiguous")
         dense = ModuleSpec(module=dense_bdlm_attention_class(), params={"layout": layout})
         # a mixture of experts: a spec per layer, MoE layers where config.moe_layer_freq puts them
-        spec = get_csbp_block_spec(config) if config.num_moe_experts else get_csbp_layer_spec()
+        block_spec = get_gemma4_block_spec if getattr(config, "gemma4_moe", False) else get_csbp_block_spec
+        spec = block_spec(config) if config.num_moe_experts else get_csbp_layer_spec()
         for layer_spec in getattr(spec, "layer_specs", [spec]):
             layer_spec.submodules.self_attention.submodules.core_attention = dense
         model = BDLMGPTModel(config=config, transformer_layer_spec=spec, max_sequence_length=topology.seq,

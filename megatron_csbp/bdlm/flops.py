@@ -324,9 +324,12 @@ def parameter_count(shape: ModelShape, padded_vocab_size: int) -> int:
 
 def moe_mlp_parameters(hidden_size: int, moe: MoEShape, swiglu: bool, add_bias_linear: bool) -> dict:
     """Parameters of one MoE layer's MLP part, by what holds them: `router` (`h x E`, on every rank), `experts` (all
-    `E` routed experts, split over EP), `shared` (the shared expert, a dense MLP)."""
+    `E` routed experts, split over EP), `shared` (the shared expert, a dense MLP). Gemma 4's block (`moe.gemma4`)
+    adds to the router its scale (`h`) and per-expert scale (`E`), and the block's norms beyond the layer's pre-MLP
+    norm (`4h`: five, the pre-MLP one an identity), on every rank alike."""
     mlp = lambda size: mlp_parameters(hidden_size, size, swiglu, add_bias_linear)  # noqa: E731
-    return dict(router=hidden_size * moe.num_experts + (moe.num_experts if add_bias_linear else 0),
+    gemma4 = 5 * hidden_size + moe.num_experts if moe.gemma4 else 0
+    return dict(router=hidden_size * moe.num_experts + (moe.num_experts if add_bias_linear else 0) + gemma4,
                 experts=moe.num_experts * mlp(moe.ffn_hidden_size),
                 shared=mlp(moe.shared_expert_ffn_hidden_size) if moe.shared_expert_ffn_hidden_size else 0)
 

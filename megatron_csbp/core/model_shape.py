@@ -18,13 +18,16 @@ from megatron_csbp.core import rules
 class MoEShape:
     """The mixture of experts of a model (Megatron's flags): `num_moe_layers` of the layers route each row to
     `topk` of `num_experts` experts of FFN size `ffn_hidden_size` (None: the dense FFN size, resolved by the
-    `ModelShape` holding it), plus a shared expert of `shared_expert_ffn_hidden_size` (0: none)."""
+    `ModelShape` holding it), plus a shared expert of `shared_expert_ffn_hidden_size` (0: none). `gemma4`: Gemma 4's
+    block (`--gemma4-moe`): the shared expert is the dense MLP between its own norms, the router has an input norm,
+    a scale and a per-expert scale, and the block four norms more than a layer's pre-MLP norm."""
 
     num_experts: int
     topk: int
     ffn_hidden_size: int | None
     num_moe_layers: int
     shared_expert_ffn_hidden_size: int = 0
+    gemma4: bool = False
 
 
 GATED_DELTA_NET = "gated_delta_net"  # megatron-core's --experimental-attention-variant of Gated DeltaNet layers

@@ -243,6 +243,26 @@ def moe_problem(num_experts: int, topk: int, load_balancing, dispatcher: str, te
     return None
 
 
+def gemma4_moe_problem(num_experts, moe_layer_pattern, shared_expert_size, swiglu: bool, score_function: str,
+                       pre_softmax: bool) -> str | None:
+    """What Gemma 4's feed-forward block (`--gemma4-moe`: a dense MLP beside the routed experts, every layer,
+    gated GELU-tanh MLPs, a softmax over the top k; `mcore.gemma4_moe`) cannot take of the MoE flags, or None."""
+    if not num_experts:
+        return "--gemma4-moe builds a mixture of experts: give --num-experts N (and --moe-router-topk K)"
+    if not all(moe_layer_pattern):
+        return ("--gemma4-moe: every Gemma 4 layer has the MoE block, but --moe-layer-freq makes dense layers; give "
+                "--moe-layer-freq 1")
+    if not shared_expert_size:
+        return ("--gemma4-moe needs --moe-shared-expert-intermediate-size: the dense MLP's size beside the experts "
+                "(transformers' intermediate_size)")
+    if swiglu:
+        return "--gemma4-moe's MLPs are gated GELU-tanh, not SwiGLU: drop --swiglu"
+    if score_function != "softmax" or pre_softmax:
+        return ("--gemma4-moe weighs the top-k experts by a softmax over the top k: give --moe-router-score-function "
+                "softmax without --moe-router-pre-softmax")
+    return None
+
+
 def moe_layer_freq_problem(layer_freq, num_layers: int) -> str | None:
     """`--moe-layer-freq`: every N-th layer MoE (N >= 1), or a 0/1 pattern naming every layer."""
     if isinstance(layer_freq, int):

@@ -157,7 +157,7 @@ class RunConfig:
         moe = None if experts is None or args.num_layers is None else MoEShape(
             experts, args.moe_router_topk, args.moe_ffn_hidden_size,
             sum(rules.moe_layer_pattern(args.moe_layer_freq, args.num_layers)),
-            args.moe_shared_expert_intermediate_size or 0)
+            args.moe_shared_expert_intermediate_size or 0, gemma4=bool(getattr(args, "gemma4_moe", False)))
         linear = LinearAttentionShape.from_flags(  # checkpoints recorded before these flags hold none of them
             getattr(args, "experimental_attention_variant", None), getattr(args, "linear_attention_freq", None),
             args.num_layers, **{name: getattr(args, "linear_" + name) for name in LINEAR_SIZES
@@ -165,7 +165,8 @@ class RunConfig:
         shape = ModelShape(
             num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
             num_query_groups=groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
-            swiglu=args.swiglu, add_bias_linear=args.add_bias_linear,
+            swiglu=args.swiglu or bool(moe and moe.gemma4),  # gated MLPs (Gemma 4's GELU-tanh ones too)
+            add_bias_linear=args.add_bias_linear,
             layernorm_bias=args.normalization == "LayerNorm", untied_output=args.untie_embeddings_and_output_weights,
             moe=moe, linear=linear, attention_output_gate=bool(getattr(args, "attention_output_gate", False)),
             layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)))

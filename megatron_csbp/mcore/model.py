@@ -43,7 +43,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_csbp.core import transports
 from megatron_csbp.core.model_shape import GATED_DELTA_NET
 from megatron_csbp.core.positions import ROUNDING, YARN_FLAGS, RotaryPositions
-from megatron_csbp.mcore import spec as csbp_spec
+from megatron_csbp.mcore import gemma4_moe, spec as csbp_spec
 from megatron_csbp.mcore.linear_cross_entropy import softcapped, tiled_linear_cross_entropy, tiled_soft_embeddings
 from megatron_csbp.mcore.self_conditioning import SelfConditioning
 from megatron_csbp.core.rules import ConfigError, refused_features
@@ -108,7 +108,8 @@ def set_rotary_config(config, positions: RotaryPositions) -> None:
 
 def set_shape_config(config, shape) -> None:
     """The fields of the run's `ModelShape` (`core.model_shape`) megatron-core reads off the `TransformerConfig`
-    beside the sizes: Gated DeltaNet layers (`shape.linear`), the attention output gate, the `1 + w` norms. Our
+    beside the sizes: Gated DeltaNet layers (`shape.linear`), the attention output gate, the `1 + w` norms, Gemma 4's
+    MoE block (`gemma4_moe`, with its gated GELU-tanh MLPs). Our
     loop's config gets them here, from the `RunConfig`; Megatron-LM's holds them already. Set after the config is
     made: its `__post_init__` refuses Gated DeltaNet beside `context_parallel_size > 1`, which here is the block
     parallel size `P`, under which the layer runs (`mcore.gated_delta_net`)."""
@@ -117,6 +118,9 @@ def set_shape_config(config, shape) -> None:
     config.layernorm_zero_centered_gamma = shape.layernorm_1p
     config.experimental_attention_variant = None if linear is None else GATED_DELTA_NET
     config.linear_attention_freq = None if linear is None else list(linear.pattern)
+    config.gemma4_moe = shape.moe is not None and shape.moe.gemma4
+    if config.gemma4_moe:  # Gemma 4's MLPs, dense and experts: gated GELU-tanh
+        config.gated_linear_unit, config.activation_func = True, gemma4_moe.gelu_tanh
     if linear is not None:
         for name in ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"):
             setattr(config, "linear_" + name, getattr(linear, name))
@@ -354,6 +358,9 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
     if context is None:
         context = csbp_spec.AttentionContext(layout=layout, group=group, transport=transport)
     layout = context.layout
+    if getattr(config, "gemma4_moe", False) and (base_spec is not None or config.experimental_attention_variant):
+        raise ConfigError("--gemma4-moe builds megatron-core's MoE layers with Gemma 4's block: drop --spec and "
+                          "--experimental-attention-variant")
     if config.experimental_attention_variant is not None:  # Gated DeltaNet hybrid
         from megatron_csbp.mcore.gated_delta_net import get_csbp_hybrid_block_spec
 
@@ -361,6 +368,8 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
             raise ConfigError("--experimental-attention-variant gated_delta_net builds its layers from megatron-core's "
                               "local modules: drop --spec and use --transformer-impl local")
         layer_spec = get_csbp_hybrid_block_spec(config, context, vp_stage=vp_stage)
+    elif getattr(config, "gemma4_moe", False):  # Gemma 4's MoE block in every layer
+        layer_spec = gemma4_moe.get_gemma4_block_spec(config, use_transformer_engine, context, vp_stage=vp_stage)
     elif config.num_moe_experts and base_spec is None:  # megatron-core's MoE and dense layers, per --moe-layer-freq
         layer_spec = csbp_spec.get_csbp_block_spec(config, use_transformer_engine, context, vp_stage=vp_stage)
     else:

@@ -125,6 +125,9 @@ def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int)
         raise ConfigError(f"checkpoint {checkpoint.directory} is a Gated DeltaNet hybrid (--experimental-attention-"
                           f"variant, --attention-output-gate or --apply-layernorm-1p): the sampler and the harness do "
                           f"not decode it yet; evaluate its loss with scripts/evaluate_bdlm.py")
+    if settings.shape.moe is not None and settings.shape.moe.gemma4:
+        raise ConfigError(f"checkpoint {checkpoint.directory} has Gemma 4's MoE block (--gemma4-moe): the sampler and "
+                          f"the harness do not build it yet; evaluate its loss with scripts/evaluate_bdlm.py")
     if settings.final_logit_softcapping is not None or settings.scale_embeddings:
         raise ConfigError(f"checkpoint {checkpoint.directory} has a final-logit softcap or scaled embeddings "
                           f"(--final-logit-softcapping, --scale-embeddings): the sampler and the harness do not run "

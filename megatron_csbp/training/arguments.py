@@ -254,6 +254,12 @@ def validate_plugin_args(args: argparse.Namespace, world_size: int) -> RunConfig
         _require(not args.moe_grouped_gemm or importlib.util.find_spec("transformer_engine") is not None,
                  "--moe-grouped-gemm needs Transformer Engine (its grouped GEMM); drop it to run the experts one "
                  "by one (megatron-core's SequentialMLP)")
+    if getattr(args, "gemma4_moe", False):
+        _refuse(rules.gemma4_moe_problem(
+            getattr(args, "num_experts", None),
+            rules.moe_layer_pattern(args.moe_layer_freq, args.num_layers) if getattr(args, "num_experts", None) else (),
+            args.moe_shared_expert_intermediate_size, args.swiglu, args.moe_router_score_function,
+            bool(getattr(args, "moe_router_pre_softmax", False))))
     kind = positions.position_embedding_type(args)
     _require(kind in (positions.ROPE, positions.YARN),
              f"--position-embedding-type {args.position_embedding_type}: BDLM needs rope (or yarn: a token's noisy "

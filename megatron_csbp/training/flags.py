@@ -67,6 +67,11 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "Default: off.")
     group.add_argument("--scale-embeddings", action="store_true",
                        help="Multiply the input embeddings by sqrt(--hidden-size), as Gemma does.")
+    group.add_argument("--gemma4-moe", action="store_true",
+                       help="Gemma 4's MoE block in every layer (DiffusionGemma's): a dense MLP of "
+                            "--moe-shared-expert-intermediate-size beside the routed experts, each branch between its "
+                            "own RMSNorms, the router normalising and scaling its input, a learned per-expert scale "
+                            "on the top-k weights; gated GELU-tanh MLPs.")
     group.add_argument("--bdlm-loss-weighting", choices=rules.LOSS_WEIGHTINGS, default=None,
                        help="Per-block loss weight 1/t (the NELBO) or 1. Default: inverse-t for bd3lm, unit for "
                             "fast-dllm-v2.")
