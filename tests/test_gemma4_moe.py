@@ -14,8 +14,6 @@
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
