@@ -25,6 +25,8 @@ setup(
         # scripts/convert_hf.py (Hugging Face import/export) and, in tests, the reference models.
         "hf": ["transformers>=5.0,<6", "safetensors>=0.4", "tokenizers>=0.21"],
         "gpu": ["transformer-engine[pytorch]"],
+        # Gated DeltaNet layers' delta rule on GPUs (core.kernels.gated_delta; the torch chunked rule elsewhere).
+        "fla": ["flash-linear-attention>=0.5"],
         # What Megatron-LM's `megatron.training` imports beyond megatron-core (Megatron-LM itself is not on
         # PyPI: see the README). triton is not listed: on GPUs it comes with torch, on CPUs it is not needed.
         "megatron-lm": ["six>=1.16", "regex>=2023", "pydantic>=2,<3"],

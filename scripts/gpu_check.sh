@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-GPU readiness check of megatron_csbp (see scripts/gpu_check.py): flex kernels against the dense
-# fp64 reference in fp32 and bf16, kernel TFLOP/s on the BDLM mask against dense causal attention, and
+# fp64 reference in fp32 and bf16, kernel TFLOP/s on the BDLM mask against dense causal attention, the gated
+# delta rule against its fp64 recurrence, and
 # training steps of a ~1B BDLM GPT model. Prints the numbers and writes ${OUT:-.}/gpu_check.json.
 #
 #   scripts/gpu_check.sh [gpu_check.py flags]     e.g.  OUT=runs/gpu scripts/gpu_check.sh

@@ -25,6 +25,7 @@ TINY_CHECK = ["--check-seq-lengths", "64", "--check-block-size", "8", "--check-b
 TINY_BENCH = ["--bench-seq-length", "256", "--bench-block-size", "16", "--bench-heads", "4", "--bench-kv-heads", "2",
               "--bench-head-dim", "16", "--bench-iters", "2"]
 TINY_KERNELS = ["--kernel-seq-lengths", "256", "--kernel-ranks", "2", "--kernel-block-size", "16"]
+TINY_DELTA = ["--delta-tokens", "80", "--delta-heads", "2", "--delta-key-dim", "16", "--delta-value-dim", "8"]
 TINY_TRAIN = ["--train-layers", "2", "--train-hidden-size", "64", "--train-heads", "4", "--train-query-groups", "2",
               "--train-ffn-hidden-size", "128", "--train-vocab-size", "128", "--train-seq-length", "64",
               "--train-block-size", "8", "--train-steps", "2", "--train-spec", "local"]
@@ -68,7 +69,7 @@ def test_defaults_are_the_single_gpu_check_and_bad_flags_are_refused(monkeypatch
     monkeypatch.setenv("OUT", str(tmp_path))
     args = gpu_check.parse_args([])
     assert args.json == str(tmp_path / "gpu_check.json")
-    assert args.sections == ["correctness", "throughput", "kernels", "train"] and args.check_dtypes == ["fp32", "bf16"]
+    assert args.sections == ["correctness", "throughput", "kernels", "gated-delta", "train"] and args.check_dtypes == ["fp32", "bf16"]
     assert args.kernel_seq_lengths == [32768, 65536, 131072] and args.kernel_ranks == 8
     assert args.check_seq_lengths == [1024, 4096] and args.check_block_size == 64
     assert (args.bench_seq_length, args.bench_heads, args.bench_kv_heads, args.bench_head_dim) == (32768, 32, 8, 128)
@@ -175,14 +176,19 @@ def test_shell_script_bounds_the_run_with_a_timeout(tmp_path):
 @needs_no_accelerator
 def test_every_section_runs_on_the_cpu_through_the_shell_script(tmp_path):
     out_dir = tmp_path / "out"
-    result = _run([str(SHELL), "--allow-cpu"] + TINY_CHECK + TINY_BENCH + TINY_KERNELS + TINY_TRAIN + FP32, out_dir)
+    result = _run([str(SHELL), "--allow-cpu"] + TINY_CHECK + TINY_BENCH + TINY_KERNELS + TINY_DELTA + TINY_TRAIN + FP32,
+                  out_dir)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "gpu_check summary" in result.stdout and "overall: PASSED" in result.stdout
     summary = json.loads((out_dir / "gpu_check.json").read_text())
     assert summary["complete"] and summary["passed"] and summary["device"] == "cpu"
     sections = summary["sections"]
-    assert list(sections) == ["correctness", "throughput", "kernels", "train"]
+    assert list(sections) == ["correctness", "throughput", "kernels", "gated-delta", "train"]
     assert all(s["status"] == "passed" and s["error"] is None and s["elapsed_s"] > 0 for s in sections.values())
+    (delta,) = sections["gated-delta"]["records"]
+    assert delta["kernel"] == "torch" and delta["tokens"] == 80  # fla runs only on a GPU
+    assert set(delta["errors"]) == {"out", "state", "dq", "dk", "dv", "dg", "dbeta", "dinitial_state"}
+    assert max(delta["errors"].values()) <= 1e-5 and delta["negative_control_error"] > 0.1
 
     by_mode = {mode: [r for r in sections["correctness"]["records"] if r["mode"] == mode] for mode in ("csbp", "cp")}
     assert [len(cases) for cases in by_mode.values()] == [3, 3]  # CSBP's two kernels and cp's one masked call
@@ -246,3 +252,15 @@ def test_a_failing_section_is_reported_while_the_others_run(tmp_path):
     assert train["status"] == "failed" and "--train-spec te" in train["error"] and "Traceback" in train["error"]
     assert throughput["status"] == "passed" and len(throughput["records"]) == 2
     assert "[FAILED] train" in result.stdout and "overall: FAILED" in result.stdout
+
+
+def test_the_gated_delta_check_fails_a_rule_that_drops_the_initial_state(monkeypatch, tmp_path):
+    """The section's own negative control: a delta rule that ignores the state it is handed must fail it."""
+    from megatron_csbp.core.kernels import gated_delta
+
+    rule = gated_delta.chunk_rule
+    monkeypatch.setattr(gated_delta, "chunk_rule", lambda *a, initial_state=None, **k: rule(*a, **k))
+    summary_path = tmp_path / "gpu_check.json"
+    assert gpu_check.main(["--allow-cpu", "--sections", "gated-delta", "--json", str(summary_path)] + TINY_DELTA) == 1
+    (record,) = json.loads(summary_path.read_text())["sections"]["gated-delta"]["records"]
+    assert not record["passed"] and record["errors"]["out"] > 1e-2

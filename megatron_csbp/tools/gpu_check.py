@@ -14,6 +14,10 @@
   and cp-traffic's; forward and backward seconds and rates in real pairs/s per kernel family, the figures
   the planner's per-kernel rates calibrate on (pairs per head and sample from `ParallelMode.kernel_calls`,
   computed pairs at flex's 128 tile).
+* gated-delta: the gated delta rule of Gated DeltaNet layers (`core.kernels.gated_delta.chunk_rule`: `fla`'s
+  `chunk_gated_delta_rule` on a GPU where the `fla` extra is installed, else the torch chunked rule) against the
+  token-by-token recurrence in fp64, output, final state and every input's gradient (the initial state's
+  included), fp32 as the trainer runs it; dropping the initial state is the negative control.
 * train: a few AdamW steps of a ~1B-parameter BDLM GPT model on one rank (the Transformer Engine spec
   when it imports): tokens/s, exact BDLM TFLOP/s (`flops.bdlm_step_flops`) and peak memory.
 
@@ -45,7 +49,7 @@ from megatron_csbp.core.device import default_device
 from megatron_csbp.core.model_shape import ModelShape
 from megatron_csbp.core.run_config import RunConfig
 
-SECTIONS = ("correctness", "throughput", "kernels", "train")
+SECTIONS = ("correctness", "throughput", "kernels", "gated-delta", "train")
 CHECKED_MODES = (modes.CSBP, modes.CP)  # CSBP's two kernels and the field's CP's one masked call, on one rank
 KERNEL_MODES = (modes.CSBP, modes.CP, modes.CP_TRAFFIC)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -106,6 +110,11 @@ def parse_args(argv=None):
     kernels.add_argument("--kernel-seq-lengths", default="32768,65536,131072", help="clean lengths L, comma-separated")
     kernels.add_argument("--kernel-ranks", type=int, default=8, help="P whose rank-0 work is timed (C = P)")
     kernels.add_argument("--kernel-block-size", type=int, default=64)
+    delta = parser.add_argument_group("gated-delta (fp32, the correctness section's --fp32-tolerance)")
+    delta.add_argument("--delta-tokens", type=int, default=320, help="tokens (not a multiple of the 64-token chunk)")
+    delta.add_argument("--delta-heads", type=int, default=4)
+    delta.add_argument("--delta-key-dim", type=int, default=64)
+    delta.add_argument("--delta-value-dim", type=int, default=128)
     train = parser.add_argument_group("train")
     train.add_argument("--train-layers", type=int, default=16)
     train.add_argument("--train-hidden-size", type=int, default=2048)
@@ -642,9 +651,81 @@ def _train_line(r):
             f"peak {peak}, first step {r['first_step_s']:.1f} s")
 
 
-SECTION_RUNNERS = {"correctness": correctness, "throughput": throughput, "kernels": kernels, "train": train}
+def delta_recurrence(q, k, v, g, beta, initial_state):
+    """The gated delta rule token by token, in fp64 (`core.kernels.gated_delta`'s definition, not its chunked
+    form): `S_t = γ_t (I - β_t k_t k_tᵀ) S_{t-1} + β_t k_t v_tᵀ`, `o_t = dk^-1/2 · S_tᵀ q_t`."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    state, outputs = initial_state.double(), []
+    for t in range(q.shape[1]):
+        kt, vt = k[:, t], v[:, t]  # [b, H, d]
+        state = state * g[:, t].exp()[..., None, None]
+        correction = vt - torch.einsum("bhkv,bhk->bhv", state, kt)
+        state = state + torch.einsum("bhk,bhv->bhkv", beta[:, t, :, None] * kt, correction)
+        outputs.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]) * q.shape[-1] ** -0.5)
+    return torch.stack(outputs, 1), state
+
+
+def gated_delta_case(args, device):
+    """`chunk_rule` on this device against `delta_recurrence`: output, final state, gradients of all six inputs,
+    in fp32 (the trainer's Gated DeltaNet core feeds the rule fp32)."""
+    from megatron_csbp.core.kernels import gated_delta
+
+    tolerance = args.fp32_tolerance
+    generator = torch.Generator().manual_seed(7)
+    batch, tokens, heads, dk, dv = 1, args.delta_tokens, args.delta_heads, args.delta_key_dim, args.delta_value_dim
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=generator)
+    q, k = (gated_delta.l2norm(draw(batch, tokens, heads, dk)) for _ in range(2))
+    inputs = dict(q=q, k=k, v=draw(batch, tokens, heads, dv),
+                  g=torch.nn.functional.logsigmoid(draw(batch, tokens, heads) + 3),  # decays near 1, as trained
+                  beta=torch.sigmoid(draw(batch, tokens, heads)), initial_state=draw(batch, heads, dk, dv))
+    out_grad, state_grad = draw(batch, tokens, heads, dv), draw(batch, heads, dk, dv)
+    mine = {name: x.to(device).clone().requires_grad_() for name, x in inputs.items()}
+    kernel = "fla" if gated_delta.fla_rule() is not None and mine["q"].is_cuda else "torch"
+    precision = ieee_fp32() if device.type != "cpu" else contextlib.nullcontext()
+    with precision:
+        out, state = gated_delta.chunk_rule(**mine)
+        ((out.float() * out_grad.to(device)).sum() + (state * state_grad.to(device)).sum()).backward()
+    _sync(device)
+    theirs = {name: x.to(device, torch.float64).requires_grad_() for name, x in inputs.items()}
+    reference_out, reference_state = delta_recurrence(**theirs)
+    ((reference_out * out_grad.to(device).double()).sum()
+     + (reference_state * state_grad.to(device).double()).sum()).backward()
+    errors = {"out": relative_error(out.detach(), reference_out.detach()),
+              "state": relative_error(state.detach(), reference_state.detach())}
+    errors.update({f"d{name}": math.inf if mine[name].grad is None  # an input the rule did not use
+                   else relative_error(mine[name].grad, theirs[name].grad) for name in inputs})
+    with torch.no_grad(), precision:
+        dropped, _ = gated_delta.chunk_rule(**{**{n: x.detach() for n, x in mine.items()}, "initial_state": None})
+    negative = relative_error(dropped, reference_out)
+    passed = all(error <= tolerance for error in errors.values()) and negative >= NEGATIVE_CONTROL_FACTOR * tolerance
+    return dict(kernel=kernel, dtype="fp32", tokens=tokens, heads=heads, key_dim=dk, value_dim=dv, errors=errors,
+                tolerance=tolerance, negative_control_error=negative, passed=passed)
+
+
+def gated_delta(args, device, records):
+    case = dict(kernel="?", dtype="fp32")
+    try:
+        case = gated_delta_case(args, device)
+    except Exception:
+        case.update(passed=False, error=traceback.format_exc())
+    records.append(case)
+    print(_gated_delta_line(case), flush=True)
+
+
+def _gated_delta_line(r):
+    if "error" in r:
+        return f"gated delta {r['kernel']} {r['dtype']}: ERROR {r['error'].strip().splitlines()[-1]}"
+    errors = " ".join(f"{name} {value:.1e}" for name, value in r["errors"].items())
+    return (f"gated delta ({r['kernel']}) {r['dtype']} T={r['tokens']} H={r['heads']} dk={r['key_dim']} "
+            f"dv={r['value_dim']}: {errors} (tol {r['tolerance']:.0e}); no initial state {r['negative_control_error']:.2f}")
+
+
+SECTION_RUNNERS = {"correctness": correctness, "throughput": throughput, "kernels": kernels,
+                   "gated-delta": gated_delta, "train": train}
 SUMMARY_LINES = {"correctness": _correctness_line, "throughput": _throughput_line, "kernels": _kernel_line,
-                 "train": _train_line}
+                 "gated-delta": _gated_delta_line, "train": _train_line}
 
 
 def environment(device):
