@@ -30,6 +30,43 @@ class MoEShape:
     gemma4: bool = False
 
 
+@dataclasses.dataclass(frozen=True)
+class Gemma4AttentionShape:
+    """Gemma 4's attention (`--gemma4-attention`, DiffusionGemma's): every layer normalises its values (an RMSNorm
+    without weight) and takes softmax scale 1 (its query and key norms set the scale), normalises the attention's
+    output before the residual (a sandwich norm) and multiplies the layer's output by a fixed `layer_scalar`. The
+    global layers (those the window pattern leaves without a window) have a shape of their own: head size
+    `global_kv_channels`, `global_query_groups` K/V heads, the key projection doubling as the value (K = V), and
+    proportional RoPE (base `global_rotary_base`, the first `global_rotary_fraction` of each half of the head
+    rotated at the frequencies of the whole head, the rest left unrotated). Sliding layers keep the model's head
+    shape and plain RoPE at `--rotary-base`."""
+
+    global_kv_channels: int
+    global_query_groups: int
+    global_rotary_base: float = 1_000_000.0
+    global_rotary_fraction: float = 0.25
+
+    def problem(self, num_attention_heads: int, tensor_parallel: int = 1,
+                tensor_parallel_flag: str = rules.FLAGS.tensor_parallel) -> str | None:
+        """The first size Gemma 4's global layers cannot take (one line naming the flag), or None."""
+        problem = (rules.at_least("--global-kv-channels", self.global_kv_channels)
+                   or rules.at_least("--global-num-query-groups", self.global_query_groups))
+        if problem:
+            return problem
+        if num_attention_heads % self.global_query_groups:
+            return (f"--global-num-query-groups {self.global_query_groups} does not divide --num-attention-heads "
+                    f"{num_attention_heads}: each K/V head of a global layer serves the same number of query heads")
+        if self.global_query_groups % tensor_parallel:
+            return (f"{tensor_parallel_flag} {tensor_parallel} does not divide --global-num-query-groups "
+                    f"{self.global_query_groups}: each TP rank holds whole K/V heads of the global layers")
+        if not 0 < self.global_rotary_fraction <= 1:
+            return (f"--global-rotary-percent {self.global_rotary_fraction} must be in (0, 1]: the share of each "
+                    f"global head's frequencies that rotate")
+        if not self.global_rotary_base > 0:
+            return f"--global-rotary-base {self.global_rotary_base} must be > 0"
+        return None
+
+
 GATED_DELTA_NET = "gated_delta_net"  # megatron-core's --experimental-attention-variant of Gated DeltaNet layers
 VARIANT_FLAG, FREQ_FLAG = "--experimental-attention-variant", "--linear-attention-freq"
 
@@ -123,6 +160,7 @@ class ModelShape:
     linear: LinearAttentionShape | None = None  # Gated DeltaNet layers (a hybrid model), None: none
     attention_output_gate: bool = False  # a sigmoid gate on each full-attention layer's output (Qwen3.5's)
     layernorm_1p: bool = False  # every norm's weight scales by 1 + w (--apply-layernorm-1p; RMSNorm only)
+    gemma4_attention: Gemma4AttentionShape | None = None  # Gemma 4's attention block (None: Megatron's)
     flags: rules.Flags = dataclasses.field(default=rules.FLAGS, compare=False, repr=False)  # names in messages
 
     def __post_init__(self):
@@ -150,7 +188,8 @@ class ModelShape:
             return ("--apply-layernorm-1p is taken with --normalization RMSNorm only (the zero-centred RMSNorm of "
                     "Qwen3.5): give --normalization RMSNorm, or drop --apply-layernorm-1p")
         return (rules.query_groups_problem(heads, groups, f)
-                or (None if self.kv_channels else rules.kv_channels_problem(self.hidden_size, heads, f)))
+                or (None if self.kv_channels else rules.kv_channels_problem(self.hidden_size, heads, f))
+                or (self.gemma4_attention.problem(heads) if self.gemma4_attention is not None else None))
 
     @property
     def num_moe_layers(self) -> int:

@@ -20,7 +20,7 @@ import dataclasses
 
 from megatron_csbp.core import modes, objectives, rules, transports, windows
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS, CleanAttention
-from megatron_csbp.core.model_shape import LinearAttentionShape, ModelShape, MoEShape
+from megatron_csbp.core.model_shape import Gemma4AttentionShape, LinearAttentionShape, ModelShape, MoEShape
 from megatron_csbp.core.positions import RotaryPositions
 from megatron_csbp.core.schedule import CLEAN_LAYOUTS, DUAL_END, SCHEDULES, ZIGZAG, BlockSchedule, CleanLayout
 
@@ -129,7 +129,9 @@ class RunConfig:
                    or (f"--final-logit-softcapping {self.final_logit_softcapping} must be > 0 (omit it: no cap)"
                        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0 else None)
                    or windows.window_size_problem(self.window_size, self.window_attn_skip_freq, shape.num_layers)
-                   or self._linear_attention_problem())
+                   or self._linear_attention_problem()
+                   or (shape.gemma4_attention.problem(shape.num_attention_heads, TP, f.tensor_parallel)
+                       if shape.gemma4_attention is not None else None))
         if problem or self.global_batch_size is None:
             return problem
         return rules.batch_problem(self.global_batch_size, self.micro_batch_size, world // (TP * PP * P), f)
@@ -162,6 +164,10 @@ class RunConfig:
             getattr(args, "experimental_attention_variant", None), getattr(args, "linear_attention_freq", None),
             args.num_layers, **{name: getattr(args, "linear_" + name) for name in LINEAR_SIZES
                                 if getattr(args, "linear_" + name, None) is not None})
+        gemma4_attention = Gemma4AttentionShape(
+            args.global_kv_channels or args.kv_channels or args.hidden_size // heads,
+            args.global_num_query_groups or groups, args.global_rotary_base, args.global_rotary_percent,
+        ) if getattr(args, "gemma4_attention", False) else None  # checkpoints recorded before the flag hold none
         shape = ModelShape(
             num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
             num_query_groups=groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
@@ -169,7 +175,7 @@ class RunConfig:
             add_bias_linear=args.add_bias_linear,
             layernorm_bias=args.normalization == "LayerNorm", untied_output=args.untie_embeddings_and_output_weights,
             moe=moe, linear=linear, attention_output_gate=bool(getattr(args, "attention_output_gate", False)),
-            layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)))
+            layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)), gemma4_attention=gemma4_attention)
         return cls(
             shape=shape, seq_length=args.seq_length, block_size=args.bdlm_block_size,
             positions=RotaryPositions.from_args(args),

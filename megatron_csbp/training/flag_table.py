@@ -149,6 +149,7 @@ _classify(Honoured(), """
     --context-block-parallel --context-block-parallel-clean-shards --bdlm-block-size --bdlm-objective
     --bdlm-clean-attention --bdlm-diffusion-loss-weight --bdlm-ar-loss-weight --bdlm-loss-weighting
     --bdlm-self-conditioning-probability --final-logit-softcapping --scale-embeddings --gemma4-moe
+    --gemma4-attention --global-kv-channels --global-num-query-groups --global-rotary-base --global-rotary-percent
     --bdlm-noise-range --bdlm-noise-sampling --bdlm-parallel-mode --csbp-transport --link-gbps --link-latency-us
     --csbp-block-schedule --csbp-clean-layout --bdlm-mask-token-id --max-consecutive-bad-steps --config
     --training-loop""")

@@ -72,6 +72,20 @@ def add_csbp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "--moe-shared-expert-intermediate-size beside the routed experts, each branch between its "
                             "own RMSNorms, the router normalising and scaling its input, a learned per-expert scale "
                             "on the top-k weights; gated GELU-tanh MLPs.")
+    group.add_argument("--gemma4-attention", action="store_true",
+                       help="Gemma 4's attention (DiffusionGemma's): query, key and weightless value norms, softmax "
+                            "scale 1, a norm of the attention's output before the residual, a fixed per-layer output "
+                            "scalar; global layers (those without a window) with their own head size and K/V heads, "
+                            "the key doubling as the value, and proportional RoPE.")
+    group.add_argument("--global-kv-channels", type=int, default=None, metavar="D",
+                       help="With --gemma4-attention: the global layers' head size. Default: --kv-channels.")
+    group.add_argument("--global-num-query-groups", type=int, default=None, metavar="G",
+                       help="With --gemma4-attention: the global layers' K/V heads. Default: --num-query-groups.")
+    group.add_argument("--global-rotary-base", type=float, default=1_000_000.0, metavar="BASE",
+                       help="With --gemma4-attention: the global layers' RoPE base.")
+    group.add_argument("--global-rotary-percent", type=float, default=0.25, metavar="FRACTION",
+                       help="With --gemma4-attention: the share of a global head's frequencies that rotate "
+                            "(proportional RoPE: at the whole head's frequencies, the rest unrotated).")
     group.add_argument("--bdlm-loss-weighting", choices=rules.LOSS_WEIGHTINGS, default=None,
                        help="Per-block loss weight 1/t (the NELBO) or 1. Default: inverse-t for bd3lm, unit for "
                             "fast-dllm-v2.")
