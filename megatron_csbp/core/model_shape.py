@@ -189,7 +189,10 @@ class ModelShape:
                     "Qwen3.5): give --normalization RMSNorm, or drop --apply-layernorm-1p")
         return (rules.query_groups_problem(heads, groups, f)
                 or (None if self.kv_channels else rules.kv_channels_problem(self.hidden_size, heads, f))
-                or (self.gemma4_attention.problem(heads) if self.gemma4_attention is not None else None))
+                or (self.gemma4_attention.problem(heads) if self.gemma4_attention is not None else None)
+                or ("--gemma4-attention builds DiffusionGemma's layers, whose feed-forward block is Gemma 4's: add "
+                    "--gemma4-moe" if self.gemma4_attention is not None and not (self.moe and self.moe.gemma4)
+                    else None))
 
     @property
     def num_moe_layers(self) -> int:

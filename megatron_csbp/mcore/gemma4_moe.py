@@ -99,6 +99,11 @@ def get_gemma4_block_spec(config, use_transformer_engine: bool = False, context=
     rewired = {}  # one Gemma 4 copy per distinct layer spec
     for spec in block.layer_specs:
         rewired.setdefault(id(spec), gemma4_layer_spec(spec))
+    if getattr(config, "gemma4_attention", None) is not None:
+        from megatron_csbp.mcore import gemma4_attention
+
+        rules.refuse(gemma4_attention.config_problem(config), ValueError)
+        rewired = {key: gemma4_attention.gemma4_attention_layer_spec(spec) for key, spec in rewired.items()}
     return TransformerBlockSubmodules(layer_specs=[rewired[id(spec)] for spec in block.layer_specs],
                                       layer_norm=block.layer_norm)
 

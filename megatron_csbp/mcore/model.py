@@ -43,7 +43,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_csbp.core import transports
 from megatron_csbp.core.model_shape import GATED_DELTA_NET
 from megatron_csbp.core.positions import ROUNDING, YARN_FLAGS, RotaryPositions
-from megatron_csbp.mcore import gemma4_moe, spec as csbp_spec
+from megatron_csbp.mcore import gemma4_attention, gemma4_moe, spec as csbp_spec
 from megatron_csbp.mcore.linear_cross_entropy import softcapped, tiled_linear_cross_entropy, tiled_soft_embeddings
 from megatron_csbp.mcore.self_conditioning import SelfConditioning
 from megatron_csbp.core.rules import ConfigError, refused_features
@@ -119,11 +119,23 @@ def set_shape_config(config, shape) -> None:
     config.experimental_attention_variant = None if linear is None else GATED_DELTA_NET
     config.linear_attention_freq = None if linear is None else list(linear.pattern)
     config.gemma4_moe = shape.moe is not None and shape.moe.gemma4
+    config.gemma4_attention = shape.gemma4_attention
+    if config.gemma4_attention is not None:  # its query and key norms set the scores' scale (`gemma4_attention`)
+        config.qk_layernorm, config.softmax_scale = True, 1.0
     if config.gemma4_moe:  # Gemma 4's MLPs, dense and experts: gated GELU-tanh
         config.gated_linear_unit, config.activation_func = True, gemma4_moe.gelu_tanh
     if linear is not None:
         for name in ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads"):
             setattr(config, "linear_" + name, getattr(linear, name))
+
+
+def _global_inverse_frequencies(config):
+    """Gemma 4's global layers' RoPE frequencies (`gemma4_attention`), or None."""
+    shape = getattr(config, "gemma4_attention", None)
+    if shape is None:
+        return None
+    return gemma4_attention.proportional_inverse_frequencies(shape.global_kv_channels, shape.global_rotary_base,
+                                                             shape.global_rotary_fraction)
 
 
 def query_scales(positions: RotaryPositions, position_ids):
@@ -139,16 +151,21 @@ class PositionTableRotaryEmbedding(torch.nn.Module):
     sliced by CP rank: `BDLMGPTModel` indexes it with the batch's `position_ids`. YaRN's table comes with its
     concentration factor, as megatron-core's does (the attention reads that off the config)."""
 
-    def __init__(self, rotary, seq_length: int):
+    def __init__(self, rotary, seq_length: int, global_inverse_frequencies=None):
         super().__init__()
         self.rotary = rotary
         self.seq_length = seq_length  # known here, so forward never syncs with the device
+        self.global_inverse_frequencies = global_inverse_frequencies  # Gemma 4's global layers' (None: one table)
 
     def get_rotary_seq_len(self, *args, **kwargs) -> int:
         return self.seq_length
 
     def forward(self, *args, **kwargs):
-        return self.rotary.get_emb(self.seq_length)  # [positions, 1, 1, dim] (YaRN: and its factor)
+        table = self.rotary.get_emb(self.seq_length)  # [positions, 1, 1, dim] (YaRN: and its factor)
+        if self.global_inverse_frequencies is None:
+            return table
+        global_table = gemma4_attention.rotary_table(self.global_inverse_frequencies, self.seq_length)
+        return torch.cat([table, global_table.to(table)], dim=-1)  # side by side: each layer takes its own
 
 
 class BDLMGPTModel(GPTModel):
@@ -171,6 +188,11 @@ class BDLMGPTModel(GPTModel):
             raise ValueError(f"--position-embedding-type={position_embedding_type} is not supported by "
                              f"BDLM with these positions: use {positions.embedding_type}")
         set_rotary_config(config, positions)
+        if getattr(config, "gemma4_attention", None) is not None and (
+                positions.yarn is not None or positions.query_scaling is not None
+                or kwargs.get("rotary_percent", 1.0) != 1.0):
+            raise ConfigError("--gemma4-attention takes plain RoPE on sliding layers and proportional RoPE on global "
+                              "ones: drop YaRN, the query scaling and --rotary-percent")
         super().__init__(config, transformer_layer_spec, vocab_size, *args, **kwargs)
         self.positions = positions
         self.layout = layout
@@ -187,7 +209,8 @@ class BDLMGPTModel(GPTModel):
         self._predictable = None  # this TP rank's unpredictable columns, made on the first forward
         self.padded_rows = padded_row_count(layout, self.config)
         if self.position_embedding_type == positions.embedding_type:
-            self.rotary_pos_emb = PositionTableRotaryEmbedding(self.rotary_pos_emb, layout.seq_length)
+            self.rotary_pos_emb = PositionTableRotaryEmbedding(self.rotary_pos_emb, layout.seq_length,
+                                                               _global_inverse_frequencies(config))
 
     def _pad_rows(self, ids):
         if ids is None or ids.shape[1] == self.padded_rows:
