@@ -109,6 +109,9 @@ SHOWN_BY = {
         "--bdlm-self-conditioning-probability --final-logit-softcapping --scale-embeddings",
     "tests/test_gemma4_moe.py::test_the_flag_refuses_in_one_line_exit_2_and_reaches_the_model_config":
         "--gemma4-moe",
+    "tests/test_gemma4_attention.py::test_the_flags_refuse_in_one_line_exit_2_and_reach_the_model_config":
+        "--gemma4-attention --global-kv-channels --global-num-query-groups --global-rotary-base "
+        "--global-rotary-percent",
     "tests/test_linear_cross_entropy.py::test_the_fusion_flags_train_and_validate_as_the_whole_head":
         "--cross-entropy-loss-fusion --cross-entropy-fusion-impl --cross-entropy-tile-rows",
 }

@@ -240,3 +240,55 @@ def test_logits_per_block_equal_transformers_with_and_without_self_conditioning(
             wrong = _worst_block_error(per_rank, control, reference)
             print(f"control '{control}': {wrong:.2e}")
             assert wrong > 100 * TOLERANCE, (control, wrong)
+
+
+REFUSALS = [
+    ([flag for flag in FLAGS if flag != "--gemma4-moe"] + GEMMA4,
+     "--gemma4-attention builds DiffusionGemma's layers, whose feed-forward block is Gemma 4's: add --gemma4-moe"),
+    (FLAGS + GEMMA4 + ["--global-num-query-groups", "3"],
+     "--global-num-query-groups 3 does not divide --num-attention-heads 4: each K/V head of a global layer serves the "
+     "same number of query heads"),
+    (FLAGS + GEMMA4 + ["--global-rotary-percent", "0"],
+     "--global-rotary-percent 0.0 must be in (0, 1]: the share of each global head's frequencies that rotate"),
+    (FLAGS + GEMMA4 + ["--global-kv-channels", "0"], "--global-kv-channels must be >= 1; got 0"),
+    (FLAGS + GEMMA4 + ["--position-embedding-type", "yarn", "--yarn-rotary-scaling-factor", "4",
+                        "--yarn-original-max-position-embeddings", "16"],
+     "--gemma4-attention takes plain RoPE on sliding layers and proportional RoPE on global ones: drop "
+     "--position-embedding-type yarn and --llama-4-scaling-beta"),
+]
+
+
+def test_the_flags_refuse_in_one_line_exit_2_and_reach_the_model_config(tmp_path, capsys):
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.core.run_config import RunConfig
+    from megatron_csbp.mcore.model import set_shape_config
+    from megatron_csbp.training import pretrain
+    from megatron_csbp.training.arguments import validate_args
+    from megatron_csbp.training.flags import build_parser
+
+    prefix = tmp_path / "corpus"
+    for suffix in (".bin", ".idx"):
+        (tmp_path / ("corpus" + suffix)).write_bytes(b"")
+    flags = lambda given: [str(prefix) if value == "unused" else value for value in given]  # noqa: E731
+    for given, message in REFUSALS:
+        assert pretrain.main(flags(given)) == 2, given
+        captured = capsys.readouterr()
+        assert captured.err.strip().splitlines() == [f"pretrain_bdlm.py: error: {message}"], given
+    # control: the recipe passes; the shape holds the global layers' sizes; the model's config gets them
+    args = validate_args(build_parser().parse_args(flags(FLAGS + GEMMA4 + ["--global-rotary-base", "5e5"])), 1,
+                         on_accelerator=False)
+    shape = RunConfig.from_args(args).shape.gemma4_attention
+    assert (shape.global_kv_channels, shape.global_query_groups, shape.global_rotary_base,
+            shape.global_rotary_fraction) == (GLOBAL_HEAD, GLOBAL_GROUPS, 5e5, 0.25)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4)
+    set_shape_config(config, RunConfig.from_args(args).shape)
+    assert config.gemma4_attention == shape and config.qk_layernorm and config.softmax_scale == 1.0
+    args.tensor_model_parallel_size = 2  # on two ranks, one K/V head cannot be split
+    with pytest.raises(ConfigError) as refused:
+        RunConfig.from_args(args, world_size=2)
+    assert str(refused.value) == ("--tensor-model-parallel-size 2 does not divide --global-num-query-groups 1: each TP "
+                                  "rank holds whole K/V heads of the global layers")
+    without = validate_args(build_parser().parse_args(flags(FLAGS)), 1, on_accelerator=False)
+    assert RunConfig.from_args(without).shape.gemma4_attention is None  # control: the flag is what turns it on

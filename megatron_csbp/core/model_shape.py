@@ -189,10 +189,14 @@ class ModelShape:
                     "Qwen3.5): give --normalization RMSNorm, or drop --apply-layernorm-1p")
         return (rules.query_groups_problem(heads, groups, f)
                 or (None if self.kv_channels else rules.kv_channels_problem(self.hidden_size, heads, f))
-                or (self.gemma4_attention.problem(heads) if self.gemma4_attention is not None else None)
-                or ("--gemma4-attention builds DiffusionGemma's layers, whose feed-forward block is Gemma 4's: add "
-                    "--gemma4-moe" if self.gemma4_attention is not None and not (self.moe and self.moe.gemma4)
-                    else None))
+                or (self._gemma4_attention_problem() if self.gemma4_attention is not None else None))
+
+    def _gemma4_attention_problem(self) -> str | None:
+        if not (self.moe and self.moe.gemma4):
+            return "--gemma4-attention builds DiffusionGemma's layers, whose feed-forward block is Gemma 4's: add --gemma4-moe"
+        if self.add_bias_linear:
+            return "--gemma4-attention's projections have no biases: give --disable-bias-linear"
+        return self.gemma4_attention.problem(self.num_attention_heads)
 
     @property
     def num_moe_layers(self) -> int:

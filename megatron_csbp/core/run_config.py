@@ -130,11 +130,18 @@ class RunConfig:
                        if self.final_logit_softcapping is not None and not self.final_logit_softcapping > 0 else None)
                    or windows.window_size_problem(self.window_size, self.window_attn_skip_freq, shape.num_layers)
                    or self._linear_attention_problem()
-                   or (shape.gemma4_attention.problem(shape.num_attention_heads, TP, f.tensor_parallel)
-                       if shape.gemma4_attention is not None else None))
+                   or (self._gemma4_attention_problem() if shape.gemma4_attention is not None else None))
         if problem or self.global_batch_size is None:
             return problem
         return rules.batch_problem(self.global_batch_size, self.micro_batch_size, world // (TP * PP * P), f)
+
+    def _gemma4_attention_problem(self) -> str | None:
+        """What Gemma 4's attention cannot take of this run (one line), or None."""
+        if self.positions.yarn is not None or self.positions.query_scaling is not None:
+            return ("--gemma4-attention takes plain RoPE on sliding layers and proportional RoPE on global ones: drop "
+                    "--position-embedding-type yarn and --llama-4-scaling-beta")
+        return self.shape.gemma4_attention.problem(self.shape.num_attention_heads, self.tensor_parallel_size,
+                                                   self.flags.tensor_parallel)
 
     def _linear_attention_problem(self) -> str | None:
         """What Gated DeltaNet layers cannot do of this run (one line), or None."""
@@ -165,8 +172,9 @@ class RunConfig:
             args.num_layers, **{name: getattr(args, "linear_" + name) for name in LINEAR_SIZES
                                 if getattr(args, "linear_" + name, None) is not None})
         gemma4_attention = Gemma4AttentionShape(
-            args.global_kv_channels or args.kv_channels or args.hidden_size // heads,
-            args.global_num_query_groups or groups, args.global_rotary_base, args.global_rotary_percent,
+            args.kv_channels or args.hidden_size // heads if args.global_kv_channels is None else args.global_kv_channels,
+            groups if args.global_num_query_groups is None else args.global_num_query_groups,
+            args.global_rotary_base, args.global_rotary_percent,
         ) if getattr(args, "gemma4_attention", False) else None  # checkpoints recorded before the flag hold none
         shape = ModelShape(
             num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
