@@ -16,8 +16,6 @@ Block 0 has no clean prefix, and transformers' decoder reads its context from th
 least one token: it is compared on every other block.
 """
 
-import os
-
 import pytest
 import torch
 
@@ -37,7 +35,8 @@ FLAGS = [
     "--train-iters", "1", "--lr", "0", "--bdlm-block-size", str(BLOCK), "--eval-iters", "0",
     "--training-loop", "megatron-core", "--disable-bias-linear", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6",
     "--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", str(EXPERT_FFN),
-    "--moe-shared-expert-intermediate-size", str(DENSE_FFN), "--moe-router-load-balancing-type", "none", "--gemma4-moe",
+    "--moe-shared-expert-intermediate-size", str(DENSE_FFN), "--moe-router-load-balancing-type", "none",
+    "--gemma4-moe",
     "--window-size", f"{WINDOW - 1},0",
     "--window-attn-skip-freq", "[" + ",".join("1" if kind == "sliding_attention" else "0" for kind in LAYER_TYPES) + "]",
     "--position-embedding-type", "rope", "--rotary-base", "10000", "--bdlm-objective", "diffusion-gemma",

@@ -6,9 +6,9 @@ candidate layout — and checked in `__post_init__` by the rules (`core.rules`),
 planner proposes is one the trainer accepts and a refusal reads the same wherever it is met. It holds the
 variants themselves (the parallel mode, the objective, the transport, the block schedule, the clean layout,
 the clean-attention rule: objects stating their own facts, `core.variants`), the model's shape
-(`core.model_shape.ModelShape`) and its RoPE variant (`core.positions.RotaryPositions`). What the flags leave to defaults (the clean shards `C`, the loss weighting,
-the sizes, the ETP, the global batch) it resolves once; nothing downstream re-derives them. The block-parallel
-size `P` and `C` live here; a rank's rows are `layout(rank)`.
+(`core.model_shape.ModelShape`) and its RoPE variant (`core.positions.RotaryPositions`). What the flags leave to
+defaults (the clean shards `C`, the loss weighting, the sizes, the ETP, the global batch) it resolves once;
+nothing downstream re-derives them. The block-parallel size `P` and `C` live here; a rank's rows are `layout(rank)`.
 
 Megatron's own code (Megatron-LM's checkpoints and FLOPs count, our loop's configs) reads some resolved values
 off the parsed arguments: `write_back` writes those, and only those.
@@ -171,8 +171,9 @@ class RunConfig:
             getattr(args, "experimental_attention_variant", None), getattr(args, "linear_attention_freq", None),
             args.num_layers, **{name: getattr(args, "linear_" + name) for name in LINEAR_SIZES
                                 if getattr(args, "linear_" + name, None) is not None})
+        global_kv_channels = args.global_kv_channels
         gemma4_attention = Gemma4AttentionShape(
-            args.kv_channels or args.hidden_size // heads if args.global_kv_channels is None else args.global_kv_channels,
+            args.kv_channels or args.hidden_size // heads if global_kv_channels is None else global_kv_channels,
             groups if args.global_num_query_groups is None else args.global_num_query_groups,
             args.global_rotary_base, args.global_rotary_percent,
         ) if getattr(args, "gemma4_attention", False) else None  # checkpoints recorded before the flag hold none

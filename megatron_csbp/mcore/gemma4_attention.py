@@ -122,7 +122,8 @@ def gemma4_attention_layer_spec(spec):
 def config_problem(config) -> str | None:
     """Why megatron-core's `config` cannot build Gemma 4's attention, or None."""
     if not getattr(config, "gemma4_moe", False):
-        return "--gemma4-attention builds DiffusionGemma's layers, whose feed-forward block is Gemma 4's: add --gemma4-moe"
+        return ("--gemma4-attention builds DiffusionGemma's layers, whose feed-forward block is Gemma 4's: add "
+                "--gemma4-moe")
     if config.add_bias_linear or config.add_qkv_bias:
         return "--gemma4-attention's projections have no biases: give --disable-bias-linear (and drop --add-qkv-bias)"
     if config.fused_single_qkv_rope or config.attention_output_gate:
