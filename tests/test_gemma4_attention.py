@@ -10,15 +10,22 @@ transformers' `DiffusionGemmaForBlockDiffusion`.
   fed to both. On one rank and on CSBP2 (the clean prefix sharded over two ranks, the windowed exchange).
 * Negative controls, each of which must miss: global layers with plain RoPE (not proportional), the value norm off,
   the layer scalar ignored, the global layers' key not reused as the value (a value projection of zeros instead).
+* Layouts: one training step of the whole architecture (Gemma 4's attention and MoE block, sliding and global layers,
+  self-conditioning, softcap, scaled embeddings, the AR co-loss) on CSBP2, EP2 x CSBP2, TP2 x CSBP2 + SP and
+  PP2 x CSBP2 (without self-conditioning, refused beside PP) equals one rank: loss, parts, every gradient. Control:
+  the layer scalars ignored miss.
 * Refusals: the flags it cannot take, in one line, exit 2, before any work.
 
 Block 0 has no clean prefix, and transformers' decoder reads its context from the encoder's cache, which needs at
 least one token: it is compared on every other block.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
+import test_diffusion_gemma as diffusion_gemma
 from spawn import on_cpu_backend, run_ranks
 
 pytest.importorskip("transformers")
@@ -291,3 +298,96 @@ def test_the_flags_refuse_in_one_line_exit_2_and_reach_the_model_config(tmp_path
                                   "rank holds whole K/V heads of the global layers")
     without = validate_args(build_parser().parse_args(flags(FLAGS)), 1, on_accelerator=False)
     assert RunConfig.from_args(without).shape.gemma4_attention is None  # control: the flag is what turns it on
+
+
+# --- one training step of the whole architecture on every layout -------------------------------------------------
+
+STEP_LEFT = 5  # sliding layers see 5 keys before their block (megatron_step's blocks are 4 tokens, its clean chunks 8)
+
+
+def _step_config(topology):
+    """`megatron_step._config` as DiffusionGemma: Gemma 4's MoE block and attention in every layer (global layers
+    of head size 16 with 2 K/V heads, so TP2 splits them), sliding layers 1 and 3 of 4, the load-balancing loss on."""
+    from megatron_csbp.core.model_shape import Gemma4AttentionShape, ModelShape, MoEShape
+    from megatron_csbp.mcore.model import set_shape_config
+    import megatron_step
+
+    config = megatron_step._config(
+        topology, num_moe_experts=EXPERTS, moe_router_topk=TOPK, moe_ffn_hidden_size=EXPERT_FFN, moe_layer_freq=1,
+        moe_shared_expert_intermediate_size=DENSE_FFN, moe_router_load_balancing_type="aux_loss",
+        moe_aux_loss_coeff=1e-2, moe_token_dispatcher_type=topology.dispatcher, moe_router_dtype="fp32",
+        add_bias_linear=False, kv_channels=HEAD, window_size=(STEP_LEFT, 0), window_attn_skip_freq=[1, 0, 1, 0])
+    shape = ModelShape(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=HEAD,
+                       add_bias_linear=False, moe=MoEShape(EXPERTS, TOPK, EXPERT_FFN, 4, DENSE_FFN, gemma4=True),
+                       gemma4_attention=Gemma4AttentionShape(GLOBAL_HEAD, 2))
+    set_shape_config(config, shape)
+    return config
+
+
+def _step(topology, weights):
+    from megatron_step import train_step
+    from megatron_csbp.bdlm.forward_step import BDLMForwardStep
+
+    def drawn_scalars(ddp):  # each layer's scalar away from 1, alike on every layout (a buffer: not in `weights`)
+        for layer in ddp.module.decoder.layers:
+            layer.layer_scalar.fill_(1.0 if topology.scalar_ignored else 0.75 + 0.125 * layer.layer_number)
+
+    objective = diffusion_gemma._objective(topology.self_conditioning)
+    return train_step(topology, weights, diffusion_gemma._build_model, lambda layout: BDLMForwardStep(objective, layout),
+                      diffusion_gemma._batches, diffusion_gemma.MICRO_BATCH, make_config=_step_config,
+                      before_step=drawn_scalars)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRun(diffusion_gemma.MoERun):
+    scalar_ignored: bool = False  # negative control: every layer scalar left at 1
+
+
+def _step_runs():
+    reference = StepRun("one rank", block_parallel=1, clean_shards=1)
+    return {
+        "reference": reference,
+        "reference without self-conditioning": StepRun("one rank, no self-conditioning", block_parallel=1,
+                                                       clean_shards=1, self_conditioning=0.0),
+        2: [StepRun("csbp2", block_parallel=2, clean_shards=2),
+            StepRun("ep2 x csbp2", ep=2, block_parallel=2, clean_shards=2),
+            StepRun("control: csbp2, layer scalars ignored", block_parallel=2, clean_shards=2, scalar_ignored=True)],
+        4: [StepRun("tp2 x csbp2 + sp", tp=2, block_parallel=2, clean_shards=2, sequence_parallel=True),
+            StepRun("pp2 x csbp2, without self-conditioning", pp=2, block_parallel=2, clean_shards=2,
+                    self_conditioning=0.0)],
+    }
+
+
+@pytest.fixture(scope="module")
+def step_references():
+    from megatron_step import run_steps
+
+    runs = _step_runs()
+    with_it = run_ranks(run_steps, 1, _step, [runs["reference"]], None, timeout=300)[0][0]
+    without = run_ranks(run_steps, 1, _step, [runs["reference without self-conditioning"]], with_it["initial"],
+                        timeout=300)[0][0]
+    return {True: with_it, False: without}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_one_step_on_every_layout_equals_one_rank(world, step_references):
+    """The loss, each of its parts (lm, diffusion, ar), the grad norm and every gradient and updated parameter of one
+    step of the whole DiffusionGemma architecture (Gemma 4's attention and MoE block, sliding and global layers,
+    self-conditioning, softcap, scaled embeddings, the AR co-loss) equal the one-rank step. Control: the layer
+    scalars ignored miss."""
+    from megatron_step import run_steps, worst_error
+
+    topologies = _step_runs()[world]
+    results = run_ranks(run_steps, world, _step, topologies, step_references[True]["initial"], timeout=900)
+    for index, topology in enumerate(topologies):
+        reference = step_references[topology.self_conditioning > 0]
+        assert set(reference["losses"]) == {"lm loss", "diffusion loss", "ar loss"}, reference["losses"]
+        per_rank = [results[rank][index] for rank in range(world)]
+        part_error = max(abs(r["losses"][name] - value) / abs(value)
+                         for r in per_rank if r["losses"] for name, value in reference["losses"].items())
+        error = max(worst_error(per_rank, reference, scalars=("grad_norm",)), part_error)
+        print(f"{topology.name}: worst relative error {error:.2e} (loss parts {part_error:.2e})")
+        if topology.name.startswith("control"):
+            assert part_error > 10 * TOLERANCE and error > 1e-3, (topology.name, part_error, error)
+        else:
+            assert error <= TOLERANCE, (topology.name, error)
