@@ -45,7 +45,8 @@ FLAGS = [
     "--moe-shared-expert-intermediate-size", str(DENSE_FFN), "--moe-router-load-balancing-type", "none",
     "--gemma4-moe",
     "--window-size", f"{WINDOW - 1},0",
-    "--window-attn-skip-freq", "[" + ",".join("1" if kind == "sliding_attention" else "0" for kind in LAYER_TYPES) + "]",
+    "--window-attn-skip-freq",
+    "[" + ",".join("1" if kind == "sliding_attention" else "0" for kind in LAYER_TYPES) + "]",
     "--position-embedding-type", "rope", "--rotary-base", "10000", "--bdlm-objective", "diffusion-gemma",
     "--bdlm-clean-attention", "token-causal", "--bdlm-ar-loss-weight", "1", "--final-logit-softcapping", "30",
     "--scale-embeddings", "--vocab-size", str(HF_VOCAB - 1), "--tokenizer-type", "NullTokenizer",
@@ -333,7 +334,8 @@ def _step(topology, weights):
             layer.layer_scalar.fill_(1.0 if topology.scalar_ignored else 0.75 + 0.125 * layer.layer_number)
 
     objective = diffusion_gemma._objective(topology.self_conditioning)
-    return train_step(topology, weights, diffusion_gemma._build_model, lambda layout: BDLMForwardStep(objective, layout),
+    return train_step(topology, weights, diffusion_gemma._build_model,
+                      lambda layout: BDLMForwardStep(objective, layout),
                       diffusion_gemma._batches, diffusion_gemma.MICRO_BATCH, make_config=_step_config,
                       before_step=drawn_scalars)
 
