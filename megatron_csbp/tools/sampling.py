@@ -47,13 +47,18 @@ its commit rule, its nucleus rule and where its confidence comes from. With `S` 
   position unmasks with probability `dt / t_i = 1/(T t_i)`; the last step (t = 0) commits the rest.
 * "first-hitting" (BD3-LM's first-hitting sampler): exactly one uniformly chosen masked position per step
   (our model is not time-conditioned, so the hitting times need not be drawn); needs `S >= block size`.
+* "diffusion-gemma" (transformers' DiffusionGemma, uniform-state models only): no MASK; the block is a canvas of
+  random ids, redrawn at every step, with entropy-bound acceptance, renoising, a linear temperature schedule,
+  self-conditioning (each call takes the previous step's logits) and a stable-and-confident early stop
+  (`DiffusionGemma`, `denoise_canvas`). The decoding loop (`decode`) takes its logits from a source: our model
+  (`_BlockLogits`), or in the tests transformers' decoder, whose `generate` gives the same tokens.
 Tokens are the argmax at temperature 0, otherwise drawn from softmax(logits / T) cut to the `top_k` largest
 logits, then to the top-p nucleus: BD3-LM keeps the sorted tokens whose cumulative probability is <= p (the
 first always), the others (Fast-dLLM v2, SDAR, LLaDA2) also keep the token that crosses p. Confidence is the
 chosen token's probability under that distribution, except for "top-k" (LLaDA): under softmax(logits).
 
-Random draws (one `torch.Generator` seeded with `seed`, on the model's device), per denoising step, in this
-order: at temperature > 0 the tokens, `torch.multinomial` over the [rows * positions, vocabulary]
+Random draws (one `torch.Generator` seeded with `seed`, on the model's device; "diffusion-gemma": see
+`denoise_canvas`), per denoising step, in this order: at temperature > 0 the tokens, `torch.multinomial` over the [rows * positions, vocabulary]
 probabilities of the positions the step considers (the block, or the sub-block); then "posterior" one
 `torch.rand` per position [rows, positions] (a position unmasks when its draw is below the probability) and
 "first-hitting" the same (the masked position with the largest draw unmasks). Tests restate the published
