@@ -335,7 +335,7 @@ def test_bad_diffusion_gemma_input_is_a_one_line_refusal_with_exit_2(alphabet_ch
         ([*dg, "--temperature", "1"], "drop --temperature, --top-k and --top-p"),
         ([*dg, "--steps-per-block", "0"], "--steps-per-block 0 must be >= 1"),
         ([*base, "--strategy", "top-k", "--entropy-bound", "0.2", "--no-early-stop"],
-         "--entropy-bound, --no-early-stop apply to --strategy diffusion-gemma only"),
+         "--entropy-bound, --no-early-stop: for --strategy diffusion-gemma only (this is top-k)"),
     ]
     for argv, message in cases:
         assert generate.main(argv) == 2, argv

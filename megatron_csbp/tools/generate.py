@@ -138,7 +138,7 @@ def settings_from(options, args):
     given = [f"--{name.replace('_', '-')}" for name, value in uniform.items() if value is not None]
     given += ["--no-early-stop"] if options.no_early_stop else []
     if given and strategy.corruption != UNIFORM_STATE:
-        raise ConfigError(f"{', '.join(given)} apply to --strategy diffusion-gemma only")
+        raise ConfigError(f"{', '.join(given)}: for --strategy diffusion-gemma only (this is {chosen})")
     steps = options.steps_per_block
     if steps is None:
         steps = args.bdlm_block_size if strategy.default_steps is None else strategy.default_steps
