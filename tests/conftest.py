@@ -75,6 +75,7 @@ MODULE_MARKERS = {
     "test_megatron_lm_recipes": ("megatron_lm",),
     "test_sampling": ("spawn", "slow"),
     "test_sampling_windows": ("spawn", "slow"),
+    "test_sampling_diffusion_gemma": ("spawn", "slow"),
     "test_hf": ("spawn", "slow"),
     "test_hf_windows": ("spawn",),
     "test_hf_qwen35": ("spawn",),

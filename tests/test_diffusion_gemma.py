@@ -270,9 +270,9 @@ def test_world_4_diffusion_gemma_step_equals_one_rank(references):
 
 def test_a_mask_only_sampler_refuses_a_uniform_state_model():
     from megatron_csbp.core.rules import ConfigError
-    from megatron_csbp.tools.sampling import STRATEGIES, SamplingSettings
+    from megatron_csbp.tools.sampling import STRATEGY, SamplingSettings
 
-    for strategy in STRATEGIES:
+    for strategy in [name for name, method in STRATEGY.items() if method.corruption == objectives.MASK_STATE]:
         with pytest.raises(ConfigError, match="decodes from MASK tokens"):
             SamplingSettings(block_size=4, mask_token_id=MASK, steps_per_block=4, strategy=strategy,
                              corruption=objectives.DIFFUSION_GEMMA.corruption)

@@ -87,7 +87,8 @@ def test_nucleus_rules_and_settings_refuse_bad_values():
     assert nucleus_within_p(probs, 0.4).tolist() == [[True, False, False, False]]  # the first always
     assert nucleus_crossing_p(probs, 0.9).tolist() == [[True, True, True, False]]
     assert {name: s.nucleus is nucleus_within_p for name, s in STRATEGY.items()} == {
-        "confidence": False, "fast-dllm-v2": False, "top-k": False, "posterior": True, "first-hitting": True}
+        "confidence": False, "fast-dllm-v2": False, "top-k": False, "posterior": True, "first-hitting": True,
+        "diffusion-gemma": False}  # diffusion-gemma takes no --top-p (it draws from the whole distribution)
     for fields, flag in [(dict(steps_per_block=0), "--steps-per-block 0 must be >= 1"),
                          (dict(strategy="best"), "--strategy"), (dict(threshold=1.5), "--threshold"),
                          (dict(temperature=-1.0), "--temperature"), (dict(top_p=0.0), "--top-p"),
@@ -485,7 +486,8 @@ def _checks_on_one_rank(moe=False, positions=None, strategies=None):
     errors, control, results = {}, [], {}
     for shifted in (False, True):
         for strategy in [name for name, rule in STRATEGY.items() if (shifted or not rule.needs_shifted_labels)
-                         and (strategies is None or name in strategies)]:
+                         and (strategies is None or name in strategies) and rule.corruption == "mask"]:
+            # (diffusion-gemma decodes uniform-state models: tests/test_sampling_diffusion_gemma.py)
             sampled = {"temperature": 1.0, "seed": 5} if strategy in BD3LM_RULES else {}
             runs = {}
             for kv_cache in (True, False):

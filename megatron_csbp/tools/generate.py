@@ -61,9 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-file", default=None, help="One prompt per line (a batch), UTF-8.")
     parser.add_argument("--max-new-tokens", type=int, required=True)
     parser.add_argument("--steps-per-block", type=int, default=None,
-                        help="Denoising steps (model calls) per block at most. Default: the block size.")
-    parser.add_argument("--strategy", choices=STRATEGIES, default=DEFAULT_STRATEGY,
-                        help="Which masked positions to unmask at each step (below).")
+                        help="Denoising steps (model calls) per block at most. Default: the block size "
+                             "(diffusion-gemma: 48, the reference's max_denoising_steps).")
+    parser.add_argument("--strategy", choices=STRATEGIES, default=None,
+                        help=f"How a block is denoised (below). Default: {DEFAULT_STRATEGY}, or diffusion-gemma for a "
+                             f"uniform-state checkpoint (--bdlm-objective diffusion-gemma).")
     parser.add_argument("--threshold", type=float, default=0.9,
                         help="Confidence threshold (--strategy confidence, fast-dllm-v2).")
     parser.add_argument("--sub-block-size", type=int, default=None,
@@ -89,8 +91,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ignore-eos", action="store_true", help="Do not stop at the end-of-document token.")
     parser.add_argument("--suppress-eos", action="store_true",
                         help="Never produce the end-of-document token (the sample fills --max-new-tokens).")
+    group = parser.add_argument_group("--strategy diffusion-gemma (defaults: transformers' DiffusionGemma)")
+    for flag, kind, default, text in DIFFUSION_GEMMA_FLAGS:
+        group.add_argument(flag, type=kind, default=None, help=f"{text} Default: {default}.")
+    group.add_argument("--no-early-stop", action="store_true", help="Run every step (no stable-and-confident stop).")
     parser.add_argument("--tensor-model-parallel-size", type=int, default=1)
     return parser
+
+
+DIFFUSION_GEMMA_FLAGS = (  # flag, type, default (SamplingSettings'), help
+    ("--entropy-bound", float, 0.1, "Entropy-bound acceptance: the lowest-entropy positions are accepted while "
+                                    "their entropy sum less its maximum stays within it."),
+    ("--t-min", float, 0.4, "The temperature schedule's end (after the last step)."),
+    ("--t-max", float, 0.8, "The temperature schedule's start (the first step)."),
+    ("--stability-threshold", int, 1, "Early stop: steps the argmax canvas must stay the same."),
+    ("--confidence-threshold", float, 0.005, "Early stop: the mean entropy it must be below."),
+)
 
 
 def stop_sequences(options, tokenizer, strategy) -> tuple:
@@ -110,21 +126,34 @@ def stop_sequences(options, tokenizer, strategy) -> tuple:
 
 
 def settings_from(options, args):
-    from megatron_csbp.core.objectives import objective_kind
+    from megatron_csbp.core.objectives import UNIFORM_STATE, objective_kind
     from megatron_csbp.tools.sampling import STRATEGY, SamplingSettings
 
     eod = args.tokenizer.eod
+    corruption = objective_kind(args.bdlm_objective).corruption
+    chosen = options.strategy or next(name for name, method in STRATEGY.items() if method.corruption == corruption)
+    strategy = STRATEGY[chosen]
+    uniform = {flag[2:].replace("-", "_"): getattr(options, flag[2:].replace("-", "_"))
+               for flag, *_ in DIFFUSION_GEMMA_FLAGS}
+    given = [f"--{name.replace('_', '-')}" for name, value in uniform.items() if value is not None]
+    given += ["--no-early-stop"] if options.no_early_stop else []
+    if given and strategy.corruption != UNIFORM_STATE:
+        raise ConfigError(f"{', '.join(given)}: for --strategy diffusion-gemma only (this is {chosen})")
+    steps = options.steps_per_block
+    if steps is None:
+        steps = args.bdlm_block_size if strategy.default_steps is None else strategy.default_steps
     return SamplingSettings(
+        **{name: value for name, value in uniform.items() if value is not None}, early_stop=not options.no_early_stop,
         block_size=args.bdlm_block_size, mask_token_id=args.mask_token_id,
-        steps_per_block=args.bdlm_block_size if options.steps_per_block is None else options.steps_per_block,
-        strategy=options.strategy, threshold=options.threshold, temperature=options.temperature,
+        steps_per_block=steps,
+        strategy=chosen, threshold=options.threshold, temperature=options.temperature,
         top_p=options.top_p, top_k=options.top_k, seed=options.seed,
         eos_token_id=None if options.ignore_eos or options.suppress_eos else eod,
-        stop_sequences=stop_sequences(options, args.tokenizer, STRATEGY[options.strategy]),
+        stop_sequences=stop_sequences(options, args.tokenizer, strategy),
         suppressed_token_ids=(eod,) if options.suppress_eos else (), start_token_id=eod,
         sub_block_size=options.sub_block_size, context_window=options.context_window,
         shifted_labels=bool(objective_kind(args.bdlm_objective).label_shift), vocab_size=args.tokenizer.vocab_size,
-        corruption=objective_kind(args.bdlm_objective).corruption,
+        corruption=corruption,
         kv_cache=not options.no_kv_cache)
 
 
@@ -203,7 +232,7 @@ def prepare(argv):
                           f"exactly --tensor-model-parallel-size ranks")
     checkpoint = read_checkpoint(options.load)
     directory = checkpoint.directory
-    args = model_args(checkpoint, options.config, options.tensor_model_parallel_size)
+    args = model_args(checkpoint, options.config, options.tensor_model_parallel_size, sampler=True)
     settings = settings_from(options, args)
     encoded = [args.tokenizer.tokenize(prompt) for prompt in prompts]
     if any(not ids for ids, prompt in zip(encoded, prompts) if prompt):
@@ -221,10 +250,19 @@ def warn_past_trained_length(args, settings, encoded, max_new_tokens: int) -> No
 
 
 def describe(args, directory, settings) -> str:
+    from megatron_csbp.core.objectives import UNIFORM_STATE
+
     window = f" | context window {settings.context_window}" if settings.context_window else ""
-    return (f"checkpoint {directory} | {args.bdlm_objective} | block {settings.block_size} | strategy "
-            f"{settings.strategy} (threshold {settings.threshold}) | steps/block {settings.steps_per_block} | "
-            f"temperature {settings.temperature} | top-k {settings.top_k} | top-p {settings.top_p} | "
+    if settings.method.corruption == UNIFORM_STATE:
+        stop = (f"stop: stable {settings.stability_threshold}, entropy < {settings.confidence_threshold}"
+                if settings.early_stop else "no early stop")
+        decoding = (f"strategy {settings.strategy} (entropy bound {settings.entropy_bound}) | steps/block "
+                    f"{settings.steps_per_block} | temperature {settings.t_max} -> {settings.t_min} | {stop} | ")
+    else:
+        decoding = (f"strategy {settings.strategy} (threshold {settings.threshold}) | steps/block "
+                    f"{settings.steps_per_block} | temperature {settings.temperature} | top-k {settings.top_k} | "
+                    f"top-p {settings.top_p} | ")
+    return (f"checkpoint {directory} | {args.bdlm_objective} | block {settings.block_size} | {decoding}"
             f"seed {settings.seed} | kv cache {'on' if settings.kv_cache else 'off'}{window} | "
             f"tp {args.tensor_model_parallel_size}")
 

@@ -112,10 +112,12 @@ def launch_arguments(checkpoint: Checkpoint, launch: Launch = Launch(), *, confi
     return args, vocabulary
 
 
-def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int) -> argparse.Namespace:
+def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int, *,
+               sampler: bool = False) -> argparse.Namespace:
     """The checkpoint's arguments (then `--config`) for one sampling replica over `tensor_parallel` ranks (no
     pipeline, context or block parallelism), its vocabulary on them (`tokenizer`, `mask_token_id`,
-    `padded_vocab_size`), as the sampler and the harness read them."""
+    `padded_vocab_size`), as the sampler and the harness read them. `sampler`: for the sampler alone, which also
+    runs DiffusionGemma's pieces (the softcap, the embedding scale, self-conditioning) that the harness does not."""
     from megatron_csbp.core.run_config import RunConfig
 
     args, vocabulary = launch_arguments(checkpoint, Launch(tensor_parallel), config=config)
@@ -128,14 +130,14 @@ def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int)
     if settings.shape.moe is not None and settings.shape.moe.gemma4:
         raise ConfigError(f"checkpoint {checkpoint.directory} has Gemma 4's MoE block (--gemma4-moe): the sampler and "
                           f"the harness do not build it yet; evaluate its loss with scripts/evaluate_bdlm.py")
-    if settings.final_logit_softcapping is not None or settings.scale_embeddings:
+    if not sampler and (settings.final_logit_softcapping is not None or settings.scale_embeddings):
         raise ConfigError(f"checkpoint {checkpoint.directory} has a final-logit softcap or scaled embeddings "
-                          f"(--final-logit-softcapping, --scale-embeddings): the sampler and the harness do not run "
-                          f"them yet; evaluate its loss with scripts/evaluate_bdlm.py")
-    if settings.self_conditioning:
+                          f"(--final-logit-softcapping, --scale-embeddings): the harness does not run them yet; "
+                          f"sample with scripts/generate_bdlm.py, evaluate its loss with scripts/evaluate_bdlm.py")
+    if not sampler and settings.self_conditioning:
         raise ConfigError(f"checkpoint {checkpoint.directory} trains --bdlm-objective {settings.objective} "
-                          f"(uniform-state, self-conditioned): the sampler and the harness do not run it yet; "
-                          f"evaluate its loss with scripts/evaluate_bdlm.py")
+                          f"(uniform-state, self-conditioned): the harness does not run it yet; sample with "
+                          f"scripts/generate_bdlm.py, evaluate its loss with scripts/evaluate_bdlm.py")
     args = vocabulary.recorded(args)
     args.tokenizer = vocabulary.tokenizer
     return args
@@ -157,13 +159,16 @@ def build_model(args, directory: str | None):
     from megatron_csbp.tools import sampling
     from megatron_csbp.training.megatron_config import transformer_config_from_args
     from megatron_csbp.core.device import default_device
+    from megatron_csbp.core.run_config import RunConfig
 
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1, context_block_parallel_size=1,
                                              clean_shards=1, distributed_timeout_minutes=args.distributed_timeout_minutes)
     model_parallel_cuda_manual_seed(args.seed)
+    run = RunConfig.from_args(args, world_size=args.tensor_model_parallel_size)
     model = sampling.sampling_model(  # the GPTModel keywords RunProviders.model_provider gives the training model
         transformer_config_from_args(args), args.padded_vocab_size, args.bdlm_block_size,
-        clean_attention=CLEAN_ATTENTIONS(args.bdlm_clean_attention),
+        clean_attention=CLEAN_ATTENTIONS(args.bdlm_clean_attention), self_conditioning=run.self_conditioning,
+        final_logit_softcapping=run.final_logit_softcapping, embedding_scale=run.embedding_scale,
         **providers.gpt_model_kwargs(args)).to(default_device())
     if directory is not None:
         checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,

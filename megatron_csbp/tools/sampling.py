@@ -47,13 +47,18 @@ its commit rule, its nucleus rule and where its confidence comes from. With `S` 
   position unmasks with probability `dt / t_i = 1/(T t_i)`; the last step (t = 0) commits the rest.
 * "first-hitting" (BD3-LM's first-hitting sampler): exactly one uniformly chosen masked position per step
   (our model is not time-conditioned, so the hitting times need not be drawn); needs `S >= block size`.
+* "diffusion-gemma" (transformers' DiffusionGemma, uniform-state models only): no MASK; the block is a canvas of
+  random ids, redrawn at every step, with entropy-bound acceptance, renoising, a linear temperature schedule,
+  self-conditioning (each call takes the previous step's logits) and a stable-and-confident early stop
+  (`DiffusionGemma`, `denoise_canvas`). The decoding loop (`decode`) takes its logits from a source: our model
+  (`_BlockLogits`), or in the tests transformers' decoder, whose `generate` gives the same tokens.
 Tokens are the argmax at temperature 0, otherwise drawn from softmax(logits / T) cut to the `top_k` largest
 logits, then to the top-p nucleus: BD3-LM keeps the sorted tokens whose cumulative probability is <= p (the
 first always), the others (Fast-dLLM v2, SDAR, LLaDA2) also keep the token that crosses p. Confidence is the
 chosen token's probability under that distribution, except for "top-k" (LLaDA): under softmax(logits).
 
-Random draws (one `torch.Generator` seeded with `seed`, on the model's device), per denoising step, in this
-order: at temperature > 0 the tokens, `torch.multinomial` over the [rows * positions, vocabulary]
+Random draws (one `torch.Generator` seeded with `seed`, on the model's device; "diffusion-gemma": see
+`denoise_canvas`), per denoising step, in this order: at temperature > 0 the tokens, `torch.multinomial` over the [rows * positions, vocabulary]
 probabilities of the positions the step considers (the block, or the sub-block); then "posterior" one
 `torch.rand` per position [rows, positions] (a position unmasks when its draw is below the probability) and
 "first-hitting" the same (the masked position with the largest draw unmasks). Tests restate the published
@@ -73,17 +78,20 @@ from typing import Callable, NamedTuple
 
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
+from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
-from megatron_csbp.core.objectives import MASK_STATE
+from megatron_csbp.core.objectives import MASK_STATE, UNIFORM_STATE
 from megatron_csbp.core.positions import RotaryPositions
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
 from megatron_csbp.core.kernels import default_kernels
 from megatron_csbp.core.windows import GLOBAL
+from megatron_csbp.mcore.linear_cross_entropy import softcapped
+from megatron_csbp.mcore.self_conditioning import SelfConditioning
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -145,6 +153,7 @@ class Strategy:
     one_token_per_step = False  # needs steps >= block size
     default_sub_block_size = None  # decodes a block in sub-blocks of this size (where it divides the block)
     stops_at_chat_end = False  # Fast-dLLM v2 stops at the chat end token (<|im_end|>)
+    default_steps = None  # steps per block when none are given (None: the block size)
     differs: str  # where ours departs from the authors' code (--help and the README say it)
 
     def sub_blocks(self, block_size: int, sub_block_size: int | None) -> list[tuple[int, int]]:
@@ -222,7 +231,35 @@ class FirstHitting(Strategy):
         return _most(draws, step.masked, step.masked.any(1).long())
 
 
-STRATEGY = Registry("--strategy", Confidence(), FastDLLMv2(), LowConfidence(), Posterior(), FirstHitting())
+class DiffusionGemma(Strategy):
+    """A uniform-state model's decoder: no MASK; the block (canvas) starts as random ids and every step redraws it.
+
+    Per step `n = S..1` (the steps remaining): the model's logits of the canvas, given the committed prefix and the
+    previous step's processed logits (self-conditioning; none at the first step), are divided by the linear
+    temperature `t_min + (t_max - t_min) n / S` (computed in fp32); every position draws a token from their softmax;
+    the positions with the lowest entropy are accepted while their summed entropy less the largest of them is
+    within `entropy_bound` (the rest keep their previous id); then every position not accepted is renoised (a
+    fresh random id). The canvas stops early (per sample) when the argmax canvas equals that of each of the last
+    `stability_threshold` steps and the mean entropy of the processed logits is below `confidence_threshold`. The
+    block's tokens are the argmax canvas of its last step."""
+
+    name, follows = "diffusion-gemma", "transformers DiffusionGemmaForBlockDiffusion.generate (EntropyBoundSampler)"
+    corruption = UNIFORM_STATE
+    default_steps = 48  # the reference's max_denoising_steps
+    commits = ("entropy-bound acceptance (the lowest-entropy positions while their entropy sum less its maximum "
+               "<= --entropy-bound), the rest renoised")
+    temperatures = "linear schedule from --t-max (first step) down to --t-min (after the last)"
+    stops = "argmax canvas stable for --stability-threshold steps and mean entropy < --confidence-threshold"
+    differs = ("Blocks are aligned to multiples of the block size from position 0 (transformers starts its canvases "
+               "at the prompt's end): a prompt ending inside a block keeps its tokens there, accepted at every step "
+               "and counted with entropy 0. Random ids are the checkpoint's real ids but MASK, as its training "
+               "corruption draws them. Draws come from --seed's generator, in the reference's order (the canvas, "
+               "then per step the tokens and the renoising ids). Needs a --bdlm-objective diffusion-gemma "
+               "checkpoint.")
+
+
+STRATEGY = Registry("--strategy", Confidence(), FastDLLMv2(), LowConfidence(), Posterior(), FirstHitting(),
+                    DiffusionGemma())
 STRATEGIES = STRATEGY.names
 DEFAULT_STRATEGY = STRATEGIES[0]
 
@@ -250,6 +287,13 @@ class SamplingSettings:
     corruption: str = MASK_STATE  # what the model was trained to restore (its objective's corruption)
     vocab_size: int | None = None  # ids >= vocab_size (vocabulary padding) are never produced
     kv_cache: bool = True
+    # --strategy diffusion-gemma (the reference's defaults)
+    entropy_bound: float = 0.1
+    t_min: float = 0.4
+    t_max: float = 0.8
+    early_stop: bool = True  # the stable-and-confident stop
+    stability_threshold: int = 1
+    confidence_threshold: float = 0.005
 
     def __post_init__(self):
         _require(self.block_size >= 1, f"block size {self.block_size} must be >= 1")
@@ -259,9 +303,23 @@ class SamplingSettings:
         _require(not method.one_token_per_step or self.steps_per_block >= self.block_size,
                  f"--strategy {self.strategy} unmasks one token per step: --steps-per-block {self.steps_per_block} "
                  f"must be >= the block size {self.block_size}")
-        _require(method.corruption == self.corruption,
+        uniform = [name for name, strategy in STRATEGY.items() if strategy.corruption == UNIFORM_STATE]
+        _require(method.corruption == self.corruption or method.corruption == UNIFORM_STATE,
                  f"--strategy {self.strategy} decodes from MASK tokens, but this checkpoint's --bdlm-objective trains "
-                 f"a {self.corruption}-state corruption (no MASK): no --strategy here decodes it yet")
+                 f"a {self.corruption}-state corruption (no MASK): use --strategy {' or '.join(uniform)}")
+        _require(method.corruption == self.corruption,
+                 f"--strategy {self.strategy} decodes a uniform-state model (random ids, no MASK), but this "
+                 f"checkpoint's --bdlm-objective trains a {self.corruption}-state corruption: choose another --strategy")
+        if method.corruption == UNIFORM_STATE:
+            _require(self.temperature == 0.0 and self.top_k == 0 and self.top_p == 1.0,
+                     f"--strategy {self.strategy} draws at its own temperature schedule (--t-min, --t-max) from the "
+                     f"whole distribution: drop --temperature, --top-k and --top-p")
+            _require(self.vocab_size is not None, "a uniform-state canvas draws real ids: give settings.vocab_size")
+            _require(self.entropy_bound > 0, f"--entropy-bound {self.entropy_bound} must be > 0")
+            _require(self.t_min >= 0, f"--t-min {self.t_min} must be >= 0")
+            _require(self.t_max > self.t_min, f"--t-max {self.t_max} must be > --t-min {self.t_min}")
+            _require(self.stability_threshold >= 0, f"--stability-threshold {self.stability_threshold} must be >= 0")
+            _require(self.confidence_threshold > 0, f"--confidence-threshold {self.confidence_threshold} must be > 0")
         _require(not method.needs_shifted_labels or self.shifted_labels,
                  f"--strategy {self.strategy} decodes shifted-label models (row p predicts token p+1): this "
                  f"checkpoint was trained with --bdlm-objective bd3lm; choose another --strategy")
@@ -432,13 +490,62 @@ class SamplingSelfAttention(SelfAttention):
         return query, key, value, rotary_pos_emb, AttnMaskType.no_mask, None
 
 
+class SamplingGPTModel(GPTModel):
+    """`GPTModel` with `BDLMGPTModel`'s input and output pieces: the embedding scale, the final-logit softcap
+    (in fp32) and DiffusionGemma's self-conditioning block, which the active block's rows (the canvas: a call's
+    last `block_size` rows, none in a prompt's call) pass as training's noisy rows do. `forward(...,
+    self_conditioning_logits [b, block, V])`: the previous step's logits of the canvas; the signal is their
+    expected input embedding, `softmax(logits) @ embedding x scale` (training's `_signal` of its own first
+    pass; -inf columns take no probability), zero when None (the first step)."""
+
+    def __init__(self, *args, block_size: int, self_conditioning=False, final_logit_softcapping=None,
+                 embedding_scale=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.block_size = block_size
+        self.self_conditioning = SelfConditioning(self.config) if self_conditioning else None
+        self.final_logit_softcapping = final_logit_softcapping
+        self.embedding_scale = embedding_scale
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, inference_context=None,
+                self_conditioning_logits=None, **kwargs):
+        if self_conditioning_logits is not None and self.self_conditioning is None:
+            raise ValueError("self-conditioning logits were given to a model without a self-conditioning block")
+        decoder_input = None
+        if self.embedding_scale is not None or self.self_conditioning is not None:
+            decoder_input = self.embedding(input_ids=input_ids, position_ids=position_ids)
+            if self.embedding_scale is not None:
+                decoder_input = decoder_input * torch.tensor(self.embedding_scale, dtype=decoder_input.dtype)
+            if self.self_conditioning is not None and not getattr(inference_context, "prompt", False):
+                clean, canvas = decoder_input[:-self.block_size], decoder_input[-self.block_size:]
+                signal = (torch.zeros_like(canvas) if self_conditioning_logits is None else
+                          self._soft_embeddings(self_conditioning_logits).transpose(0, 1).to(canvas.dtype))
+                decoder_input = torch.cat([clean, self.self_conditioning(canvas, signal)])
+        logits = super().forward(input_ids, position_ids, attention_mask, *args, decoder_input=decoder_input,
+                                 inference_context=inference_context, **kwargs)
+        return softcapped(logits.float(), self.final_logit_softcapping) if self.final_logit_softcapping else logits
+
+    def _soft_embeddings(self, logits):
+        """`[b, n, h]`: the softmax of `logits [b, n, V]` (every column, gathered) times this TP rank's rows of
+        the input embedding, summed over TP, times the embedding scale."""
+        weight = self.embedding.word_embeddings.weight
+        first = self.pg_collection.tp.rank() * weight.shape[0]
+        probabilities = logits.softmax(-1, dtype=torch.float32)[..., first:first + weight.shape[0]]
+        signal = probabilities.to(weight.dtype) @ weight
+        if self.pg_collection.tp.size() > 1:
+            torch.distributed.all_reduce(signal, group=self.pg_collection.tp)
+        if self.embedding_scale is not None:
+            signal = signal * torch.tensor(self.embedding_scale, dtype=signal.dtype)
+        return signal
+
+
 def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLOCK_CAUSAL,
-                   positions: RotaryPositions | None = None, **gpt_kwargs):
-    """A `GPTModel` with `BDLMGPTModel`'s parameters (the CSBP layer spec, its norms) and the BDLM mask over
-    position-ordered rows (`SamplingAttention`, with the model's clean-attention rule); load any BDLM checkpoint
-    into it. One pipeline stage, no sequence or context parallelism. `positions`: YaRN (megatron-core's own, as
-    training's) and the query scaling (`SamplingAttention`'s), default plain RoPE."""
-    from megatron.core.models.gpt import GPTModel
+                   positions: RotaryPositions | None = None, self_conditioning: bool = False,
+                   final_logit_softcapping: float | None = None, embedding_scale: float | None = None, **gpt_kwargs):
+    """A `GPTModel` with `BDLMGPTModel`'s parameters (the CSBP layer spec, its norms; DiffusionGemma's
+    `self_conditioning` block, `final_logit_softcapping` and `embedding_scale` as training's model takes them) and the
+    BDLM mask over position-ordered rows (`SamplingAttention`, with the model's clean-attention rule); load any BDLM
+    checkpoint into it. One pipeline stage, no sequence or context parallelism. `positions`: YaRN (megatron-core's
+    own, as training's) and the query scaling (`SamplingAttention`'s), default plain RoPE."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
@@ -469,7 +576,9 @@ def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLO
         layer.submodules.self_attention.submodules.core_attention = attention
     gpt_kwargs.setdefault("position_embedding_type", positions.embedding_type)
     set_rotary_config(config, positions)
-    return GPTModel(config=config, transformer_layer_spec=layers, vocab_size=vocab_size, **gpt_kwargs)
+    return SamplingGPTModel(config=config, transformer_layer_spec=layers, vocab_size=vocab_size, block_size=block_size,
+                            self_conditioning=self_conditioning, final_logit_softcapping=final_logit_softcapping,
+                            embedding_scale=embedding_scale, **gpt_kwargs)
 
 
 class _BlockLogits:
@@ -488,12 +597,15 @@ class _BlockLogits:
         self.last_row = None  # logits of the last committed row (shifted labels)
         self.calls = self.rows = 0
 
-    def _run(self, tokens, last_row_only: bool):
+    def _run(self, tokens, last_row_only: bool, self_conditioning=None):
         self.context.materialize_only_last_token_logits = last_row_only
         self.context.prompt = last_row_only  # a long prompt's rows alone: all committed
         positions = self.context.sequence_len_offset + torch.arange(tokens.shape[1], device=tokens.device)
+        signal = {}
+        if getattr(self.model, "self_conditioning", None) is not None and not last_row_only:
+            signal["self_conditioning_logits"] = self_conditioning
         logits = self.model(tokens, positions.expand_as(tokens), None, inference_context=self.context,
-                            runtime_gather_output=True)
+                            runtime_gather_output=True, **signal)
         self.calls += 1
         self.rows += tokens.shape[0] * tokens.shape[1]
         logits = logits.float()
@@ -513,7 +625,9 @@ class _BlockLogits:
         if self.settings.kv_cache:
             self.context.sequence_len_offset = self.cached = start
 
-    def __call__(self, committed, block):
+    def __call__(self, committed, block, self_conditioning=None):
+        """Logits `[b, B, V]` of `block`'s positions after `committed`; `self_conditioning`: the previous step's
+        logits of the block, which a model with a self-conditioning block takes (one without ignores them)."""
         start = committed.shape[1]
         if not self.settings.kv_cache:
             self.context.reset()
@@ -522,7 +636,7 @@ class _BlockLogits:
             self.last_row = self._run(new, last_row_only=True)
             self._commit(start)
             new = new[:, :0]
-        logits = self._run(torch.cat([new, block], dim=1), last_row_only=False)
+        logits = self._run(torch.cat([new, block], dim=1), last_row_only=False, self_conditioning=self_conditioning)
         if new.shape[1]:
             self.last_row = logits[:, new.shape[1] - 1:new.shape[1]]
         self._commit(start)
@@ -553,6 +667,61 @@ def draw_tokens(logits, settings: SamplingSettings, generator):
     tokens = torch.multinomial(probs.flatten(0, -2), 1, generator=generator).view(probs.shape[:-1])
     source = logits.softmax(-1) if method.confidence_before_temperature else probs
     return tokens, source.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def random_ids(shape, settings: SamplingSettings, generator, device):
+    """Uniform random real ids (below `settings.vocab_size`, MASK skipped), as the uniform-state corruption draws
+    them: one `torch.randint` over the ids that may be drawn."""
+    skips_mask = settings.mask_token_id < settings.vocab_size
+    ids = torch.randint(0, settings.vocab_size - skips_mask, shape, generator=generator, device=device)
+    return ids + (ids >= settings.mask_token_id) if skips_mask else ids
+
+
+def _entropy(logits, free):
+    """Per position, the entropy of softmax(logits) (torch's `Categorical`, as the reference); 0 where not `free`."""
+    return torch.distributions.Categorical(logits=logits).entropy().masked_fill(~free, 0.0)
+
+
+def denoise_canvas(canvas_logits: Callable, block, free, settings: SamplingSettings, generator):
+    """`--strategy diffusion-gemma`'s decoding of one block (`DiffusionGemma`'s docstring): the block's tokens `[b, B]`.
+
+    `canvas_logits(canvas [b, B], self_conditioning [b, B, V] or None) -> [b, B, V]` (fp32): the model's logits of
+    the canvas given the committed prefix and the previous step's processed logits; our model's (`_BlockLogits`)
+    or, in the tests, transformers' decoder. `block`: the positions that are not `free` hold prompt tokens, kept.
+    Draws from `generator`, in the reference's order: the canvas, then per step the tokens (`torch.multinomial` over
+    [b * B, V]) and the renoising ids, every sample of the batch alike."""
+    batch, size = block.shape
+    steps = settings.steps_per_block
+    canvas = torch.where(free, random_ids((batch, size), settings, generator, block.device), block)
+    best, signal = canvas, None
+    finished = torch.zeros(batch, dtype=torch.bool, device=block.device)
+    history = [torch.full_like(block, -1)] * (settings.stability_threshold if settings.early_stop else 0)
+    for remaining in range(steps, 0, -1):
+        raw = canvas_logits(canvas, signal)
+        temperature = settings.t_min + (settings.t_max - settings.t_min) * (
+            torch.tensor(remaining, dtype=torch.int32, device=raw.device) / steps)  # in fp32, as the reference
+        logits = raw / temperature
+        drawn = torch.multinomial(logits.softmax(-1, dtype=torch.float32).view(-1, logits.shape[-1]), 1,
+                                  generator=generator).view(batch, size)
+        argmax = torch.where(free, logits.argmax(-1), block)
+        entropy, order = _entropy(logits, free).sort(-1)
+        accepted = torch.zeros_like(free).scatter(-1, order, entropy.cumsum(-1) - entropy <= settings.entropy_bound)
+        renoised = random_ids((batch, size), settings, generator, block.device)
+        following = torch.where(free, torch.where(accepted, drawn, renoised), block)
+        if settings.early_stop:
+            if bool(finished.any()):  # a stopped sample keeps its canvas, argmax and logits
+                argmax = torch.where(finished[:, None], best, argmax)
+                following = torch.where(finished[:, None], canvas, following)
+                logits = torch.where(finished[:, None, None], signal, logits)
+            stable = torch.ones_like(finished)
+            for earlier in history:
+                stable &= (earlier == argmax).all(-1)
+            history = history[1:] + [argmax] if history else history
+            finished |= stable & (_entropy(logits, free).mean(-1) < settings.confidence_threshold)
+        canvas, best, signal = following, argmax, logits
+        if bool(finished.all()):
+            break
+    return best
 
 
 def first_stop(tokens: list, stops) -> int | None:
@@ -613,8 +782,26 @@ def generate(model, prompts: list, max_new_tokens: int, settings: SamplingSettin
     _require(all(settings.mask_token_id not in p for p in prompts),
              f"a prompt contains the MASK id {settings.mask_token_id}")
     started = time.time()
-    B, device, method = settings.block_size, next(model.parameters()).device, settings.method
     prompts = [list(p) if p else [settings.start_token_id] for p in prompts]
+    num_blocks = -(-max(len(p) + max_new_tokens for p in prompts) // settings.block_size)
+    window = min(settings.context_window or num_blocks * settings.block_size, num_blocks * settings.block_size)
+    block_logits = _BlockLogits(model, len(prompts), window, settings)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            outputs = decode(block_logits, prompts, max_new_tokens, settings, next(model.parameters()).device, on_step)
+    finally:
+        model.train(was_training)
+    return Generation(outputs, block_logits.calls, block_logits.rows, time.time() - started)
+
+
+def decode(block_logits, prompts: list, max_new_tokens: int, settings: SamplingSettings, device,
+           on_step: Callable | None = None) -> list:
+    """`generate`'s decoding (its docstring) of non-empty `prompts` from `block_logits(committed, block,
+    self_conditioning=None) -> [b, B, V]` (`_BlockLogits`: our model; tests give transformers' decoder): the new
+    tokens of each prompt, cut before its first EOS or stop sequence."""
+    B, method = settings.block_size, settings.method
     lengths = [len(p) for p in prompts]
     ends = [n + max_new_tokens for n in lengths]
     num_blocks = -(-max(ends) // B)
@@ -623,57 +810,58 @@ def generate(model, prompts: list, max_new_tokens: int, settings: SamplingSettin
         sequence[row, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
     generator = torch.Generator(device=device).manual_seed(settings.seed)
     window = settings.context_window or num_blocks * B
-    block_logits = _BlockLogits(model, len(prompts), min(window, num_blocks * B), settings)
     sub_blocks = settings.sub_blocks
     sub_steps = [even_split(settings.steps_per_block, len(sub_blocks), part) for part in range(len(sub_blocks))]
     finished, window_start = [False] * len(prompts), 0
     longest_stop = max(map(len, settings.stops), default=1)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            for index in range(min(lengths) // B, num_blocks):
-                start, end = index * B, (index + 1) * B
-                if max(0, end - window) != window_start:
-                    window_start = max(0, end - window)
-                    block_logits.restart()
-                committed, block = sequence[:, window_start:start], sequence[:, start:end].clone()
-                seen = logits = None
+    for index in range(min(lengths) // B, num_blocks):
+        start, end = index * B, (index + 1) * B
+        if max(0, end - window) != window_start:
+            window_start = max(0, end - window)
+            block_logits.restart()
+        committed, block = sequence[:, window_start:start], sequence[:, start:end].clone()
+        seen = logits = None
 
-                def current_logits():
-                    nonlocal seen, logits
-                    if seen is None or not torch.equal(seen, block):  # nothing changed: the logits still hold
-                        logits, seen = block_logits(committed, block), block.clone()
-                    return logits
+        def current_logits():
+            nonlocal seen, logits
+            if seen is None or not torch.equal(seen, block):  # nothing changed: the logits still hold
+                logits, seen = block_logits(committed, block), block.clone()
+            return logits
 
-                if method.first_token_by_argmax and bool((block[:, 0] == settings.mask_token_id).any()):
-                    first = current_logits()[:, 0].argmax(-1)  # the previous clean block's last row
-                    block[:, 0] = torch.where(block[:, 0] == settings.mask_token_id, first, block[:, 0])
-                for (lo, hi), steps in zip(sub_blocks, sub_steps):
-                    masked_at_start = (block[:, lo:hi] == settings.mask_token_id).sum(1)
-                    for step in range(steps):
-                        masked = block[:, lo:hi] == settings.mask_token_id
-                        if not bool(masked.any()):
-                            break
-                        step_logits = current_logits()
-                        if on_step is not None:
-                            on_step(index, committed, block, step_logits)
-                        tokens, confidence = draw_tokens(step_logits[:, lo:hi], settings, generator)
-                        chosen = method.commit(Step(masked, confidence, step, steps, masked_at_start, B,
-                                                    settings.threshold, generator))
-                        block[:, lo:hi] = torch.where(chosen, tokens, block[:, lo:hi])
-                sequence[:, start:end] = block
-                for row in range(len(prompts)):  # done: all its tokens are there, or it has produced a stop
-                    since = max(lengths[row], start - longest_stop + 1)  # a stop may begin in the block before
-                    produced = sequence[row, since:min(end, ends[row])].tolist()
-                    finished[row] |= end >= ends[row] or first_stop(produced, settings.stops) is not None
-                if all(finished):
+        def canvas_logits(canvas, self_conditioning):
+            logits = block_logits(committed, canvas, self_conditioning)
+            if on_step is not None:
+                on_step(index, committed, canvas, logits)
+            return logits
+
+        if method.corruption == UNIFORM_STATE:
+            block = denoise_canvas(canvas_logits, block, block == settings.mask_token_id, settings, generator)
+        if method.first_token_by_argmax and bool((block[:, 0] == settings.mask_token_id).any()):
+            first = current_logits()[:, 0].argmax(-1)  # the previous clean block's last row
+            block[:, 0] = torch.where(block[:, 0] == settings.mask_token_id, first, block[:, 0])
+        for (lo, hi), steps in zip(sub_blocks, sub_steps):
+            masked_at_start = (block[:, lo:hi] == settings.mask_token_id).sum(1)
+            for step in range(steps):
+                masked = block[:, lo:hi] == settings.mask_token_id
+                if not bool(masked.any()):
                     break
-    finally:
-        model.train(was_training)
+                step_logits = current_logits()
+                if on_step is not None:
+                    on_step(index, committed, block, step_logits)
+                tokens, confidence = draw_tokens(step_logits[:, lo:hi], settings, generator)
+                chosen = method.commit(Step(masked, confidence, step, steps, masked_at_start, B,
+                                            settings.threshold, generator))
+                block[:, lo:hi] = torch.where(chosen, tokens, block[:, lo:hi])
+        sequence[:, start:end] = block
+        for row in range(len(prompts)):  # done: all its tokens are there, or it has produced a stop
+            since = max(lengths[row], start - longest_stop + 1)  # a stop may begin in the block before
+            produced = sequence[row, since:min(end, ends[row])].tolist()
+            finished[row] |= end >= ends[row] or first_stop(produced, settings.stops) is not None
+        if all(finished):
+            break
     outputs = []
     for row in range(len(prompts)):
         new = sequence[row, lengths[row]:ends[row]].tolist()
         cut = first_stop(new, settings.stops)
         outputs.append(new if cut is None else new[:cut])
-    return Generation(outputs, block_logits.calls, block_logits.rows, time.time() - started)
+    return outputs

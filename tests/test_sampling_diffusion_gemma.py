@@ -1,0 +1,345 @@
+"""`--strategy diffusion-gemma`: transformers' DiffusionGemma decoder as a strategy of our block sampler.
+
+* The decoding rules equal transformers' `DiffusionGemmaForBlockDiffusion.generate` token by token: our loop
+  (`sampling.decode`, the code our model samples through) runs on transformers' own decoder (a tiny random model)
+  and draws from a generator seeded as the reference seeds the global one.
+* Our sampling model's logits of the canvas, given the previous step's logits, are the self-conditioned training
+  forward's (a tiny DiffusionGemma model with the softcap and the embedding scale), with the cache and without.
+* A briefly trained tiny DiffusionGemma checkpoint samples through scripts/generate_bdlm.py, which refuses bad
+  input in one line (exit 2).
+"""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from spawn import run_ranks
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOLERANCE = 1e-5
+
+
+# ------------------------------------------------------------------------------------- against transformers
+CANVAS, HF_VOCAB, STEPS, NEW = 4, 64, 10, 12
+
+
+def _tiny_transformers_model():
+    """The tiny random `DiffusionGemmaForBlockDiffusion` (sliding and global layers, experts), its tied head scaled
+    up so that its predictions are confident enough for the early stop to fire."""
+    from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
+    from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
+
+    text = DiffusionGemmaTextConfig(
+        vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8, max_position_embeddings=128,
+        layer_types=["sliding_attention", "full_attention"], num_experts=4, top_k_experts=2, moe_intermediate_size=16,
+        eos_token_id=None, pad_token_id=None, bos_token_id=None)
+    torch.manual_seed(0)
+    model = DiffusionGemmaForBlockDiffusion(DiffusionGemmaConfig(text_config=text, canvas_length=CANVAS,
+                                                                 vision_config=None)).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)  # tied: the input embedding too (a norm follows it)
+    return model
+
+
+class TransformersDecoder:
+    """Test adapter: transformers' decoder as `decode`'s logits source. The committed tokens not yet encoded go
+    through its encoder into its cache, as `generate` does (the prompt at once, then each finished canvas); the
+    canvas through its decoder with the self-conditioning logits, at the positions after the prefix."""
+
+    def __init__(self, model):
+        from transformers import DynamicCache
+
+        self.model, self.encoded, self.calls, self.rows = model, 0, 0, 0
+        self.cache = DynamicCache(config=model.config.get_text_config(decoder=True))
+
+    def restart(self):
+        raise AssertionError("no context window here")
+
+    def __call__(self, committed, block, self_conditioning=None):
+        start = committed.shape[1]
+        if start > self.encoded:
+            self.model.model.encoder(input_ids=committed[:, self.encoded:], cache=self.cache,
+                                     position_ids=torch.arange(self.encoded, start, dtype=torch.int32)[None])
+            self.encoded = start
+        self.calls += 1
+        positions = torch.arange(start, start + block.shape[1], dtype=torch.int32)[None]
+        return self.model(decoder_input_ids=block, cache=self.cache, self_conditioning_logits=self_conditioning,
+                          decoder_position_ids=positions).logits
+
+
+STOPS = {"off": None, "defaults": dict(stability_threshold=1, confidence_threshold=0.005),
+         "stable 1": dict(stability_threshold=1, confidence_threshold=5.0),
+         "stable 2": dict(stability_threshold=2, confidence_threshold=5.0),
+         "stable 0": dict(stability_threshold=0, confidence_threshold=1.0)}
+
+
+def _both(model, prompts, seed, stop, entropy_bound=0.1):
+    """(transformers' new tokens, its decoder passes per sample, ours, our decoder calls)."""
+    from megatron_csbp.core.objectives import UNIFORM_STATE
+    from megatron_csbp.tools.sampling import SamplingSettings, decode
+
+    torch.manual_seed(seed)
+    switched = stop or dict(stability_threshold=None, confidence_threshold=None)  # None: no stopping criteria
+    theirs = model.generate(torch.tensor(prompts), max_new_tokens=NEW, max_denoising_steps=STEPS, t_min=0.4,
+                            t_max=0.8, sampler_config=_entropy_bound(entropy_bound), **switched)
+    settings = SamplingSettings(block_size=CANVAS, mask_token_id=HF_VOCAB, vocab_size=HF_VOCAB, steps_per_block=STEPS,
+                                strategy="diffusion-gemma", corruption=UNIFORM_STATE, seed=seed,
+                                entropy_bound=entropy_bound, early_stop=stop is not None, **(stop or {}))
+    decoder = TransformersDecoder(model)
+    with torch.no_grad():
+        ours = decode(decoder, prompts, NEW, settings, torch.device("cpu"))
+    passes = (NEW / theirs.tokens_per_forward).round().long().tolist()
+    return theirs.sequences[:, len(prompts[0]):].tolist(), passes, ours, decoder.calls
+
+
+def _entropy_bound(bound):
+    from transformers.models.diffusion_gemma.generation_diffusion_gemma import EntropyBoundSamplerConfig
+
+    return EntropyBoundSamplerConfig(entropy_bound=bound)
+
+
+def test_diffusion_gemma_decodes_token_by_token_as_transformers_generate():
+    """Our decoding loop on transformers' decoder gives `model.generate`'s tokens, token by token: seeds 0-2, two
+    prompts in a batch (one or two blocks of prefix), the temperature schedule on (0.8 -> 0.4), the early stop off
+    and on (the reference's thresholds, and looser confidence thresholds under which it fires at different steps
+    for the two samples: a stopped sample keeps its canvas while the other runs on), two entropy bounds. The draws
+    are equal because transformers draws from the global generator (`torch.manual_seed(seed)`) in the order ours
+    keeps (the canvas, then per step the tokens and the renoising ids) and ours from a generator seeded alike.
+    Negative control: another seed gives other tokens."""
+    model = _tiny_transformers_model()
+    fired = 0
+    for prompts in ([[5, 6, 7, 8], [9, 10, 11, 12]], [[1, 2, 3, 4, 5, 6, 7, 8]]):
+        for seed in (0, 1, 2):
+            for name, stop in STOPS.items():
+                for bound in (0.1, 1.0) if name == "defaults" else (0.1,):
+                    theirs, passes, ours, calls = _both(model, prompts, seed, stop, bound)
+                    print(f"prompts {len(prompts)}x{len(prompts[0])} seed {seed} stop {name} bound {bound}: "
+                          f"equal {ours == theirs}, decoder passes {passes} (ours: {calls} calls)")
+                    assert ours == theirs, (seed, name, ours, theirs)
+                    # the same steps, the stop included (a batch runs until its last sample stops)
+                    assert calls >= max(passes) and (len(prompts) > 1 or calls == passes[0]), (calls, passes)
+                    fired += calls < STEPS * (NEW // CANVAS)
+    assert fired >= 10, fired  # the early stop was exercised
+    theirs, _, ours, _ = _both(model, [[5, 6, 7, 8]], 0, None)
+    other = _both(model, [[5, 6, 7, 8]], 3, None)[2]
+    assert ours == theirs and other != ours
+
+
+# ---------------------------------------------------------------------------- against the training forward
+SEQ, BLOCK, VOCAB, MASK, HIDDEN = 32, 4, 32, 31, 32
+
+
+def _build(softcap=10.0):
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_csbp.core.clean_attention import CLEAN_ATTENTIONS
+    from megatron_csbp.core.layout import CSBPLayout
+    from megatron_csbp.mcore.model import model_provider
+    from megatron_csbp.tools.sampling import sampling_model
+
+    config = TransformerConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, num_query_groups=2,
+                               ffn_hidden_size=48, use_cpu_initialization=True, calculate_per_token_loss=True,
+                               hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
+                               init_method_std=0.3)
+    pieces = dict(self_conditioning=True, final_logit_softcapping=softcap, embedding_scale=HIDDEN ** 0.5)
+    layout = CSBPLayout(SEQ, BLOCK, 1, 1, clean_attention="token-causal")
+    trained = model_provider(config=config, layout=layout, vocab_size=VOCAB, mask_token_id=MASK, **pieces)
+    sampler = sampling_model(config, VOCAB, BLOCK, clean_attention=CLEAN_ATTENTIONS("token-causal"),
+                             max_sequence_length=SEQ, **pieces)
+    sampler.load_state_dict(trained.state_dict(), strict=True)
+    return trained.eval(), sampler.eval(), layout
+
+
+def _training_logits(model, layout, committed, canvas, self_conditioned, generator):
+    """The training forward's logits of the canvas positions on `[x_t ; x_0]` rows holding the committed prefix as
+    `x0` and the canvas as `x_t` (everything else random: it must not matter); `self_conditioned`: every sample
+    takes the signal of its own first pass."""
+    batch, start = committed.shape
+    x0 = torch.randint(0, MASK, (batch, SEQ), generator=generator)
+    xt = torch.randint(0, MASK, (batch, SEQ), generator=generator)
+    x0[:, :start], xt[:, start:start + BLOCK] = committed, canvas
+    rows = torch.cat([xt[:, layout.noisy_positions], x0[:, layout.clean_positions]], dim=1)
+    chosen = torch.ones(batch, dtype=torch.bool) if self_conditioned else None
+    with torch.no_grad():
+        logits = model(rows, layout.row_positions.expand(batch, -1), self_conditioned=chosen)
+    by_position = torch.empty_like(logits)
+    by_position[:, layout.noisy_positions] = logits
+    return by_position[:, start:start + BLOCK]
+
+
+def _relative_error(got, expected):
+    finite = torch.isfinite(expected)
+    assert torch.equal(finite, torch.isfinite(got)), "different entries are -inf"
+    return ((got - expected)[finite].abs().max() / expected[finite].abs().max()).item()
+
+
+def _self_conditioned_checks(rank, world_size):
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_csbp.core.objectives import UNIFORM_STATE
+    from megatron_csbp.mcore import cpu_backend
+    from megatron_csbp.tools.sampling import SamplingSettings, _BlockLogits, generate
+
+    with cpu_backend.active():
+        mpu.initialize_model_parallel()
+        torch.manual_seed(0)
+        model_parallel_cuda_manual_seed(0)
+        trained, sampler, layout = _build()
+        model_parallel_cuda_manual_seed(0)
+        uncapped = _build(softcap=None)[1]
+        uncapped.load_state_dict(sampler.state_dict())
+        generator = torch.Generator().manual_seed(1)
+        errors, controls = {}, {}
+        for kv_cache in (True, False):
+            settings = SamplingSettings(block_size=BLOCK, mask_token_id=MASK, vocab_size=MASK, steps_per_block=3,
+                                        strategy="diffusion-gemma", corruption=UNIFORM_STATE, kv_cache=kv_cache)
+            logits = _BlockLogits(sampler, 2, SEQ, settings)
+            worst = [0.0, 0.0]
+            sequence = torch.randint(0, MASK, (2, SEQ), generator=generator)
+            for start in (8, 12, 20):  # two blocks of prefill first, then one block, then two more
+                committed = sequence[:, :start]
+                canvas = torch.randint(0, MASK, (2, BLOCK), generator=generator)
+                with torch.no_grad():
+                    first = logits(committed, canvas)
+                    second = logits(committed, canvas, first)
+                worst[0] = max(worst[0], _relative_error(
+                    first, _training_logits(trained, layout, committed, canvas, False, generator)))
+                expected = _training_logits(trained, layout, committed, canvas, True, generator)
+                worst[1] = max(worst[1], _relative_error(second, expected))
+                if not controls:  # without the signal, and without the softcap, the logits miss
+                    controls["signal dropped"] = _relative_error(first, expected)
+                    control = _BlockLogits(uncapped, 2, SEQ, settings)
+                    with torch.no_grad():
+                        controls["softcap off"] = _relative_error(control(committed, canvas, first), expected)
+            errors[f"kv cache {'on' if kv_cache else 'off'}"] = worst
+        tokens = {}
+        for kv_cache in (True, False):
+            settings = SamplingSettings(block_size=BLOCK, mask_token_id=MASK, vocab_size=MASK, steps_per_block=6,
+                                        strategy="diffusion-gemma", corruption=UNIFORM_STATE, kv_cache=kv_cache,
+                                        seed=3)
+            generation = generate(sampler, [[3, 1, 4, 1, 5, 9], [2, 7, 1, 8, 2, 8, 1, 8, 2]], 10, settings)
+            tokens[kv_cache] = generation.tokens
+        mpu.destroy_model_parallel()
+    return errors, controls, tokens
+
+
+def test_sampler_logits_equal_the_self_conditioned_training_forward():
+    """A tiny `--bdlm-objective diffusion-gemma` model (token-causal clean stream, softcap 10, scaled embeddings):
+    the sampler's canvas logits without a signal equal the training forward's first pass, and given those logits
+    as the self-conditioning logits equal the self-conditioned training forward (whose signal is its first pass's
+    expected embedding), cached and not (<= 1e-5). The cache changes no token. Negative controls: the signal
+    dropped, and the softcap off, miss (> 1e-2)."""
+    errors, controls, tokens = run_ranks(_self_conditioned_checks, 1, timeout=300)[0]
+    print(errors, controls)
+    for name, (first, second) in errors.items():
+        assert first <= TOLERANCE and second <= TOLERANCE, (name, first, second)
+    assert all(miss > 1e-2 for miss in controls.values()), controls
+    assert tokens[True] == tokens[False] and all(len(t) == 10 and MASK not in t for t in tokens[True]), tokens
+
+
+# ---------------------------------------------------------------------------------------- a trained checkpoint
+TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, group_query_attention="true",
+            num_query_groups=2, normalization="RMSNorm", swiglu="true", disable_bias_linear="true",
+            attention_dropout=0, hidden_dropout=0, seq_length=64, bdlm_block_size=8, split="90,10,0",
+            micro_batch_size=4, global_batch_size=8, lr=3e-3, min_lr=3e-4, lr_decay_style="cosine",
+            use_cpu_initialization="true", log_interval=20, eval_iters=0, seed=1234,
+            bdlm_objective="diffusion-gemma", bdlm_clean_attention="token-causal", bdlm_ar_loss_weight=1.0,
+            final_logit_softcapping=30.0, scale_embeddings="true")
+ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+PROMPTS = ["abcdefgh", "ijklmnop"]  # one block each
+NEW_TOKENS = 16
+
+
+def _environment():
+    env = {key: value for key, value in os.environ.items() if not key.startswith("MEGATRON_CSBP_TEST")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=REPO)
+    return env
+
+
+def _run(command, expect=0):
+    done = subprocess.run(command, cwd=REPO, env=_environment(), timeout=600, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    assert done.returncode == expect, f"exit status {done.returncode}, expected {expect}:\n{done.stdout[-4000:]}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def alphabet_checkpoint(tmp_path_factory):
+    """A tiny DiffusionGemma model trained 120 iterations on the repeated alphabet by scripts/pretrain_bdlm.py."""
+    from megatron_csbp.data.datasets import write_indexed_dataset
+
+    root = tmp_path_factory.mktemp("alphabet_dg")
+    documents = [list((ALPHABET * 20)[i:i + 400].encode()) for i in range(26) for _ in range(3)]
+    write_indexed_dataset(documents, str(root / "alphabet"), 257)
+    overrides = [f"{key.replace('_', '-')}={value}" for key, value in {**TINY, "data_path": root / "alphabet"}.items()]
+    _run([sys.executable, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), *overrides, "train-iters=120",
+          "lr-warmup-iters=5", f"save={root / 'trained'}"])
+    return root / "trained"
+
+
+def _generate(load, *flags, expect=0):
+    return _run([sys.executable, os.path.join(REPO, "scripts", "generate_bdlm.py"), "--load", str(load), *flags],
+                expect)
+
+
+def test_a_trained_diffusion_gemma_checkpoint_samples_through_the_script(alphabet_checkpoint):
+    """scripts/generate_bdlm.py --strategy diffusion-gemma on the trained checkpoint (the sampler builds its
+    self-conditioning block, softcap and embedding scale; the weights load): it prints its settings and the
+    samples, which continue the alphabet; the same seed gives the same samples, the early stop saves calls."""
+    prompts = [flag for prompt in PROMPTS for flag in ("--prompt", prompt)]
+    flags = ["--strategy", "diffusion-gemma", *prompts, "--max-new-tokens", str(NEW_TOKENS), "--steps-per-block", "16",
+             "--ignore-eos"]
+    output = _generate(alphabet_checkpoint, *flags)
+    print(output)
+    samples = [eval(line.split(": ", 1)[1]) for line in output.splitlines() if line.startswith("sample ")]
+    expected = [(ALPHABET * 3)[ALPHABET.index(p[-1]) + 1:][:NEW_TOKENS] for p in PROMPTS]
+    right = sum(a == b for sample, want in zip(samples, expected) for a, b in zip(sample, want))
+    print(f"samples {samples}, expected {expected}: {right} of {2 * NEW_TOKENS} right")
+    assert len(samples) == 2 and all(len(sample) == NEW_TOKENS for sample in samples), output
+    assert right >= NEW_TOKENS, (samples, expected)  # an untrained model gets ~1 in 257
+    settings = next(line for line in output.splitlines() if line.startswith("checkpoint "))
+    assert "strategy diffusion-gemma (entropy bound 0.1)" in settings and "temperature 0.8 -> 0.4" in settings
+    calls = int(re.search(r"(\d+) model calls", output).group(1))
+    assert _generate(alphabet_checkpoint, *flags).splitlines()[-2:-1] == output.splitlines()[-2:-1]
+    full = int(re.search(r"(\d+) model calls", _generate(alphabet_checkpoint, *flags, "--no-early-stop")).group(1))
+    print(f"model calls: {calls} with the early stop, {full} without")
+    assert full == 2 * 16 and calls <= full
+
+
+def test_bad_diffusion_gemma_input_is_a_one_line_refusal_with_exit_2(alphabet_checkpoint, tmp_path, capsys,
+                                                                       monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    from megatron_csbp.tools import generate
+
+    mask_config = tmp_path / "bd3lm.yaml"
+    mask_config.write_text("bdlm-objective: bd3lm\n")
+    base = ["--load", str(alphabet_checkpoint), "--prompt", "abc", "--max-new-tokens", "8"]
+    dg = [*base, "--strategy", "diffusion-gemma"]
+    cases = [
+        ([*base, "--strategy", "confidence"], "--strategy confidence decodes from MASK tokens, but this checkpoint's --bdlm-objective trains a "
+               "uniform-state corruption (no MASK): use --strategy diffusion-gemma"),
+        ([*base, "--strategy", "top-k"], "--strategy top-k decodes from MASK tokens"),
+        ([*dg, "--config", str(mask_config)], "--strategy diffusion-gemma decodes a uniform-state model"),
+        ([*dg, "--entropy-bound", "0"], "--entropy-bound 0.0 must be > 0"),
+        ([*dg, "--t-min", "-1"], "--t-min -1.0 must be >= 0"),
+        ([*dg, "--t-max", "0.3"], "--t-max 0.3 must be > --t-min 0.4"),
+        ([*dg, "--stability-threshold", "-1"], "--stability-threshold -1 must be >= 0"),
+        ([*dg, "--confidence-threshold", "0"], "--confidence-threshold 0.0 must be > 0"),
+        ([*dg, "--temperature", "1"], "drop --temperature, --top-k and --top-p"),
+        ([*dg, "--steps-per-block", "0"], "--steps-per-block 0 must be >= 1"),
+        ([*base, "--strategy", "top-k", "--entropy-bound", "0.2", "--no-early-stop"],
+         "--entropy-bound, --no-early-stop: for --strategy diffusion-gemma only (this is top-k)"),
+    ]
+    for argv, message in cases:
+        assert generate.main(argv) == 2, argv
+        error = capsys.readouterr().err.strip()
+        print(error)
+        assert len(error.splitlines()) == 1 and message in error and error.startswith("generate_bdlm.py: error:"), \
+            (argv, error)
