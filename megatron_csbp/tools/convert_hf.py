@@ -141,6 +141,8 @@ def _tokenizer_with_mask(hf_dir: str, mask_token: str | None):
 def _check_tying(weights, flags: dict, hf_dir: str) -> None:
     import torch
 
+    from megatron_csbp.tools import hf
+
     tied = not flags["untie-embeddings-and-output-weights"]
     if tied and "lm_head.weight" in weights:
         if not torch.equal(weights.get("lm_head.weight"), weights.get(hf.embedding_key(hf.read_config(hf_dir)))):
@@ -199,6 +201,9 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
     weights = hf.SafetensorsDir(hf_dir)
     _check_tying(weights, flags, hf_dir)
     hf.check_shapes(hf_dir, weights)
+    problem = flags.get("gemma4-attention") and hf_diffusion_gemma.weights_problem(weights, flags["num-layers"])
+    if problem:
+        raise hf.UnsupportedModel(f"--hf-dir {hf_dir}: {problem}")
     hf_rows = weights.shape(hf.embedding_key(config))[0]
     used = {name for names in hf.name_map(hf.Shape.from_flags(flags)).values() for name in names} | {"lm_head.weight"}
     unused = sorted(key for key in weights.keys() if key not in used and not key.endswith(_IGNORED_HF_TENSORS)

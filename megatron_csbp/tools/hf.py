@@ -521,7 +521,9 @@ def rope_parameters(positions: RotaryPositions) -> dict:
 
 def embedding_key(config: dict) -> str:
     """The HF name of the input embedding of a model with `config`."""
-    return hf_diffusion_gemma.EMBEDDING if hf_diffusion_gemma.is_diffusion_gemma(config) else "model.embed_tokens.weight"
+    if hf_diffusion_gemma.is_diffusion_gemma(config):
+        return hf_diffusion_gemma.EMBEDDING
+    return "model.embed_tokens.weight"
 
 
 def model_name(config: dict) -> str:

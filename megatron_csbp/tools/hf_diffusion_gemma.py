@@ -124,6 +124,17 @@ def model_flags(config: dict) -> dict:
     return flags
 
 
+def weights_problem(weights, num_layers: int) -> str | None:
+    """What of the HF weights (`hf.SafetensorsDir`) is not one model (one line), or None: the encoder's layer
+    scalars, buffers stored beside the decoder's, must equal them."""
+    for layer in range(num_layers):
+        decoder, encoder = f"model.decoder.layers.{layer}.layer_scalar", ENCODER_SCALAR.format(layer)
+        if decoder in weights and encoder in weights and not torch.equal(weights.get(decoder), weights.get(encoder)):
+            return (f"{encoder} ({weights.get(encoder).tolist()}) is not {decoder} ({weights.get(decoder).tolist()}): "
+                    f"transformers' encoder and decoder are one model only when they agree; restore the weights")
+    return None
+
+
 def name_map(shape) -> dict[str, list[str]]:
     """Every megatron tensor name (one rank; `layer_scalar` is a buffer) -> the HF tensor names it is built from."""
     names = {"embedding.word_embeddings.weight": [EMBEDDING],
@@ -138,7 +149,8 @@ def name_map(shape) -> dict[str, list[str]]:
             attention.append("self_attn.v_proj.weight")
         per_layer = {
             "layer_scalar": ["layer_scalar"], "input_layernorm.weight": ["input_layernorm.weight"],
-            "self_attention.linear_qkv.weight": attention, "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
+            "self_attention.linear_qkv.weight": attention,
+            "self_attention.linear_proj.weight": ["self_attn.o_proj.weight"],
             "self_attention.q_layernorm.weight": ["self_attn.q_norm.weight"],
             "self_attention.k_layernorm.weight": ["self_attn.k_norm.weight"],
             "self_attention.post_attention_layernorm.weight": ["post_attention_layernorm.weight"],
@@ -174,12 +186,8 @@ def to_megatron(name: str, hf_tensors: list, shape, vocab_rows) -> torch.Tensor:
     `vocab_rows(tensor)`: the embedding padded to ours (`hf._vocab_rows`)."""
     if name == "embedding.word_embeddings.weight":
         return vocab_rows(hf_tensors[0])
-    if name.endswith("layer_scalar"):
-        decoder, encoder = hf_tensors
-        if not torch.equal(decoder, encoder):
-            raise ConfigError(f"{name}: the encoder's layer_scalar ({encoder.tolist()}) is not the decoder's "
-                              f"({decoder.tolist()}); transformers' two halves are one model only when they agree")
-        return decoder
+    if name.endswith("layer_scalar"):  # the decoder's (the encoder's equal: `weights_problem`)
+        return hf_tensors[0]
     if name.endswith("linear_qkv.weight"):
         groups, head, shared = _attention_shape(name, shape)
         q, k = hf_tensors[0].view(groups, -1, hf_tensors[0].shape[-1]), hf_tensors[1].view(groups, head, -1)
