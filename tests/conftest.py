@@ -59,6 +59,7 @@ MODULE_MARKERS = {
     "test_megatron_composition": ("spawn", "slow"),
     "test_moe": ("spawn", "slow"),
     "test_gemma4_moe": ("spawn", "slow"),
+    "test_hf_diffusion_gemma": ("spawn", "slow"),
     "test_gemma4_attention": ("spawn", "slow"),
     "test_bench": ("spawn", "slow"),
     "test_bench_windows": ("spawn",),

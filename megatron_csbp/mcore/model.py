@@ -122,6 +122,8 @@ def set_shape_config(config, shape) -> None:
     config.gemma4_attention = shape.gemma4_attention
     if config.gemma4_attention is not None:  # its query and key norms set the scores' scale (`gemma4_attention`)
         config.qk_layernorm, config.softmax_scale = True, 1.0
+        # global and sliding layers' attention differ in shape: each layer gets checkpoint keys of its own
+        config.hetereogenous_dist_checkpoint = True
     if config.gemma4_moe:  # Gemma 4's MLPs, dense and experts: gated GELU-tanh
         config.gated_linear_unit, config.activation_func = True, gemma4_moe.gelu_tanh
     if linear is not None:

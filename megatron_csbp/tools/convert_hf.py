@@ -4,9 +4,9 @@
                                         [--make-vocab-size-divisible-by N] [--mask-token TOKEN]
     python scripts/convert_hf.py export --load CKPT --hf-dir OUT [--max-shard-size-mb M] [--format hf|sdar|fast-dllm-v2]
 
-import: a dense Llama / Mistral / Qwen2 / Qwen3, a Qwen3-MoE or a Qwen3.5 (Gated DeltaNet hybrid) directory
-(`config.json`, `*.safetensors`, tokenizer files; nothing is downloaded) becomes `CKPT/iter_0000000`, a model-only
-checkpoint (fp32) that training loads with `--load CKPT --finetune` into any TP / PP / CSBP (/ EP) layout
+import: a dense Llama / Mistral / Qwen2 / Qwen3, a Qwen3-MoE, a Qwen3.5 (Gated DeltaNet hybrid) or a DiffusionGemma
+directory (`config.json`, `*.safetensors`, tokenizer files; nothing is downloaded) becomes `CKPT/iter_0000000`, a
+model-only checkpoint (fp32) that training loads with `--load CKPT --finetune` into any TP / PP / CSBP (/ EP) layout
 (dist_checkpointing reshards it). Beside it: `CKPT/hf/` (the tokenizer with the MASK token, for `--tokenizer-type
 HuggingFaceTokenizer`, and the HF config) and `CKPT/model.yaml`, the model flags as a config fragment. The MASK
 token is a new one, `<|mask|>`, right after the tokenizer's ids (its rows: see `megatron_csbp.tools.hf`), or, with
@@ -45,7 +45,7 @@ import sys
 from megatron_csbp.core import modes, objectives
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.tools import hf_formats
+from megatron_csbp.tools import hf_diffusion_gemma, hf_formats
 
 NEW_MASK_TOKEN = "<|mask|>"
 HF_SIDE = "hf"  # CKPT/hf: the tokenizer and HF config the checkpoint goes with
@@ -85,6 +85,12 @@ def _uninitialised_model(args, vocabulary):
     run_providers = providers.RunProviders(args, vocabulary)
     run_providers.run.config.perform_initialization = False
     return run_providers.model_provider(True, True)
+
+
+def _model_tensors(model, names) -> dict:
+    """The model's parameters, and the buffers the mapping names (Gemma 4's `layer_scalar`), by name."""
+    buffers = {name: buffer for name, buffer in model.named_buffers() if name in names}
+    return {**dict(model.named_parameters()), **buffers}
 
 
 def _single_rank(args):
@@ -135,9 +141,11 @@ def _tokenizer_with_mask(hf_dir: str, mask_token: str | None):
 def _check_tying(weights, flags: dict, hf_dir: str) -> None:
     import torch
 
+    from megatron_csbp.tools import hf
+
     tied = not flags["untie-embeddings-and-output-weights"]
     if tied and "lm_head.weight" in weights:
-        if not torch.equal(weights.get("lm_head.weight"), weights.get("model.embed_tokens.weight")):
+        if not torch.equal(weights.get("lm_head.weight"), weights.get(hf.embedding_key(hf.read_config(hf_dir)))):
             raise ConfigError(f"--hf-dir {hf_dir}: config.json ties the embeddings (tie_word_embeddings) but "
                               f"lm_head.weight differs from the embedding; fix tie_word_embeddings")
     if not tied and "lm_head.weight" not in weights:
@@ -193,10 +201,13 @@ def import_checkpoint(hf_dir: str, save: str, *, tensor_model_parallel_size: int
     weights = hf.SafetensorsDir(hf_dir)
     _check_tying(weights, flags, hf_dir)
     hf.check_shapes(hf_dir, weights)
-    hf_rows = weights.shape("model.embed_tokens.weight")[0]
+    problem = flags.get("gemma4-attention") and hf_diffusion_gemma.weights_problem(weights, flags["num-layers"])
+    if problem:
+        raise hf.UnsupportedModel(f"--hf-dir {hf_dir}: {problem}")
+    hf_rows = weights.shape(hf.embedding_key(config))[0]
     used = {name for names in hf.name_map(hf.Shape.from_flags(flags)).values() for name in names} | {"lm_head.weight"}
     unused = sorted(key for key in weights.keys() if key not in used and not key.endswith(_IGNORED_HF_TENSORS)
-                    and not key.startswith(_DROPPED_HF_PREFIXES))
+                    and not key.startswith(_DROPPED_HF_PREFIXES + hf_diffusion_gemma.DROPPED_PREFIXES))
     if unused:
         raise hf.UnsupportedModel(f"--hf-dir {hf_dir}: tensors the mapping cannot express, e.g. {unused[0]} "
                                   f"({len(unused)} in all)")
@@ -278,8 +289,9 @@ def _write_import(hf_dir, save, private, config, flags, weights, tokenizer, mask
                      f"vocabulary).\n")
         yaml.safe_dump(fragment, handle, sort_keys=False)
 
-    args = parse_args(["--config", fragment_path, "seq-length=32", "bdlm-block-size=16", "micro-batch-size=1",
-                       "train-iters=1", "lr=0", "data-path=unused", "finetune=true",
+    block = fragment.get("bdlm-block-size", 16)  # a model's own canvas (DiffusionGemma's), else a placeholder
+    args = parse_args(["--config", fragment_path, f"seq-length={2 * block}", f"bdlm-block-size={block}",
+                       "micro-batch-size=1", "train-iters=1", "lr=0", "data-path=unused", "finetune=true",
                        f"tokenizer-model={os.path.join(side, 'tokenizer.json')}",
                        f"tensor-model-parallel-size={tensor_model_parallel_size}"])
     args = validate_args(args, tensor_model_parallel_size, on_accelerator=False, check_paths=False)
@@ -297,7 +309,7 @@ def _write_import(hf_dir, save, private, config, flags, weights, tokenizer, mask
     names = hf.name_map(shape)
     with _single_process():
         model = _uninitialised_model(args, vocabulary)
-        parameters = dict(model.named_parameters())
+        parameters = _model_tensors(model, names)
         if set(parameters) != set(names):
             raise RuntimeError(f"the mapping and the model disagree: {sorted(set(parameters) ^ set(names))[:4]}")
         with torch.no_grad():
@@ -316,6 +328,8 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
     from megatron_csbp.core.positions import RotaryPositions
     from megatron_csbp.tools import hf, hf_formats
 
+    if getattr(args, "gemma4_attention", False):  # DiffusionGemma: a block-diffusion model of its own form
+        return _diffusion_gemma_config(args, base, rows, dtype, export_format)
     if args.normalization != "RMSNorm" or not args.swiglu or args.add_bias_linear:
         raise hf.UnsupportedModel("export needs a Llama-family model (--normalization RMSNorm --swiglu "
                                   "--disable-bias-linear); this checkpoint has another shape")
@@ -365,6 +379,20 @@ def export_config(args, base: dict | None, rows: int, dtype, export_format: str 
     config.update(window_keys)
     return hf_formats.export_format(export_format).config(config, family, objective, args.bdlm_block_size,
                                                           args.mask_token_id, clean_attention)
+
+
+def _diffusion_gemma_config(args, base, rows, dtype, export_format) -> dict:
+    """DiffusionGemma's `config.json` (`hf_diffusion_gemma.export_config`); its one form is transformers'."""
+    from megatron_csbp.tools import hf, hf_formats
+
+    if export_format != hf_formats.HF.name:
+        raise hf.UnsupportedModel(f"--format {export_format}: its engine has no DiffusionGemma; export it with "
+                                  f"--format {hf_formats.HF.name} (DiffusionGemmaForBlockDiffusion)")
+    problem = hf_diffusion_gemma.export_problem(args)
+    if problem:
+        raise hf.UnsupportedModel(problem)
+    keys = hf.bdlm_config(args.bdlm_objective, args.bdlm_block_size, args.mask_token_id, args.bdlm_clean_attention)
+    return hf_diffusion_gemma.export_config(args, base, rows, dtype, keys)
 
 
 # what transformers 5 writes in tokenizer_config.json that transformers 4 (the serving engines pin 4.5x) cannot load
@@ -508,16 +536,18 @@ def export_checkpoint(load: str, out: str, *, max_shard_bytes: int = 2 << 30, ov
     names = hf.name_map(shape)
     with _single_process():
         model = _uninitialised_model(args, vocabulary)
-        parameters = dict(model.named_parameters())
+        parameters = _model_tensors(model, names)
         side_bytes = sum(os.path.getsize(os.path.join(hf_side, name)) for name in os.listdir(hf_side)) if hf_side else 0
         publish.require_free_space(out, sum(p.numel() for p in parameters.values()) * dtype.itemsize + side_bytes
                                    + (1 << 20), "--hf-dir")
         checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,
                                       log=lambda *_: None)
-    shards, size = [[]], 0
+    shards, size, unit = [[]], 0, None
     for name, parameter in parameters.items():
         nbytes = parameter.numel() * parameter.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
+        # a layer's experts stay in one shard: a hub may hold them as one tensor (`hf.hub_tensors`)
+        unit, previous = name.split("local_experts.")[0] if "local_experts." in name else name, unit
+        if shards[-1] and size + nbytes > max_shard_bytes and unit != previous:
             shards.append([])
             size = 0
         shards[-1].append(name)
@@ -555,8 +585,10 @@ def _write_export(out, shards, parameters, names, shape, vocab, dtype, config, h
         for name in shard:
             for key, tensor in zip(names[name], hf.to_hf(name, parameters[name].detach(), shape, vocab)):
                 tensors[key] = tensor.to(dtype).clone()
-                weight_map[key] = file
-                total += tensors[key].numel() * tensors[key].element_size()
+        tensors = hf.hub_tensors(shape, tensors)
+        for key, tensor in tensors.items():
+            weight_map[key] = file
+            total += tensor.numel() * tensor.element_size()
         save_file(tensors, os.path.join(out, file), metadata={"format": "pt"})
         del tensors
     if len(shards) > 1:

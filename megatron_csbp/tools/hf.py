@@ -1,5 +1,6 @@
 """Hugging Face <-> megatron-core weights for Llama-family models: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE,
-Ministral 3, and the Gated DeltaNet hybrid Qwen3.5.
+Ministral 3, and the Gated DeltaNet hybrid Qwen3.5; and DiffusionGemma, whose mapping is its own module
+(`hf_diffusion_gemma`), reached through this one's functions.
 
 One mapping, both directions; `scripts/convert_hf.py` drives it (import: HF directory -> our `torch_dist`
 checkpoint; export: any of our checkpoints -> HF directory). Megatron-Bridge's `AutoBridge` is the
@@ -64,6 +65,7 @@ from megatron_csbp.core.model_shape import GATED_DELTA_NET, linear_attention_pat
 from megatron_csbp.core.positions import QueryScaling, RotaryPositions, YaRN, yarn_mscale
 from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
+from megatron_csbp.tools import hf_diffusion_gemma
 
 
 class UnsupportedModel(ConfigError):
@@ -517,6 +519,13 @@ def rope_parameters(positions: RotaryPositions) -> dict:
     return written
 
 
+def embedding_key(config: dict) -> str:
+    """The HF name of the input embedding of a model with `config`."""
+    if hf_diffusion_gemma.is_diffusion_gemma(config):
+        return hf_diffusion_gemma.EMBEDDING
+    return "model.embed_tokens.weight"
+
+
 def model_name(config: dict) -> str:
     """The model's class (`architectures[0]`), else its `model_type`."""
     architectures = config.get("architectures") or []
@@ -612,6 +621,8 @@ def model_flags(config: dict, hf_dir: str = ".") -> dict:
     """Our model flags (YAML keys) for the HF config of `hf_dir`."""
     _refuse(model_name(config) in REFUSED_MULTIMODAL, f"{model_name(config)}: its vision model does not convert; "
                                                       f"convert the text model alone, as Qwen3_5ForCausalLM")
+    if hf_diffusion_gemma.is_diffusion_gemma(config):
+        return hf_diffusion_gemma.model_flags(config)
     check_config(config, hf_dir, required=True)
     family = FAMILIES[model_family(config)]
     positions = hf_positions(config, model_name(config), family)
@@ -672,6 +683,11 @@ class Shape:
     # the rows of a Gated DeltaNet layer's fused in_proj: q, k and v, the output gate z, b, a
     in_proj_rows: tuple[int, ...] = ()
     output_gate: bool = False  # the attention's output gate (megatron's --attention-output-gate)
+    # Gemma 4's attention (DiffusionGemma, `hf_diffusion_gemma`): per layer 1 global, 0 sliding (empty: not Gemma 4),
+    # and the global layers' head size and K/V heads
+    gemma4_globals: tuple[int, ...] = ()
+    global_head_dim: int = 0
+    global_groups: int = 0
 
     @classmethod
     def from_args(cls, args) -> "Shape":
@@ -680,7 +696,7 @@ class Shape:
                    not args.untie_embeddings_and_output_weights, tuple(moe_layer_pattern(args)),
                    getattr(args, "num_experts", None) or 0,
                    *_linear_shape({name: getattr(args, name, None) for name in _LINEAR_ARGS}, args.num_layers),
-                   output_gate=bool(getattr(args, "attention_output_gate", False)))
+                   output_gate=bool(getattr(args, "attention_output_gate", False)), **_gemma4_shape(args))
 
     @classmethod
     def from_flags(cls, flags: dict) -> "Shape":
@@ -688,12 +704,30 @@ class Shape:
         experts = flags.get("num-experts") or 0
         pattern = rules.moe_layer_pattern(flags["moe-layer-freq"], flags["num-layers"]) if experts else []
         linear = _linear_shape({name: flags.get(name.replace("_", "-")) for name in _LINEAR_ARGS}, flags["num-layers"])
+        gemma4 = {}
+        if flags.get("gemma4-attention"):
+            sliding = flags.get("window-attn-skip-freq") or [int("window-size" in flags)] * flags["num-layers"]
+            gemma4 = dict(gemma4_globals=tuple(1 - layer for layer in sliding),
+                          global_head_dim=flags["global-kv-channels"], global_groups=flags["global-num-query-groups"])
         return cls(flags["num-layers"], flags["num-attention-heads"], flags["num-query-groups"], flags["kv-channels"],
-                   flags["add-qkv-bias"], flags["qk-layernorm"], not flags["untie-embeddings-and-output-weights"],
-                   tuple(pattern), experts, *linear, output_gate=bool(flags.get("attention-output-gate", False)))
+                   flags.get("add-qkv-bias", False), flags["qk-layernorm"],
+                   not flags["untie-embeddings-and-output-weights"], tuple(pattern), experts, *linear,
+                   output_gate=bool(flags.get("attention-output-gate", False)), **gemma4)
 
 
 _LINEAR_ARGS = ("experimental_attention_variant", "linear_attention_freq", *LINEAR_SIZES)
+
+
+def _gemma4_shape(args) -> dict:
+    """`Shape`'s Gemma 4 fields of a checkpoint's (or an import's) resolved run: its global layers and their sizes."""
+    if not getattr(args, "gemma4_attention", False):
+        return {}
+    from megatron_csbp.core.run_config import RunConfig
+
+    run = RunConfig.from_args(args)
+    attention = run.shape.gemma4_attention
+    return dict(gemma4_globals=tuple(int(not window.sliding) for window in run.layer_windows),
+                global_head_dim=attention.global_kv_channels, global_groups=attention.global_query_groups)
 
 
 def _linear_shape(values: dict, num_layers: int) -> tuple[tuple, tuple]:
@@ -768,6 +802,8 @@ def _layer_names(shape: Shape, sparse: bool = False, linear: bool = False) -> di
 
 def name_map(shape: Shape) -> dict[str, list[str]]:
     """Every megatron parameter name (one rank, no parallelism) -> the HF tensor names it is built from."""
+    if shape.gemma4_globals:
+        return hf_diffusion_gemma.name_map(shape)
     names = {"embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
              "decoder.final_layernorm.weight": ["model.norm.weight"]}
     if not shape.tied:
@@ -817,6 +853,9 @@ def _vocab_rows(hf_rows_tensor, vocab: Vocabulary, dtype):
 
 def to_megatron(name: str, hf_tensors: list, shape: Shape, vocab: Vocabulary, dtype) -> torch.Tensor:
     """The megatron parameter `name` from the HF tensors `name_map(shape)[name]` names (in that order)."""
+    if shape.gemma4_globals:
+        return hf_diffusion_gemma.to_megatron(name, hf_tensors, shape,
+                                              lambda rows: _vocab_rows(rows, vocab, dtype)).to(dtype)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return _vocab_rows(hf_tensors[0], vocab, dtype)
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
@@ -826,6 +865,8 @@ def to_megatron(name: str, hf_tensors: list, shape: Shape, vocab: Vocabulary, dt
 
 def to_hf(name: str, tensor: torch.Tensor, shape: Shape, vocab: Vocabulary) -> list[torch.Tensor]:
     """The HF tensors `name_map(shape)[name]` names, from the megatron parameter `name`."""
+    if shape.gemma4_globals:
+        return hf_diffusion_gemma.to_hf(name, tensor, shape, vocab.rows)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         return [tensor[:vocab.rows]]
     if name.endswith("linear_qkv.weight") or name.endswith("linear_qkv.bias"):
@@ -835,6 +876,11 @@ def to_hf(name: str, tensor: torch.Tensor, shape: Shape, vocab: Vocabulary) -> l
     if name.endswith("self_attention.in_proj.weight"):
         return list(tensor.split(list(shape.in_proj_rows)))
     return [tensor]
+
+
+def hub_tensors(shape: Shape, tensors: dict) -> dict:
+    """`tensors` (HF names) as the hub stores them: DiffusionGemma's experts fused per layer, the others as named."""
+    return hf_diffusion_gemma.hub_tensors(tensors) if shape.gemma4_globals else tensors
 
 
 INDEX = "model.safetensors.index.json"
@@ -868,7 +914,10 @@ def _shard_files(hf_dir: str) -> list[str]:
 # transformers 5's fused experts (its `qwen2_moe` weight converter, which `qwen3_moe` shares): the stored tensor
 # `[E, k * R, C]` per layer -> expert e's k hub tensors `[R, C]`, rows `[j * R, (j + 1) * R)` the j-th.
 FUSED_EXPERTS = {"mlp.experts.gate_up_proj": ("mlp.experts.{}.gate_proj.weight", "mlp.experts.{}.up_proj.weight"),
-                 "mlp.experts.down_proj": ("mlp.experts.{}.down_proj.weight",)}
+                 "mlp.experts.down_proj": ("mlp.experts.{}.down_proj.weight",),
+                 # DiffusionGemma's (Gemma 4's) layers hold their experts beside the dense MLP, as `experts`
+                 "experts.gate_up_proj": ("experts.{}.gate_proj.weight", "experts.{}.up_proj.weight"),
+                 "experts.down_proj": ("experts.{}.down_proj.weight",)}
 
 
 def unfused_names(key: str, shape) -> dict[str, tuple[int, int, int, list[int]]]:
@@ -953,13 +1002,17 @@ class SafetensorsDir:
 def check_shapes(hf_dir: str, weights: SafetensorsDir) -> None:
     """Refuses weights whose shapes are not those `config.json` gives the model. The expected shapes are
     transformers' own: its model class built from the config on the meta device (no memory, no init)."""
+    import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         config = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+        model_class = AutoModelForCausalLM
+        if config.model_type == hf_diffusion_gemma.MODEL_TYPE:  # a block-diffusion model, not a causal LM
+            model_class = getattr(transformers, hf_diffusion_gemma.ARCHITECTURE)
         with torch.device("meta"):
-            expected = {name: list(tensor.shape)
-                        for name, tensor in AutoModelForCausalLM.from_config(config).state_dict().items()}
+            model = model_class(config) if model_class is not AutoModelForCausalLM else model_class.from_config(config)
+            expected = {name: list(tensor.shape) for name, tensor in model.state_dict().items()}
     except Exception as error:  # noqa: BLE001 - transformers refusing the config, in its own words
         raise ConfigError(f"--hf-dir {hf_dir}: transformers cannot build a model from its config.json "
                           f"({type(error).__name__}: {' '.join(str(error).split())[:160]})") from None
