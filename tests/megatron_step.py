@@ -110,6 +110,18 @@ def _load(model, weights):
         param.data.copy_(full)
 
 
+def micro_batches(dp_rank, dp_size, *, micro_batch, num_micro, seq=SEQ, seed=2024):
+    """This data-parallel rank's share of `num_micro` micro-batches of `micro_batch` random clean samples (`seq`
+    ids below MASK, drawn from `seed`), each with its sample index (100 on): the same samples on every layout."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, MASK, (micro_batch * num_micro, seq), generator=generator)
+    sample_index = torch.arange(micro_batch * num_micro) + 100
+    per_rank = num_micro // dp_size
+    return [{"tokens": tokens[m * micro_batch:(m + 1) * micro_batch],
+             "sample_index": sample_index[m * micro_batch:(m + 1) * micro_batch]}
+            for m in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
+
+
 def train_step(topology, weights, build_model, forward_step, batches, micro_batch_size, make_config=_config,
                before_step=None, after_step=None, ddp_options=None, iterations=1):
     """One Megatron training step under `topology` from `weights` (full tensors by global name; None: Megatron's

@@ -13,7 +13,7 @@
 import pytest
 import torch
 
-from megatron_step import BLOCK, MASK, SEQ, VOCAB, Topology, run_steps, train_step, worst_error
+from megatron_step import BLOCK, MASK, SEQ, VOCAB, Topology, micro_batches, run_steps, train_step, worst_error
 from spawn import on_cpu_backend, run_ranks
 
 pytest_plugins = ["pretrain_runs"]  # the corpus fixture
@@ -89,13 +89,7 @@ def _build_model(topology, config):
 
 
 def _batches(dp_rank, dp_size):
-    generator = torch.Generator().manual_seed(2024)
-    tokens = torch.randint(0, MASK, (MICRO_BATCH * NUM_MICRO, SEQ), generator=generator)
-    sample_index = torch.arange(MICRO_BATCH * NUM_MICRO) + 100
-    per_rank = NUM_MICRO // dp_size
-    return [{"tokens": tokens[m * MICRO_BATCH:(m + 1) * MICRO_BATCH],
-             "sample_index": sample_index[m * MICRO_BATCH:(m + 1) * MICRO_BATCH]}
-            for m in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
+    return micro_batches(dp_rank, dp_size, micro_batch=MICRO_BATCH, num_micro=NUM_MICRO, seed=2024)
 
 
 def _every_ring_objective():

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_step import MASK, SEQ, VOCAB, Topology, _config, run_steps, train_step, worst_error
+from megatron_step import MASK, VOCAB, Topology, _config, micro_batches, run_steps, train_step, worst_error
 from spawn import run_ranks
 
 MICRO_BATCH, NUM_MICRO = 2, 2
@@ -78,13 +78,7 @@ def _build_model(topology, config):
 
 
 def _batches(dp_rank, dp_size):
-    generator = torch.Generator().manual_seed(2025)
-    tokens = torch.randint(0, MASK, (MICRO_BATCH * NUM_MICRO, SEQ), generator=generator)
-    sample_index = torch.arange(MICRO_BATCH * NUM_MICRO) + 100
-    per_rank = NUM_MICRO // dp_size
-    return [{"tokens": tokens[m * MICRO_BATCH:(m + 1) * MICRO_BATCH],
-             "sample_index": sample_index[m * MICRO_BATCH:(m + 1) * MICRO_BATCH]}
-            for m in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
+    return micro_batches(dp_rank, dp_size, micro_batch=MICRO_BATCH, num_micro=NUM_MICRO, seed=2025)
 
 
 def _train_step(run, weights):

@@ -12,7 +12,7 @@ Negative control: keeping Megatron's own RoPE (zigzag CP slicing) must break the
 import pytest
 import torch
 
-from megatron_step import BLOCK, MASK, SEQ, VOCAB, Topology, run_steps, train_step, worst_error
+from megatron_step import BLOCK, MASK, SEQ, VOCAB, Topology, micro_batches, run_steps, train_step, worst_error
 from spawn import run_ranks
 
 MICRO_BATCH, NUM_MICRO = 2, 6  # global batch: 12 samples
@@ -104,13 +104,7 @@ def _build_model(topology, config):
 
 
 def _batches(seq, dp_rank, dp_size):
-    generator = torch.Generator().manual_seed(2024)
-    tokens = torch.randint(0, MASK, (MICRO_BATCH * NUM_MICRO, seq), generator=generator)
-    sample_index = torch.arange(MICRO_BATCH * NUM_MICRO) + 100
-    per_rank = NUM_MICRO // dp_size
-    return [{"tokens": tokens[m * MICRO_BATCH:(m + 1) * MICRO_BATCH],
-             "sample_index": sample_index[m * MICRO_BATCH:(m + 1) * MICRO_BATCH]}
-            for m in range(dp_rank * per_rank, (dp_rank + 1) * per_rank)]
+    return micro_batches(dp_rank, dp_size, micro_batch=MICRO_BATCH, num_micro=NUM_MICRO, seq=seq, seed=2024)
 
 
 def _train_step(topology, weights):

@@ -13,11 +13,14 @@ Built of megatron-core's pieces, so EP, ETP, TP/SP and every dispatcher carry ov
 (`MoELayer`: its dispatch, experts and combine), with the dense MLP as its shared expert (`SharedExpertMLP`,
 `--moe-shared-expert-intermediate-size`: the dense size), and its top-k router. Subclasses add only what differs:
 the router's input norm, scale and per-expert scale (`Gemma4Router`); the five norms around the dense MLP, around
-the experts (before dispatch, after combine) and of the sum (`Gemma4MoELayer`). The layer's own pre-MLP norm is an identity: the block reads the raw residual stream.
+the experts (before dispatch, after combine) and of the sum (`Gemma4MoELayer`). The layer's own pre-MLP norm is an
+identity: the block reads the raw residual stream.
 megatron-core sums the shared expert into the experts' output unnormed, which is why the sum is taken here.
 """
 
+import contextlib
 import copy
+import logging
 
 import torch
 from megatron.core.transformer.identity_op import IdentityOp
@@ -87,6 +90,30 @@ class Gemma4MoELayer(MoELayer):
     def postprocess(self, output, shared_expert_output):
         routed = self.post_experts_layernorm(super().postprocess(output, None))
         return self.post_feedforward_layernorm(routed + shared_expert_output)
+
+
+class _KnownMLP(logging.Filter):
+    def filter(self, record):
+        return not record.getMessage().startswith("Unknown MLP type")
+
+
+@contextlib.contextmanager
+def quiet_about_its_layer(active: bool = True):
+    """While Gemma 4's layers are built (`active`): megatron-core's transformer layer knows its MoE layer by class
+    identity, so for `Gemma4MoELayer` it logs "Unknown MLP type ... Using default kwargs" once per layer and passes
+    no process groups, which the MoE layer then takes from the parallel state, as megatron-core's own does without
+    them. The line says nothing about a Gemma 4 model; it is filtered out there, and only there."""
+    if not active:
+        yield
+        return
+    from megatron.core.transformer import transformer_layer
+
+    quiet = _KnownMLP()
+    transformer_layer.logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        transformer_layer.logger.removeFilter(quiet)
 
 
 def get_gemma4_block_spec(config, use_transformer_engine: bool = False, context=None, vp_stage=None):

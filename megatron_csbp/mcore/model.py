@@ -406,10 +406,12 @@ def model_provider(pre_process=True, post_process=True, *, config, vocab_size, l
             layer_norm=csbp_spec.SequenceParallelTorchNorm)
     gpt_kwargs.setdefault("max_sequence_length", layout.seq_length)
     gpt_kwargs.setdefault("position_embedding_type", (gpt_kwargs.get("positions") or RotaryPositions()).embedding_type)
-    return _experts_apart(BDLMGPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=vocab_size,
-                                       pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                                       layout=layout, mask_token_id=mask_token_id, vocab_ids=vocab_ids,
-                                       per_sample_positions=per_sample_positions, **gpt_kwargs))
+    with gemma4_moe.quiet_about_its_layer(getattr(config, "gemma4_moe", False)):
+        model = BDLMGPTModel(config=config, transformer_layer_spec=layer_spec, vocab_size=vocab_size,
+                             pre_process=pre_process, post_process=post_process, vp_stage=vp_stage, layout=layout,
+                             mask_token_id=mask_token_id, vocab_ids=vocab_ids,
+                             per_sample_positions=per_sample_positions, **gpt_kwargs)
+    return _experts_apart(model)
 
 
 def _experts_apart(model):
