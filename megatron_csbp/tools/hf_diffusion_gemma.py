@@ -243,7 +243,7 @@ def export_config(args, base: dict | None, rows: int, dtype, bdlm_keys: dict) ->
     shape, attention = run.shape, run.shape.gemma4_attention
     windows = run.layer_windows
     types = [SLIDING if window.sliding else GLOBAL for window in windows]
-    lefts = {window.left for window in windows if window.sliding}
+    sliding_windows = {window.hf_sliding_window for window in windows if window.sliding}
     config = dict(base) if base else {}
     text = dict(config.get("text_config") or {})
     for stale in ("per_layer_config", "rope_scaling", "rope_theta"):
@@ -255,7 +255,7 @@ def export_config(args, base: dict | None, rows: int, dtype, bdlm_keys: dict) ->
         num_attention_heads=shape.num_attention_heads, num_key_value_heads=shape.num_query_groups,
         head_dim=shape.kv_channels, global_head_dim=attention.global_kv_channels,
         num_global_key_value_heads=attention.global_query_groups, attention_k_eq_v=True, layer_types=types,
-        sliding_window=lefts.pop() + 1 if lefts else text.get("sliding_window", 512),
+        sliding_window=sliding_windows.pop() if sliding_windows else text.get("sliding_window", 512),
         rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": float(args.rotary_base)},
                          GLOBAL: {"rope_type": "proportional", "rope_theta": float(attention.global_rotary_base),
                                   "partial_rotary_factor": float(attention.global_rotary_fraction)}},
