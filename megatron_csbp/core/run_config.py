@@ -28,6 +28,17 @@ from megatron_csbp.core.schedule import CLEAN_LAYOUTS, DUAL_END, SCHEDULES, ZIGZ
 LINEAR_SIZES = ("conv_kernel_dim", "key_head_dim", "value_head_dim", "num_key_heads", "num_value_heads")
 
 
+def _gemma4_attention(args, groups: int) -> Gemma4AttentionShape | None:
+    """Gemma 4's attention of the flags (None: off, or a checkpoint recorded before the flag), defaults filled: the
+    global layers' head size and K/V heads are the model's unless given."""
+    if not getattr(args, "gemma4_attention", False):
+        return None
+    head = args.kv_channels or args.hidden_size // args.num_attention_heads
+    return Gemma4AttentionShape(head if args.global_kv_channels is None else args.global_kv_channels,
+                                groups if args.global_num_query_groups is None else args.global_num_query_groups,
+                                args.global_rotary_base, args.global_rotary_percent)
+
+
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """Model shape, sequence, objective and parallel layout of one BDLM run (the trainer flags' meanings)."""
@@ -171,12 +182,6 @@ class RunConfig:
             getattr(args, "experimental_attention_variant", None), getattr(args, "linear_attention_freq", None),
             args.num_layers, **{name: getattr(args, "linear_" + name) for name in LINEAR_SIZES
                                 if getattr(args, "linear_" + name, None) is not None})
-        global_kv_channels = args.global_kv_channels
-        gemma4_attention = Gemma4AttentionShape(
-            args.kv_channels or args.hidden_size // heads if global_kv_channels is None else global_kv_channels,
-            groups if args.global_num_query_groups is None else args.global_num_query_groups,
-            args.global_rotary_base, args.global_rotary_percent,
-        ) if getattr(args, "gemma4_attention", False) else None  # checkpoints recorded before the flag hold none
         shape = ModelShape(
             num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=heads,
             num_query_groups=groups, kv_channels=args.kv_channels, ffn_hidden_size=args.ffn_hidden_size,
@@ -184,7 +189,8 @@ class RunConfig:
             add_bias_linear=args.add_bias_linear,
             layernorm_bias=args.normalization == "LayerNorm", untied_output=args.untie_embeddings_and_output_weights,
             moe=moe, linear=linear, attention_output_gate=bool(getattr(args, "attention_output_gate", False)),
-            layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)), gemma4_attention=gemma4_attention)
+            layernorm_1p=bool(getattr(args, "apply_layernorm_1p", False)),
+            gemma4_attention=_gemma4_attention(args, groups))
         return cls(
             shape=shape, seq_length=args.seq_length, block_size=args.bdlm_block_size,
             positions=RotaryPositions.from_args(args),
