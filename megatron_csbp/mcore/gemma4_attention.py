@@ -35,8 +35,10 @@ def proportional_inverse_frequencies(head_size: int, base: float, fraction: floa
 
 
 def rotary_table(inverse_frequencies: torch.Tensor, positions: int) -> torch.Tensor:
-    """`[positions, 1, 1, 2 * len(inverse_frequencies)]` angles, megatron-core's (non-interleaved) RoPE layout."""
-    angles = torch.outer(torch.arange(positions, dtype=torch.float32), inverse_frequencies.float())
+    """`[positions, 1, 1, 2 * len(inverse_frequencies)]` angles, megatron-core's (non-interleaved) RoPE layout, on
+    the frequencies' device."""
+    angles = torch.outer(torch.arange(positions, dtype=torch.float32, device=inverse_frequencies.device),
+                         inverse_frequencies.float())
     return torch.cat([angles, angles], dim=-1)[:, None, None, :]
 
 

@@ -166,8 +166,8 @@ class PositionTableRotaryEmbedding(torch.nn.Module):
         table = self.rotary.get_emb(self.seq_length)  # [positions, 1, 1, dim] (YaRN: and its factor)
         if self.global_inverse_frequencies is None:
             return table
-        global_table = gemma4_attention.rotary_table(self.global_inverse_frequencies, self.seq_length)
-        return torch.cat([table, global_table.to(table)], dim=-1)  # side by side: each layer takes its own
+        global_table = gemma4_attention.rotary_table(self.global_inverse_frequencies.to(table.device), self.seq_length)
+        return torch.cat([table, global_table.to(table.dtype)], dim=-1)  # side by side: each layer takes its own
 
 
 class BDLMGPTModel(GPTModel):
