@@ -191,7 +191,8 @@ def test_a_pattern_flag_is_read_before_a_megatron_lm_style_type_sees_it(tmp_path
                                               ("nemotron_labs_diffusion_3b_256k", 16, True),
                                               ("nemotron_labs_diffusion_8b_256k", 16, True),
                                               ("nemotron_labs_diffusion_14b_256k", 16, True),
-                                              ("qwen3_8_27b_fast_dllm_v2_256k", 16, True)])
+                                              ("qwen3_8_27b_fast_dllm_v2_256k", 16, True),
+                                              ("diffusion_gemma_26b_a4b_256k", 16, True)])
 def test_shipped_configs_parse_and_validate(name, world, gpu):
     path = os.path.join(REPO, "configs", f"{name}.yaml")
     assert load_config(path)
@@ -230,6 +231,30 @@ def test_the_qwen_recipe_is_turbo_dllms_qwen3_8_run():
     linear = RunConfig.from_args(args, 16).shape.linear
     assert (linear.num_linear_layers, linear.num_value_heads, linear.num_key_heads) == (48, 48, 16)
     assert linear.pattern[:4] == (1, 1, 1, 0)
+
+
+def test_the_diffusion_gemma_recipe_is_the_released_26b_a4b():
+    """Turbo-dLLM's diffusiongemma-26b-sft-256k recipe on google/diffusiongemma-26B-A4B-it's shape: 30 layers of 2816,
+    16 query heads; sliding layers (window 1024 keys: 1023 before) 8 K/V heads of 256, every 6th layer global with 2
+    K/V heads of 512; Gemma 4's MoE (128 experts of 704, top 8, a dense 2112 beside) with EP2; DiffusionGemma's
+    objective (self-conditioning 0.5, AR co-loss 1.0, token-causal clean stream), CSBP8 on 16 GPUs."""
+    from megatron_csbp.core.run_config import RunConfig
+    from megatron_csbp.core.windows import GLOBAL, Sliding
+
+    path = os.path.join(REPO, "configs", "diffusion_gemma_26b_a4b_256k.yaml")
+    args = validate_args(parse_args(["--config", path]), 16, on_accelerator=True, check_paths=False)
+    run = RunConfig.from_args(args, 16)
+    shape = run.shape
+    assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_query_groups,
+            shape.kv_channels) == (30, 2816, 16, 8, 256)
+    assert (shape.gemma4_attention.global_kv_channels, shape.gemma4_attention.global_query_groups) == (512, 2)
+    assert run.layer_windows == ((Sliding(1023),) * 5 + (GLOBAL,)) * 5
+    assert (shape.moe.num_experts, shape.moe.topk, shape.moe.ffn_hidden_size, shape.moe.shared_expert_ffn_hidden_size,
+            shape.moe.num_moe_layers, shape.moe.gemma4) == (128, 8, 704, 2112, 30, True)
+    assert (run.objective.name, run.block_size, run.self_conditioning_probability, run.ar_loss_weight,
+            run.final_logit_softcapping, run.scale_embeddings) == ("diffusion-gemma", 256, 0.5, 1.0, 30.0, True)
+    assert (run.block_parallel_size, run.expert_parallel_size, run.data_parallel_size, run.global_batch_size,
+            run.logits_tile_rows is not None) == (8, 2, 2, 2, True)
 
 
 def test_warmup_is_iterations_or_a_fraction_as_in_megatron_lm():

@@ -169,3 +169,39 @@ def test_moe_parameter_count_holds_the_router_every_expert_and_the_shared_expert
     dense_mlp, expert, shared = 3 * 32 * 48, 3 * 32 * 24, 3 * 32 * 16
     assert flops.parameter_count(ModelShape(**sizes, moe=moe), 40) == flops.parameter_count(ModelShape(**sizes), 40) \
         + 32 * 4 + 4 * expert + shared - dense_mlp
+
+
+def test_gemma4_global_layers_count_their_own_head_size_k_v_heads_and_no_value_projection():
+    """Gemma 4's attention (`shape.gemma4_attention`): a global layer (the window pattern leaves it global) takes its
+    own head size (32 here) and K/V heads (1), its key projection doubling as the value; a sliding layer the model's
+    (16, 2, key and value). Counted by hand for hidden 64, 4 heads, FFN 128 (GELU: 2 matrices), RMSNorm, no biases."""
+    from megatron_csbp.core.model_shape import Gemma4AttentionShape
+    from megatron_csbp.core.windows import GLOBAL, Sliding
+
+    sizes = dict(num_layers=3, hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+                 ffn_hidden_size=128, add_bias_linear=False, layernorm_bias=False)
+    shape = ModelShape(**sizes, gemma4_attention=Gemma4AttentionShape(32, 1))
+    plain = ModelShape(**sizes)
+    mlp = 2 * 64 * 128 * 2
+    sliding_row = 2 * (64 * (4 * 16 + 2 * 2 * 16) + 4 * 16 * 64) + mlp  # Q, K, V of 16; the projection
+    global_row = 2 * (64 * (4 * 32 + 1 * 32) + 4 * 32 * 64) + mlp  # Q and K (= V) of 32; the projection
+    assert (flops.linear_flops_per_row(shape, Sliding(8)), flops.linear_flops_per_row(shape, GLOBAL)) == \
+        (sliding_row, global_row) == (57344, 69632)
+    assert flops.linear_flops_per_row(plain, GLOBAL) == sliding_row  # Megatron's attention: one shape
+    sliding_params = (4 + 2 * 2) * 16 * 64 + 4 * 16 * 64 + 2 * 64 * 128 + 2 * 64
+    global_params = (4 + 1) * 32 * 64 + 4 * 32 * 64 + 2 * 64 * 128 + 2 * 64
+    assert (flops.layer_parameter_count(shape, Sliding(8)), flops.layer_parameter_count(shape)) == \
+        (sliding_params, global_params) == (28800, 34944)
+    windows = (Sliding(8), Sliding(8), GLOBAL)
+    assert flops.parameter_count(shape, 40, windows) == 2 * sliding_params + global_params + 64 + 40 * 64
+    assert flops.parameter_count(plain, 40, windows) == 3 * sliding_params + 64 + 40 * 64
+    L, B, V = 64, 16, 40
+    pairs = {window: flops.bdlm_attention_pairs(L, B, window=window) for window in (Sliding(8), GLOBAL)}
+    assert pairs[Sliding(8)] < pairs[GLOBAL]
+    forward = (2 * (2 * L * sliding_row + pairs[Sliding(8)] * 4 * 4 * 16)
+               + 2 * L * global_row + pairs[GLOBAL] * 4 * 4 * 32)  # 4 FLOPs per pair per head and dim
+    expected = 3 * (forward + L * 2 * 64 * V)
+    assert flops.bdlm_step_flops(shape, padded_vocab_size=V, seq_length=L, block_size=B, layer_windows=windows) \
+        == expected
+    assert flops.bdlm_step_flops(plain, padded_vocab_size=V, seq_length=L, block_size=B, layer_windows=windows) \
+        < expected  # the global layer at the sliding shape: a miss

@@ -174,7 +174,7 @@ def test_paper_check_reports_beside_published():
     ±15% (the README table; the 3B's config is a scale-down recipe, see docs/performance.md), the 14B's traffic
     exact, the operator profile printed beside the published one."""
     records, text = run(["--paper-check"])
-    assert len(records) == 4 and "210.00 -> 105.00 GiB" in text and "14B operator profile" in text
+    assert len(records) == 5 and "210.00 -> 105.00 GiB" in text and "14B operator profile" in text
     for r in records[:3]:
         assert r["published_speedup"] == r["published_csbp_tokens_per_s"] / r["published_cp_tokens_per_s"]
         assert f"{r['published_speedup']:.2f}x" in text
@@ -185,21 +185,45 @@ def test_paper_check_reports_beside_published():
     assert fourteen["predicted_cp_forward_s"] > fourteen["predicted_csbp_forward_s"]
 
 
-def test_paper_check_prints_diffusion_gemma_attention_traffic():
-    """DiffusionGemma 26B-A4B at 256K, CP8 -> CP8/BP8, bf16, full recompute (forward twice): by hand, the field's CP
-    sends `6·L·7/8·β` per layer (both copies, forward twice, backward), `β = 2·8·256·2` in the 25 sliding layers and
-    `2·2·512·2` in the 5 global ones; CSBP `3·L·7/8·β` in a global layer, and in a sliding one (chunks of 16K, window
-    512) `3·2·512·β` on a rank with two neighbour chunks (ranks 1-6, the largest)."""
-    L = 262144
-    sliding, global_ = 2 * 8 * 256 * 2, 2 * 2 * 512 * 2
-    cp = 6 * L * 7 // 8 * (25 * sliding + 5 * global_)
-    csbp = 5 * 3 * L * 7 // 8 * global_ + 25 * 3 * 2 * 512 * sliding
-    assert plan.diffusion_gemma_traffic_bytes("cp") == cp
-    assert plan.diffusion_gemma_traffic_bytes("csbp") == csbp
-    assert plan.diffusion_gemma_traffic_bytes("csbp") != csbp + 25 * 3 * 2 * sliding  # a window of 513 misses
-    _, text = run(["--paper-check"])
-    assert f"published 433 -> 28, predicted {cp / 2**30:.2f}" in text and f"-> {csbp / 2**30:.2f} GiB" in text
-    assert "not modelled" in text
+def test_paper_check_prints_the_diffusion_gemma_row_and_its_context_scaling():
+    """DiffusionGemma 26B-A4B, DP1/EP2/CP8 -> DP1/EP2/CP8/BP8: published tokens/s, speedup, peaks and traffic beside
+    the predicted, the curve (64K-512K) beside the published, the unmodelled parts named where a number misses.
+    The traffic by hand: the field's CP sends `2L·7/8` rows of K/V per layer per forward (both copies; forward,
+    recomputed forward and half a first pass: 2.5 forwards, and the backward's one), `β = 2·8·256·2` in the 25
+    sliding layers and `2·2·512·2` (K and V both sent) in the 5 global ones; CSBP `L·7/8` rows in a global layer,
+    the windowed rows (`ParallelMode.exchanged_rows`, the busiest rank) in a sliding one."""
+    from megatron_csbp.core import modes
+    from megatron_csbp.core.clean_attention import TOKEN_CAUSAL
+    from megatron_csbp.core.windows import Sliding
+
+    records, text = run(["--paper-check"])
+    gemma = next(r for r in records if r["model"] == "DiffusionGemma 26B-A4B")
+    assert gemma["layout"] == "DP1/EP2/CP8" and gemma["published_speedup"] == 15359 / 10557
+    line = next(line for line in text.splitlines() if line.strip().startswith("DiffusionGemma 26B-A4B"))
+    assert (f"tokens/s published 10557 -> 15359, predicted {gemma['predicted_cp_tokens_per_s']:.0f} -> "
+            f"{gemma['predicted_csbp_tokens_per_s']:.0f}; speedup published 1.45x, predicted "
+            f"{gemma['predicted_speedup']:.3f}x") in line
+    assert f"peak GiB published 118.1 -> 113.6, predicted {gemma['predicted_cp_peak_gib']:.1f}" in line
+    assert (f"traffic GiB per GPU per step published 433 -> 28, predicted {gemma['predicted_cp_traffic_gib']:.2f}"
+            in line and f"-> {gemma['predicted_csbp_traffic_gib']:.2f}" in line)
+    L, sliding, global_ = 262144, 2 * 8 * 256 * 2, 2 * 2 * 512 * 2
+    cp = 3.5 * 2 * L * 7 // 8 * (25 * sliding + 5 * global_)
+    sent, received = max((modes.CSBP.exchanged_rows(L, 256, 8, 8, rank, TOKEN_CAUSAL, Sliding(1023))
+                          for rank in range(8)), key=sum)
+    assert 0 < sent < L // 8 and 0 < received < L // 8  # a window's rows, not the chunks
+    csbp = 5 * 3.5 * L * 7 // 8 * global_ + 25 * (2.5 * sent + received) * sliding
+    assert gemma["predicted_cp_traffic_gib"] == pytest.approx(cp / 2**30, rel=1e-12)
+    assert gemma["predicted_csbp_traffic_gib"] == pytest.approx(csbp / 2**30, rel=1e-12)
+    assert gemma["predicted_cp_traffic_gib"] != pytest.approx(3 * 2 * L * 7 // 8 * (25 * sliding + 5 * global_)
+                                                              / 2**30)  # without the first pass: a miss
+    curve = next(curve for curve in text.split(line)[1].splitlines() if "context scaling" in curve)
+    assert [point["seq_length"] for point in gemma["scaling"]] == [65536, 131072, 262144, 524288]
+    for point, published in zip(gemma["scaling"], ("1.25x", "1.44x", "1.45x", "1.61x")):
+        assert f"{point['seq_length'] // 1024}K {published} | {point['predicted_speedup']:.3f}x" in curve
+        assert point["predicted_speedup"] > 1
+    assert gemma["scaling"][2]["predicted_speedup"] == pytest.approx(gemma["predicted_speedup"])
+    outside = "(outside ±10%)" in line or "(outside ±10%)" in curve
+    assert outside == ("not modelled: Turbo-dLLM runs DiffusionGemma as two model passes" in text.split(curve)[1])
 
 
 def test_paper_check_prints_the_qwen_row_and_its_context_scaling():
@@ -217,7 +241,7 @@ def test_paper_check_prints_the_qwen_row_and_its_context_scaling():
             f"{qwen['predicted_csbp_tokens_per_s']:.0f}; speedup published 1.33x, predicted "
             f"{qwen['predicted_speedup']:.3f}x") in line
     assert f"peak GiB published 120.7 -> 111.1, predicted {qwen['predicted_cp_peak_gib']:.1f}" in line
-    curve = next(line for line in text.splitlines() if "context scaling" in line)
+    curve = next(curve for curve in text.split(line)[1].splitlines() if "context scaling" in curve)
     assert [point["seq_length"] for point in qwen["scaling"]] == [65536, 131072, 262144]
     speedups = [point["predicted_speedup"] for point in qwen["scaling"]]
     for point, published in zip(qwen["scaling"], ("1.26x", "1.30x", "1.33x")):
@@ -363,7 +387,8 @@ def test_kernel_calls_cover_the_mask(mode):
 
 
 @pytest.mark.parametrize("name", ["tiny_cpu", "nemotron_labs_diffusion_3b_256k", "nemotron_labs_diffusion_8b_256k",
-                                  "nemotron_labs_diffusion_14b_256k", "qwen3_8_27b_fast_dllm_v2_256k"])
+                                  "nemotron_labs_diffusion_14b_256k", "qwen3_8_27b_fast_dllm_v2_256k",
+                                  "diffusion_gemma_26b_a4b_256k"])
 def test_shipped_configs_plan_with_their_sections(name):
     """The plugin's flags sit in `bdlm:` / `csbp:` sections of the shipped configs; the planner reads them
     as training does (the block size, for one, only lives there)."""

@@ -7,6 +7,8 @@ counting Megatron's way overstates the work, so the training logger counts here.
 Counting rules (a multiply-add is 2 FLOPs; backward is twice the forward: `rules.BACKWARD_FLOPS_PER_FORWARD`):
 * every linear layer runs over all `2L` rows: QKV (GQA), output projection, MLP (SwiGLU: 3 matrices);
 * attention costs `4 · heads · head_dim` per allowed (query, key) pair: `Q·Kᵀ` and `P·V`;
+* a Gemma 4 global layer (`shape.gemma4_attention`, a layer the window pattern leaves global) has its own head size
+  and K/V heads, and its key projection doubles as the value (no value rows): `layer_attention_shape`;
 * the LM head runs over the `L` noisy rows (all `2L` rows with an autoregressive co-loss on the clean rows);
 * full recomputation adds one more forward of the transformer layers (not of the head);
 * a Gated DeltaNet layer (the planner's count; `bdlm_step_flops` does not yet tell them apart): its projections,
@@ -65,12 +67,24 @@ def attention_flops_per_pair(num_attention_heads: int, kv_channels: int) -> int:
     return 4 * num_attention_heads * kv_channels
 
 
-def linear_flops_per_row(shape: ModelShape) -> int:
-    """Forward FLOPs of one dense transformer layer's linear layers for one row (token)."""
-    query_size = shape.num_attention_heads * shape.kv_channels
-    kv_size = shape.num_query_groups * shape.kv_channels
+def layer_attention_shape(shape: ModelShape, window=GLOBAL) -> tuple[int, int, int]:
+    """(head size, K/V heads, projected K/V tensors) of one attention layer of `window` (`core.windows`): a Gemma 4
+    global layer's own (`shape.gemma4_attention`: its head size and K/V heads, the key projection doubling as the value,
+    so one projected tensor), else the model's (key and value: two)."""
+    gemma4 = shape.gemma4_attention
+    if gemma4 is not None and not window.sliding:
+        return gemma4.global_kv_channels, gemma4.global_query_groups, 1
+    return shape.kv_channels, shape.num_query_groups, 2
+
+
+def linear_flops_per_row(shape: ModelShape, window=GLOBAL) -> int:
+    """Forward FLOPs of one dense transformer layer's linear layers for one row (token), in a layer of `window`
+    (its attention's shape: `layer_attention_shape`)."""
+    head, groups, projected = layer_attention_shape(shape, window)
+    query_size = shape.num_attention_heads * head
+    kv_size = groups * head
     gate = query_size if shape.attention_output_gate else 0  # the output gate's rows of the QKV projection
-    qkv = shape.hidden_size * (query_size + gate + 2 * kv_size)
+    qkv = shape.hidden_size * (query_size + gate + projected * kv_size)
     projection = query_size * shape.hidden_size
     return 2 * (qkv + projection) + mlp_flops_per_row(shape.hidden_size, shape.ffn_hidden_size, shape.swiglu)
 
@@ -211,15 +225,16 @@ def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: in
     recomputation (hardware FLOPs). With `shape.moe`, its MoE layers' MLP FLOPs per row are
     `moe_mlp_flops_per_row`'s, and every row, noisy and clean, is routed (`2L` per sample). `clean_logits`: the
     LM head runs over the clean rows too (an autoregressive co-loss), `2L` rows instead of `L`. `layer_windows`: each
-    layer's window (`core.windows`; empty: every layer global). `self_conditioning`: the chance a sample is
+    layer's window (`core.windows`; empty: every layer global), which sets its pairs and, with Gemma 4's attention, its
+    head size and projections (`layer_attention_shape`). `self_conditioning`: the chance a sample is
     self-conditioned (None: no self-conditioning block): the block's MLP on the canvas rows in the trained pass, and
     for that share of the samples a first, forward-only pass (the layers, the block, the head over the canvas rows
     and its signal's product with the embedding): the step's expected FLOPs.
     """
-    per_pair = attention_flops_per_pair(shape.num_attention_heads, shape.kv_channels)
     pairs = {window: bdlm_attention_pairs(seq_length, block_size, clean_attention, window)
+             * attention_flops_per_pair(shape.num_attention_heads, layer_attention_shape(shape, window)[0])
              for window in set(layer_windows or (GLOBAL,))}
-    layers_forward = sum(2 * seq_length * linear_flops_per_row(shape) + pairs[window] * per_pair
+    layers_forward = sum(2 * seq_length * linear_flops_per_row(shape, window) + pairs[window]
                          for window in layer_windows or (GLOBAL,) * shape.num_layers)
     if shape.moe is not None:  # the MoE layers' MLP replaced by the router, the top-k experts and the shared expert
         layers_forward += shape.num_moe_layers * 2 * seq_length * (
@@ -306,14 +321,15 @@ def attention_forward_bytes(mode, seq_length: int, clean_shards: int, kv_heads_p
         kv_heads_per_tp, head_dim, bytes_per_elem)
 
 
-def parameter_count(shape: ModelShape, padded_vocab_size: int) -> int:
+def parameter_count(shape: ModelShape, padded_vocab_size: int, layer_windows: tuple = ()) -> int:
     """Parameters of the GPT-style BDLM (what a checkpoint stores per weight copy or optimizer moment); with
-    `shape.moe`, its MoE layers hold the router, every expert and the shared expert instead of the dense MLP."""
+    `shape.moe`, its MoE layers hold the router, every expert and the shared expert instead of the dense MLP.
+    `layer_windows`: each layer's window (empty: every layer global), which sets a Gemma 4 layer's attention shape."""
     h = shape.hidden_size
     final_norm = h * (2 if shape.layernorm_bias else 1)
-    linear = shape.linear.num_linear_layers if shape.linear is not None else 0
-    total = ((shape.num_layers - linear) * layer_parameter_count(shape)
-             + (linear * gated_delta_layer_parameter_count(shape) if linear else 0) + final_norm
+    linear = shape.linear.pattern if shape.linear is not None else (0,) * shape.num_layers
+    total = (sum(gated_delta_layer_parameter_count(shape) if gated_delta else layer_parameter_count(shape, window)
+                 for window, gated_delta in zip(layer_windows or (GLOBAL,) * shape.num_layers, linear)) + final_norm
              + padded_vocab_size * h * (2 if shape.untied_output else 1))
     if shape.moe is not None:
         parts = moe_mlp_parameters(h, shape.moe, shape.swiglu, shape.add_bias_linear)
@@ -340,11 +356,13 @@ def mlp_parameters(hidden_size: int, ffn_hidden_size: int, swiglu: bool, add_bia
     return hidden_size * fc1 + ffn_hidden_size * hidden_size + (fc1 + hidden_size if add_bias_linear else 0)
 
 
-def layer_parameter_count(shape: ModelShape) -> int:
-    """Parameters of one dense transformer layer: QKV, projection, MLP, two norms, and the biases the flags give."""
-    h, heads, kv, ffn = shape.hidden_size, shape.num_attention_heads, shape.kv_channels, shape.ffn_hidden_size
+def layer_parameter_count(shape: ModelShape, window=GLOBAL) -> int:
+    """Parameters of one dense transformer layer of `window`: QKV (a Gemma 4 global layer's own shape,
+    `layer_attention_shape`), projection, MLP, two norms, and the biases the flags give."""
+    h, heads, ffn = shape.hidden_size, shape.num_attention_heads, shape.ffn_hidden_size
+    kv, groups, projected = layer_attention_shape(shape, window)
     gate = heads if shape.attention_output_gate else 0  # the output gate's rows of the QKV projection
-    qkv, fc1 = (heads + gate + 2 * shape.num_query_groups) * kv, ffn * (2 if shape.swiglu else 1)
+    qkv, fc1 = (heads + gate + projected * groups) * kv, ffn * (2 if shape.swiglu else 1)
     norm = 2 * h if shape.layernorm_bias else h
     layer = h * qkv + heads * kv * h + h * fc1 + ffn * h + 2 * norm
     return layer + (qkv + h + fc1 + h if shape.add_bias_linear else 0)

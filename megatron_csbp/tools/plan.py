@@ -47,6 +47,12 @@ The model, in one place so it can be argued with:
   `core.gated_delta` runs it (`flops.gated_delta_core_flops`) at the linear layers' rate; no K/V travels in them,
   but the clean states, chunk maps and convolution histories (`flops.gated_delta_bytes`, the ring's busiest rank),
   exposed (the layer waits for them); their working set (`_gated_delta_working_bytes`) beside the attention layers'.
+* sliding windows and Gemma 4's attention (`--window-size`, `--window-attn-skip-freq`, `--gemma4-attention`): each
+  attention layer priced with its window (its pairs, kernel calls and the rows its ring exchanges, the busiest rank's)
+  and its head size and K/V heads (`flops.layer_attention_shape`: a global layer's own, K and V both sent);
+* self-conditioning (`--bdlm-objective diffusion-gemma`): with its probability, a first, detached pass of the layers
+  (their exchange and all-to-all too) and the head with the signal's product with the embedding over the canvas
+  rows, and the block's MLP on the canvas rows; its memory (one layer at a time, no gradient) is not added.
 Everything is per GPU per step; one micro-batch per DP replica unless `--global-batch-size` is set.
 """
 
@@ -58,11 +64,12 @@ import sys
 
 
 from megatron_csbp.bdlm import flops
-from megatron_csbp.core import kernel_work, modes, rules, transports
+from megatron_csbp.core import kernel_work, modes, objectives, rules, transports, windows
 from megatron_csbp.core.clean_attention import BLOCK_CAUSAL, CLEAN_ATTENTIONS, CleanAttention
-from megatron_csbp.core.model_shape import GATED_DELTA_NET, LinearAttentionShape, ModelShape, MoEShape
+from megatron_csbp.core.model_shape import (GATED_DELTA_NET, Gemma4AttentionShape, LinearAttentionShape, ModelShape,
+                                            MoEShape)
 from megatron_csbp.core.run_config import LINEAR_SIZES, RunConfig
-from megatron_csbp.training.flags import linear_attention_freq, moe_layer_freq
+from megatron_csbp.training.flags import linear_attention_freq, moe_layer_freq, window_attn_skip_freq, window_size
 
 GIB = 2 ** 30
 MODES = tuple(sorted(modes.PARALLEL_MODES.values(), key=lambda mode: not mode.is_baseline))  # baseline first
@@ -190,9 +197,18 @@ class Model:
     linear_attention_freq: object = None        # N (every N-th layer full attention) or a 0/1 pattern per layer
     linear_sizes: tuple = ()                    # (name, value) of the --linear-* sizes given (the others default)
     attention_output_gate: bool = False         # a sigmoid gate on each full-attention layer's output
+    # sliding-window layers (megatron-core's flags; window_size None: every layer global)
+    window_size: tuple = None                   # (LEFT, 0)
+    window_attn_skip_freq: object = None        # N (every N-th layer global) or a 0/1 pattern per layer
+    gemma4_attention: tuple = ()                # Gemma 4's global layers: (head size, K/V heads); (): none
+    self_conditioning: float = 0.0              # the chance of a first, detached pass (DiffusionGemma's objective)
 
     def __post_init__(self):
         fill = lambda name, value: object.__setattr__(self, name, value)
+        for name in ("window_size", "window_attn_skip_freq", "gemma4_attention"):
+            if isinstance(getattr(self, name), list):
+                fill(name, tuple(getattr(self, name)))
+        rules.refuse(windows.window_size_problem(self.window_size, self.window_attn_skip_freq, self.num_layers))
         if isinstance(self.moe_layer_freq, list):
             fill("moe_layer_freq", tuple(self.moe_layer_freq))
         if isinstance(self.linear_attention_freq, list):
@@ -220,7 +236,8 @@ class Model:
             moe=None if self.num_experts is None else MoEShape(
                 self.num_experts, self.moe_router_topk, self.moe_ffn_hidden_size, sum(self.moe_layers()),
                 self.moe_shared_expert_intermediate_size or 0),
-            linear=linear, attention_output_gate=self.attention_output_gate)
+            linear=linear, attention_output_gate=self.attention_output_gate,
+            gemma4_attention=Gemma4AttentionShape(*self.gemma4_attention) if self.gemma4_attention else None)
         fill("shape", shape)  # the sizes the defaults leave, resolved there (RMSNorm, no linear biases)
         for name in ("ffn_hidden_size", "num_query_groups", "kv_channels"):
             fill(name, getattr(shape, name))
@@ -252,6 +269,10 @@ class Model:
     def probs_bytes(self) -> int:
         """Bytes of one routing probability as the dispatcher sends it (the router's dtype, else the model's)."""
         return {"fp32": 4, "fp64": 8}.get(self.moe_router_dtype, self.bytes_per_elem)
+
+    def layer_windows(self) -> tuple:
+        """Each layer's window (`core.windows`), megatron-core's reading of the flags."""
+        return windows.layer_windows(self.window_size, self.window_attn_skip_freq, self.num_layers)
 
     def linear_layers(self) -> tuple:
         """1 for each Gated DeltaNet layer, 0 for each full-attention one (all 0 without Gated DeltaNet)."""
@@ -330,7 +351,8 @@ def run_config(model: Model, topo: Topology, cluster: Cluster) -> RunConfig:
                      clean_attention=model.clean_attention,
                      tensor_parallel_size=topo.tp, pipeline_parallel_size=topo.pp, world_size=cluster.gpus,
                      micro_batch_size=model.micro_batch_size, global_batch_size=model.global_batch_size,
-                     expert_parallel_size=topo.ep, expert_tensor_parallel_size=topo.etp)
+                     expert_parallel_size=topo.ep, expert_tensor_parallel_size=topo.etp,
+                     window_size=model.window_size, window_attn_skip_freq=model.window_attn_skip_freq)
 
 
 def candidate_topologies(cluster: Cluster, model: Model = None):
@@ -431,19 +453,22 @@ class Prediction:
 
 
 @functools.lru_cache(maxsize=256)
-def _kernel_calls(mode, seq_length: int, block_size: int, p: int, c: int, tile: int, clean_attention) -> tuple:
+def _kernel_calls(mode, seq_length: int, block_size: int, p: int, c: int, tile: int, clean_attention,
+                  window=windows.GLOBAL) -> tuple:
     """Every rank's kernel calls of one layer's forward (`ParallelMode.kernel_calls`), once per layout."""
-    return tuple(mode.kernel_calls(seq_length, block_size, p, c, rank, tile, clean_attention) for rank in range(p))
+    return tuple(mode.kernel_calls(seq_length, block_size, p, c, rank, tile, clean_attention, window)
+                 for rank in range(p))
 
 
-def attention_seconds(mode, model: Model, topo: Topology, gpu: GPU, per_pair: float) -> tuple[float, float]:
-    """(forward, backward) seconds of one layer's core attention on the slowest rank, one micro-batch: each
-    kernel call's computed pairs at its family's rate in that pass (the backward does
+def attention_seconds(mode, model: Model, topo: Topology, gpu: GPU, per_pair: float,
+                      window=windows.GLOBAL) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's core attention (of `window`) on the slowest rank, one micro-batch:
+    each kernel call's computed pairs at its family's rate in that pass (the backward does
     `rules.BACKWARD_FLOPS_PER_FORWARD` times the forward's FLOPs).
     """
     seconds = []
     for calls in _kernel_calls(mode, model.seq_length, model.block_size, topo.p, topo.c, gpu.tile,
-                               model.clean_attention):
+                               model.clean_attention, window):
         work = lambda pass_: sum(call.calls * call.computed_pairs * per_pair / gpu.kernel_rate(call.kind, pass_)
                                  for call in calls)
         seconds.append((work(FORWARD), rules.BACKWARD_FLOPS_PER_FORWARD * work(BACKWARD)))
@@ -463,86 +488,92 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     rate = gpu.linear_rate
 
     noisy_rows, clean_rows = mode.rows(L, p, c)
-    parts = flops.bdlm_attention_pair_parts(L, model.block_size, model.clean_attention)
-    pairs, local_pairs = mode.attention_pairs(parts, p, c)
     rows = noisy_rows + clean_rows
-    heads_tp = model.num_attention_heads // tp
-    groups = model.num_query_groups
-    kv_heads_tp = groups // tp
     vocab = model.padded_vocab_size(tp)
     layers = model.num_layers // pp
     passes = rules.step_passes(model.full_recompute)
     attention_passes = rules.step_passes(model.recompute)  # selective recompute redoes the core attention
     head_passes = rules.step_passes(model.logits_tile_rows is not None)  # the tiled loss recomputes the logits
-
-    per_pair = flops.attention_flops_per_pair(heads_tp, model.kv_channels)
-    forward_attention_s, backward_attention_s = attention_seconds(mode, model, topo, gpu, per_pair)
-    # The stage with the most MoE layers (its experts' state, FLOPs and all-to-all bound the step).
-    pattern = model.moe_layers()
-    moe_layers = max(sum(pattern[stage * layers:(stage + 1) * layers]) for stage in range(pp))
-    dense_row_flops = flops.linear_flops_per_row(model.shape)
-    # Under uniform routing each rank's experts get as many (row, expert) pairs as its rows send out, so a rank
-    # computes its own rows' top-k experts' FLOPs (`flops.moe_layer_linear_flops_per_row`), / TP under SP.
-    moe_row_flops = flops.moe_layer_linear_flops_per_row(model.shape) if model.moe else dense_row_flops
-    # Gated DeltaNet layers: their projections, convolution and MLP in place of a dense layer's linear layers, and
-    # the delta rule over the rank's rows (`flops.gated_delta_core_flops`, its value heads / TP), at the linear
-    # layers' rate; the stage with the most of each kind bounds the step (exact at PP1).
-    linear_pattern = model.linear_layers()
-    linear_layers = max(sum(linear_pattern[stage * layers:(stage + 1) * layers]) for stage in range(pp))
-    attention_layers = layers - min(sum(linear_pattern[stage * layers:(stage + 1) * layers]) for stage in range(pp))
+    first = model.self_conditioning  # expected first, detached forward passes (DiffusionGemma's self-conditioning)
+    # Each layer: its window and attention shape (`flops.layer_attention_shape`: a Gemma 4 global layer's own), its
+    # linear FLOPs per row (the MoE layers' router, top-k experts and shared expert: `flops.moe_layer_linear_flops_
+    # per_row`; a Gated DeltaNet layer's projections, convolution and MLP); under uniform routing each rank's experts
+    # get as many (row, expert) pairs as its rows send out, so a rank computes its own rows' share, / TP under SP.
+    pattern, linear_pattern, layer_windows = model.moe_layers(), model.linear_layers(), model.layer_windows()
     linear = model.shape.linear
+    moe_extra = (flops.moe_layer_linear_flops_per_row(model.shape) - flops.linear_flops_per_row(model.shape)
+                 if model.moe else 0)
     gated_delta_row_flops = flops.gated_delta_linear_flops_per_row(model.shape) if linear else 0
+    row_flops = [gated_delta_row_flops + moe_extra * moe if gated_delta else
+                 flops.linear_flops_per_row(model.shape, window) + moe_extra * moe
+                 for window, moe, gated_delta in zip(layer_windows, pattern, linear_pattern)]
     gated_delta_core = flops.gated_delta_core_flops(
         noisy_rows, clean_rows, model.block_size, linear.num_value_heads // tp, linear.key_head_dim,
         linear.value_head_dim) if linear else 0
-    stage_linear = (rows * ((layers - moe_layers) * dense_row_flops + moe_layers * moe_row_flops
-                            + linear_layers * (gated_delta_row_flops - dense_row_flops)) / tp
-                    + linear_layers * gated_delta_core)
-    attention_forward = pairs * per_pair
+    # The stage with the most work bounds the step (exact at PP1): its layers.
+    stages = [range(stage * layers, (stage + 1) * layers) for stage in range(pp)]
+    stage = max(stages, key=lambda span: sum(row_flops[n] for n in span))
+    moe_layers = sum(pattern[n] for n in stage)
+    linear_layers = sum(linear_pattern[n] for n in stage)
+    kinds = [_attention_kind(model, topo, gpu, layer_windows[n]) for n in stage if not linear_pattern[n]]
+    attention_layers = len(kinds)
+    stage_linear = rows * sum(row_flops[n] for n in stage) / tp + linear_layers * gated_delta_core
+    attention_forward = sum(kind.pairs * kind.per_pair for kind in kinds)
+    forward_attention_s = sum(kind.forward_s for kind in kinds)
+    backward_attention_s = sum(kind.backward_s for kind in kinds)
     head_rows = rows if model.clean_logits else noisy_rows  # the AR co-loss' head runs over the clean rows too
     head_forward = head_rows * flops.lm_head_flops_per_row(h, vocab) / tp
-    forward_s = mbs * (stage_linear / rate + attention_layers * forward_attention_s + head_forward / rate)
-    microbatch_flops = mbs * (passes * stage_linear + attention_layers * attention_passes * attention_forward
-                              + head_passes * head_forward)
+    # Self-conditioning: the block's MLP (gate, up, down) on the canvas rows, trained (forward and backward) and in
+    # the first pass; the first pass runs the layers once (its attention ring too) and the head over the canvas rows
+    # with the signal's product with the embedding (as much again).
+    block = noisy_rows * 3 * 2 * h * model.ffn_hidden_size / tp if first else 0.0
+    first_forward = first * (stage_linear + attention_forward + 2 * noisy_rows * flops.lm_head_flops_per_row(h, vocab)
+                             / tp + block)
+    forward_s = mbs * (stage_linear / rate + forward_attention_s + head_forward / rate)
+    microbatch_flops = mbs * (passes * stage_linear + attention_passes * attention_forward
+                              + head_passes * head_forward + rules.step_passes() * block + first_forward)
     # forward runs of the core attention: 1, or 2 when recomputed
     attention_runs = attention_passes - rules.BACKWARD_FLOPS_PER_FORWARD
     compute_s = mbs * (passes * stage_linear / rate
-                       + attention_layers * (attention_runs * forward_attention_s + backward_attention_s)
-                       + head_passes * head_forward / rate)
+                       + attention_runs * forward_attention_s + backward_attention_s
+                       + head_passes * head_forward / rate + rules.step_passes() * block / rate
+                       + first * (forward_attention_s + (first_forward / first - attention_forward) / rate
+                                  if first else 0.0))
 
     # MoE all-to-all (alltoall dispatcher) of the stage's MoE layers: every row of the rank is routed (noisy and
     # clean; / TP under sequence parallelism), uniformly, on the EP group's link; on the critical path (the
     # experts wait for their rows), so exposed; 3 exchanges per pass (rows, probabilities, combine).
     model_forward_runs = 2 if model.full_recompute else 1
     a2a_layer = flops.moe_all_to_all_bytes(mbs * rows // tp, model.moe, topo.ep, h, e, model.probs_bytes,
-                                           model_forward_runs) if model.moe and topo.ep > 1 else 0.0
+                                           model_forward_runs + first) if model.moe and topo.ep > 1 else 0.0
     a2a_bw = (gpu.internode_gb_s if _expert_group_spans_nodes(cluster, topo) else gpu.nvlink_gb_s) * 1e9
-    a2a_s = moe_layers * (a2a_layer / a2a_bw + 3 * (model_forward_runs + 1) * gpu.link_latency_us * 1e-6) \
+    a2a_s = moe_layers * (a2a_layer / a2a_bw + 3 * (model_forward_runs + first + 1) * gpu.link_latency_us * 1e-6) \
         if a2a_layer else 0.0
 
-    # Attention traffic of one layer, forward (gather) and backward parts, on the ring's link.
+    # Attention traffic of each layer, forward (gather) and backward parts, on the ring's link; the forward runs
+    # again when recomputed, and in the first pass.
     crossings = _ring_crossings(cluster, topo)
     ring_bw = (gpu.internode_gb_s if crossings else gpu.nvlink_gb_s) * 1e9
     forward_runs = 2 if model.recompute else 1
-    layer_bytes = mbs * flops.attention_traffic_bytes(
-        mode, L, c, kv_heads_tp, model.kv_channels, e, model.transport, forward_runs == 2)
-    forward_bytes = mbs * flops.attention_forward_bytes(mode, L, c, kv_heads_tp, model.kv_channels, e)
-    backward_bytes = layer_bytes - forward_bytes * forward_runs
     transport = model.transport
     latency = gpu.link_latency_us * 1e-6 if c > 1 else 0.0
-    forward_link_s = transport.forward_messages(c) * latency + forward_bytes / ring_bw
-    backward_link_s = transport.backward_messages(c) * latency + backward_bytes / ring_bw
-    hide_forward = mbs * forward_attention_s * (1 if transport.hides_behind_all_pairs else local_pairs / pairs)
-    exposed_layer = (forward_runs * max(0.0, forward_link_s - hide_forward)
-                     + max(0.0, backward_link_s - 2 * hide_forward)) if c > 1 else 0.0
+    layer_bytes = exposed_layers = 0.0
+    for kind in kinds:
+        forward_bytes, backward_bytes = mbs * kind.forward_bytes, mbs * kind.backward_bytes
+        layer_bytes += (forward_runs + first) * forward_bytes + backward_bytes
+        forward_link_s = transport.forward_messages(c) * latency + forward_bytes / ring_bw
+        backward_link_s = transport.backward_messages(c) * latency + backward_bytes / ring_bw
+        hide_forward = mbs * kind.forward_s * (1 if transport.hides_behind_all_pairs else kind.local_fraction)
+        exposed_layers += ((forward_runs + first) * max(0.0, forward_link_s - hide_forward)
+                           + max(0.0, backward_link_s - 2 * hide_forward)) if c > 1 else 0.0
     # Gated DeltaNet layers send no K/V: the clean states, chunk maps and convolution histories of
     # `flops.gated_delta_bytes` (the ring's busiest rank), waited for at once, so exposed; forward twice when
     # the whole layer is recomputed.
     gated_delta_forward, gated_delta_backward = _gated_delta_bytes(model, topo) if linear else (0, 0)
     gated_delta_layer = mbs * (model_forward_runs * gated_delta_forward + gated_delta_backward)
     gated_delta_s = (gated_delta_layer / ring_bw + 3 * (model_forward_runs + 1) * latency) if gated_delta_layer else 0.0
-    exposed_attention_s = attention_layers * exposed_layer + linear_layers * gated_delta_s
-    attention_bytes = microbatches * (attention_layers * layer_bytes + linear_layers * gated_delta_layer)
+    exposed_attention_s = exposed_layers + linear_layers * gated_delta_s
+    attention_bytes = microbatches * (layer_bytes + linear_layers * gated_delta_layer)
     inter_fraction = crossings / c if c > 1 else 0.0
 
     # Tensor parallel (sequence parallel: 2 all-gathers + 2 reduce-scatters per pass) and PP p2p.
@@ -555,7 +586,9 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     # Distributed optimizer (megatron-core's): dense parameters' fp32 grad reduce-scatter + param all-gather over
     # the DP×P group; the experts' over the expert-data-parallel group (TP·P·DP / (EP·ETP) ranks).
     embeddings = 2 if pp == 1 and model.untie_embeddings else 1
-    dense_params, expert_params = _stage_parameters(model, topo, layers, moe_layers, vocab, embeddings, linear_layers)
+    dense_params, expert_params = _stage_parameters(
+        model, topo, [layer_windows[n] for n in stage if not linear_pattern[n]], moe_layers, vocab, embeddings,
+        linear_layers)
     group, expert_group = dp * p, topo.expert_dp
     dp_bytes = (dense_params * (group - 1) / group + expert_params * (expert_group - 1) / expert_group) * (4 + e)
     dp_ranks = [tp * i for i in range(group)]
@@ -567,16 +600,11 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     step_time_s = microbatches * microbatch_s + bubble_s + exposed_dp_s
 
     # Memory of the worst stage.
-    query, kv = model.num_attention_heads * model.kv_channels, groups * model.kv_channels
-    ffn_saved = model.ffn_hidden_size * (3 if model.swiglu else 2)
-    gate = query if model.attention_output_gate else 0
-    row_bytes = e * (4 * h + query + gate + 2 * kv + query + ffn_saved) / tp + 4 * heads_tp
-    kv_buffer = mode.gathered_tokens(L, c) * flops.kv_bytes_per_token(kv_heads_tp, model.kv_channels, e)
-    working_layer = mbs * (rows * row_bytes + kv_buffer)
+    working_layer = max((mbs * kind.working_bytes for kind in kinds), default=0.0)
     working_gated_delta = mbs * _gated_delta_working_bytes(model, noisy_rows, clean_rows, tp) if linear else 0.0
     layer_stored = mbs * rows * h * e / tp if model.full_recompute else None
     stage_stored = (layer_stored * layers if layer_stored is not None
-                    else attention_layers * working_layer + linear_layers * working_gated_delta)
+                    else sum(mbs * kind.working_bytes for kind in kinds) + linear_layers * working_gated_delta)
     # A recomputed layer's backward holds its saved tensors and, as it runs, gradients of the same sizes.
     recompute_working = 2 * max(working_layer if attention_layers else 0.0, working_gated_delta) \
         if model.full_recompute else 0.0
@@ -606,6 +634,50 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
         gradient_bytes=gradient_bytes, optimizer_bytes=optimizer_bytes,
         all_to_all_bytes=microbatches * moe_layers * a2a_layer, exposed_all_to_all_s=microbatches * a2a_s,
         logits_bytes=logits)
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionKind:
+    """One attention layer of a window and shape in a layout, per rank and sample: its forward FLOPs per pair (`/ TP`)
+    and pairs, the share of them needing no remote key, the slowest rank's core attention seconds, the busiest
+    rank's ring bytes (forward; backward), the bytes its forward holds (saved tensors and the gathered K/V)."""
+    per_pair: int
+    pairs: float
+    local_fraction: float
+    forward_s: float
+    backward_s: float
+    forward_bytes: int
+    backward_bytes: int
+    working_bytes: float
+
+
+@functools.lru_cache(maxsize=256)
+def _attention_kind(model: Model, topo: Topology, gpu: GPU, window) -> AttentionKind:
+    """The `AttentionKind` of `model`'s attention layers of `window` in `topo`: the layer's head size and K/V heads
+    (`flops.layer_attention_shape`), its pairs and kernel calls under the window, and the rows its ring exchanges
+    (`ParallelMode.exchanged_rows`: the whole transported copies in a global layer, the windows another member's rows
+    see in a sliding one under CSBP), K and V both sent (Gemma 4's global value is a norm of the key: a tensor of
+    its own by the time the attention runs)."""
+    mode, tp, e, L = topo.mode, topo.tp, model.bytes_per_elem, model.seq_length
+    head, groups, _ = flops.layer_attention_shape(model.shape, window)
+    heads_tp, kv_heads_tp = model.num_attention_heads // tp, groups // tp
+    per_pair = flops.attention_flops_per_pair(heads_tp, head)
+    pairs, local = mode.attention_pairs(flops.bdlm_attention_pair_parts(L, model.block_size, model.clean_attention,
+                                                                        window), topo.p, topo.c)
+    forward_s, backward_s = attention_seconds(mode, model, topo, gpu, per_pair, window)
+    sent, received = max((mode.exchanged_rows(L, model.block_size, topo.p, topo.c, rank, model.clean_attention, window)
+                          for rank in range(topo.c)), key=sum)
+    beta = flops.kv_bytes_per_token(kv_heads_tp, head, e)
+    again = sent if model.transport.backward_bytes_per_forward > 1 else 0
+    noisy_rows, clean_rows = mode.rows(L, topo.p, topo.c)
+    windowed = window.sliding and topo.c > 1 and not mode.shards_both_copies
+    gathered = clean_rows + received if windowed else mode.gathered_tokens(L, topo.c)
+    query, kv = model.num_attention_heads * head, groups * head
+    ffn_saved = model.ffn_hidden_size * (3 if model.swiglu else 2)
+    gate = query if model.attention_output_gate else 0
+    row_bytes = e * (4 * model.hidden_size + query + gate + 2 * kv + query + ffn_saved) / tp + 4 * heads_tp
+    return AttentionKind(per_pair, pairs, local / pairs, forward_s, backward_s, sent * beta, (again + received) * beta,
+                         (noisy_rows + clean_rows) * row_bytes + gathered * beta)
 
 
 @functools.lru_cache(maxsize=256)
@@ -641,15 +713,17 @@ def _gated_delta_working_bytes(model: Model, noisy_rows: int, clean_rows: int, t
     return rows * per_row + widened + states
 
 
-def _stage_parameters(model: Model, topo: Topology, layers: int, moe_layers: int, vocab: int,
+def _stage_parameters(model: Model, topo: Topology, attention_windows: list, moe_layers: int, vocab: int,
                       embeddings: int, linear_layers: int = 0) -> tuple[float, float]:
-    """(dense, expert) parameters on one rank of a stage of `layers` layers, `moe_layers` of them MoE.
+    """(dense, expert) parameters on one rank of a stage of attention layers of `attention_windows` (each layer's
+    window: a Gemma 4 global layer has its own attention shape) and `linear_layers` Gated DeltaNet layers,
+    `moe_layers` of them MoE.
 
     Dense: the layers' attention, norms and MLPs, the shared experts, the final norm and the embeddings, / TP
     (as the planner counts a dense model; every stage is charged the embeddings and the final norm, the worst
     case), and the MoE layers' routers, whole on every rank; expert: the `E / EP` routed experts of each MoE layer
     this rank's EP rank holds, / ETP."""
-    dense = ((layers - linear_layers) * model.layer_params()
+    dense = (sum(flops.layer_parameter_count(model.shape, window) for window in attention_windows)
              + (linear_layers * model.layer_params(gated_delta=True) if linear_layers else 0)
              + embeddings * vocab * model.hidden_size + model.hidden_size)
     if model.moe is None:
@@ -752,14 +826,15 @@ PAPER_BLOCK_SIZE = 256
 # world), the loss as a tiled linear cross-entropy (ASSUMED tile: 1024 rows), full activation checkpointing.
 PAPER_LOGITS_TILE_ROWS = 1024
 PAPER_TOLERANCE = 0.10
-# DiffusionGemma 26B-A4B's attention (transformers' DiffusionGemmaTextConfig; the EP plan's note there on
-# google/gemma-4-26B-A4B-it: 2 global K/V heads): 30 layers, every 6th global (the config's default pattern), the
-# sliding ones window 512 (a noisy block sees the 512 clean positions before it: LEFT 512) with 8 K/V heads of 256,
-# the global ones 2 K/V heads of `global_head_dim` 512. Turbo-dLLM's recipe (diffusiongemma-26b-sft-256k.yaml):
-# 256K, block 256, CP8 -> CP8/BP8 (EP2 moves experts, not K/V), full recompute, bf16. Published: 433 -> 28 GiB.
-PAPER_GEMMA_ATTENTION = dict(num_layers=30, global_every=6, left=512, sliding_kv=(8, 256), global_kv=(2, 512),
-                             seq_length=262144, parallel_size=8)
+# DiffusionGemma 26B-A4B (configs/diffusion_gemma_26b_a4b_256k.yaml: the released model's shape, 25 sliding layers of
+# window 1024 and 5 global ones with 2 K/V heads of 512, Gemma 4's MoE, self-conditioning 0.5, the AR co-loss) at
+# DP1/EP2/CP8 -> DP1/EP2/CP8/BP8 (Turbo-dLLM's EP2 ranks read two samples: here 2 replicas of P = C = 8, EP2 carved
+# from them): published tok/s and peak GiB CP -> CSBP, attention traffic per GPU per step, the speedup at each
+# context length; the vocabulary is the model's 262,144 rows (262,142 ids + EOD + MASK).
+PAPER_GEMMA = ("DiffusionGemma 26B-A4B", "diffusion_gemma_26b_a4b_256k", (2, 2, 8), (10557, 15359), (118.1, 113.6))
 PAPER_GEMMA_TRAFFIC_GIB = (433, 28)
+PAPER_GEMMA_SCALING = ((65536, 1.25), (131072, 1.44), (262144, 1.45), (524288, 1.61))
+PAPER_GEMMA_VOCAB_IDS = 262142
 # Qwen3.8-27B with Fast-dLLM v2 (configs/qwen3_8_27b_fast_dllm_v2_256k.yaml: the public Qwen3.5/3.6-27B shape, 48
 # Gated DeltaNet + 16 gated full-attention layers) at DP1/TP2/CP8 -> DP1/TP2/CP8/BP8: (DP, TP, P = C), published
 # tok/s CP -> CSBP and peak GiB CP -> CSBP, and the published speedup at each context length. Turbo-dLLM runs
@@ -794,8 +869,7 @@ def paper_check(gpu: GPU, out=sys.stdout):
     cluster = Cluster(16, 8, gpu)
     baseline = next(mode for mode in MODES if mode.is_baseline)
     print(f"paper check: 16 x {gpu.name}, 256K context, block {PAPER_BLOCK_SIZE}, full recompute, bf16, ZeRO-2, "
-          f"tiled CE; each row at its published layout (DiffusionGemma 26B-A4B's throughput and peaks skipped: its "
-          f"objective is not modelled)", file=out)
+          f"tiled CE; each row at its published layout", file=out)
     records = []
     for name, config, (dp, p), (cp_tokens, csbp_tokens), (cp_peak, csbp_peak) in PAPER_ROWS:
         model = paper_model(config)
@@ -834,17 +908,7 @@ def paper_check(gpu: GPU, out=sys.stdout):
                for mode in (baseline, modes.CSBP)}
     print(f"  14B, CP8, 256K attention traffic per GPU per step: {traffic[baseline]:.2f} -> "
           f"{traffic[modes.CSBP]:.2f} GiB (published 210 -> 105)", file=out)
-    gemma = {mode: diffusion_gemma_traffic_bytes(mode) / GIB for mode in (baseline, modes.CSBP)}
-    published = dict(zip((baseline, modes.CSBP), PAPER_GEMMA_TRAFFIC_GIB))
-    print(f"  DiffusionGemma 26B-A4B, CP8 -> CSBP (CP8/BP8), 256K attention traffic per GPU per step (largest rank, "
-          f"sliding layers' windowed exchange): published {published[baseline]} -> {published[modes.CSBP]}, "
-          f"predicted {gemma[baseline]:.2f} ({_within(gemma[baseline], published[baseline])}) -> "
-          f"{gemma[modes.CSBP]:.2f} GiB ({_within(gemma[modes.CSBP], published[modes.CSBP])})", file=out)
-    if any(abs(gemma[mode] / published[mode] - 1) > PAPER_TOLERANCE for mode in gemma):
-        print("    not modelled: DiffusionGemma's native objective (an encoder pass over the clean rows, a decoder "
-              "pass over the canvas, self-conditioning with probability 0.5: an extra detached decoder forward) and "
-              "how Turbo-dLLM counts K=V in the global layers; the rows here are one BDLM step of [x_t ; x_0], "
-              "K and V sent in every layer", file=out)
+    records.append(_paper_gemma(cluster, baseline, out))
     records.append(_paper_qwen(cluster, baseline, out))
     return records
 
@@ -894,21 +958,59 @@ def _paper_qwen(cluster: Cluster, baseline, out) -> dict:
     return record
 
 
-def diffusion_gemma_traffic_bytes(mode) -> int:
-    """Attention bytes the largest rank of `mode` sends in one step of DiffusionGemma 26B-A4B at the paper's layout
-    (`PAPER_GEMMA_ATTENTION`): every layer's `flops.rank_traffic_bytes` with its own K/V heads, head size and window,
-    full recompute, bf16, collective transport."""
-    from megatron_csbp.core.windows import GLOBAL, Sliding
-
-    shape = PAPER_GEMMA_ATTENTION
-    L, P = shape["seq_length"], shape["parallel_size"]
-    layers = [(GLOBAL, shape["global_kv"]) if n % shape["global_every"] == 0 else (Sliding(shape["left"]),
-                                                                                   shape["sliding_kv"])
-              for n in range(1, shape["num_layers"] + 1)]
-    C = modes.parallel_mode(mode).clean_shards(P)
-    return max(sum(flops.rank_traffic_bytes(mode, L, PAPER_BLOCK_SIZE, P, C, rank, heads, head_dim, 2, recompute=True,
-                                            window=window) for window, (heads, head_dim) in layers)
-               for rank in range(P))
+def _paper_gemma(cluster: Cluster, baseline, out) -> dict:
+    """The DiffusionGemma 26B-A4B row (`PAPER_GEMMA`): tokens/s, speedup, peaks and attention traffic, and the
+    context-scaling curve, predicted beside the published."""
+    name, config, (dp, ep, p), (cp_tokens, csbp_tokens), (cp_peak, csbp_peak) = PAPER_GEMMA
+    predictions = {}
+    for seq_length, _ in PAPER_GEMMA_SCALING:
+        model = paper_model(config, seq_length, vocab_size=PAPER_GEMMA_VOCAB_IDS)
+        predictions[seq_length] = [predict(model, cluster, Topology(mode, 1, 1, p, p, dp, ep))
+                                   for mode in (baseline, modes.CSBP)]
+    cp, csbp = predictions[262144]
+    published, predicted = csbp_tokens / cp_tokens, csbp.tokens_per_s / cp.tokens_per_s
+    cp_traffic, csbp_traffic = PAPER_GEMMA_TRAFFIC_GIB
+    record = {"model": name, "layout": f"DP1/EP{ep}/CP{p}", "published_speedup": published,
+              "predicted_speedup": predicted, "published_cp_tokens_per_s": cp_tokens,
+              "published_csbp_tokens_per_s": csbp_tokens, "predicted_cp_tokens_per_s": cp.tokens_per_s,
+              "predicted_csbp_tokens_per_s": csbp.tokens_per_s, "published_cp_peak_gib": cp_peak,
+              "published_csbp_peak_gib": csbp_peak, "predicted_cp_peak_gib": cp.memory_bytes / GIB,
+              "predicted_csbp_peak_gib": csbp.memory_bytes / GIB, "published_cp_traffic_gib": cp_traffic,
+              "published_csbp_traffic_gib": csbp_traffic, "predicted_cp_traffic_gib": cp.attention_gib,
+              "predicted_csbp_traffic_gib": csbp.attention_gib,
+              "predicted_cp_step_s": cp.step_time_s, "predicted_csbp_step_s": csbp.step_time_s,
+              "scaling": [{"seq_length": L, "published_speedup": speedup,
+                           "predicted_speedup": predictions[L][1].tokens_per_s / predictions[L][0].tokens_per_s}
+                          for L, speedup in PAPER_GEMMA_SCALING]}
+    print(f"  {name} (25 sliding + 5 global layers, Gemma 4 MoE, self-conditioning 0.5) DP1/EP{ep}/CP{p} -> "
+          f"DP1/EP{ep}/CP{p}/BP{p}: tokens/s published {cp_tokens} -> {csbp_tokens}, predicted "
+          f"{cp.tokens_per_s:.0f} -> {csbp.tokens_per_s:.0f}; speedup published {published:.2f}x, predicted "
+          f"{predicted:.3f}x ({_within(predicted, published)}); peak GiB published {cp_peak:.1f} -> {csbp_peak:.1f}, "
+          f"predicted {record['predicted_cp_peak_gib']:.1f} ({_within(record['predicted_cp_peak_gib'], cp_peak)}) -> "
+          f"{record['predicted_csbp_peak_gib']:.1f} ({_within(record['predicted_csbp_peak_gib'], csbp_peak)}); "
+          f"attention traffic GiB per GPU per step published {cp_traffic} -> {csbp_traffic}, predicted "
+          f"{cp.attention_gib:.2f} ({_within(cp.attention_gib, cp_traffic)}) -> {csbp.attention_gib:.2f} "
+          f"({_within(csbp.attention_gib, csbp_traffic)}); step predicted {cp.step_time_s:.1f} -> "
+          f"{csbp.step_time_s:.1f} s", file=out)
+    print("    context scaling, speedup published | predicted: " + ", ".join(
+        f"{point['seq_length'] // 1024}K {point['published_speedup']:.2f}x | {point['predicted_speedup']:.3f}x "
+        f"({_within(point['predicted_speedup'], point['published_speedup'])})" for point in record["scaling"]),
+        file=out)
+    points = [(predicted, published), (cp.attention_gib, cp_traffic), (csbp.attention_gib, csbp_traffic),
+              (record["predicted_cp_peak_gib"], cp_peak), (record["predicted_csbp_peak_gib"], csbp_peak)]
+    points += [(point["predicted_speedup"], point["published_speedup"]) for point in record["scaling"]]
+    if any(abs(mine / theirs - 1) > PAPER_TOLERANCE for mine, theirs in points):
+        print("    not modelled: Turbo-dLLM runs DiffusionGemma as two model passes, a causal encoder over the clean "
+              "rows and a decoder over the canvas reading the encoder's cache, each with its own ring (the published "
+              "traffic fits the clean copy's K/V moving in both: 1.5x this trainer's both-copies gather under CP, 2x "
+              "its clean gather under CSBP), and its self-conditioning pass is the decoder's alone; here one pass runs "
+              "[x_t ; x_0] and the first, detached pass reruns it whole (its exchange too), K and V sent apart in "
+              "the global layers (K = V is not exploited); the attention kernels' rates at head dims 256 and 512 "
+              "(SM90_KERNELS cites 128) and the sliding layers' windowed kernels; the MoE's grouped GEMMs at the "
+              "linear layers' rate, routing imbalance and DeepEP's transport; what the published runs hold beyond this "
+              "trainer's (here the peak is a recomputed layer's working set, the tiled loss's and the sharded state)",
+              file=out)
+    return record
 
 
 # --- command line -------------------------------------------------------------------------------
@@ -956,6 +1058,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name in LINEAR_SIZES:
         add(f"--linear-{name.replace('_', '-')}", type=int, help="Gated DeltaNet's size (megatron-core's default)")
     add("--attention-output-gate", action="store_true", help="a sigmoid gate on each full-attention layer's output")
+    add("--window-size", type=window_size, help="LEFT,0: sliding-window layers (megatron-core's)")
+    add("--window-attn-skip-freq", type=window_attn_skip_freq, help="every N-th layer global, or a 1 (sliding) / 0 "
+        "pattern")
+    add("--gemma4-attention", action="store_true", help="Gemma 4's global layers with their own head size and K/V")
+    add("--global-kv-channels", type=int, help="with --gemma4-attention: the global layers' head size")
+    add("--global-num-query-groups", type=int, help="with --gemma4-attention: the global layers' K/V heads")
+    add("--bdlm-objective", choices=objectives.OBJECTIVES, default=objectives.BD3LM.name,
+        help="diffusion-gemma: self-conditioning's first, detached pass is priced")
+    add("--bdlm-self-conditioning-probability", type=float, help="default: the objective's")
     add("--expert-model-parallel-size", type=int, default=1, help="your EP (its layout is printed)")
     add("--expert-tensor-parallel-size", type=int, help="your ETP (default: TP)")
     add("--tensor-model-parallel-size", type=int, default=1)
@@ -1027,6 +1138,8 @@ def verdict(best: dict) -> list:
 
 
 def _model(args) -> Model:
+    heads = args.num_attention_heads
+    groups = args.num_query_groups or heads
     return Model(num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
                  seq_length=args.seq_length, block_size=args.bdlm_block_size, ffn_hidden_size=args.ffn_hidden_size,
                  num_query_groups=args.num_query_groups, kv_channels=args.kv_channels, vocab_size=args.vocab_size,
@@ -1044,7 +1157,20 @@ def _model(args) -> Model:
                  linear_attention_freq=args.linear_attention_freq,
                  linear_sizes=tuple((name, getattr(args, "linear_" + name)) for name in LINEAR_SIZES
                                     if getattr(args, "linear_" + name) is not None),
-                 attention_output_gate=args.attention_output_gate)
+                 attention_output_gate=args.attention_output_gate, window_size=args.window_size,
+                 window_attn_skip_freq=args.window_attn_skip_freq,
+                 gemma4_attention=(args.global_kv_channels or args.kv_channels or args.hidden_size // heads,
+                                   args.global_num_query_groups or groups) if args.gemma4_attention else (),
+                 self_conditioning=_self_conditioning(args))
+
+
+def _self_conditioning(args) -> float:
+    """The chance of self-conditioning's first pass: the flag's, else the objective's (0 without its block)."""
+    objective = objectives.objective_kind(args.bdlm_objective)
+    if not objective.self_conditioning_probability:
+        return 0.0
+    given = args.bdlm_self_conditioning_probability
+    return objective.self_conditioning_probability if given is None else given
 
 
 def _print_setting(model: Model, cluster: Cluster, out):

@@ -164,7 +164,7 @@ def checkpoint_bytes(settings: RunConfig, args: argparse.Namespace) -> tuple[int
 
     ids = (args.vocab_size or 256) + 1 + 1  # the tokenizer's ids, EOD, MASK (the data module has the exact count)
     padded = rules.padded_vocab_size(ids, args.make_vocab_size_divisible_by, settings.tensor_parallel_size)
-    parameters = parameter_count(settings.shape, padded)
+    parameters = parameter_count(settings.shape, padded, settings.layer_windows)
     mixed = args.bf16 or args.fp16
     per_parameter = (2 if mixed else 4) + (8 if args.optimizer == "adam" else 4) + (4 if mixed else 0)
     return parameters * per_parameter, parameters, per_parameter
