@@ -201,6 +201,7 @@ class Model:
     window_size: tuple = None                   # (LEFT, 0)
     window_attn_skip_freq: object = None        # N (every N-th layer global) or a 0/1 pattern per layer
     gemma4_attention: tuple = ()                # Gemma 4's global layers: (head size, K/V heads); (): none
+    gemma4_moe: bool = False                    # Gemma 4's MoE block (gated GELU-tanh MLPs, its norms)
     self_conditioning: float = 0.0              # the chance of a first, detached pass (DiffusionGemma's objective)
 
     def __post_init__(self):
@@ -232,10 +233,11 @@ class Model:
         shape = ModelShape(
             num_layers=self.num_layers, hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
             num_query_groups=self.num_query_groups, kv_channels=self.kv_channels, ffn_hidden_size=self.ffn_hidden_size,
-            swiglu=self.swiglu, add_bias_linear=False, layernorm_bias=False, untied_output=self.untie_embeddings,
+            swiglu=self.swiglu or self.gemma4_moe, add_bias_linear=False, layernorm_bias=False,
+            untied_output=self.untie_embeddings,
             moe=None if self.num_experts is None else MoEShape(
                 self.num_experts, self.moe_router_topk, self.moe_ffn_hidden_size, sum(self.moe_layers()),
-                self.moe_shared_expert_intermediate_size or 0),
+                self.moe_shared_expert_intermediate_size or 0, gemma4=self.gemma4_moe),
             linear=linear, attention_output_gate=self.attention_output_gate,
             gemma4_attention=Gemma4AttentionShape(*self.gemma4_attention) if self.gemma4_attention else None)
         fill("shape", shape)  # the sizes the defaults leave, resolved there (RMSNorm, no linear biases)
@@ -1061,6 +1063,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--window-size", type=window_size, help="LEFT,0: sliding-window layers (megatron-core's)")
     add("--window-attn-skip-freq", type=window_attn_skip_freq, help="every N-th layer global, or a 1 (sliding) / 0 "
         "pattern")
+    add("--gemma4-moe", action="store_true", help="Gemma 4's MoE block: a dense gated GELU-tanh MLP beside the experts")
     add("--gemma4-attention", action="store_true", help="Gemma 4's global layers with their own head size and K/V")
     add("--global-kv-channels", type=int, help="with --gemma4-attention: the global layers' head size")
     add("--global-num-query-groups", type=int, help="with --gemma4-attention: the global layers' K/V heads")
@@ -1161,6 +1164,7 @@ def _model(args) -> Model:
                  window_attn_skip_freq=args.window_attn_skip_freq,
                  gemma4_attention=(args.global_kv_channels or args.kv_channels or args.hidden_size // heads,
                                    args.global_num_query_groups or groups) if args.gemma4_attention else (),
+                 gemma4_moe=args.gemma4_moe,
                  self_conditioning=_self_conditioning(args))
 
 
