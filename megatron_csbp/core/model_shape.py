@@ -192,9 +192,6 @@ class ModelShape:
                 or (self._gemma4_attention_problem() if self.gemma4_attention is not None else None))
 
     def _gemma4_attention_problem(self) -> str | None:
-        if not (self.moe and self.moe.gemma4):
-            return ("--gemma4-attention builds DiffusionGemma's layers, whose feed-forward block is Gemma 4's: add "
-                    "--gemma4-moe")
         if self.add_bias_linear:
             return "--gemma4-attention's projections have no biases: give --disable-bias-linear"
         return self.gemma4_attention.problem(self.num_attention_heads)

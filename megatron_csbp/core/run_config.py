@@ -148,6 +148,9 @@ class RunConfig:
 
     def _gemma4_attention_problem(self) -> str | None:
         """What Gemma 4's attention cannot take of this run (one line), or None."""
+        if not (self.shape.moe and self.shape.moe.gemma4):
+            return ("--gemma4-attention builds DiffusionGemma's layers, whose feed-forward block is Gemma 4's: add "
+                    "--gemma4-moe")
         if self.positions.yarn is not None or self.positions.query_scaling is not None:
             return ("--gemma4-attention takes plain RoPE on sliding layers and proportional RoPE on global ones: drop "
                     "--position-embedding-type yarn and --llama-4-scaling-beta")
