@@ -448,7 +448,7 @@ MODEL_ARGS_REFUSALS = [
     ({"greedy_check": 2}, "model_args: greedy_check=2: expected true or false"),
     ({"estimator": "median"}, "model_args: estimator=median: expected one of inverse-t, count"),
     ({"strategy": 3}, "model_args: strategy=3: expected one of confidence, fast-dllm-v2, top-k, posterior, "
-                      "first-hitting"),
+                      "first-hitting, diffusion-gemma"),
     ({"config": ""}, "model_args: config=: expected a path: a training YAML whose settings override those the "
                      "checkpoint recorded"),
     ({"load": 7}, "model_args: load=7: expected a path: a --save directory of a training run, or one of its "
