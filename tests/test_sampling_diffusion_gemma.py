@@ -27,14 +27,14 @@ TOLERANCE = 1e-5
 CANVAS, HF_VOCAB, STEPS, NEW = 4, 64, 10, 12
 
 
-def _tiny_transformers_model():
+def _tiny_transformers_model(vocab_size=HF_VOCAB):
     """The tiny random `DiffusionGemmaForBlockDiffusion` (sliding and global layers, experts), its tied head scaled
     up so that its predictions are confident enough for the early stop to fire."""
     from transformers import DiffusionGemmaConfig, DiffusionGemmaForBlockDiffusion
     from transformers.models.diffusion_gemma.configuration_diffusion_gemma import DiffusionGemmaTextConfig
 
     text = DiffusionGemmaTextConfig(
-        vocab_size=HF_VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=vocab_size, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, global_head_dim=16, sliding_window=8, max_position_embeddings=128,
         layer_types=["sliding_attention", "full_attention"], num_experts=4, top_k_experts=2, moe_intermediate_size=16,
         eos_token_id=None, pad_token_id=None, bos_token_id=None)
