@@ -20,6 +20,10 @@ written after them and overwritten by the next call. Keys are position-encoded p
 leave the cache, so cached and recomputed K/V are the same numbers. Its parameters are those of
 `BDLMGPTModel`, so any of our checkpoints loads into it.
 
+Gemma 4's layers (`--gemma4-moe`, `--gemma4-attention`) are training's layer specs with the sampler's cache
+(`SamplingGemma4SelfAttention`), and the one RoPE tensor holds the global layers' proportional table after the
+sliding one (`SideBySideRotary`), as training's model builds it (`gemma4_attention.side_by_side`).
+
 Sliding-window layers (`--window-size`, `--window-attn-skip-freq`) agree with training the same way: each layer
 takes its window as training's does (megatron-core's reading of the config by layer number, `spec.layer_window`),
 and the window is one more bound of the same rows' mask (`core.windows`: a row sees the clean keys from
@@ -611,7 +615,8 @@ def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLO
     sampler_attention = {SelfAttention: SamplingSelfAttention, Gemma4SelfAttention: SamplingGemma4SelfAttention}
     for layer in {id(spec): spec for spec in layers.layer_specs}.values():
         module = layer.submodules.self_attention.module
-        _require(module in sampler_attention, f"sampling takes megatron-core's SelfAttention or Gemma 4's, not {module}")
+        _require(module in sampler_attention,
+                 f"sampling takes megatron-core's SelfAttention or Gemma 4's, not {module}")
         layer.submodules.self_attention.module = sampler_attention[module]
         layer.submodules.self_attention.submodules.core_attention = attention
     gpt_kwargs.setdefault("position_embedding_type", positions.embedding_type)
