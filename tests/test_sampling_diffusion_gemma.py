@@ -7,6 +7,8 @@
   forward's (a tiny DiffusionGemma model with the softcap and the embedding scale), with the cache and without.
 * A briefly trained tiny DiffusionGemma checkpoint samples through scripts/generate_bdlm.py, which refuses bad
   input in one line (exit 2).
+* Imported DiffusionGemma checkpoints (Gemma 4's layers): the sampler's canvas logits equal transformers' decoder,
+  and `sampling.generate` and scripts/generate_bdlm.py give transformers' `generate` tokens on the HF directory.
 """
 
 import os
@@ -496,11 +498,16 @@ def test_generate_bdlm_script_on_the_import_gives_transformers_tokens(imported):
     """scripts/generate_bdlm.py --strategy diffusion-gemma --load <the import> prints transformers' `generate`
     samples on the HF directory (the same settings as the previous test, seeds 0 and 1, each early stop). The
     script prints text: the comparison is of transformers' tokens detokenized by the checkpoint's tokenizer (the
-    token-by-token comparison is the previous test's, on the same sampling loop)."""
+    token-by-token comparison is the previous test's, on the same sampling loop). The lm-eval harness, whose
+    loglikelihood model is built without Gemma 4's layers, still refuses the checkpoint in one line."""
+    from megatron_csbp.core.rules import ConfigError
     from megatron_csbp.tools.inference import model_args, read_checkpoint
 
     hf_dir, load = imported["confident"]
-    tokenizer = model_args(read_checkpoint(str(load), log=lambda *_: None), None, 1, sampler=True).tokenizer
+    checkpoint = read_checkpoint(str(load), log=lambda *_: None)
+    tokenizer = model_args(checkpoint, None, 1, sampler=True).tokenizer
+    with pytest.raises(ConfigError, match=r"Gemma 4's MoE block \(--gemma4-moe\): the harness does not build it"):
+        model_args(checkpoint, None, 1)
     prompts = [tokenizer.tokenize(text) for text in PROMPTS_8]
     assert all(len(p) % 4 == 0 for p in prompts), prompts
     theirs_model = _load_transformers(hf_dir)
