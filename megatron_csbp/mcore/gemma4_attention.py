@@ -42,6 +42,13 @@ def rotary_table(inverse_frequencies: torch.Tensor, positions: int) -> torch.Ten
     return torch.cat([angles, angles], dim=-1)[:, None, None, :]
 
 
+def side_by_side(table: torch.Tensor, global_inverse_frequencies: torch.Tensor) -> torch.Tensor:
+    """The one RoPE tensor every layer is handed: the sliding layers' table `[positions, 1, 1, sliding head]` with
+    the global layers' proportional table over the same positions after it."""
+    global_table = rotary_table(global_inverse_frequencies.to(table.device), table.shape[0])  # made where it runs
+    return torch.cat([table, global_table.to(table.dtype)], dim=-1)
+
+
 def value_norm(value: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without weight over each head, in fp32 (transformers' `v_norm`)."""
     x = value.float()

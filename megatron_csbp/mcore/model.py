@@ -131,7 +131,7 @@ def set_shape_config(config, shape) -> None:
             setattr(config, "linear_" + name, getattr(linear, name))
 
 
-def _global_inverse_frequencies(config):
+def global_inverse_frequencies(config):
     """Gemma 4's global layers' RoPE frequencies (`gemma4_attention`), or None."""
     shape = getattr(config, "gemma4_attention", None)
     if shape is None:
@@ -166,8 +166,7 @@ class PositionTableRotaryEmbedding(torch.nn.Module):
         table = self.rotary.get_emb(self.seq_length)  # [positions, 1, 1, dim] (YaRN: and its factor)
         if self.global_inverse_frequencies is None:
             return table
-        global_table = gemma4_attention.rotary_table(self.global_inverse_frequencies.to(table.device), self.seq_length)
-        return torch.cat([table, global_table.to(table.dtype)], dim=-1)  # side by side: each layer takes its own
+        return gemma4_attention.side_by_side(table, self.global_inverse_frequencies)  # each layer takes its own
 
 
 class BDLMGPTModel(GPTModel):
@@ -212,7 +211,7 @@ class BDLMGPTModel(GPTModel):
         self.padded_rows = padded_row_count(layout, self.config)
         if self.position_embedding_type == positions.embedding_type:
             self.rotary_pos_emb = PositionTableRotaryEmbedding(self.rotary_pos_emb, layout.seq_length,
-                                                               _global_inverse_frequencies(config))
+                                                               global_inverse_frequencies(config))
 
     def _pad_rows(self, ids):
         if ids is None or ids.shape[1] == self.padded_rows:

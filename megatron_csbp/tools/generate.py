@@ -168,7 +168,8 @@ def available_memory() -> int:
 
 def decoding_bytes(args, batch: int, total_length: int, positions_seen: int) -> int:
     """What decoding allocates beyond the weights: the token sequence and the K/V cache of every layer (a
-    sliding layer's: the `LEFT` positions before the active block and the block)."""
+    sliding layer's: the `LEFT` positions before the active block and the block; with `--gemma4-attention` a
+    global layer's K/V heads are `--global-num-query-groups` of `--global-kv-channels`)."""
     from megatron_csbp.core.windows import layer_windows
 
     groups = (args.num_query_groups or args.num_attention_heads) // args.tensor_model_parallel_size
@@ -177,9 +178,14 @@ def decoding_bytes(args, batch: int, total_length: int, positions_seen: int) -> 
     window_size = getattr(args, "window_size", None)
     windows = layer_windows(tuple(window_size) if window_size is not None else None,
                             getattr(args, "window_attn_skip_freq", None), args.num_layers)
-    cached = sum(min(positions_seen, window.left + args.bdlm_block_size) if window.sliding else positions_seen
-                 for window in windows)
-    return 8 * batch * total_length + 2 * cached * batch * groups * channels * element
+    per_position = groups * channels
+    global_per_position = per_position
+    if getattr(args, "gemma4_attention", False):
+        global_per_position = ((args.global_num_query_groups or groups * args.tensor_model_parallel_size)
+                               // args.tensor_model_parallel_size) * (args.global_kv_channels or channels)
+    cached = sum(min(positions_seen, window.left + args.bdlm_block_size) * per_position if window.sliding
+                 else positions_seen * global_per_position for window in windows)
+    return 8 * batch * total_length + 2 * cached * batch * element
 
 
 def check_memory(options, args, settings, encoded) -> None:

@@ -117,7 +117,8 @@ def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int,
     """The checkpoint's arguments (then `--config`) for one sampling replica over `tensor_parallel` ranks (no
     pipeline, context or block parallelism), its vocabulary on them (`tokenizer`, `mask_token_id`,
     `padded_vocab_size`), as the sampler and the harness read them. `sampler`: for the sampler alone, which also
-    runs DiffusionGemma's pieces (the softcap, the embedding scale, self-conditioning) that the harness does not."""
+    runs DiffusionGemma's pieces (Gemma 4's layers, the softcap, the embedding scale, self-conditioning) that the
+    harness does not."""
     from megatron_csbp.core.run_config import RunConfig
 
     args, vocabulary = launch_arguments(checkpoint, Launch(tensor_parallel), config=config)
@@ -127,9 +128,11 @@ def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int,
         raise ConfigError(f"checkpoint {checkpoint.directory} is a Gated DeltaNet hybrid (--experimental-attention-"
                           f"variant, --attention-output-gate or --apply-layernorm-1p): the sampler and the harness do "
                           f"not decode it yet; evaluate its loss with scripts/evaluate_bdlm.py")
-    if settings.shape.moe is not None and settings.shape.moe.gemma4:
-        raise ConfigError(f"checkpoint {checkpoint.directory} has Gemma 4's MoE block (--gemma4-moe): the sampler and "
-                          f"the harness do not build it yet; evaluate its loss with scripts/evaluate_bdlm.py")
+    # the harness's loglikelihood model (its training forward) is built without Gemma 4's shape config
+    if not sampler and settings.shape.moe is not None and settings.shape.moe.gemma4:
+        raise ConfigError(f"checkpoint {checkpoint.directory} has Gemma 4's MoE block (--gemma4-moe): the harness "
+                          f"does not build it yet; sample with scripts/generate_bdlm.py, evaluate its loss with "
+                          f"scripts/evaluate_bdlm.py")
     if not sampler and (settings.final_logit_softcapping is not None or settings.scale_embeddings):
         raise ConfigError(f"checkpoint {checkpoint.directory} has a final-logit softcap or scaled embeddings "
                           f"(--final-logit-softcapping, --scale-embeddings): the harness does not run them yet; "
@@ -160,13 +163,16 @@ def build_model(args, directory: str | None):
     from megatron_csbp.training.megatron_config import transformer_config_from_args
     from megatron_csbp.core.device import default_device
     from megatron_csbp.core.run_config import RunConfig
+    from megatron_csbp.mcore.model import set_shape_config
 
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1, context_block_parallel_size=1,
                                              clean_shards=1, distributed_timeout_minutes=args.distributed_timeout_minutes)
     model_parallel_cuda_manual_seed(args.seed)
     run = RunConfig.from_args(args, world_size=args.tensor_model_parallel_size)
+    config = transformer_config_from_args(args)
+    set_shape_config(config, run.shape)  # as training's (Gemma 4's layers)
     model = sampling.sampling_model(  # the GPTModel keywords RunProviders.model_provider gives the training model
-        transformer_config_from_args(args), args.padded_vocab_size, args.bdlm_block_size,
+        config, args.padded_vocab_size, args.bdlm_block_size,
         clean_attention=CLEAN_ATTENTIONS(args.bdlm_clean_attention), self_conditioning=run.self_conditioning,
         final_logit_softcapping=run.final_logit_softcapping, embedding_scale=run.embedding_scale,
         **providers.gpt_model_kwargs(args)).to(default_device())

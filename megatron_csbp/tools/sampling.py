@@ -20,6 +20,10 @@ written after them and overwritten by the next call. Keys are position-encoded p
 leave the cache, so cached and recomputed K/V are the same numbers. Its parameters are those of
 `BDLMGPTModel`, so any of our checkpoints loads into it.
 
+Gemma 4's layers (`--gemma4-moe`, `--gemma4-attention`) are training's layer specs with the sampler's cache
+(`SamplingGemma4SelfAttention`), and the one RoPE tensor holds the global layers' proportional table after the
+sliding one (`SideBySideRotary`), as training's model builds it (`gemma4_attention.side_by_side`).
+
 Sliding-window layers (`--window-size`, `--window-attn-skip-freq`) agree with training the same way: each layer
 takes its window as training's does (megatron-core's reading of the config by layer number, `spec.layer_window`),
 and the window is one more bound of the same rows' mask (`core.windows`: a row sees the clean keys from
@@ -90,7 +94,10 @@ from megatron_csbp.core.rules import ConfigError
 from megatron_csbp.core.variants import Registry
 from megatron_csbp.core.kernels import default_kernels
 from megatron_csbp.core.windows import GLOBAL
+from megatron_csbp.mcore import gemma4_moe
+from megatron_csbp.mcore.gemma4_attention import Gemma4SelfAttention, side_by_side
 from megatron_csbp.mcore.linear_cross_entropy import softcapped
+from megatron_csbp.mcore.model import global_inverse_frequencies
 from megatron_csbp.mcore.self_conditioning import SelfConditioning
 
 def _require(condition: bool, message: str) -> None:
@@ -344,6 +351,12 @@ class SamplingSettings:
                  f"two blocks at least (the active block and the committed context it is decoded from)")
 
     @property
+    def drawn_columns(self) -> int:
+        """The logits' columns a uniform-state canvas draws over: the real ids, less MASK where it is the last of
+        them (an import appends it after the reference's vocabulary)."""
+        return self.vocab_size - (self.mask_token_id == self.vocab_size - 1)
+
+    @property
     def method(self) -> Strategy:
         return STRATEGY[self.strategy]
 
@@ -490,6 +503,27 @@ class SamplingSelfAttention(SelfAttention):
         return query, key, value, rotary_pos_emb, AttnMaskType.no_mask, None
 
 
+class SamplingGemma4SelfAttention(Gemma4SelfAttention, SamplingSelfAttention):
+    """Gemma 4's attention (`mcore.gemma4_attention`: its shapes, norms and RoPE columns) with the sampler's K/V
+    cache: Gemma 4's forward takes its layer's RoPE columns, then megatron-core's runs, whose cache step is
+    `SamplingSelfAttention`'s (the global layers' K = V value is cached as any value)."""
+
+
+class SideBySideRotary(torch.nn.Module):
+    """Megatron's RoPE table (position = row index) with Gemma 4's global table after it
+    (`gemma4_attention.side_by_side`), the one tensor training's model hands every layer too."""
+
+    def __init__(self, rotary, global_inverse_frequencies):
+        super().__init__()
+        self.rotary, self.global_inverse_frequencies = rotary, global_inverse_frequencies
+
+    def get_rotary_seq_len(self, *args, **kwargs) -> int:
+        return self.rotary.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        return side_by_side(self.rotary(*args, **kwargs), self.global_inverse_frequencies)
+
+
 class SamplingGPTModel(GPTModel):
     """`GPTModel` with `BDLMGPTModel`'s input and output pieces: the embedding scale, the final-logit softcap
     (in fp32) and DiffusionGemma's self-conditioning block, which the active block's rows (the canvas: a call's
@@ -505,6 +539,9 @@ class SamplingGPTModel(GPTModel):
         self.self_conditioning = SelfConditioning(self.config) if self_conditioning else None
         self.final_logit_softcapping = final_logit_softcapping
         self.embedding_scale = embedding_scale
+        global_frequencies = global_inverse_frequencies(self.config)
+        if global_frequencies is not None:  # Gemma 4: each layer type its own RoPE columns
+            self.rotary_pos_emb = SideBySideRotary(self.rotary_pos_emb, global_frequencies)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, inference_context=None,
                 self_conditioning_logits=None, **kwargs):
@@ -525,11 +562,14 @@ class SamplingGPTModel(GPTModel):
         return softcapped(logits.float(), self.final_logit_softcapping) if self.final_logit_softcapping else logits
 
     def _soft_embeddings(self, logits):
-        """`[b, n, h]`: the softmax of `logits [b, n, V]` (every column, gathered) times this TP rank's rows of
-        the input embedding, summed over TP, times the embedding scale."""
+        """`[b, n, h]`: the softmax of `logits [b, n, V]` (every column, gathered; or the real ids' only, the rest
+        then without probability) times this TP rank's rows of the input embedding, summed over TP, times the
+        embedding scale."""
         weight = self.embedding.word_embeddings.weight
         first = self.pg_collection.tp.rank() * weight.shape[0]
-        probabilities = logits.softmax(-1, dtype=torch.float32)[..., first:first + weight.shape[0]]
+        probabilities = logits.softmax(-1, dtype=torch.float32)  # columns past the logits' (padding) take none
+        probabilities = torch.nn.functional.pad(probabilities, (0, self.vocab_size - probabilities.shape[-1]))
+        probabilities = probabilities[..., first:first + weight.shape[0]]
         signal = probabilities.to(weight.dtype) @ weight
         if self.pg_collection.tp.size() > 1:
             torch.distributed.all_reduce(signal, group=self.pg_collection.tp)
@@ -561,18 +601,23 @@ def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLO
     attention = ModuleSpec(module=SamplingAttention,
                            params={"block_size": block_size, "clean_attention": clean_attention,
                                    "query_scaling": positions.query_scaling})
-    if config.num_moe_experts:  # as training's (model.model_provider): megatron-core's MoE and dense layers
+    if getattr(config, "gemma4_moe", False):  # as training's: Gemma 4's block (and attention) in every layer
+        try:
+            layers = gemma4_moe.get_gemma4_block_spec(config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+    elif config.num_moe_experts:  # as training's (model.model_provider): megatron-core's MoE and dense layers
         layers = csbp_spec.get_csbp_block_spec(config)
-        distinct = {id(spec): spec for spec in layers.layer_specs}.values()
     else:
         layer = csbp_spec.get_csbp_layer_spec(qk_layernorm=config.qk_layernorm)  # as training's
         layers = TransformerBlockSubmodules(layer_specs=[layer] * config.num_layers,
                                             layer_norm=csbp_spec.SequenceParallelTorchNorm)
-        distinct = [layer]
-    for layer in distinct:
-        _require(layer.submodules.self_attention.module is SelfAttention,
-                 f"sampling takes megatron-core's SelfAttention, not {layer.submodules.self_attention.module}")
-        layer.submodules.self_attention.module = SamplingSelfAttention
+    sampler_attention = {SelfAttention: SamplingSelfAttention, Gemma4SelfAttention: SamplingGemma4SelfAttention}
+    for layer in {id(spec): spec for spec in layers.layer_specs}.values():
+        module = layer.submodules.self_attention.module
+        _require(module in sampler_attention,
+                 f"sampling takes megatron-core's SelfAttention or Gemma 4's, not {module}")
+        layer.submodules.self_attention.module = sampler_attention[module]
         layer.submodules.self_attention.submodules.core_attention = attention
     gpt_kwargs.setdefault("position_embedding_type", positions.embedding_type)
     set_rotary_config(config, positions)
@@ -689,7 +734,8 @@ def denoise_canvas(canvas_logits: Callable, block, free, settings: SamplingSetti
     the canvas given the committed prefix and the previous step's processed logits; our model's (`_BlockLogits`)
     or, in the tests, transformers' decoder. `block`: the positions that are not `free` hold prompt tokens, kept.
     Draws from `generator`, in the reference's order: the canvas, then per step the tokens (`torch.multinomial` over
-    [b * B, V]) and the renoising ids, every sample of the batch alike."""
+    [b * B, V], V `settings.drawn_columns`: the draw depends on the width, and the reference's logits hold its
+    vocabulary only, not the MASK appended after it nor the padding) and the renoising ids, every sample alike."""
     batch, size = block.shape
     steps = settings.steps_per_block
     canvas = torch.where(free, random_ids((batch, size), settings, generator, block.device), block)
@@ -697,7 +743,7 @@ def denoise_canvas(canvas_logits: Callable, block, free, settings: SamplingSetti
     finished = torch.zeros(batch, dtype=torch.bool, device=block.device)
     history = [torch.full_like(block, -1)] * (settings.stability_threshold if settings.early_stop else 0)
     for remaining in range(steps, 0, -1):
-        raw = canvas_logits(canvas, signal)
+        raw = canvas_logits(canvas, signal)[..., :settings.drawn_columns]
         temperature = settings.t_min + (settings.t_max - settings.t_min) * (
             torch.tensor(remaining, dtype=torch.int32, device=raw.device) / steps)  # in fp32, as the reference
         logits = raw / temperature
