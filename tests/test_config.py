@@ -242,7 +242,8 @@ def test_the_diffusion_gemma_recipe_is_the_released_26b_a4b():
     from megatron_csbp.core.windows import GLOBAL, Sliding
 
     path = os.path.join(REPO, "configs", "diffusion_gemma_26b_a4b_256k.yaml")
-    args = validate_args(parse_args(["--config", path]), 16, on_accelerator=True, check_paths=False)
+    args = validate_args(parse_args(["--config", path, "expert-model-parallel-size=2"]), 16, on_accelerator=True,
+                         check_paths=False)  # EP2, the paper's, given at launch as the config says
     run = RunConfig.from_args(args, 16)
     shape = run.shape
     assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_query_groups,

@@ -354,7 +354,10 @@ def run_config(model: Model, topo: Topology, cluster: Cluster) -> RunConfig:
                      tensor_parallel_size=topo.tp, pipeline_parallel_size=topo.pp, world_size=cluster.gpus,
                      micro_batch_size=model.micro_batch_size, global_batch_size=model.global_batch_size,
                      expert_parallel_size=topo.ep, expert_tensor_parallel_size=topo.etp,
-                     window_size=model.window_size, window_attn_skip_freq=model.window_attn_skip_freq)
+                     window_size=model.window_size, window_attn_skip_freq=model.window_attn_skip_freq,
+                     # a first pass priced means DiffusionGemma's objective, whose rules (no PP beside it) hold here too
+                     **(dict(objective=objectives.DIFFUSION_GEMMA, self_conditioning_probability=model.self_conditioning)
+                        if model.self_conditioning else {}))
 
 
 def candidate_topologies(cluster: Cluster, model: Model = None):
