@@ -356,8 +356,8 @@ def run_config(model: Model, topo: Topology, cluster: Cluster) -> RunConfig:
                      expert_parallel_size=topo.ep, expert_tensor_parallel_size=topo.etp,
                      window_size=model.window_size, window_attn_skip_freq=model.window_attn_skip_freq,
                      # a first pass priced means DiffusionGemma's objective, whose rules (no PP beside it) hold here too
-                     **(dict(objective=objectives.DIFFUSION_GEMMA, self_conditioning_probability=model.self_conditioning)
-                        if model.self_conditioning else {}))
+                     **(dict(objective=objectives.DIFFUSION_GEMMA,
+                             self_conditioning_probability=model.self_conditioning) if model.self_conditioning else {}))
 
 
 def candidate_topologies(cluster: Cluster, model: Model = None):
