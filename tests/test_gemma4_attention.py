@@ -25,6 +25,7 @@ import dataclasses
 import pytest
 import torch
 
+import drawn_weights
 import test_diffusion_gemma as diffusion_gemma
 from spawn import on_cpu_backend, run_ranks
 
@@ -73,12 +74,8 @@ def _transformers_model():
     model.config._attn_implementation = "eager"
     model.eval()
     generator = torch.Generator().manual_seed(3)
+    drawn_weights.draw(model, generator)
     with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            if "norm" in name or name.endswith("scale"):  # around 1, as trained norms and scales are
-                param.copy_(1 + 0.5 * (torch.rand(param.shape, generator=generator) - 0.5))
-            else:
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
         encoder = model.model.encoder.language_model
         for layer, encoder_layer in zip(model.model.decoder.layers, encoder.layers):  # one value, as a checkpoint's
             layer.layer_scalar.copy_(0.5 + torch.rand(1, generator=generator))

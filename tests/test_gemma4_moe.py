@@ -18,6 +18,7 @@ import os
 import pytest
 import torch
 
+import drawn_weights
 import megatron_step
 import test_megatron_composition as composition
 import test_moe
@@ -45,14 +46,7 @@ def _transformers_layer():
             return torch.zeros_like(hidden_states), None
 
     layer.self_attn = NoAttention()
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, param in sorted(layer.named_parameters()):
-            if "layernorm" in name or name.endswith("scale"):  # around 1, as trained norms and scales are
-                param.copy_(1 + 0.5 * (torch.rand(param.shape, generator=generator) - 0.5))
-            else:
-                param.copy_(0.3 * torch.randn(param.shape, generator=generator))
-    return layer
+    return drawn_weights.draw(layer, torch.Generator().manual_seed(3))
 
 
 def _megatron_config():

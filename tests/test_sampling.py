@@ -618,24 +618,30 @@ def _environment():
 
 
 def _run(command, expect=0):
-    done = subprocess.run(command, cwd=REPO, env=_environment(), timeout=300, stdout=subprocess.PIPE,
+    done = subprocess.run(command, cwd=REPO, env=_environment(), timeout=600, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
     assert done.returncode == expect, f"exit status {done.returncode}, expected {expect}:\n{done.stdout[-4000:]}"
     return done.stdout
 
 
-@pytest.fixture(scope="module")
-def alphabet_checkpoints(tmp_path_factory):
-    """A tiny BDLM trained 120 iterations on the repeated alphabet by scripts/pretrain_bdlm.py."""
+def trained_on_the_alphabet(root, model):
+    """`model` (pretrain flags) trained 120 iterations on the repeated alphabet by scripts/pretrain_bdlm.py; its
+    checkpoint is `root / "trained"`."""
     from megatron_csbp.data.datasets import write_indexed_dataset
 
-    root = tmp_path_factory.mktemp("alphabet")
     documents = [list((ALPHABET * 20)[i:i + 400].encode()) for i in range(26) for _ in range(3)]
     write_indexed_dataset(documents, str(root / "alphabet"), 257)
-    script = os.path.join(REPO, "scripts", "pretrain_bdlm.py")
-    common = {**TINY, "data_path": root / "alphabet"}
-    overrides = [f"{key.replace('_', '-')}={value}" for key, value in common.items()]
-    _run([sys.executable, script, *overrides, "train-iters=120", "lr-warmup-iters=5", f"save={root / 'trained'}"])
+    overrides = [f"{key.replace('_', '-')}={value}" for key, value in {**model, "data_path": root / "alphabet"}.items()]
+    _run([sys.executable, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), *overrides, "train-iters=120",
+          "lr-warmup-iters=5", f"save={root / 'trained'}"])
+    return root / "trained"
+
+
+@pytest.fixture(scope="module")
+def alphabet_checkpoints(tmp_path_factory):
+    """A tiny BDLM trained 120 iterations on the repeated alphabet."""
+    root = tmp_path_factory.mktemp("alphabet")
+    trained_on_the_alphabet(root, TINY)
     return root
 
 

@@ -13,13 +13,14 @@
 
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import test_sampling as sampling_test
 from spawn import run_ranks
+from test_sampling import ALPHABET, _run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOLERANCE = 1e-5
@@ -246,43 +247,17 @@ def test_sampler_logits_equal_the_self_conditioned_training_forward():
 
 
 # ---------------------------------------------------------------------------------------- a trained checkpoint
-TINY = dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, group_query_attention="true",
-            num_query_groups=2, normalization="RMSNorm", swiglu="true", disable_bias_linear="true",
-            attention_dropout=0, hidden_dropout=0, seq_length=64, bdlm_block_size=8, split="90,10,0",
-            micro_batch_size=4, global_batch_size=8, lr=3e-3, min_lr=3e-4, lr_decay_style="cosine",
-            use_cpu_initialization="true", log_interval=20, eval_iters=0, seed=1234,
-            bdlm_objective="diffusion-gemma", bdlm_clean_attention="token-causal", bdlm_ar_loss_weight=1.0,
-            final_logit_softcapping=30.0, scale_embeddings="true")
-ALPHABET = "abcdefghijklmnopqrstuvwxyz"
+TINY = {**{key: value for key, value in sampling_test.TINY.items() if key != "untie_embeddings_and_output_weights"},
+        **dict(bdlm_objective="diffusion-gemma", bdlm_clean_attention="token-causal", bdlm_ar_loss_weight=1.0,
+               final_logit_softcapping=30.0, scale_embeddings="true")}
 PROMPTS = ["abcdefgh", "ijklmnop"]  # one block each
 NEW_TOKENS = 16
 
 
-def _environment():
-    env = {key: value for key, value in os.environ.items() if not key.startswith("MEGATRON_CSBP_TEST")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=REPO)
-    return env
-
-
-def _run(command, expect=0):
-    done = subprocess.run(command, cwd=REPO, env=_environment(), timeout=600, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True)
-    assert done.returncode == expect, f"exit status {done.returncode}, expected {expect}:\n{done.stdout[-4000:]}"
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def alphabet_checkpoint(tmp_path_factory):
-    """A tiny DiffusionGemma model trained 120 iterations on the repeated alphabet by scripts/pretrain_bdlm.py."""
-    from megatron_csbp.data.datasets import write_indexed_dataset
-
-    root = tmp_path_factory.mktemp("alphabet_dg")
-    documents = [list((ALPHABET * 20)[i:i + 400].encode()) for i in range(26) for _ in range(3)]
-    write_indexed_dataset(documents, str(root / "alphabet"), 257)
-    overrides = [f"{key.replace('_', '-')}={value}" for key, value in {**TINY, "data_path": root / "alphabet"}.items()]
-    _run([sys.executable, os.path.join(REPO, "scripts", "pretrain_bdlm.py"), *overrides, "train-iters=120",
-          "lr-warmup-iters=5", f"save={root / 'trained'}"])
-    return root / "trained"
+    """A tiny DiffusionGemma model (tied embeddings, as Gemma's) trained 120 iterations on the repeated alphabet."""
+    return sampling_test.trained_on_the_alphabet(tmp_path_factory.mktemp("alphabet_dg"), TINY)
 
 
 def _generate(load, *flags, expect=0):
@@ -325,8 +300,8 @@ def test_bad_diffusion_gemma_input_is_a_one_line_refusal_with_exit_2(alphabet_ch
     base = ["--load", str(alphabet_checkpoint), "--prompt", "abc", "--max-new-tokens", "8"]
     dg = [*base, "--strategy", "diffusion-gemma"]
     cases = [
-        ([*base, "--strategy", "confidence"], "--strategy confidence decodes from MASK tokens, but this checkpoint's --bdlm-objective trains a "
-               "uniform-state corruption (no MASK): use --strategy diffusion-gemma"),
+        ([*base, "--strategy", "confidence"], "--strategy confidence decodes from MASK tokens, but this checkpoint's "
+         "--bdlm-objective trains a uniform-state corruption (no MASK): use --strategy diffusion-gemma"),
         ([*base, "--strategy", "top-k"], "--strategy top-k decodes from MASK tokens"),
         ([*dg, "--config", str(mask_config)], "--strategy diffusion-gemma decodes a uniform-state model"),
         ([*dg, "--entropy-bound", "0"], "--entropy-bound 0.0 must be > 0"),
