@@ -60,7 +60,9 @@ def _dense_token_causal_attention():
     return DenseTokenCausal
 
 
-def _build_model(topology, config):
+def build_token_causal_model(topology, config, **model_arguments):
+    """The model of a token-causal clean stream on `topology`: a reference topology's attention is the dense one
+    above; `model_arguments` go to the model beside the common ones."""
     from megatron.core import parallel_state as mpu
     from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -71,7 +73,7 @@ def _build_model(topology, config):
 
     stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
     common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True, clean_logits=True,
-                  logits_tile_rows=topology.logits_tile_rows)
+                  logits_tile_rows=topology.logits_tile_rows, **model_arguments)
     if topology.mode == "reference":
         layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, clean_attention="token-causal")
         spec = get_csbp_layer_spec()
@@ -113,7 +115,7 @@ def _train_step(topology, weights):
 
     kind = _every_ring_objective() if topology.transport == "every-ring" else BDLMObjective
     objective = kind(block_size=topology.block, mask_token_id=MASK, seed=99, **WEIGHTS)
-    return train_step(topology, weights, _build_model, lambda layout: BDLMForwardStep(objective, layout),
+    return train_step(topology, weights, build_token_causal_model, lambda layout: BDLMForwardStep(objective, layout),
                       _batches, MICRO_BATCH)
 
 

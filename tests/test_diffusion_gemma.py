@@ -28,7 +28,7 @@ import torch
 
 from megatron_step import BLOCK, MASK, SEQ, VOCAB, Topology, micro_batches, run_steps, train_step, worst_error
 from spawn import on_cpu_backend, run_ranks
-from test_clean_stream_training import _dense_token_causal_attention
+from test_clean_stream_training import build_token_causal_model
 
 from megatron_csbp.core import objectives
 
@@ -175,32 +175,9 @@ def test_tiled_signal_equals_the_whole_one():
 # --- one training step on every layout ---------------------------------------------------------------------------
 
 def _build_model(topology, config):
-    from megatron.core import parallel_state as mpu
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megatron_csbp.core.layout import CSBPLayout, layout_for
-    from megatron_csbp.mcore import parallel_state
-    from megatron_csbp.mcore.model import BDLMGPTModel, model_provider
-    from megatron_csbp.mcore.spec import get_csbp_layer_spec
-
-    stages = dict(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
-    common = dict(vocab_size=VOCAB, mask_token_id=MASK, share_embeddings_and_output_weights=True, clean_logits=True,
-                  self_conditioning=True, logits_tile_rows=topology.logits_tile_rows,
-                  final_logit_softcapping=topology.softcap,
-                  embedding_scale=HIDDEN ** 0.5 if topology.scale_embeddings else None)
-    if topology.mode == "reference":
-        layout = CSBPLayout(topology.seq, topology.block, 1, 1, 0, clean_attention="token-causal")
-        spec = get_csbp_layer_spec()
-        spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
-            module=_dense_token_causal_attention(), params={"layout": layout})
-        model = BDLMGPTModel(config=config, transformer_layer_spec=spec, max_sequence_length=topology.seq,
-                             position_embedding_type="rope", layout=layout, **stages, **common)
-        return model, layout
-    layout = layout_for(topology.mode, topology.seq, topology.block, topology.block_parallel, topology.clean_shards,
-                        rank=mpu.get_context_parallel_rank(), clean_attention="token-causal")
-    model = model_provider(config=config, layout=layout, group=parallel_state.get_block_parallel_groups(),
-                           transport=topology.transport, **stages, **common)
-    return model, layout
+    return build_token_causal_model(
+        topology, config, self_conditioning=True, final_logit_softcapping=topology.softcap,
+        embedding_scale=HIDDEN ** 0.5 if topology.scale_embeddings else None)
 
 
 def _batches(dp_rank, dp_size):
