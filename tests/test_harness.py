@@ -15,7 +15,6 @@ import dataclasses
 import json
 import os
 import random
-import re
 import subprocess
 import sys
 import time
@@ -252,12 +251,22 @@ def _in_process(rank, world_size, load):
     tiled = (tiled_lm.model.logits_tile_rows,
              max(float((score - tiled_lm.nelbo_samples([pair], samples=16)[0]).abs().max() / score.abs().max())
                  for score, pair in zip(lone, pairs)))
-    return summary, padding, control, refusals, same_rows, tiled
+    # A final-logit softcap reaches the scoring model (`RunConfig.model_ends`, as training builds it): one far
+    # above every logit scores as none, a tight one does not.
+    capped = {}
+    for cap in (1e6, 1.0):
+        cap_config = os.path.join(os.path.dirname(load), f"softcap_{cap:g}.yaml")
+        with open(cap_config, "w", encoding="utf-8") as handle:
+            handle.write(f"final-logit-softcapping: {cap}\n")
+        capped_lm = MegatronCSBPLM(load=load, batch_size=3, config=cap_config)
+        capped[cap] = max(float((score - capped_lm.nelbo_samples([pair], samples=16)[0]).abs().max()
+                                / score.abs().max()) for score, pair in zip(lone, pairs))
+    return summary, padding, control, refusals, same_rows, tiled, capped
 
 
 def test_estimators_agree_scores_do_not_depend_on_padding_and_rows_are_the_objectives(harness_runs):
-    summary, padding, control, refusals, same_rows, tiled = run_ranks(_in_process, 1, str(harness_runs / "trained"),
-                                                                      timeout=300)[0]
+    summary, padding, control, refusals, same_rows, tiled, capped = run_ranks(
+        _in_process, 1, str(harness_runs / "trained"), timeout=300)[0]
     for index in range(3):
         (a, sa), (b, sb), (u, su) = (summary[name][index] for name in ("inverse-t", "count", "unweighted"))
         gap, unweighted = abs(a - b) / (sa ** 2 + sb ** 2) ** 0.5, abs(a - u) / (sa ** 2 + su ** 2) ** 0.5
@@ -269,6 +278,8 @@ def test_estimators_agree_scores_do_not_depend_on_padding_and_rows_are_the_objec
           f"tiled cross-entropy (tiles of {tiled[0]} rows): {tiled[1]:.1e}")
     assert padding <= 1e-5 and control > 1e-2
     assert tiled[0] == 7 and tiled[1] <= 1e-5
+    print(f"softcap 1e6: {capped[1e6]:.1e} from the uncapped scores; softcap 1 (control): {capped[1.0]:.1e}")
+    assert capped[1e6] <= 1e-5 and capped[1.0] > 1e-2
     assert same_rows, "the harness's [x_t ; x_0] rows differ from BDLMObjective.rows under the same noise"
     messages = {"{'tensor_parallel_size': 2}": "this launch has 1 rank:", "{'estimator': 'median'}": "inverse-t, count",
                 "{'mc_sample': 4}": "did you mean mc_samples", "{'strategy': 'best'}": "strategy",

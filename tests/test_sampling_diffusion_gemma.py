@@ -387,7 +387,7 @@ def _imported_checks(rank, world, imported):
     with cpu_backend.active():
         for name, (hf_dir, load) in imported.items():
             checkpoint = read_checkpoint(str(load), log=lambda *_: None)
-            args = model_args(checkpoint, None, 1, sampler=True)
+            args = model_args(checkpoint, None, 1)
             model, theirs = build_model(args, checkpoint.directory).eval(), _load_transformers(hf_dir)
             block = args.bdlm_block_size
             generator = torch.Generator().manual_seed(7)
@@ -473,16 +473,12 @@ def test_generate_bdlm_script_on_the_import_gives_transformers_tokens(imported):
     """scripts/generate_bdlm.py --strategy diffusion-gemma --load <the import> prints transformers' `generate`
     samples on the HF directory (the same settings as the previous test, seeds 0 and 1, each early stop). The
     script prints text: the comparison is of transformers' tokens detokenized by the checkpoint's tokenizer (the
-    token-by-token comparison is the previous test's, on the same sampling loop). The lm-eval harness, whose
-    loglikelihood model is built without Gemma 4's layers, still refuses the checkpoint in one line."""
-    from megatron_csbp.core.rules import ConfigError
+    token-by-token comparison is the previous test's, on the same sampling loop)."""
     from megatron_csbp.tools.inference import model_args, read_checkpoint
 
     hf_dir, load = imported["confident"]
     checkpoint = read_checkpoint(str(load), log=lambda *_: None)
-    tokenizer = model_args(checkpoint, None, 1, sampler=True).tokenizer
-    with pytest.raises(ConfigError, match=r"Gemma 4's MoE block \(--gemma4-moe\): the harness does not build it"):
-        model_args(checkpoint, None, 1)
+    tokenizer = model_args(checkpoint, None, 1).tokenizer
     prompts = [tokenizer.tokenize(text) for text in PROMPTS_8]
     assert all(len(p) % 4 == 0 for p in prompts), prompts
     theirs_model = _load_transformers(hf_dir)
@@ -500,3 +496,53 @@ def test_generate_bdlm_script_on_the_import_gives_transformers_tokens(imported):
                                                                                         stop)[0]]
             print(f"seed {seed}, early stop {stop}: {samples} vs {theirs}")
             assert samples == theirs, (seed, stop, samples, theirs)
+
+
+# ------------------------------------------------------------------------------------------- the lm-eval harness
+class _Request:  # what lm-eval hands a model: the request's arguments
+    def __init__(self, *args):
+        self.args = args
+
+
+def _harness_answers(rank, world, loads):
+    """Per checkpoint: the harness's generate_until answers to its prompts at its defaults (the checkpoint's
+    strategy and steps, seed 0, EOS ends a sample), and what its loglikelihood says."""
+    from megatron_csbp.core.rules import ConfigError
+    from megatron_csbp.tools.harness import MegatronCSBPLM
+
+    results = {}
+    for name, (load, prompts, new_tokens) in loads.items():
+        lm = MegatronCSBPLM(load=load, batch_size=2)
+        answers = lm.generate_until([_Request(prompt, {"until": [], "max_gen_toks": new_tokens}) for prompt in prompts])
+        try:
+            refusal = lm.loglikelihood([_Request(prompts[0], prompts[1])])
+        except ConfigError as error:
+            refusal = str(error)
+        results[name] = answers, refusal, type(lm.model.decoder.layers[0]).__name__
+    return results
+
+
+def test_the_harness_decodes_diffusion_gemma_checkpoints_as_the_script_and_refuses_their_likelihoods(
+        alphabet_checkpoint, imported):
+    """lm-eval's model (`MegatronCSBPLM`) on a trained DiffusionGemma checkpoint and on an imported one (Gemma 4's
+    layers in both of its models, the softcap, the embedding scale, the self-conditioning block): its
+    generate_until answers are scripts/generate_bdlm.py's samples at the same defaults (strategy diffusion-gemma,
+    48 steps, seed 0), and loglikelihood is one line naming the uniform-state objective (no MASK to score under).
+    Prompt and sample stay within each checkpoint's trained length (the import's is 8: 4 + 4 tokens), where the
+    harness and the script keep the whole prompt alike."""
+    pytest.importorskip("lm_eval")
+    loads = {"trained": (str(alphabet_checkpoint), PROMPTS, NEW_TOKENS),
+             "imported": (str(imported["confident"][1]), ["abcd", "ijkl"], 4)}
+    results = run_ranks(_harness_answers, 1, loads, timeout=600)[0]
+    for name, (load, prompts, new_tokens) in loads.items():
+        answers, refusal, layer = results[name]
+        output = _generate(load, *[flag for prompt in prompts for flag in ("--prompt", prompt)], "--max-new-tokens",
+                           str(new_tokens))
+        samples = [eval(line.split(": ", 1)[1]) for line in output.splitlines() if line.startswith("sample ")]
+        print(f"{name}: harness {answers}, script {samples}; {layer}; {refusal}")
+        assert "strategy diffusion-gemma" in output and "steps/block 48" in output, output
+        assert answers == samples and any(answers), (answers, samples)
+        assert refusal.startswith(f"checkpoint {load}") and refusal.endswith(
+            "was trained with --bdlm-objective diffusion-gemma (uniform-state corruption: no MASK, unit weights): it "
+            "has no BD3-LM bound to score; run generate_until tasks only"), refusal
+    assert results["imported"][2] == "Gemma4TransformerLayer" != results["trained"][2]

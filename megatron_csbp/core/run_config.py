@@ -259,6 +259,14 @@ class RunConfig:
         return self.shape.hidden_size ** 0.5 if self.scale_embeddings else None
 
     @property
+    def model_ends(self) -> dict:
+        """The model keywords for what wraps its layers: the self-conditioning input, the embedding scale, the
+        logits' softcap. Every model of a checkpoint (training, sampling, the harness's scoring) is built with
+        them, so its weights load alike and its logits mean the same in each."""
+        return dict(self_conditioning=self.self_conditioning, final_logit_softcapping=self.final_logit_softcapping,
+                    embedding_scale=self.embedding_scale)
+
+    @property
     def packed(self) -> bool:
         """Whether samples hold several documents (each row's RoPE position or keys depend on its document)."""
         return self.reset_position_ids or self.reset_attention_mask

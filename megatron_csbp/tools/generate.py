@@ -127,25 +127,22 @@ def stop_sequences(options, tokenizer, strategy) -> tuple:
 
 def settings_from(options, args):
     from megatron_csbp.core.objectives import UNIFORM_STATE, objective_kind
-    from megatron_csbp.tools.sampling import STRATEGY, SamplingSettings
+    from megatron_csbp.tools.sampling import SamplingSettings, strategy_for
 
     eod = args.tokenizer.eod
     corruption = objective_kind(args.bdlm_objective).corruption
-    chosen = options.strategy or next(name for name, method in STRATEGY.items() if method.corruption == corruption)
-    strategy = STRATEGY[chosen]
+    strategy = strategy_for(corruption, options.strategy)
+    chosen = strategy.name
     uniform = {flag[2:].replace("-", "_"): getattr(options, flag[2:].replace("-", "_"))
                for flag, *_ in DIFFUSION_GEMMA_FLAGS}
     given = [f"--{name.replace('_', '-')}" for name, value in uniform.items() if value is not None]
     given += ["--no-early-stop"] if options.no_early_stop else []
     if given and strategy.corruption != UNIFORM_STATE:
         raise ConfigError(f"{', '.join(given)}: for --strategy diffusion-gemma only (this is {chosen})")
-    steps = options.steps_per_block
-    if steps is None:
-        steps = args.bdlm_block_size if strategy.default_steps is None else strategy.default_steps
     return SamplingSettings(
         **{name: value for name, value in uniform.items() if value is not None}, early_stop=not options.no_early_stop,
         block_size=args.bdlm_block_size, mask_token_id=args.mask_token_id,
-        steps_per_block=steps,
+        steps_per_block=strategy.steps(args.bdlm_block_size, options.steps_per_block),
         strategy=chosen, threshold=options.threshold, temperature=options.temperature,
         top_p=options.top_p, top_k=options.top_k, seed=options.seed,
         eos_token_id=None if options.ignore_eos or options.suppress_eos else eod,
@@ -238,7 +235,7 @@ def prepare(argv):
                           f"exactly --tensor-model-parallel-size ranks")
     checkpoint = read_checkpoint(options.load)
     directory = checkpoint.directory
-    args = model_args(checkpoint, options.config, options.tensor_model_parallel_size, sampler=True)
+    args = model_args(checkpoint, options.config, options.tensor_model_parallel_size)
     settings = settings_from(options, args)
     encoded = [args.tokenizer.tokenize(prompt) for prompt in prompts]
     if any(not ids for ids, prompt in zip(encoded, prompts) if prompt):

@@ -55,7 +55,11 @@ its data lm-eval cannot load, gen_kwargs of the wrong type, an `--output_path` l
 (`lm_eval_inputs`, which also publishes lm-eval's files whole), a model call (`--batch_size x mc_samples`
 rows) or a decode (`max_gen_toks`) larger than the device's memory; and, when its requests come,
 loglikelihood on a `fast-dllm-v2` checkpoint (its shifted labels give no BD3-LM bound; `config=` a YAML with
-`bdlm-objective: bd3lm` to score it as one).
+`bdlm-objective: bd3lm` to score it as one) or on a uniform-state `diffusion-gemma` one (no MASK to score under:
+its generate_until tasks run, with the sampler's `diffusion-gemma` strategy).
+
+Both models are built as training builds them (`RunConfig.model_ends`, Gemma 4's shape config): a checkpoint with
+Gemma 4's layers, a softcap or scaled embeddings is scored and decoded as it trained.
 """
 
 import atexit
@@ -77,7 +81,6 @@ from tqdm import tqdm
 from megatron_csbp.core import objectives
 from megatron_csbp.core.run_config import RunConfig
 from megatron_csbp.core.rules import ConfigError
-from megatron_csbp.tools.sampling import DEFAULT_STRATEGY
 
 COMMAND = "python -m megatron_csbp.harness"  # as its refusals name it
 NAME = "megatron_csbp"
@@ -176,7 +179,7 @@ def model_options() -> dict:
         "estimator": _choice(ESTIMATORS, "inverse-t"),
         "seed": _integer_from(0, 0, below=(2 ** 64, "2**64")),
         "greedy_check": Option(_switch, lambda v: True, "true or false", True),
-        "strategy": _choice(STRATEGIES, DEFAULT_STRATEGY),
+        "strategy": _choice(STRATEGIES, None),  # None: the checkpoint's (`sampling.strategy_for`)
         "steps_per_block": _integer_from(1, None),
         "threshold": Option(_number, lambda v: 0 <= v <= 1, "a probability in [0, 1]", 0.9),
         "temperature": TEMPERATURE,
@@ -299,9 +302,11 @@ class MegatronCSBPLM(LM):
     model_args (lm-eval's `key=value,...`, read by `model_arguments`): `load` (a `--save` directory or an
     `iter_XXXXXXX` one, required), `config` (a training YAML overriding what the checkpoint recorded),
     `mc_samples` (noise draws per request, 32), `estimator` (`inverse-t` | `count`), `seed` (0), `greedy_check`
-    (true), `strategy` (confidence), `steps_per_block` (the block size), `threshold` (0.9), `temperature` (0),
-    `top_k` (0), `top_p` (1), `max_gen_toks` (default for gen_kwargs, 128), `tensor_parallel_size` (1: the
-    launch's world size must equal it); lm-eval's `--batch_size` is the requests per model call ("auto": 8).
+    (true), `strategy` (the checkpoint's: confidence, or diffusion-gemma for a uniform-state one),
+    `steps_per_block` (the strategy's default: the block size, or diffusion-gemma's 48), `threshold` (0.9),
+    `temperature` (0), `top_k` (0), `top_p` (1), `max_gen_toks` (default for gen_kwargs, 128),
+    `tensor_parallel_size` (1: the launch's world size must equal it); lm-eval's `--batch_size` is the requests
+    per model call ("auto": 8).
     One model call holds `batch_size x mc_samples` rows: refused when they cannot fit in the device's memory.
     """
 
@@ -361,17 +366,20 @@ class MegatronCSBPLM(LM):
         weights (the same parameter names: `sampling_model` is built to load our checkpoints)."""
         from megatron_csbp.core.device import default_device
         from megatron_csbp.mcore import parallel_state
-        from megatron_csbp.mcore.model import model_provider
+        from megatron_csbp.mcore.model import model_provider, set_shape_config
         from megatron_csbp.training import providers
         from megatron_csbp.training.megatron_config import transformer_config_from_args
 
-        self.layout = self.run_config.layout(0)
+        run = self.run_config
+        self.layout = run.layout(0)
         vocab_ids = getattr(args, "vocab_ids", None) or max(args.tokenizer.vocab_size, args.mask_token_id + 1)
-        model = model_provider(config=providers.for_bdlm(transformer_config_from_args(args)),
-                               vocab_size=args.padded_vocab_size, layout=self.layout,
+        config = providers.for_bdlm(transformer_config_from_args(args))
+        set_shape_config(config, run.shape)  # as training's (Gemma 4's layers)
+        model = model_provider(config=config, vocab_size=args.padded_vocab_size, layout=self.layout,
                                mask_token_id=args.mask_token_id, vocab_ids=vocab_ids,
                                group=parallel_state.get_block_parallel_groups(),
-                               logits_tile_rows=self.run_config.logits_tile_rows, **providers.gpt_model_kwargs(args))
+                               logits_tile_rows=run.logits_tile_rows, **run.model_ends,
+                               **providers.gpt_model_kwargs(args))
         model.load_state_dict(self.sampler.state_dict(), strict=True, assign=True)  # shares the tensors
         return model.to(default_device())
 
@@ -470,8 +478,13 @@ class MegatronCSBPLM(LM):
                 for b in range(start // B, (end - 1) // B + 1)]
 
     def _check_objective(self) -> None:
-        _require(self.run_config.objective.label_shift == 0,  # the rows below predict in place
-                 f"checkpoint {self.directory} was trained with --bdlm-objective {self.run_config.objective.name} "
+        objective = self.run_config.objective
+        _require(objective.corruption == objectives.MASK_STATE,  # the rows below mask with MASK
+                 f"checkpoint {self.directory} was trained with --bdlm-objective {objective.name} "
+                 f"({objective.corruption}-state corruption: no MASK, unit weights): it has no BD3-LM bound to score; "
+                 f"run generate_until tasks only")
+        _require(objective.label_shift == 0,  # the rows below predict in place
+                 f"checkpoint {self.directory} was trained with --bdlm-objective {objective.name} "
                  f"(shifted labels, unit weights): it has no BD3-LM bound to score; give model_args config=FILE.yaml "
                  f"with 'bdlm-objective: bd3lm' to score it as one, or run generate_until tasks only")
 
@@ -590,14 +603,14 @@ class MegatronCSBPLM(LM):
 
     # ------------------------------------------------------------------------------------- generation
     def settings(self, temperature: float, eos: bool = True, stops: tuple = (), context_window=None):
-        from megatron_csbp.tools.sampling import SamplingSettings
+        from megatron_csbp.tools.sampling import SamplingSettings, strategy_for
 
         options = self.sampling
-        steps = options["steps_per_block"]
+        strategy = strategy_for(self.run_config.objective.corruption, options["strategy"])
         try:
             return SamplingSettings(
                 block_size=self.block_size, mask_token_id=self.mask_token_id,
-                steps_per_block=self.block_size if steps is None else steps, strategy=options["strategy"],
+                steps_per_block=strategy.steps(self.block_size, options["steps_per_block"]), strategy=strategy.name,
                 threshold=options["threshold"], temperature=temperature, top_p=options["top_p"],
                 top_k=options["top_k"], seed=self.seed, eos_token_id=self.eod if eos else None,
                 stop_sequences=stops, start_token_id=self.eod, context_window=context_window,

@@ -112,13 +112,10 @@ def launch_arguments(checkpoint: Checkpoint, launch: Launch = Launch(), *, confi
     return args, vocabulary
 
 
-def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int, *,
-               sampler: bool = False) -> argparse.Namespace:
+def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int) -> argparse.Namespace:
     """The checkpoint's arguments (then `--config`) for one sampling replica over `tensor_parallel` ranks (no
     pipeline, context or block parallelism), its vocabulary on them (`tokenizer`, `mask_token_id`,
-    `padded_vocab_size`), as the sampler and the harness read them. `sampler`: for the sampler alone, which also
-    runs DiffusionGemma's pieces (Gemma 4's layers, the softcap, the embedding scale, self-conditioning) that the
-    harness does not."""
+    `padded_vocab_size`), as the sampler and the harness read them."""
     from megatron_csbp.core.run_config import RunConfig
 
     args, vocabulary = launch_arguments(checkpoint, Launch(tensor_parallel), config=config)
@@ -128,19 +125,6 @@ def model_args(checkpoint: Checkpoint, config: str | None, tensor_parallel: int,
         raise ConfigError(f"checkpoint {checkpoint.directory} is a Gated DeltaNet hybrid (--experimental-attention-"
                           f"variant, --attention-output-gate or --apply-layernorm-1p): the sampler and the harness do "
                           f"not decode it yet; evaluate its loss with scripts/evaluate_bdlm.py")
-    # the harness's loglikelihood model (its training forward) is built without Gemma 4's shape config
-    if not sampler and settings.shape.moe is not None and settings.shape.moe.gemma4:
-        raise ConfigError(f"checkpoint {checkpoint.directory} has Gemma 4's MoE block (--gemma4-moe): the harness "
-                          f"does not build it yet; sample with scripts/generate_bdlm.py, evaluate its loss with "
-                          f"scripts/evaluate_bdlm.py")
-    if not sampler and (settings.final_logit_softcapping is not None or settings.scale_embeddings):
-        raise ConfigError(f"checkpoint {checkpoint.directory} has a final-logit softcap or scaled embeddings "
-                          f"(--final-logit-softcapping, --scale-embeddings): the harness does not run them yet; "
-                          f"sample with scripts/generate_bdlm.py, evaluate its loss with scripts/evaluate_bdlm.py")
-    if not sampler and settings.self_conditioning:
-        raise ConfigError(f"checkpoint {checkpoint.directory} trains --bdlm-objective {settings.objective} "
-                          f"(uniform-state, self-conditioned): the harness does not run it yet; sample with "
-                          f"scripts/generate_bdlm.py, evaluate its loss with scripts/evaluate_bdlm.py")
     args = vocabulary.recorded(args)
     args.tokenizer = vocabulary.tokenizer
     return args
@@ -173,8 +157,7 @@ def build_model(args, directory: str | None):
     set_shape_config(config, run.shape)  # as training's (Gemma 4's layers)
     model = sampling.sampling_model(  # the GPTModel keywords RunProviders.model_provider gives the training model
         config, args.padded_vocab_size, args.bdlm_block_size,
-        clean_attention=CLEAN_ATTENTIONS(args.bdlm_clean_attention), self_conditioning=run.self_conditioning,
-        final_logit_softcapping=run.final_logit_softcapping, embedding_scale=run.embedding_scale,
+        clean_attention=CLEAN_ATTENTIONS(args.bdlm_clean_attention), **run.model_ends,
         **providers.gpt_model_kwargs(args)).to(default_device())
     if directory is not None:
         checkpointing.load_checkpoint(directory, model, None, None, args, load_optimizer=False, load_rng=False,

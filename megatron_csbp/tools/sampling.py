@@ -166,6 +166,12 @@ class Strategy:
     def sub_blocks(self, block_size: int, sub_block_size: int | None) -> list[tuple[int, int]]:
         return [(0, block_size)]
 
+    def steps(self, block_size: int, given: int | None) -> int:
+        """Steps per block: those given, else this strategy's default, else one per position."""
+        if given is not None:
+            return given
+        return block_size if self.default_steps is None else self.default_steps
+
     def commit(self, step: Step) -> torch.Tensor:
         """[b, n] the positions this step unmasks (a subset of `step.masked`)."""
         raise NotImplementedError
@@ -269,6 +275,14 @@ STRATEGY = Registry("--strategy", Confidence(), FastDLLMv2(), LowConfidence(), P
                     DiffusionGemma())
 STRATEGIES = STRATEGY.names
 DEFAULT_STRATEGY = STRATEGIES[0]
+
+
+def strategy_for(corruption: str, chosen: str | None = None) -> Strategy:
+    """`chosen`, else a checkpoint's default: the first strategy decoding what its objective corrupts into
+    (`objectives.CORRUPTIONS`: MASK, or random ids)."""
+    if chosen is not None:
+        return STRATEGY[chosen]
+    return next(strategy for strategy in STRATEGY.values() if strategy.corruption == corruption)
 
 
 @dataclass(frozen=True)
@@ -621,9 +635,11 @@ def sampling_model(config, vocab_size: int, block_size: int, clean_attention=BLO
         layer.submodules.self_attention.submodules.core_attention = attention
     gpt_kwargs.setdefault("position_embedding_type", positions.embedding_type)
     set_rotary_config(config, positions)
-    return SamplingGPTModel(config=config, transformer_layer_spec=layers, vocab_size=vocab_size, block_size=block_size,
-                            self_conditioning=self_conditioning, final_logit_softcapping=final_logit_softcapping,
-                            embedding_scale=embedding_scale, **gpt_kwargs)
+    with gemma4_moe.quiet_about_its_layer(getattr(config, "gemma4_moe", False)):
+        return SamplingGPTModel(config=config, transformer_layer_spec=layers, vocab_size=vocab_size,
+                                block_size=block_size, self_conditioning=self_conditioning,
+                                final_logit_softcapping=final_logit_softcapping, embedding_scale=embedding_scale,
+                                **gpt_kwargs)
 
 
 class _BlockLogits:

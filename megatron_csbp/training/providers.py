@@ -250,9 +250,7 @@ class RunProviders:
             use_transformer_engine=args.transformer_impl == "transformer_engine",
             base_spec=layer_spec_from_args(args), pg_collection=pg_collection,
             per_sample_positions=self.settings.packed, clean_logits=self.settings.clean_logits,
-            logits_tile_rows=self.settings.logits_tile_rows, self_conditioning=self.settings.self_conditioning,
-            final_logit_softcapping=self.settings.final_logit_softcapping,
-            embedding_scale=self.settings.embedding_scale,
+            logits_tile_rows=self.settings.logits_tile_rows, **self.settings.model_ends,
             **gpt_model_kwargs(args, self.settings.positions))
 
     def train_valid_test_datasets_provider(self, train_val_test_num_samples=None, vp_stage=None):
