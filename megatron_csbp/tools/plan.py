@@ -850,7 +850,7 @@ class PaperRow:
     scaling: tuple  # (context length, published speedup)
     vocab_ids: int  # the model's ids (its vocabulary rows less EOD and MASK)
     not_modelled: str
-    traffic_gib: tuple = None  # attention traffic per GPU per step, where published
+    traffic_gib: tuple | None = None  # attention traffic per GPU per step, where published
     views: int = 1  # rows one sample trains as (tokens/s counts samples' clean tokens)
 
 
@@ -879,7 +879,7 @@ PAPER_GEMMA = PaperRow(
 PAPER_QWEN = PaperRow(
     "Qwen3.8-27B", "qwen3_8_27b_fast_dllm_v2_256k",
     "Fast-dLLM v2, 48 Gated DeltaNet + 16 full-attention layers", "DP1/TP2/CP8", dict(dp=1, tp=2), 8, (2623, 3490),
-    (120.7, 111.1),    ((65536, 1.26), (131072, 1.30), (262144, 1.33)), 248318,
+    (120.7, 111.1), ((65536, 1.26), (131072, 1.30), (262144, 1.33)), 248318,
     "Turbo-dLLM's Gated DeltaNet layers run head-parallel (the projected q, k, v, z, beta, alpha rows all-to-all to "
     "heads and back: both copies under CP, the clean copy under CP/BP, then the block states routed), where the "
     "planner prices this trainer's state sends; the attention kernels' rates at head dim 256 (SM90_KERNELS cites "
