@@ -315,7 +315,8 @@ def test_gated_delta_layer_flops_and_parameters_by_hand():
     biases, RMSNorm: in-projection 64·(2·16 + 2·24 + 2·4) = 5632 weights, convolution 56·4 = 224, A_log and
     dt_bias 4 each, the output norm 6, out-projection 24·64 = 1536, MLP 3·64·96 = 18432, two norms 128; forward
     FLOPs per row 2·(5632 + 224 + 1536) + 2·18432. A gated full-attention layer's QKV projection holds the gate's
-    query-sized rows too."""
+    query-sized rows too. The training log's step count (`bdlm_step_flops`) prices the Gated DeltaNet layer as
+    that, plus its delta rule (`gated_delta_core_flops` over the L noisy and L clean rows), and no attention pairs."""
     from megatron_csbp.bdlm import flops
     from megatron_csbp.core.model_shape import LinearAttentionShape, ModelShape
 
@@ -331,6 +332,14 @@ def test_gated_delta_layer_flops_and_parameters_by_hand():
     assert flops.linear_flops_per_row(gated) - flops.linear_flops_per_row(plain) == 2 * 64 * 64
     assert flops.parameter_count(shape, 128) == (flops.layer_parameter_count(shape)
                                                  + flops.gated_delta_layer_parameter_count(shape) + 64 + 128 * 64)
+    L, B = 16, 4
+    step = dict(padded_vocab_size=128, seq_length=L, block_size=B, batch_size=2)
+    attention_layer = 2 * L * flops.linear_flops_per_row(shape) + flops.bdlm_attention_pairs(L, B) * 4 * 4 * 16
+    gated_delta_layer = (2 * L * (2 * (5632 + 224 + 1536) + 2 * 18432)
+                         + flops.gated_delta_core_flops(L, L, B, heads=4, key_dim=8, value_dim=6))
+    head = L * 2 * 64 * 128
+    assert flops.bdlm_step_flops(shape, **step) == 2 * 3 * (gated_delta_layer + attention_layer + head)
+    assert flops.bdlm_step_flops(shape, **step) != flops.bdlm_step_flops(ModelShape(**sizes), **step)  # control
 
 
 def test_the_planner_prices_gated_delta_layers_apart_from_attention_layers():

@@ -11,9 +11,9 @@ Counting rules (a multiply-add is 2 FLOPs; backward is twice the forward: `rules
   and K/V heads, and its key projection doubles as the value (no value rows): `layer_attention_shape`;
 * the LM head runs over the `L` noisy rows (all `2L` rows with an autoregressive co-loss on the clean rows);
 * full recomputation adds one more forward of the transformer layers (not of the head);
-* a Gated DeltaNet layer (the planner's count; `bdlm_step_flops` does not yet tell them apart): its projections,
-  convolution and MLP per row, the chunked delta rule over the rank's rows, and no K/V: it sends clean states,
-  chunk maps and convolution histories (`gated_delta_bytes`).
+* a Gated DeltaNet layer: its projections, convolution and MLP per row (`gated_delta_linear_flops_per_row`), the
+  chunked delta rule as `core.gated_delta` runs it (`gated_delta_core_flops`), no attention pairs; it sends no
+  K/V but clean states, chunk maps and convolution histories (`gated_delta_bytes`).
 Norms, softmax, RoPE and the embedding lookup are not counted (the usual convention).
 
 Plain Python integers throughout, so every count is exact. No torch, no Megatron.
@@ -226,7 +226,9 @@ def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: in
     `moe_mlp_flops_per_row`'s, and every row, noisy and clean, is routed (`2L` per sample). `clean_logits`: the
     LM head runs over the clean rows too (an autoregressive co-loss), `2L` rows instead of `L`. `layer_windows`: each
     layer's window (`core.windows`; empty: every layer global), which sets its pairs and, with Gemma 4's attention, its
-    head size and projections (`layer_attention_shape`). `self_conditioning`: the chance a sample is
+    head size and projections (`layer_attention_shape`). A Gated DeltaNet layer (`shape.linear.pattern`) has no
+    pairs: its linear parts over the `2L` rows and the delta rule over the `L` noisy and `L` clean rows, as
+    `core.gated_delta` computes it on one rank. `self_conditioning`: the chance a sample is
     self-conditioned (None: no self-conditioning block): the block's MLP on the canvas rows in the trained pass, and
     for that share of the samples a first, forward-only pass (the layers, the block, the head over the canvas rows
     and its signal's product with the embedding): the step's expected FLOPs.
@@ -234,8 +236,15 @@ def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: in
     pairs = {window: bdlm_attention_pairs(seq_length, block_size, clean_attention, window)
              * attention_flops_per_pair(shape.num_attention_heads, layer_attention_shape(shape, window)[0])
              for window in set(layer_windows or (GLOBAL,))}
-    layers_forward = sum(2 * seq_length * linear_flops_per_row(shape, window) + pairs[window]
-                         for window in layer_windows or (GLOBAL,) * shape.num_layers)
+    linear = shape.linear
+    gated_delta_layer = 0 if linear is None else (
+        2 * seq_length * gated_delta_linear_flops_per_row(shape)
+        + gated_delta_core_flops(seq_length, seq_length, block_size, linear.num_value_heads, linear.key_head_dim,
+                                 linear.value_head_dim))
+    layers_forward = sum(
+        gated_delta_layer if gated_delta else (2 * seq_length * linear_flops_per_row(shape, window) + pairs[window])
+        for window, gated_delta in zip(layer_windows or (GLOBAL,) * shape.num_layers,
+                                       linear.pattern if linear else (0,) * shape.num_layers))
     if shape.moe is not None:  # the MoE layers' MLP replaced by the router, the top-k experts and the shared expert
         layers_forward += shape.num_moe_layers * 2 * seq_length * (
             moe_layer_linear_flops_per_row(shape) - linear_flops_per_row(shape))
