@@ -226,7 +226,7 @@ def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: in
     `moe_mlp_flops_per_row`'s, and every row, noisy and clean, is routed (`2L` per sample). `clean_logits`: the
     LM head runs over the clean rows too (an autoregressive co-loss), `2L` rows instead of `L`. `layer_windows`: each
     layer's window (`core.windows`; empty: every layer global), which sets its pairs and, with Gemma 4's attention, its
-    head size and projections (`layer_attention_shape`). A Gated DeltaNet layer (`shape.linear.pattern`) has no
+    head size and projections (`layer_attention_shape`). A Gated DeltaNet layer (`shape.linear_layers`) has no
     pairs: its linear parts over the `2L` rows and the delta rule over the `L` noisy and `L` clean rows, as
     `core.gated_delta` computes it on one rank. `self_conditioning`: the chance a sample is
     self-conditioned (None: no self-conditioning block): the block's MLP on the canvas rows in the trained pass, and
@@ -243,8 +243,7 @@ def bdlm_step_flops(shape: ModelShape, *, padded_vocab_size: int, seq_length: in
                                  linear.value_head_dim))
     layers_forward = sum(
         gated_delta_layer if gated_delta else (2 * seq_length * linear_flops_per_row(shape, window) + pairs[window])
-        for window, gated_delta in zip(layer_windows or (GLOBAL,) * shape.num_layers,
-                                       linear.pattern if linear else (0,) * shape.num_layers))
+        for window, gated_delta in zip(layer_windows or (GLOBAL,) * shape.num_layers, shape.linear_layers))
     if shape.moe is not None:  # the MoE layers' MLP replaced by the router, the top-k experts and the shared expert
         layers_forward += shape.num_moe_layers * 2 * seq_length * (
             moe_layer_linear_flops_per_row(shape) - linear_flops_per_row(shape))
@@ -336,10 +335,9 @@ def parameter_count(shape: ModelShape, padded_vocab_size: int, layer_windows: tu
     `layer_windows`: each layer's window (empty: every layer global), which sets a Gemma 4 layer's attention shape."""
     h = shape.hidden_size
     final_norm = h * (2 if shape.layernorm_bias else 1)
-    linear = shape.linear.pattern if shape.linear is not None else (0,) * shape.num_layers
     total = (sum(gated_delta_layer_parameter_count(shape) if gated_delta else layer_parameter_count(shape, window)
-                 for window, gated_delta in zip(layer_windows or (GLOBAL,) * shape.num_layers, linear)) + final_norm
-             + padded_vocab_size * h * (2 if shape.untied_output else 1))
+                 for window, gated_delta in zip(layer_windows or (GLOBAL,) * shape.num_layers, shape.linear_layers))
+             + final_norm + padded_vocab_size * h * (2 if shape.untied_output else 1))
     if shape.moe is not None:
         parts = moe_mlp_parameters(h, shape.moe, shape.swiglu, shape.add_bias_linear)
         dense = mlp_parameters(h, shape.ffn_hidden_size, shape.swiglu, shape.add_bias_linear)

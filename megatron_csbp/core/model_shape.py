@@ -199,3 +199,8 @@ class ModelShape:
     @property
     def num_moe_layers(self) -> int:
         return self.moe.num_moe_layers if self.moe is not None else 0
+
+    @property
+    def linear_layers(self) -> tuple:
+        """1 for each Gated DeltaNet layer, 0 for each full-attention one (all 0 without Gated DeltaNet)."""
+        return self.linear.pattern if self.linear is not None else (0,) * self.num_layers

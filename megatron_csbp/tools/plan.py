@@ -276,10 +276,6 @@ class Model:
         """Each layer's window (`core.windows`), megatron-core's reading of the flags."""
         return windows.layer_windows(self.window_size, self.window_attn_skip_freq, self.num_layers)
 
-    def linear_layers(self) -> tuple:
-        """1 for each Gated DeltaNet layer, 0 for each full-attention one (all 0 without Gated DeltaNet)."""
-        return self.shape.linear.pattern if self.shape.linear is not None else (0,) * self.num_layers
-
     def layer_params(self, gated_delta: bool = False) -> int:
         """One dense layer's parameters as the trainer counts them (`flops.layer_parameter_count`; a Gated DeltaNet
         layer's, `flops.gated_delta_layer_parameter_count`)."""
@@ -504,7 +500,7 @@ def predict(model: Model, cluster: Cluster, topo: Topology) -> Prediction:
     # linear FLOPs per row (the MoE layers' router, top-k experts and shared expert: `flops.moe_layer_linear_flops_
     # per_row`; a Gated DeltaNet layer's projections, convolution and MLP); under uniform routing each rank's experts
     # get as many (row, expert) pairs as its rows send out, so a rank computes its own rows' share, / TP under SP.
-    pattern, linear_pattern, layer_windows = model.moe_layers(), model.linear_layers(), model.layer_windows()
+    pattern, linear_pattern, layer_windows = model.moe_layers(), model.shape.linear_layers, model.layer_windows()
     linear = model.shape.linear
     moe_extra = (flops.moe_layer_linear_flops_per_row(model.shape) - flops.linear_flops_per_row(model.shape)
                  if model.moe else 0)
